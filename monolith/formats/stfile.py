@@ -1,0 +1,134 @@
+"""Raw safetensors reading and writing in numpy, with checks that name the culprit.
+
+Tensors come back in their stored bits: BF16 as uint16 patterns, F8_E4M3 as uint8
+(`safetensors.numpy` cannot read F8). Reading is lazy (memory-mapped).
+Writing is deterministic: sorted names, no timestamps, header padded to 8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .nvfp4 import FormatError
+
+# safetensors dtype -> numpy dtype holding the stored bits
+STORAGE_DTYPES = {
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "F8_E4M3": np.uint8,
+}
+MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    """One safetensors file: its header checked up front, tensors read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise FormatError(f"{self.path}: truncated (no safetensors header)")
+                n = int.from_bytes(head, "little")
+                if n > MAX_HEADER or 8 + n > size:
+                    raise FormatError(f"{self.path}: corrupt or truncated safetensors header (length {n})")
+                header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(f"{self.path}: corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise FormatError(f"{self.path}: corrupt safetensors header (not a JSON object)")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + n
+        self._entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            self._entries[name] = self._check_entry(name, entry, size - self._data_start)
+        self._mmap = None
+
+    def _check_entry(self, name, entry, data_size):
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{self.path}: tensor {name}: malformed header entry") from None
+        if dtype not in STORAGE_DTYPES:
+            raise FormatError(f"{self.path}: tensor {name}: unsupported dtype {dtype}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPES[dtype]).itemsize
+        if end - begin != nbytes or begin < 0:
+            raise FormatError(
+                f"{self.path}: tensor {name}: {dtype}{list(shape)} needs {nbytes} bytes, "
+                f"header gives {end - begin}"
+            )
+        if end > data_size:
+            raise FormatError(f"{self.path}: tensor {name}: data runs past the end of the file (truncated)")
+        return dtype, shape, begin, end
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def dtype(self, name: str) -> str:
+        return self._entries[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name][1]
+
+    def nbytes(self, name: str) -> int:
+        _, _, begin, end = self._entries[name]
+        return end - begin
+
+    def read(self, name: str) -> np.ndarray:
+        """The stored bits of one tensor (a read-only memory map; copy to keep it)."""
+        if name not in self._entries:
+            raise FormatError(f"{self.path}: no tensor named {name}")
+        dtype, shape, begin, end = self._entries[name]
+        if end == begin:
+            return np.zeros(shape, dtype=STORAGE_DTYPES[dtype])
+        if self._mmap is None:
+            self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
+        return raw.view(STORAGE_DTYPES[dtype]).reshape(shape)
+
+    def close(self) -> None:
+        self._mmap = None
+
+
+def header_bytes(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict | None = None) -> bytes:
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}
+    offset = 0
+    for name in sorted(tensors):
+        dtype, array = tensors[name]
+        if dtype not in STORAGE_DTYPES or np.dtype(STORAGE_DTYPES[dtype]) != array.dtype:
+            raise FormatError(f"tensor {name}: cannot store numpy {array.dtype} as {dtype}")
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_safetensors(path, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict | None = None) -> None:
+    """Write `{name: (safetensors dtype, stored-bits array)}` deterministically."""
+    with open(path, "wb") as f:
+        f.write(header_bytes(tensors, metadata))
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name][1]).tobytes())
