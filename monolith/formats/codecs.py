@@ -44,12 +44,14 @@ _E2M1_MIDPOINTS = (E2M1_MAGNITUDES[:-1].astype(np.float64) + E2M1_MAGNITUDES[1:]
 
 def _round_to_grid(magnitude: np.ndarray, midpoints: np.ndarray) -> np.ndarray:
     """Index of the nearest grid value; a value on a midpoint goes to the even index."""
-    below = np.searchsorted(midpoints, magnitude, side="left")
-    above = np.searchsorted(midpoints, magnitude, side="right")
+    magnitude = np.asarray(magnitude)
+    # atleast_1d: searchsorted returns a scalar for 0-d input, which cannot be indexed
+    below = np.atleast_1d(np.searchsorted(midpoints, magnitude, side="left"))
+    above = np.atleast_1d(np.searchsorted(midpoints, magnitude, side="right"))
     tie = above != below  # exactly on midpoints[below]
     index = above.copy()
     index[tie] = np.where(below[tie] % 2 == 0, below[tie], below[tie] + 1)
-    return index
+    return index.reshape(magnitude.shape)
 
 
 def e2m1_decode(codes: np.ndarray) -> np.ndarray:

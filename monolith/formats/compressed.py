@@ -8,6 +8,8 @@ import numpy as np
 from .codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, e4m3_decode, e4m3_encode, pack_nibbles
 from .nvfp4 import BLOCK, FormatError, NVFP4Weight, check_nvfp4_shapes
 
+ZERO_SCALE_REPLACEMENT = 0x20  # compressed-tensors replaces a zero E4M3 scale by 0.125
+
 
 def tensor_scale_from_global(global_scale, name: str = "tensor") -> np.float32:
     """weight_global_scale ([1] or 0-d) -> our multiplicative tensor scale."""
@@ -27,20 +29,22 @@ def from_compressed_nvfp4(packed, scales, global_scale, name: str = "tensor") ->
 
 
 def quantize_compressed_nvfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Quantize as llm-compressor does: global_scale = 448*6/amax, block scale =
-    E4M3(global_scale * block_amax / 6). Returns (weight_packed, weight_scale,
-    weight_global_scale [1])."""
+    """Quantize byte-exactly as compressed-tensors' min-max path (what llm-compressor
+    calls) does: global_scale = (1 / amax) * 2688, block scale = E4M3(global_scale *
+    (block_amax / 6)) with a zero scale replaced by E4M3's smallest normal step
+    (byte 0x20), codes from w / (scale / global_scale), sign only for w < 0.
+    Returns (weight_packed, weight_scale, weight_global_scale [1])."""
     w = np.asarray(weight, dtype=np.float32)
     n, k = w.shape
     if k % BLOCK:
         raise FormatError(f"input size K={k} is not a multiple of {BLOCK}")
     amax = np.float32(np.max(np.abs(w), initial=0.0))
-    global_scale = np.float32(E4M3_MAX * E2M1_MAX) / amax if amax > 0 else np.float32(1.0)
+    global_scale = (np.float32(1.0) / amax) * np.float32(E4M3_MAX * E2M1_MAX) if amax > 0 else np.float32(1.0)
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     block_amax = np.max(np.abs(blocks), axis=-1)
-    scale_codes = e4m3_encode(global_scale * block_amax / np.float32(E2M1_MAX))
-    scale = e4m3_decode(scale_codes) / global_scale
-    with np.errstate(divide="ignore", invalid="ignore"):
-        x = np.where(scale[..., None] > 0, blocks / scale[..., None], 0.0)
-    codes = e2m1_encode(np.clip(x, -E2M1_MAX, E2M1_MAX)).reshape(n, k)
-    return pack_nibbles(codes), scale_codes, np.array([global_scale], dtype=np.float32)
+    scale_codes = e4m3_encode(global_scale * (block_amax / np.float32(E2M1_MAX)))
+    scale_codes[scale_codes == 0] = ZERO_SCALE_REPLACEMENT
+    x = blocks / (e4m3_decode(scale_codes) / global_scale)[..., None]
+    x = np.clip(x, -E2M1_MAX, E2M1_MAX)
+    codes = e2m1_encode(np.abs(x)) | ((x < 0).astype(np.uint8) << 3)
+    return pack_nibbles(codes.reshape(n, k)), scale_codes, np.array([global_scale], dtype=np.float32)

@@ -35,6 +35,10 @@ STORAGE_DTYPES = {
 MAX_HEADER = 100 * 1024 * 1024
 
 
+def _natural(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 class SafetensorsFile:
     """One safetensors file: its header checked up front, tensors read on demand."""
 
@@ -66,6 +70,8 @@ class SafetensorsFile:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{self.path}: tensor {name}: malformed header entry") from None
+        if not all(_natural(d) for d in shape) or not (_natural(begin) and _natural(end) and begin <= end):
+            raise FormatError(f"{self.path}: tensor {name}: malformed shape {list(shape)} or data_offsets {[begin, end]}")
         if dtype not in STORAGE_DTYPES:
             raise FormatError(f"{self.path}: tensor {name}: unsupported dtype {dtype}")
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPES[dtype]).itemsize
@@ -94,13 +100,21 @@ class SafetensorsFile:
         _, _, begin, end = self._entries[name]
         return end - begin
 
-    def read(self, name: str) -> np.ndarray:
-        """The stored bits of one tensor (a read-only memory map; copy to keep it)."""
+    def read(self, name: str, copy: bool = False) -> np.ndarray:
+        """The stored bits of one tensor: a read-only memory map, or with `copy` a
+        private array read with plain file I/O (leaves no mapped pages behind)."""
         if name not in self._entries:
             raise FormatError(f"{self.path}: no tensor named {name}")
         dtype, shape, begin, end = self._entries[name]
         if end == begin:
             return np.zeros(shape, dtype=STORAGE_DTYPES[dtype])
+        if copy:
+            buffer = bytearray(end - begin)
+            with open(self.path, "rb") as f:
+                f.seek(self._data_start + begin)
+                if f.readinto(buffer) != len(buffer):
+                    raise FormatError(f"{self.path}: tensor {name}: file is truncated")
+            return np.frombuffer(buffer, dtype=STORAGE_DTYPES[dtype]).reshape(shape)
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._mmap[self._data_start + begin : self._data_start + end]
@@ -110,25 +124,35 @@ class SafetensorsFile:
         self._mmap = None
 
 
-def header_bytes(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict | None = None) -> bytes:
+def header_bytes(specs: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None) -> bytes:
+    """Header for tensors `(name, safetensors dtype, shape)` whose data follow in the
+    order given; header keys are sorted so the bytes do not depend on dict order."""
+    entries: dict = {}
+    offset = 0
+    for name, dtype, shape in specs:
+        if dtype not in STORAGE_DTYPES:
+            raise FormatError(f"tensor {name}: unsupported dtype {dtype}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPES[dtype]).itemsize
+        entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     header: dict = {}
     if metadata:
         header["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}
-    offset = 0
-    for name in sorted(tensors):
-        dtype, array = tensors[name]
-        if dtype not in STORAGE_DTYPES or np.dtype(STORAGE_DTYPES[dtype]) != array.dtype:
-            raise FormatError(f"tensor {name}: cannot store numpy {array.dtype} as {dtype}")
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-    text = json.dumps(header, separators=(",", ":"), sort_keys=False).encode()
+    for name in sorted(entries):
+        header[name] = entries[name]
+    text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text
 
 
 def write_safetensors(path, tensors: dict[str, tuple[str, np.ndarray]], metadata: dict | None = None) -> None:
     """Write `{name: (safetensors dtype, stored-bits array)}` deterministically."""
+    names = sorted(tensors)
+    for name in names:
+        dtype, array = tensors[name]
+        if dtype not in STORAGE_DTYPES or np.dtype(STORAGE_DTYPES[dtype]) != array.dtype:
+            raise FormatError(f"tensor {name}: cannot store numpy {array.dtype} as {dtype}")
     with open(path, "wb") as f:
-        f.write(header_bytes(tensors, metadata))
-        for name in sorted(tensors):
+        f.write(header_bytes([(n, tensors[n][0], tensors[n][1].shape) for n in names], metadata))
+        for name in names:
             f.write(np.ascontiguousarray(tensors[name][1]).tobytes())
