@@ -1,0 +1,136 @@
+"""config.json, the quantization config and the architecture they name.
+
+Only JSON is read: `auto_map` and custom modeling code are never looked at.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import CheckpointError
+
+# our architecture name -> role
+ARCHITECTURE_ROLES = {
+    "qwen3_5_moe": "target",
+    "qwen3_5": "target",
+    "dspark": "draft",
+    "dspark-speculators": "draft",
+    "dflash": "draft",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_ROLES)
+
+# Hugging Face class names and model types of the targets
+TARGET_CLASSES = {
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+}
+TARGET_MODEL_TYPES = {
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+}
+
+MODELOPT_ALGOS = {"NVFP4": "modelopt-nvfp4", "W4A16_NVFP4": "modelopt-nvfp4", "MIXED_PRECISION": "modelopt-mixed"}
+QUANT_METHODS = ("modelopt", "compressed-tensors")
+
+CONFIG_FILE = "config.json"
+HF_QUANT_FILE = "hf_quant_config.json"
+
+
+def load_json(path: Path) -> dict:
+    """A JSON object from `path`, or CheckpointError naming the file."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def text_config_of(config: dict) -> dict:
+    """Language fields: `text_config` when the model is multimodal, else the config itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def detect_architecture(config: dict, where: Path) -> str:
+    """One of SUPPORTED_ARCHITECTURES. Drafts are checked first: a DeepSpec draft's
+    config is a copy of a Qwen config plus its own fields."""
+    archs = config.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
+    spec_type = config.get("speculators_model_type")
+    if spec_type is not None:
+        if spec_type == "dspark":
+            return "dspark-speculators"
+        raise CheckpointError(
+            f"{where}: speculators_model_type {spec_type!r} is not supported "
+            f"(supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if "Qwen3DSparkModel" in archs:
+        return "dspark"
+    if "DFlashDraftModel" in archs or isinstance(config.get("dflash_config"), dict):
+        return "dflash"
+    for cls in archs:
+        if cls in TARGET_CLASSES:
+            return TARGET_CLASSES[cls]
+    for model_type in (config.get("model_type"), text_config_of(config).get("model_type")):
+        if model_type in TARGET_MODEL_TYPES:
+            return TARGET_MODEL_TYPES[model_type]
+    raise CheckpointError(
+        f"{where}: unsupported architecture (architectures={archs}, "
+        f"model_type={config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+        f"(targets {', '.join(TARGET_CLASSES)}; drafts Qwen3DSparkModel, "
+        "speculators_model_type 'dspark', DFlashDraftModel / dflash_config)"
+    )
+
+
+def read_quant_config(path: Path, config: dict) -> tuple[str, dict | None, str]:
+    """(quant_format, quant_config, where) for the checkpoint directory `path`.
+
+    Sources, first found wins: hf_quant_config.json "quantization" (ModelOpt),
+    config.json "quantization_config" (ModelOpt mirror or compressed-tensors),
+    config.json "lithos_quantization" with format nvfp4 (treated as ModelOpt NVFP4
+    without exclusions). `where` names the file and field for error messages.
+    """
+    hf_quant = path / HF_QUANT_FILE
+    if hf_quant.is_file():
+        block = load_json(hf_quant).get("quantization")
+        where = f"{hf_quant}: quantization"
+        if not isinstance(block, dict):
+            raise CheckpointError(f"{hf_quant}: missing the 'quantization' object")
+        return _modelopt_format(block, where), block, where
+
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict):
+        where = f"{path / CONFIG_FILE}: quantization_config"
+        method = qc.get("quant_method")
+        if method == "compressed-tensors":
+            return "compressed-tensors", qc, where
+        if method == "modelopt" or (method is None and "quant_algo" in qc):
+            return _modelopt_format(qc, where), qc, where
+        raise CheckpointError(
+            f"{where}.quant_method {method!r} is not supported (supported: {', '.join(QUANT_METHODS)})"
+        )
+
+    lithos = config.get("lithos_quantization")
+    if isinstance(lithos, dict) and str(lithos.get("format", "")).lower() == "nvfp4":
+        return "modelopt-nvfp4", lithos, f"{path / CONFIG_FILE}: lithos_quantization"
+    return "unquantized", None, f"{path / CONFIG_FILE}"
+
+
+def _modelopt_format(block: dict, where: str) -> str:
+    algo = str(block.get("quant_algo")).upper()
+    if algo not in MODELOPT_ALGOS:
+        raise CheckpointError(
+            f"{where}.quant_algo {block.get('quant_algo')!r} is not supported "
+            f"(supported: {', '.join(MODELOPT_ALGOS)})"
+        )
+    return MODELOPT_ALGOS[algo]

@@ -1,0 +1,234 @@
+"""The Checkpoint: one directory of config + safetensors, read lazily.
+
+Opening reads config.json, the quantization config and every safetensors header,
+and checks every module's tensors against the config (header-only work). Tensor
+data is memory-mapped on demand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from monolith.formats import (
+    FormatError,
+    NVFP4Weight,
+    SafetensorsFile,
+    bf16_bits_to_f32,
+    dequantize_fp8,
+    dequantize_nvfp4,
+    from_compressed_nvfp4,
+)
+
+from .config import (
+    ARCHITECTURE_ROLES,
+    CONFIG_FILE,
+    HF_QUANT_FILE,
+    detect_architecture,
+    load_json,
+    read_quant_config,
+    text_config_of,
+)
+from .errors import CheckpointError
+from .precision import ModuleSpec, module_spec, rules_for
+from .resolve import resolve_checkpoint
+
+INDEX_FILE = "model.safetensors.index.json"
+HASH_CHUNK = 8 << 20
+
+
+class Checkpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        config_path = self.path / CONFIG_FILE
+        self.config = load_json(config_path)
+        self.text_config = text_config_of(self.config)
+        self.architecture = detect_architecture(self.config, config_path)
+        self.role = ARCHITECTURE_ROLES[self.architecture]
+        self.quant_format, self.quant_config, where = read_quant_config(self.path, self.config)
+        self._rules = rules_for(self.quant_format, self.quant_config, where)
+        self._hashes: dict[Path, str] = {}
+        self._index: dict[str, str] = {}  # weight_map of the index, when there is one
+        self.files = self._list_files()
+        self._where = self._open_files()
+        self._modules = self._read_modules()
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint({str(self.path)!r}, {self.architecture}, {self.role}, {self.quant_format}, "
+            f"{len(self.files)} files, {len(self._modules)} modules)"
+        )
+
+    # ---- files and tensors --------------------------------------------------------
+
+    def _list_files(self) -> list[Path]:
+        index = self.path / INDEX_FILE
+        if not index.is_file():
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{self.path}: no *.safetensors files and no {INDEX_FILE}")
+            return files
+        weight_map = load_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: missing or empty 'weight_map'")
+        holder: dict[str, str] = {}  # file -> a tensor the index puts there
+        for tensor, name in weight_map.items():
+            if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise CheckpointError(f"{index}: weight_map[{tensor!r}] = {name!r} is not a file in the checkpoint")
+            holder.setdefault(name, tensor)
+        for name, tensor in holder.items():
+            if not (self.path / name).is_file():
+                raise CheckpointError(f"{index}: lists {name} (holding {tensor}) but {self.path / name} does not exist")
+        self._index = weight_map
+        return [self.path / name for name in sorted(holder)]
+
+    def _open_files(self) -> dict[str, SafetensorsFile]:
+        where: dict[str, SafetensorsFile] = {}
+        for path in self.files:
+            try:
+                st = SafetensorsFile(path)
+            except FormatError as e:
+                raise CheckpointError(str(e)) from None
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot read ({e})") from None
+            for name in st.names():
+                if name in where:
+                    raise CheckpointError(f"tensor {name} is in both {where[name].path} and {path}")
+                where[name] = st
+        for tensor, name in self._index.items():
+            if tensor not in where or where[tensor].path != self.path / name:
+                raise CheckpointError(
+                    f"{self.path / INDEX_FILE}: weight_map puts {tensor} in {name}, which has no such tensor"
+                )
+        return where
+
+    def _file(self, name: str) -> SafetensorsFile:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor named {name}") from None
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def dtype(self, name: str) -> str:
+        return self._file(name).dtype(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).shape(name))
+
+    def file_of(self, name: str) -> Path:
+        return self._file(name).path
+
+    def read(self, name: str) -> np.ndarray:
+        """The stored bits (BF16 as uint16, F8_E4M3 as uint8), memory-mapped read-only."""
+        try:
+            return self._file(name).read(name)
+        except (FormatError, OSError) as e:
+            raise CheckpointError(f"{self.file_of(name)}: {name}: cannot read ({e})") from None
+
+    def read_float(self, name: str) -> np.ndarray:
+        """A BF16/F16/F32/F64 tensor as float32."""
+        dtype = self.dtype(name)
+        if dtype == "BF16":
+            return bf16_bits_to_f32(self.read(name))
+        if dtype in ("F16", "F32", "F64"):
+            return np.asarray(self.read(name), dtype=np.float32)
+        raise CheckpointError(f"{self.file_of(name)}: {name}: dtype {dtype} is not a float type")
+
+    # ---- modules ------------------------------------------------------------------
+
+    def _read_modules(self) -> dict[str, ModuleSpec]:
+        names = set()
+        for tensor in self._where:
+            for suffix in (".weight", ".weight_packed"):
+                if tensor.endswith(suffix):
+                    names.add(tensor[: -len(suffix)])
+        return {name: module_spec(self, name, self._rules) for name in sorted(names)}
+
+    def modules(self) -> dict[str, ModuleSpec]:
+        return dict(self._modules)
+
+    def module(self, name: str) -> ModuleSpec:
+        try:
+            return self._modules[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no module named {name}") from None
+
+    def _spec(self, module: str | ModuleSpec, precision: str | None = None) -> ModuleSpec:
+        spec = self.module(module.name if isinstance(module, ModuleSpec) else module)
+        if precision and spec.precision != precision:
+            raise CheckpointError(f"{self.path}: module {spec.name} is {spec.precision}, not {precision}")
+        return spec
+
+    def read_nvfp4(self, module: str | ModuleSpec) -> NVFP4Weight:
+        """Codes, E4M3 block scales and the multiplicative tensor scale (for
+        compressed-tensors 1 / weight_global_scale)."""
+        t = self._spec(module, "nvfp4").tensors
+        if "weight_packed" in t:
+            try:
+                return from_compressed_nvfp4(
+                    self.read(t["weight_packed"]), self.read(t["weight_scale"]),
+                    self.read_float(t["weight_global_scale"]),
+                    name=f"{self.file_of(t['weight_global_scale'])}: {t['weight_global_scale']}",
+                )
+            except CheckpointError:
+                raise
+            except FormatError as e:
+                raise CheckpointError(str(e)) from None
+        scale_2 = t["weight_scale_2"]
+        tensor_scale = self.read_float(scale_2).reshape(())
+        if not np.isfinite(tensor_scale):
+            raise CheckpointError(f"{self.file_of(scale_2)}: {scale_2}: tensor scale is not finite ({tensor_scale})")
+        return NVFP4Weight(self.read(t["weight"]), self.read(t["weight_scale"]), np.float32(tensor_scale))
+
+    def read_fp8(self, module: str | ModuleSpec) -> tuple[np.ndarray, np.ndarray]:
+        """(E4M3 codes uint8 [N, K], float32 scale: 0-d per tensor or [N, 1] per channel)."""
+        t = self._spec(module, "fp8").tensors
+        scale = self.read_float(t["weight_scale"])
+        scale = scale.reshape(()) if scale.size == 1 else scale.reshape(-1, 1)
+        return self.read(t["weight"]), scale
+
+    def dequantize(self, module: str | ModuleSpec) -> np.ndarray:
+        """The module's weight as float32, whatever its precision."""
+        spec = self._spec(module)
+        if spec.precision == "nvfp4":
+            w = self.read_nvfp4(spec)
+            return dequantize_nvfp4(w.packed, w.scales, w.tensor_scale, name=spec.name)
+        if spec.precision == "fp8":
+            return dequantize_fp8(*self.read_fp8(spec), name=spec.name)
+        return self.read_float(spec.tensors["weight"])
+
+    # ---- identity -----------------------------------------------------------------
+
+    def _sha256(self, path: Path) -> str:
+        if path not in self._hashes:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(HASH_CHUNK):
+                    h.update(chunk)
+            self._hashes[path] = h.hexdigest()
+        return self._hashes[path]
+
+    def config_sha256(self) -> str:
+        return self._sha256(self.path / CONFIG_FILE)
+
+    def source_files(self) -> list[dict]:
+        """Name (relative), size and SHA-256 of config.json, hf_quant_config.json and
+        the safetensors index when present, and every safetensors file."""
+        extra = [self.path / n for n in (CONFIG_FILE, HF_QUANT_FILE, INDEX_FILE)]
+        paths = [p for p in extra if p.is_file()] + list(self.files)
+        return [
+            {"name": p.relative_to(self.path).as_posix(), "bytes": p.stat().st_size, "sha256": self._sha256(p)}
+            for p in paths
+        ]
+
+
+def open_checkpoint(source: str | Path, revision: str | None = None, local_files_only: bool = False) -> Checkpoint:
+    """A local checkpoint directory or a Hugging Face repo id, opened."""
+    return Checkpoint(resolve_checkpoint(str(source), revision=revision, local_files_only=local_files_only))

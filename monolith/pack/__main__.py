@@ -1,0 +1,68 @@
+"""python -m monolith.pack build|verify|unpack|inspect (architecture.md contract)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..checkpoint import CheckpointError
+from ..formats import FormatError
+from .build import DEFAULT_SHARD_BYTES, build_pack
+from .inspect import format_inspection, inspect_pack
+from .recipe import QUANTIZATION_CHOICES
+from .unpack import unpack_pack
+from .verify import verify_pack
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m monolith.pack", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build a chip-layout pack from a checkpoint (dir or hub id)")
+    b.add_argument("source")
+    b.add_argument("--out", required=True)
+    b.add_argument("--role", choices=("target", "draft"))
+    b.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
+                   help="auto: drafts to NVFP4, targets as stored; nvfp4: quantize float linears; none: never quantize")
+    b.add_argument("--revision")
+    b.add_argument("--local-files-only", action="store_true")
+    b.add_argument("--shard-size-mb", type=int, default=DEFAULT_SHARD_BYTES >> 20)
+    b.add_argument("--force", action="store_true", help="replace an existing pack at --out")
+    v = sub.add_parser("verify", help="check every hash of a pack")
+    v.add_argument("pack")
+    u = sub.add_parser("unpack", help="write a pack back as a ModelOpt-style checkpoint")
+    u.add_argument("pack")
+    u.add_argument("--out", required=True)
+    u.add_argument("--force", action="store_true")
+    i = sub.add_parser("inspect", help="describe a pack")
+    i.add_argument("pack")
+    i.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "build":
+            if args.shard_size_mb < 1:
+                raise FormatError("--shard-size-mb must be at least 1")
+            out = build_pack(args.source, args.out, role=args.role, quantization=args.quantization,
+                             revision=args.revision, local_files_only=args.local_files_only,
+                             shard_bytes=args.shard_size_mb << 20, force=args.force)
+            print(format_inspection(inspect_pack(out)))
+        elif args.command == "verify":
+            summary = verify_pack(args.pack)
+            print(f"ok: {summary['tensors']} tensors in {summary['shards']} shard(s), pack_sha256 {summary['pack_sha256']}")
+        elif args.command == "unpack":
+            print(unpack_pack(args.pack, args.out, force=args.force))
+        else:
+            info = inspect_pack(args.pack)
+            print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_inspection(info))
+    except (CheckpointError, FormatError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

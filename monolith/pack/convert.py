@@ -1,0 +1,113 @@
+"""Turn one planned entry into the arrays the kernels read (stored bits, numpy).
+
+NVFP4 sources are only re-viewed (U8 -> uint32 words, E4M3 bytes as they are);
+FP8 sources stay 8-bit; float sources are quantized only when the plan says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import formats
+from ..checkpoint import Checkpoint
+from .recipe import Entry
+
+FLOAT_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "U8": 1}
+
+
+def tensor_specs(entry: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every pack tensor of an entry, in data order."""
+    if entry.kind == "tensor":
+        dtype = "F32" if entry.transform else FLOAT_DTYPES.get(entry.precision, entry.precision.upper())
+        return [(entry.name, dtype, entry.shape)]
+    *lead, n, k = entry.shape
+    lead = tuple(lead)
+    if entry.precision == "nvfp4":
+        return [
+            (entry.name + ".weight", "U32", lead + (n, k // 8)),
+            (entry.name + ".scales", "U8", lead + (n, k // formats.BLOCK)),
+            (entry.name + ".tensor_scale", "F32", lead + (n,)),
+        ]
+    if entry.precision == "fp8":
+        return [
+            (entry.name + ".weight", "U32", lead + (n, k // 4)),
+            (entry.name + ".scales", "U8", lead + (n, k // formats.mlx_layout.MXFP8_GROUP)),
+            (entry.name + ".tensor_scale", "F32", lead + (n,)),
+        ]
+    return [(entry.name + ".weight", FLOAT_DTYPES[entry.precision], entry.shape)]
+
+
+def entry_nbytes(entry: Entry) -> int:
+    return sum(int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype] for _, dtype, shape in tensor_specs(entry))
+
+
+def _read_float_rows(ckpt: Checkpoint, entry: Entry, part) -> np.ndarray:
+    """float32 values of a part (a module's whole weight, or rows of a stacked tensor)."""
+    if entry.stacked_source:
+        bits = np.asarray(ckpt.read(part.source)[part.expert, part.start : part.stop])
+        if ckpt.dtype(part.source) == "BF16":
+            return formats.bf16_bits_to_f32(bits)
+        return bits.astype(np.float32)
+    return ckpt.dequantize(part.source)
+
+
+def _source_float_bits(ckpt: Checkpoint, entry: Entry, part) -> np.ndarray:
+    """Stored bits of a float part, unchanged (no rounding)."""
+    if entry.stacked_source:
+        return np.asarray(ckpt.read(part.source)[part.expert, part.start : part.stop])
+    spec = ckpt.module(part.source)
+    if spec.precision == "fp8":  # FP8 that cannot stay 8-bit: dequantize to BF16
+        return formats.f32_to_bf16_bits(ckpt.dequantize(part.source))
+    return np.asarray(ckpt.read(spec.tensors["weight"]))
+
+
+def _quantized_part(ckpt: Checkpoint, entry: Entry, part):
+    """(codes-or-fp8 bytes U8 [n, ...], block scales U8, per-row F32 tensor scale [n])."""
+    n = part.stop - part.start
+    if entry.precision == "fp8":
+        codes, scale = ckpt.read_fp8(part.source)
+        rows = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (n,))
+        k = codes.shape[-1]
+        return np.asarray(codes), formats.mxfp8_unit_scales(n, k), rows
+    if entry.source_precision == "nvfp4":
+        q = ckpt.read_nvfp4(part.source)
+    else:
+        q = formats.quantize_nvfp4(_read_float_rows(ckpt, entry, part), name=part.source)
+    return np.asarray(q.packed), np.asarray(q.scales), np.full((n,), q.tensor_scale, np.float32)
+
+
+def convert_entry(ckpt: Checkpoint, entry: Entry) -> list[tuple[str, str, np.ndarray]]:
+    """The pack tensors of one entry: [(name, dtype, stored bits)], in tensor_specs order."""
+    specs = tensor_specs(entry)
+    if entry.kind == "tensor":
+        (name, dtype, _), part = specs[0], entry.parts[0]
+        if entry.transform == "one_plus_f32":
+            data = np.float32(1.0) + ckpt.read_float(part.source)
+        elif entry.transform == "f32":
+            data = ckpt.read_float(part.source)
+        else:
+            data = np.asarray(ckpt.read(part.source))
+        return [(name, dtype, np.ascontiguousarray(data).reshape(entry.shape))]
+
+    lead = entry.shape[:-2]
+    if entry.precision in FLOAT_DTYPES:
+        (name, dtype, shape), = specs
+        out = np.empty(shape, dtype=formats.stfile.STORAGE_DTYPES[dtype])
+        for part in entry.parts:
+            target = out[part.expert] if lead else out
+            target[part.start : part.stop] = _source_float_bits(ckpt, entry, part)
+        return [(name, dtype, out)]
+
+    (wn, _, ws), (sn, _, ss), (tn, _, ts) = specs
+    codes = np.empty(ws[:-1] + (ws[-1] * 4,), dtype=np.uint8)
+    scales = np.empty(ss, dtype=np.uint8)
+    tensor_scale = np.empty(ts, dtype=np.float32)
+    for part in entry.parts:
+        c, s, t = _quantized_part(ckpt, entry, part)
+        sel = (part.expert,) if lead else ()
+        codes[sel][part.start : part.stop] = c
+        scales[sel][part.start : part.stop] = s
+        tensor_scale[sel][part.start : part.stop] = t
+    words = codes.view("<u4")
+    return [(wn, "U32", words), (sn, "U8", scales), (tn, "F32", tensor_scale)]

@@ -1,0 +1,82 @@
+"""Pack files, hashing and the canonical JSON that makes builds reproducible."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+PACK_FORMAT = "monolith-pack"
+PACK_FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CONVERSION = "conversion.json"
+VALIDATION = "validation.json"
+# Files copied from the source next to the shards (the runtime needs config and tokenizer).
+AUX_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
+CHUNK = 8 << 20
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def write_json(path: Path, obj) -> None:
+    Path(path).write_text(json.dumps(obj, sort_keys=True, indent=1) + "\n")
+
+
+def sha256_bytes(data) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tensor_inventory(tensors: dict) -> dict:
+    """What pack_sha256 covers: every tensor's dtype, shape and content hash."""
+    return {name: {k: t[k] for k in ("dtype", "shape", "sha256")} for name, t in sorted(tensors.items())}
+
+
+def pack_sha256(tensors: dict) -> str:
+    return sha256_bytes(canonical_json(tensor_inventory(tensors)))
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def read_manifest(pack_dir: Path) -> dict:
+    from .recipe import PackError
+
+    path = Path(pack_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PackError(f"{path}: not a monolith pack (no {MANIFEST})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PackError(f"{path}: corrupt manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != PACK_FORMAT:
+        raise PackError(f"{path}: not a monolith pack manifest")
+    if manifest.get("format_version") != PACK_FORMAT_VERSION:
+        raise PackError(
+            f"{path}: pack format version {manifest.get('format_version')} is not supported "
+            f"(this monolith reads version {PACK_FORMAT_VERSION}); rebuild the pack"
+        )
+    return manifest
+
+
+def is_pack(path: Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()

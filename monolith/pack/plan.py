@@ -1,0 +1,17 @@
+"""plan_pack: pick the recipe for a checkpoint's architecture."""
+
+from __future__ import annotations
+
+from ..checkpoint import Checkpoint
+from .recipe import PackError, Plan
+
+
+def plan_pack(ckpt: Checkpoint, quantization: str = "auto") -> Plan:
+    from .draft_recipe import DRAFT_ARCHITECTURES, plan_draft
+    from .target_recipe import plan_target
+
+    if ckpt.architecture in ("qwen3_5_moe", "qwen3_5"):
+        return plan_target(ckpt, quantization)
+    if ckpt.architecture in DRAFT_ARCHITECTURES:
+        return plan_draft(ckpt, quantization)
+    raise PackError(f"{ckpt.path}/config.json: no pack recipe for architecture {ckpt.architecture}")

@@ -1,0 +1,246 @@
+"""Recipe: which pack entries a checkpoint becomes, in what precision, and why.
+
+A pack entry is one array group the kernels read: a linear (possibly several source
+matrices fused along output rows, or experts stacked along a leading axis) or a plain
+tensor (norms, conv, gates' parameters). The recipe only plans; build.py converts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..checkpoint import Checkpoint, CheckpointError
+from ..formats import BLOCK
+from ..formats.mlx_layout import MXFP8_GROUP
+
+RECIPE_VERSION = 1
+QUANTIZATION_CHOICES = ("auto", "none", "nvfp4")
+FLOAT_PRECISIONS = ("bf16", "f16", "f32")
+
+
+class PackError(CheckpointError):
+    """A pack cannot be built, verified or read; the message names the file/tensor."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One source matrix (or tensor) inside an entry: rows [start, stop) of expert `expert`."""
+
+    source: str  # source module name (linear) or tensor name (plain tensor)
+    start: int
+    stop: int
+    expert: int | None = None
+
+
+@dataclass
+class Entry:
+    name: str  # canonical pack name
+    kind: str  # "linear" | "experts" | "tensor"
+    precision: str  # output: "nvfp4" | "fp8" | "bf16" | "f16" | "f32"
+    source_precision: str
+    shape: tuple[int, ...]  # logical: (N, K), (E, N, K), or the tensor's shape
+    parts: list[Part]
+    transform: str | None = None  # tensors: "one_plus_f32" (zero-centred norm) | "f32"
+    reason: str = ""
+    stacked_source: bool = False  # experts read from one stacked source tensor [E, N, K]
+
+    def describe(self) -> dict:
+        d = {
+            "kind": self.kind,
+            "precision": self.precision,
+            "source_precision": self.source_precision,
+            "shape": list(self.shape),
+            "parts": [
+                {k: v for k, v in (("source", p.source), ("rows", [p.start, p.stop]), ("expert", p.expert)) if v is not None}
+                for p in self.parts
+            ],
+        }
+        if self.transform:
+            d["transform"] = self.transform
+        if self.stacked_source:
+            d["stacked_source"] = True
+        if self.reason:
+            d["reason"] = self.reason
+        return d
+
+
+@dataclass
+class Plan:
+    recipe: str
+    role: str
+    architecture: str
+    quantization: str
+    entries: list[Entry] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # source tensor -> why
+    layout: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- keep policy
+# Never quantized, whatever --quantization says (formats.md 5, dspark.md 2).
+KEEP_RULES = [
+    (re.compile(r"(^|\.)mlp\.gate$"), "MoE router: F32 softmax over logits, kept in source precision"),
+    (re.compile(r"shared_expert_gate$"), "shared-expert gate: one row, kept in source precision"),
+    (re.compile(r"linear_attn\.in_proj_[ab]$"), "GDN gate projections (beta, decay): kept as NVIDIA's recipe does"),
+    (re.compile(r"markov_w1$"), "Markov W1 embedding stays BF16 (DSpark recipe)"),
+    (re.compile(r"confidence_head"), "confidence head is never quantized"),
+    (re.compile(r"markov_head\.(gate_proj|joint_proj)$"), "Markov head gate/joint projections are never quantized"),
+]
+RUNTIME_UNUSED_SCALES = ("input_scale", "input_global_scale", "k_scale", "v_scale", "output_scale")
+TARGET_EMBEDDING_REASON = "target embedding kept in source precision (gathered, not multiplied)"
+
+
+def keep_reason(module: str, role: str) -> str | None:
+    for pattern, reason in KEEP_RULES:
+        if pattern.search(module):
+            return reason
+    if role == "target" and module.endswith("embed_tokens"):
+        return TARGET_EMBEDDING_REASON
+    return None
+
+
+def wants_quantization(quantization: str, role: str) -> bool:
+    """auto: drafts are quantized to NVFP4 at pack time, targets keep their source
+    precision; nvfp4: quantize both; none: quantize nothing."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise PackError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
+    return quantization == "nvfp4" or (quantization == "auto" and role == "draft")
+
+
+# ---------------------------------------------------------------- planning helpers
+class Planner:
+    def __init__(self, ckpt: Checkpoint, role: str, quantization: str):
+        self.ckpt = ckpt
+        self.role = role
+        self.quantize = wants_quantization(quantization, role)
+        self.modules = ckpt.modules()
+        self.used: set[str] = set()  # source tensor names consumed
+
+    def _use_module(self, module: str) -> None:
+        for tensor in self.modules[module].tensors.values():
+            self.used.add(tensor)
+
+    def has_module(self, module: str) -> bool:
+        return module in self.modules
+
+    def require(self, module: str) -> None:
+        if module not in self.modules:
+            raise PackError(f"{self.ckpt.path}: missing weight for module {module}")
+
+    def output_precision(self, module: str) -> tuple[str, str]:
+        """(output precision, reason) for one source linear."""
+        spec = self.modules[module]
+        k = spec.shape[-1]
+        if spec.precision == "nvfp4":
+            return "nvfp4", "already NVFP4: repacked without arithmetic"
+        if spec.precision == "fp8":
+            if k % MXFP8_GROUP:
+                return "bf16", f"FP8 with K={k} not a multiple of {MXFP8_GROUP}: dequantized to BF16"
+            return "fp8", "per-tensor FP8 kept 8-bit (mxfp8 words, unit group scales)"
+        reason = keep_reason(module, self.role)
+        if reason:
+            return spec.precision, reason
+        if not self.quantize:
+            return spec.precision, "kept in source precision (quantization not requested)"
+        if k % BLOCK or len(spec.shape) != 2:
+            return spec.precision, f"K={k} is not a multiple of {BLOCK}: kept in source precision"
+        return "nvfp4", "quantized to NVFP4 at pack time (ModelOpt-exact quantizer)"
+
+    def linear(self, name: str, sources: list[str], plan: Plan) -> None:
+        """Fuse `sources` along output rows; consecutive members of one precision share
+        an entry (named `name`, or `name.0`, `name.1`... when precisions differ)."""
+        runs: list[list] = []  # [precision, source precision, reason, members]
+        for s in sources:
+            self.require(s)
+            precision, reason = self.output_precision(s)
+            key = [precision, self.modules[s].precision, reason]
+            if runs and runs[-1][:3] == key and self._same_k(runs[-1][3][0], s):
+                runs[-1][3].append(s)
+            else:
+                runs.append(key + [[s]])
+        for index, (precision, source_precision, reason, members) in enumerate(runs):
+            parts, row = [], 0
+            for s in members:
+                n = self.modules[s].shape[0]
+                parts.append(Part(s, row, row + n))
+                row += n
+                self._use_module(s)
+            k = self.modules[members[0]].shape[-1]
+            entry_name = name if len(runs) == 1 else f"{name}.{index}"
+            plan.entries.append(Entry(entry_name, "linear", precision, source_precision, (row, k), parts, reason=reason))
+
+    def experts(self, name: str, per_expert: list[list[str]], plan: Plan) -> None:
+        """Stack experts [E, N, K]; expert e fuses the modules per_expert[e] along rows."""
+        first = None
+        parts, rows = [], 0
+        for e, sources in enumerate(per_expert):
+            row = 0
+            for s in sources:
+                self.require(s)
+                precision, reason = self.output_precision(s)
+                key = (precision, self.modules[s].precision, self.modules[s].shape[-1])
+                if first is None:
+                    first = key + (reason,)
+                elif key != first[:3]:
+                    raise PackError(
+                        f"{self.ckpt.file_of(self.modules[s].tensors['weight' if 'weight' in self.modules[s].tensors else 'weight_packed'])}: "
+                        f"expert module {s} is {self.modules[s].precision} but other experts of {name} are {first[1]}; "
+                        "stacked experts need one precision"
+                    )
+                n = self.modules[s].shape[0]
+                parts.append(Part(s, row, row + n, e))
+                row += n
+                self._use_module(s)
+            if rows and row != rows:
+                raise PackError(f"{self.ckpt.path}: experts of {name} have different sizes ({rows} vs {row} rows)")
+            rows = row
+        precision, source_precision, k, reason = first
+        plan.entries.append(Entry(name, "experts", precision, source_precision, (len(per_expert), rows, k), parts, reason=reason))
+
+    def _same_k(self, a: str, b: str) -> bool:
+        return self.modules[a].shape[-1] == self.modules[b].shape[-1]
+
+    def tensor(self, name: str, source: str, plan: Plan, transform: str | None = None, reason: str = "") -> None:
+        if not self.ckpt.has(source):
+            raise PackError(f"{self.ckpt.path}: missing tensor {source}")
+        dtype = self.ckpt.dtype(source)
+        precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}.get(dtype, dtype.lower())
+        out = "f32" if transform else precision
+        shape = self.ckpt.shape(source)
+        self.used.add(source)
+        plan.entries.append(Entry(name, "tensor", out, precision, tuple(shape), [Part(source, 0, shape[0] if shape else 1)],
+                                  transform=transform, reason=reason))
+
+    def finish(self, plan: Plan, skip: tuple[tuple[str, str], ...] = ()) -> Plan:
+        """Every source tensor is either used or skipped for a stated reason."""
+        for t in self.ckpt.tensor_names():
+            if t in self.used:
+                continue
+            why = next((reason for prefix, reason in skip if t.startswith(prefix)), None)
+            if why is None and t.rsplit(".", 1)[-1] in RUNTIME_UNUSED_SCALES:
+                why = "activation / KV-cache scale: the runtime is weight-only and keeps KV in BF16"
+            if why is None:
+                raise PackError(
+                    f"{self.ckpt.file_of(t)}: tensor {t} is not part of the {plan.architecture} "
+                    "recipe (unexpected tensor; refusing to guess what it means)"
+                )
+            plan.skipped[t] = why
+        return plan
+    def fused_experts(self, name: str, tensor: str, halves: int, plan: Plan) -> None:
+        """Experts already stacked in the source as one float tensor [E, N, K]
+        (official BF16 layout); `halves` = 2 when rows are gate then up."""
+        if not self.ckpt.has(tensor):
+            raise PackError(f"{self.ckpt.path}: missing tensor {tensor}")
+        e, n, k = self.ckpt.shape(tensor)
+        source_precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}[self.ckpt.dtype(tensor)]
+        if self.quantize and k % BLOCK == 0:
+            precision, reason = "nvfp4", "quantized to NVFP4 at pack time, each expert's gate and up separately"
+        elif self.quantize:
+            precision, reason = source_precision, f"K={k} is not a multiple of {BLOCK}: kept in source precision"
+        else:
+            precision, reason = source_precision, "kept in source precision (quantization not requested)"
+        step = n // halves
+        parts = [Part(tensor, h * step, (h + 1) * step, ex) for ex in range(e) for h in range(halves)]
+        self.used.add(tensor)
+        plan.entries.append(Entry(name, "experts", precision, source_precision, (e, n, k), parts, reason=reason,
+                                  stacked_source=True))

@@ -1,0 +1,31 @@
+"""Shared fixtures: synthetic checkpoints written once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory):
+    """synth_dir(kind, format, **kw) -> path of a synthetic checkpoint, cached per session."""
+    from monolith.synth import write_draft, write_target
+
+    root = tmp_path_factory.mktemp("synth")
+    made: dict = {}
+
+    def make(kind: str = "target", format: str = "bf16", **kw):
+        key = (kind, format, tuple(sorted(kw.items())))
+        if key not in made:
+            name = "-".join([kind, format] + [f"{k}={v}" for k, v in sorted(kw.items())])
+            if kind == "target":
+                made[key] = write_target(root / name, format=format, **kw)
+            else:
+                target = make("target", kw.pop("target_format", "bf16"))
+                made[key] = write_draft(root / name, target, format=format, **kw)
+        return made[key]
+
+    return make

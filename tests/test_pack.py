@@ -1,0 +1,458 @@
+"""Packs: reproducible builds, verify, unpack round trips, keep policy, bad input, cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from filelock import FileLock
+
+from monolith import formats
+from monolith.checkpoint import CheckpointError, open_checkpoint
+from monolith.formats import SafetensorsFile, write_safetensors
+from monolith.pack import (
+    PackError,
+    build_pack,
+    inspect_pack,
+    read_manifest,
+    resolve_pack,
+    unpack_pack,
+    verify_pack,
+)
+
+TARGET_FORMATS = ["bf16", "modelopt-nvfp4", "modelopt-mixed", "compressed-tensors", "compressed-tensors-mixed"]
+
+
+def run_cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "monolith.pack", *map(str, args)],
+                          capture_output=True, text=True, **kw)
+
+
+def pack_tensor(pack: Path, name: str) -> np.ndarray:
+    manifest = read_manifest(pack)
+    return SafetensorsFile(pack / manifest["tensors"][name]["shard"]).read(name)
+
+
+def copy_checkpoint(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+# ------------------------------------------------------------------ reproducibility
+def test_two_builds_are_byte_identical(synth_dir, tmp_path):
+    src = synth_dir("target", "modelopt-mixed")
+    a = build_pack(src, tmp_path / "a", shard_bytes=64 << 10)
+    b = build_pack(src, tmp_path / "b", shard_bytes=64 << 10)
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir())
+    assert sum(f.endswith(".safetensors") for f in files) > 1  # sharded
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert read_manifest(a)["pack_sha256"] == read_manifest(b)["pack_sha256"]
+
+
+def test_pack_hash_does_not_depend_on_shard_size(synth_dir, tmp_path):
+    src = synth_dir("target", "modelopt-nvfp4")
+    a = build_pack(src, tmp_path / "a", shard_bytes=32 << 10)
+    b = build_pack(src, tmp_path / "b")
+    assert len(read_manifest(a)["shards"]) > len(read_manifest(b)["shards"])
+    assert read_manifest(a)["pack_sha256"] == read_manifest(b)["pack_sha256"]
+
+
+# ------------------------------------------------------------------ verify
+@pytest.fixture
+def built(synth_dir, tmp_path):
+    return build_pack(synth_dir("target", "modelopt-nvfp4"), tmp_path / "pack", shard_bytes=64 << 10)
+
+
+def test_verify_accepts_a_good_pack_and_cli_exit_0(built):
+    summary = verify_pack(built)
+    assert summary["tensors"] == len(read_manifest(built)["tensors"])
+    result = run_cli("verify", built)
+    assert result.returncode == 0 and "ok" in result.stdout
+
+
+def test_verify_catches_one_flipped_byte(built):
+    manifest = read_manifest(built)
+    name = "model.layers.0.linear_attn.in_proj.weight"
+    shard = built / manifest["tensors"][name]["shard"]
+    st = SafetensorsFile(shard)
+    offset = st._data_start + st._entries[name][2] + 5
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PackError, match=f"{shard.name}.*{name}.*SHA-256"):
+        verify_pack(built)
+    result = run_cli("verify", built)
+    assert result.returncode == 1 and name in result.stderr and "Traceback" not in result.stderr
+
+
+def test_verify_catches_a_missing_shard(built):
+    shard = sorted(read_manifest(built)["shards"])[-1]
+    (built / shard).unlink()
+    with pytest.raises(PackError, match=f"{shard}.*missing"):
+        verify_pack(built)
+    assert run_cli("verify", built).returncode == 1
+
+
+def test_verify_catches_an_extra_tensor(built):
+    manifest = read_manifest(built)
+    shard = sorted(manifest["shards"])[0]
+    st = SafetensorsFile(built / shard)
+    tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+    tensors["smuggled.weight"] = ("F32", np.ones(4, np.float32))
+    write_safetensors(built / shard, tensors)
+    with pytest.raises(PackError, match="smuggled.weight.*extra tensor"):
+        verify_pack(built)
+
+
+def test_verify_catches_a_tampered_manifest(built):
+    path = built / "manifest.json"
+    manifest = json.loads(path.read_text())
+    name = next(iter(manifest["tensors"]))
+    manifest["tensors"][name]["sha256"] = "0" * 64
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(PackError, match="pack_sha256"):
+        verify_pack(built)
+
+
+# ------------------------------------------------------------------ layout and precision
+MIXED_EXPECTED = {  # formats.md: the nvidia Qwen3.6-35B-A3B MIXED_PRECISION table
+    "model.layers.0.mlp.experts.gate_up": "nvfp4",
+    "model.layers.0.mlp.experts.down": "nvfp4",
+    "model.layers.0.mlp.shared_expert.gate_up": "nvfp4",
+    "lm_head": "nvfp4",
+    "model.layers.3.self_attn.qkv": "fp8",
+    "model.layers.3.self_attn.o_proj": "fp8",
+    "model.layers.0.linear_attn.in_proj.0": "fp8",  # in_proj_qkv | in_proj_z
+    "model.layers.0.linear_attn.in_proj.1": "bf16",  # in_proj_b | in_proj_a
+    "model.layers.0.linear_attn.out_proj": "fp8",
+    "model.layers.0.mlp.gate": "bf16",
+    "model.layers.0.mlp.shared_expert_gate": "bf16",
+    "model.embed_tokens": "bf16",
+    "model.layers.0.linear_attn.conv1d": "bf16",
+    "model.layers.0.linear_attn.A_log": "f32",
+    "model.layers.0.input_layernorm": "f32",
+}
+
+
+def test_mixed_checkpoint_entries_keep_each_linears_precision(synth_dir, tmp_path):
+    pack = build_pack(synth_dir("target", "modelopt-mixed"), tmp_path / "p")
+    entries = read_manifest(pack)["entries"]
+    for name, precision in MIXED_EXPECTED.items():
+        assert entries[name]["precision"] == precision, name
+    parts = entries["model.layers.0.linear_attn.in_proj.0"]["parts"]
+    assert [p["source"].rsplit(".", 1)[-1] for p in parts] == ["in_proj_qkv", "in_proj_z"]
+
+
+@pytest.mark.parametrize("fmt", TARGET_FORMATS)
+def test_every_target_format_packs_with_source_precision(synth_dir, tmp_path, fmt):
+    src = synth_dir("target", fmt)
+    ckpt = open_checkpoint(str(src))
+    pack = build_pack(src, tmp_path / "p")
+    manifest = read_manifest(pack)
+    for name, entry in manifest["entries"].items():
+        if entry["kind"] == "tensor":
+            continue
+        for part in entry["parts"]:
+            if entry.get("stacked_source"):
+                continue
+            source = ckpt.module(part["source"]).precision
+            expected = source if source in ("nvfp4", "fp8") else entry["source_precision"]
+            assert entry["precision"] == expected, (name, part["source"])
+    validation = json.loads((pack / "validation.json").read_text())
+    quantized_parts = sum(len(e["parts"]) for e in manifest["entries"].values() if e["precision"] in ("nvfp4", "fp8"))
+    assert validation["round_trip"]["quantized_parts_byte_identical"] == quantized_parts
+    assert validation["pack_sha256"] == manifest["pack_sha256"]
+
+
+def test_pack_tensors_feed_mlx_quantized_matmul(synth_dir, tmp_path):
+    """The stored words/scales/per-row tensor scales are exactly what MLX consumes."""
+    src = synth_dir("target", "modelopt-mixed")
+    ckpt = open_checkpoint(str(src))
+    pack = build_pack(src, tmp_path / "p")
+    entries = read_manifest(pack)["entries"]
+    rng = np.random.default_rng(1)
+    for name in ("model.layers.3.self_attn.qkv", "model.layers.0.linear_attn.in_proj.0", "lm_head"):
+        entry = entries[name]
+        reference = np.concatenate([ckpt.dequantize(p["source"]) for p in entry["parts"]])
+        x = rng.standard_normal((3, reference.shape[1])).astype(np.float32)
+        mode, group, bits = ("nvfp4", 16, 4) if entry["precision"] == "nvfp4" else ("mxfp8", 32, 8)
+        y = mx.quantized_matmul(mx.array(x), mx.array(pack_tensor(pack, name + ".weight")),
+                                mx.array(pack_tensor(pack, name + ".scales")), transpose=True,
+                                group_size=group, bits=bits, mode=mode) * mx.array(pack_tensor(pack, name + ".tensor_scale"))
+        np.testing.assert_allclose(np.array(y), x @ reference.T, rtol=1e-5, atol=1e-5 * np.abs(x @ reference.T).max())
+    # stacked experts through gather_qmm, per-expert scale after
+    name = "model.layers.0.mlp.experts.down"
+    w, s, ts = (pack_tensor(pack, name + suffix) for suffix in (".weight", ".scales", ".tensor_scale"))
+    experts = np.array([1, 5])
+    x = rng.standard_normal((2, 1, w.shape[-1] * 8)).astype(np.float32)
+    y = mx.gather_qmm(mx.array(x), mx.array(w), mx.array(s), rhs_indices=mx.array(experts), transpose=True,
+                      group_size=16, bits=4, mode="nvfp4")
+    y = np.array(y)[:, 0] * ts[experts]
+    prefix = entries[name]["parts"][0]["source"].split(".experts.")[0]
+    for i, e in enumerate(experts):
+        ref = x[i, 0] @ ckpt.dequantize(f"{prefix}.experts.{e}.down_proj").T
+        np.testing.assert_allclose(y[i], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_zero_centred_norms_are_stored_as_one_plus_w(synth_dir, tmp_path):
+    src = synth_dir("target", "bf16")
+    ckpt = open_checkpoint(str(src))
+    pack = build_pack(src, tmp_path / "p")
+    stored = pack_tensor(pack, "model.layers.0.input_layernorm")
+    source = ckpt.read_float("model.language_model.layers.0.input_layernorm.weight")
+    assert stored.dtype == np.float32
+    np.testing.assert_array_equal(stored, np.float32(1) + source)
+    plain = pack_tensor(pack, "model.layers.0.linear_attn.norm")  # gated norm: plain weight
+    np.testing.assert_array_equal(plain, ckpt.read_float("model.language_model.layers.0.linear_attn.norm.weight"))
+
+
+def test_nvfp4_quantization_of_a_bf16_target_follows_the_keep_policy(synth_dir, tmp_path):
+    src = synth_dir("target", "bf16")
+    pack = build_pack(src, tmp_path / "p", quantization="nvfp4")
+    entries = read_manifest(pack)["entries"]
+    for name in ("model.layers.0.linear_attn.in_proj.0", "model.layers.0.linear_attn.out_proj",
+                 "model.layers.3.self_attn.qkv", "model.layers.0.mlp.experts.gate_up", "lm_head"):
+        assert entries[name]["precision"] == "nvfp4", name
+    for name in ("model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", "model.embed_tokens",
+                 "model.layers.0.linear_attn.in_proj.1"):
+        assert entries[name]["precision"] == "bf16", name
+        assert entries[name]["reason"], name
+    conversion = json.loads((pack / "conversion.json").read_text())
+    assert "router" in conversion["policy"]["model.layers.0.mlp.gate"]["reason"]
+    assert any("vision" in why for why in conversion["skipped"].values())
+
+
+def test_quantized_fused_experts_match_per_expert_quantization(synth_dir, tmp_path):
+    """A BF16 fused-expert source quantized at pack time gives the same bytes as the
+    per-expert layout of the same weights (each expert's gate and up on their own)."""
+    fused = build_pack(synth_dir("target", "bf16", expert_layout="fused"), tmp_path / "f", quantization="nvfp4")
+    per = build_pack(synth_dir("target", "bf16", expert_layout="per-expert"), tmp_path / "p", quantization="nvfp4")
+    for suffix in (".weight", ".scales", ".tensor_scale"):
+        for name in ("model.layers.0.mlp.experts.gate_up", "model.layers.0.mlp.experts.down"):
+            np.testing.assert_array_equal(pack_tensor(fused, name + suffix), pack_tensor(per, name + suffix))
+
+
+def test_nvfp4_source_build_never_runs_the_quantizer(synth_dir, tmp_path, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("quantizer or dequantizer called during an NVFP4-source build")
+
+    import monolith.pack.convert as convert
+
+    monkeypatch.setattr(formats, "quantize_nvfp4", forbidden)
+    monkeypatch.setattr(formats.nvfp4, "quantize_nvfp4", forbidden)
+    monkeypatch.setattr(convert.formats, "quantize_nvfp4", forbidden)
+    monkeypatch.setattr("monolith.pack.validate.SPOT_CHECKS_PER_PRECISION", 0)  # spot checks dequantize on purpose
+    for fmt in ("modelopt-nvfp4", "compressed-tensors"):
+        pack = build_pack(synth_dir("target", fmt), tmp_path / fmt)
+        assert verify_pack(pack)
+
+
+# ------------------------------------------------------------------ unpack
+@pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "modelopt-mixed", "compressed-tensors", "compressed-tensors-mixed"])
+def test_unpack_gives_back_the_source_quantized_bytes(synth_dir, tmp_path, fmt):
+    src = synth_dir("target", fmt)
+    source = open_checkpoint(str(src))
+    pack = build_pack(src, tmp_path / "p")
+    out = unpack_pack(pack, tmp_path / "u")
+    unpacked = open_checkpoint(str(out))
+    checked = 0
+    for name, spec in source.modules().items():
+        if spec.precision not in ("nvfp4", "fp8"):
+            continue
+        assert unpacked.module(name).precision == spec.precision, name
+        if spec.precision == "nvfp4":
+            a, b = source.read_nvfp4(name), unpacked.read_nvfp4(name)
+            assert np.array_equal(a.packed, b.packed) and np.array_equal(a.scales, b.scales), name
+            assert a.tensor_scale.tobytes() == b.tensor_scale.tobytes(), name
+            if fmt.startswith("modelopt"):  # same tensors, same bytes
+                for role in ("weight", "weight_scale", "weight_scale_2"):
+                    assert source.read(spec.tensors[role]).tobytes() == unpacked.read(f"{name}.{role}").tobytes()
+        else:
+            (ca, sa), (cb, sb) = source.read_fp8(name), unpacked.read_fp8(name)
+            assert np.array_equal(ca, cb) and np.array_equal(np.ravel(sa), np.ravel(sb)), name
+        checked += 1
+    assert checked > 10
+    rebuilt = build_pack(out, tmp_path / "p2")
+    assert read_manifest(rebuilt)["pack_sha256"] == read_manifest(pack)["pack_sha256"]
+    assert run_cli("unpack", pack, "--out", tmp_path / "u2").returncode == 0
+
+
+def test_unpack_of_a_bf16_source_restores_its_tensors(synth_dir, tmp_path):
+    src = synth_dir("target", "bf16", expert_layout="fused")
+    source = open_checkpoint(str(src))
+    out = unpack_pack(build_pack(src, tmp_path / "p"), tmp_path / "u")
+    unpacked = open_checkpoint(str(out))
+    skipped = ("model.visual.", "mtp.")
+    names = [n for n in source.tensor_names() if not n.startswith(skipped)]
+    assert sorted(names) == unpacked.tensor_names()
+    for name in names:
+        assert source.read(name).tobytes() == unpacked.read(name).tobytes(), name
+
+
+# ------------------------------------------------------------------ bad input
+def assert_cli_error(result, *needles):
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+
+
+def test_truncated_shard_is_refused_and_leaves_no_pack(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "modelopt-nvfp4"), tmp_path / "src")
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    result = run_cli("build", src, "--out", tmp_path / "out")
+    assert_cli_error(result, shard.name, "truncated")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_missing_scale_tensor_is_named(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "modelopt-nvfp4", shards=1), tmp_path / "src")
+    path = src / "model.safetensors"
+    st = SafetensorsFile(path)
+    victim = "model.language_model.layers.0.linear_attn.out_proj.weight_scale"
+    tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names() if n != victim}
+    write_safetensors(path, tensors)
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), "out_proj", "weight_scale")
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_scale_dtype_and_shape_are_named(synth_dir, tmp_path):
+    for case in ("dtype", "shape"):
+        src = copy_checkpoint(synth_dir("target", "modelopt-nvfp4", shards=1), tmp_path / f"src-{case}")
+        path = src / "model.safetensors"
+        st = SafetensorsFile(path)
+        victim = "model.language_model.layers.0.linear_attn.out_proj.weight_scale"
+        tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+        data = tensors[victim][1]
+        tensors[victim] = ("U8", data) if case == "dtype" else ("F8_E4M3", data[:, :-1].copy())
+        write_safetensors(path, tensors)
+        assert_cli_error(run_cli("build", src, "--out", tmp_path / f"out-{case}"), victim)
+
+
+def test_unknown_quant_algo_and_architecture_are_refused(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "modelopt-nvfp4"), tmp_path / "algo")
+    for name in ("config.json", "hf_quant_config.json"):
+        cfg = json.loads((src / name).read_text())
+        block = cfg.get("quantization_config") or cfg.get("quantization")
+        block["quant_algo"] = "INT3_MAGIC"
+        (src / name).write_text(json.dumps(cfg))
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "o1"), "INT3_MAGIC")
+    src = copy_checkpoint(synth_dir("target", "bf16"), tmp_path / "arch")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
+    cfg.pop("text_config")
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "o2"), "config.json", "qwen3_5_moe")
+
+
+def test_k_not_multiple_of_16_is_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5",
+                                                 "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                                                         "group_size": 16, "exclude_modules": []}}))
+    codes = np.zeros((4, 12), np.uint8)  # K = 24
+    write_safetensors(src / "model.safetensors", {
+        "model.layers.0.mlp.down_proj.weight": ("U8", codes),
+        "model.layers.0.mlp.down_proj.weight_scale": ("F8_E4M3", np.zeros((4, 1), np.uint8)),
+        "model.layers.0.mlp.down_proj.weight_scale_2": ("F32", np.array(1.0, np.float32)),
+    })
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), "down_proj", "16")
+
+
+def test_unexpected_tensor_is_refused(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "bf16", shards=1), tmp_path / "src")
+    path = src / "model.safetensors"
+    st = SafetensorsFile(path)
+    tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+    tensors["model.language_model.layers.0.mlp.mystery_bias"] = ("F32", np.zeros(4, np.float32))
+    write_safetensors(path, tensors)
+    with pytest.raises(PackError, match="mystery_bias"):
+        build_pack(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_a_crash_mid_build_leaves_nothing_behind(synth_dir, tmp_path, monkeypatch):
+    import monolith.pack.build as build
+
+    calls = {"n": 0}
+    real = build.convert_entry
+
+    def crash_on_fifth(ckpt, entry):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(ckpt, entry)
+
+    monkeypatch.setattr(build, "convert_entry", crash_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        build_pack(synth_dir("target", "bf16"), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_existing_pack_is_not_overwritten_without_force(built):
+    before = read_manifest(built)["pack_sha256"]
+    with pytest.raises(PackError, match="already exists"):
+        build_pack(built, built)
+    assert read_manifest(built)["pack_sha256"] == before
+
+
+def test_build_waits_for_the_lock(synth_dir, tmp_path):
+    out = tmp_path / "out"
+    lock = FileLock(str(out) + ".lock")
+    lock.acquire()
+    thread = threading.Thread(target=build_pack, args=(synth_dir("target", "bf16"), out))
+    thread.start()
+    time.sleep(1.0)
+    assert not out.exists()  # blocked behind the lock
+    lock.release()
+    thread.join(60)
+    assert verify_pack(out)
+
+
+def test_inspect_cli_json(built):
+    result = run_cli("inspect", built, "--json")
+    assert result.returncode == 0
+    info = json.loads(result.stdout)
+    assert info == json.loads(json.dumps(inspect_pack(built)))
+    assert info["architecture"] == "qwen3_5_moe" and info["entries_by_precision"]["nvfp4"] > 0
+
+
+# ------------------------------------------------------------------ cache
+def test_pack_cache_builds_once_and_rebuilds_when_the_source_changes(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "modelopt-nvfp4"), tmp_path / "src")
+    cache = tmp_path / "cache"
+    first = resolve_pack(src, cache_dir=cache)
+    stamp = (first / "manifest.json").stat().st_mtime_ns
+    again = resolve_pack(src, cache_dir=cache)
+    assert again == first and (first / "manifest.json").stat().st_mtime_ns == stamp
+    assert resolve_pack(first) == first  # a pack is used as it is
+    other = resolve_pack(src, quantization="none", role="target", cache_dir=cache)
+    assert other != first
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["rms_norm_eps"] = 1e-5
+    (src / "config.json").write_text(json.dumps(cfg))
+    rebuilt = resolve_pack(src, cache_dir=cache)
+    assert rebuilt == first
+    assert read_manifest(rebuilt)["source"]["config_sha256"] == open_checkpoint(str(src)).config_sha256()
+    assert verify_pack(rebuilt)
+
+
+def test_role_mismatch_is_an_error(synth_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="--role draft"):
+        build_pack(synth_dir("target", "bf16"), tmp_path / "out", role="draft")
