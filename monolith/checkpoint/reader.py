@@ -125,6 +125,12 @@ class Checkpoint:
     def file_of(self, name: str) -> Path:
         return self._file(name).path
 
+    def release(self) -> None:
+        """Unmap every file (pages read so far stop counting as resident memory);
+        later reads map them again."""
+        for st in set(self._where.values()):
+            st.close()
+
     def read(self, name: str) -> np.ndarray:
         """The stored bits (BF16 as uint16, F8_E4M3 as uint8), memory-mapped read-only."""
         try:

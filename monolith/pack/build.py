@@ -148,6 +148,7 @@ def build_pack(
             for index, entries in enumerate(layout):
                 name = mf.shard_name(index, len(layout))
                 shards[name] = write_shard(ckpt, entries, tmp / name, tensors, name)
+                ckpt.release()  # keep resident source pages to about one shard
             aux = copy_aux_files(ckpt, tmp)
             sources = ckpt.source_files()
             label = {"path": str(ckpt.path)} if Path(str(source)).is_dir() else {"repo": str(source), "revision": revision}

@@ -1,0 +1,36 @@
+"""Deterministic synthetic checkpoints with the real tensor names and config fields, in
+every format the loader reads: Qwen3.5/3.6 hybrid targets (BF16, ModelOpt NVFP4 and
+mixed, compressed-tensors NVFP4 and mixed) and DSpark/DFlash drafts (DeepSpec, its
+NVFP4 export, speculators, z-lab DFlash), plus a small trained Qwen-style tokenizer.
+
+Same arguments, same bytes. `python -m monolith.synth --help` for the command line.
+"""
+
+from .draft import DRAFT_FORMATS, DraftSizes, draft_sizes, write_draft
+from .presets import PRESETS, Preset
+from .target import FORMATS, write_target
+from .tokenizer import write_tokenizer
+
+
+def write_pair(out_dir, preset="tiny", format="bf16", draft_format="deepspec", seed=0):
+    """Write a target into out_dir/target and a draft that fits it into out_dir/draft."""
+    from pathlib import Path
+
+    out = Path(out_dir)
+    target = write_target(out / "target", preset=preset, format=format, seed=seed)
+    draft = write_draft(out / "draft", target, format=draft_format, seed=seed)
+    return target, draft
+
+
+__all__ = [
+    "DRAFT_FORMATS",
+    "FORMATS",
+    "PRESETS",
+    "DraftSizes",
+    "Preset",
+    "draft_sizes",
+    "write_draft",
+    "write_pair",
+    "write_target",
+    "write_tokenizer",
+]
