@@ -456,3 +456,68 @@ def test_pack_cache_builds_once_and_rebuilds_when_the_source_changes(synth_dir, 
 def test_role_mismatch_is_an_error(synth_dir, tmp_path):
     with pytest.raises(CheckpointError, match="--role draft"):
         build_pack(synth_dir("target", "bf16"), tmp_path / "out", role="draft")
+
+
+# ------------------------------------------------------------------ drafts
+DRAFT_FORMATS = ["deepspec", "deepspec-nvfp4", "speculators", "dflash"]
+
+
+@pytest.mark.parametrize("fmt", DRAFT_FORMATS)
+def test_every_draft_format_packs_with_the_draft_keep_policy(synth_dir, tmp_path, fmt):
+    pack = build_pack(synth_dir("draft", fmt), tmp_path / "p")  # auto: drafts become NVFP4
+    manifest = read_manifest(pack)
+    entries = manifest["entries"]
+    assert manifest["role"] == "draft"
+    for name, entry in entries.items():
+        if name in ("markov_head.markov_w1", "confidence_head.proj"):
+            assert entry["precision"] == "bf16", name
+        elif entry["kind"] == "tensor":
+            assert entry["precision"] in ("f32", "i64", "bool"), name
+        else:
+            assert entry["precision"] == "nvfp4", name
+    assert "fc" in entries and "layers.0.self_attn.qkv" in entries and "layers.1.mlp.gate_up" in entries
+    settings = manifest["layout"]["draft"]
+    assert settings["target_layer_ids"] == [0, 2]  # DeepSpec convention whatever the format
+    assert settings["mask_token_id"] is not None and settings["block_size"] in (8, 16)
+    assert verify_pack(pack)
+
+
+def test_speculators_draft_packs_like_its_deepspec_twin(synth_dir, tmp_path):
+    """Same weights, two formats: the backbone entries are byte-identical and the tap
+    ids agree after the speculators +1 convention is undone."""
+    spec = build_pack(synth_dir("draft", "speculators"), tmp_path / "s", quantization="none")
+    deep = build_pack(synth_dir("draft", "deepspec"), tmp_path / "d", quantization="none")
+    ms, md = read_manifest(spec), read_manifest(deep)
+    assert ms["layout"]["draft"]["target_layer_ids"] == md["layout"]["draft"]["target_layer_ids"]
+    shared = [n for n in ms["tensors"] if n.startswith(("layers.", "fc", "hidden_norm", "norm", "markov_head.markov_w1"))]
+    assert len(shared) > 10
+    for name in shared:
+        assert ms["tensors"][name]["sha256"] == md["tensors"][name]["sha256"], name
+    d2t = pack_tensor(spec, "d2t")
+    rows = np.arange(len(d2t)) + d2t  # draft row i is target row i + d2t[i]
+    np.testing.assert_array_equal(pack_tensor(spec, "lm_head.weight"), pack_tensor(deep, "lm_head.weight")[rows])
+
+
+def test_nvfp4_draft_export_is_only_repacked(synth_dir, tmp_path, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("quantizer called during an NVFP4-source build")
+
+    monkeypatch.setattr("monolith.pack.convert.formats.quantize_nvfp4", forbidden)
+    pack = build_pack(synth_dir("draft", "deepspec-nvfp4"), tmp_path / "p", quantization="nvfp4")
+    validation = json.loads((pack / "validation.json").read_text())
+    assert validation["round_trip"]["quantized_parts_byte_identical"] >= 12
+
+
+def test_reduced_vocabulary_without_d2t_is_refused(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("draft", "speculators"), tmp_path / "src")
+    for path in src.glob("*.safetensors"):
+        st = SafetensorsFile(path)
+        tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names() if n != "d2t"}
+        write_safetensors(path, tensors)
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].pop("d2t", None)
+        index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="d2t"):
+        build_pack(src, tmp_path / "out")

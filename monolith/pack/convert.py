@@ -13,7 +13,6 @@ from ..checkpoint import Checkpoint
 from .recipe import Entry
 
 FLOAT_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "U32": 4, "U8": 1}
 
 
 def tensor_specs(entry: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -39,7 +38,10 @@ def tensor_specs(entry: Entry) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def entry_nbytes(entry: Entry) -> int:
-    return sum(int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype] for _, dtype, shape in tensor_specs(entry))
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(formats.stfile.STORAGE_DTYPES[dtype]).itemsize
+        for _, dtype, shape in tensor_specs(entry)
+    )
 
 
 def _read_float_rows(ckpt: Checkpoint, entry: Entry, part) -> np.ndarray:
