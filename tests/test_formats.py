@@ -1040,3 +1040,17 @@ def test_dequantize_fp8_scale_shapes():
             dequantize_fp8(codes, bad, name="proj.w")
     with pytest.raises(FormatError, match="2-D"):
         quantize_fp8(np.ones(8, np.float32))
+
+
+def test_quantizer_row_chunking_does_not_change_bytes(monkeypatch):
+    """Large matrices are quantized in row chunks (bounded memory); the tensor scale is
+    still global, so the bytes equal a single-chunk run."""
+    import monolith.formats.nvfp4 as nvfp4
+
+    w = bf16_round(np.random.default_rng(3).standard_t(3, (37, 96)).astype(np.float32))
+    whole = quantize_nvfp4(w)
+    monkeypatch.setattr(nvfp4, "ROW_CHUNK_ELEMENTS", 96 * 5)  # 5 rows per chunk, ragged end
+    chunked = quantize_nvfp4(w)
+    np.testing.assert_array_equal(whole.packed, chunked.packed)
+    np.testing.assert_array_equal(whole.scales, chunked.scales)
+    assert whole.tensor_scale == chunked.tensor_scale

@@ -63,8 +63,11 @@ def e2m1_encode(x: np.ndarray) -> np.ndarray:
     """float -> 4-bit codes, round half to even, saturating at +-6; the sign is kept
     for values that round to zero (tiny negatives give code 8, "-0")."""
     x = np.asarray(x, dtype=np.float32)
-    magnitude = np.minimum(np.abs(x).astype(np.float64), E2M1_MAX)
-    index = _round_to_grid(magnitude, _E2M1_MIDPOINTS).astype(np.uint8)
+    magnitude = np.abs(x)
+    # Count the midpoints below (all exact in float32); on a midpoint, round to the even index.
+    index = np.zeros(x.shape, dtype=np.uint8)
+    for i, mid in enumerate(_E2M1_MIDPOINTS.astype(np.float32)):
+        index += (magnitude >= mid) if i % 2 else (magnitude > mid)
     return index | (np.signbit(x).astype(np.uint8) << 3)
 
 

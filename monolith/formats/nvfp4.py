@@ -23,6 +23,7 @@ from .codecs import (
 )
 
 BLOCK = 16
+ROW_CHUNK_ELEMENTS = 1 << 21
 
 
 class FormatError(ValueError):
@@ -72,7 +73,17 @@ def quantize_nvfp4(weight: np.ndarray, name: str = "tensor") -> NVFP4Weight:
     if not np.all(np.isfinite(w)):
         raise FormatError(f"{name}: contains NaN or infinity; cannot quantize")
     tensor_scale = np.float32(np.max(np.abs(w), initial=0.0)) / np.float32(E2M1_MAX * E4M3_MAX)
+    packed = np.empty((n, k // 2), dtype=np.uint8)
+    scales = np.empty((n, k // BLOCK), dtype=np.uint8)
+    rows = max(1, ROW_CHUNK_ELEMENTS // k)  # bounds the temporaries on large matrices
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        packed[start:stop], scales[start:stop] = _quantize_rows(w[start:stop], tensor_scale)
+    return NVFP4Weight(packed, scales, np.float32(tensor_scale))
 
+
+def _quantize_rows(w: np.ndarray, tensor_scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    n, k = w.shape
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     block_amax = np.max(np.abs(blocks), axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -86,8 +97,7 @@ def quantize_nvfp4(weight: np.ndarray, name: str = "tensor") -> NVFP4Weight:
         x = blocks / divisor[..., None]
     x = np.where(divisor[..., None] == 0, blocks, x)  # an all-zero matrix stays zero
     x = np.clip(x, -E2M1_MAX, E2M1_MAX)
-    codes = e2m1_encode(x).reshape(n, k)
-    return NVFP4Weight(pack_nibbles(codes), scale_codes, np.float32(tensor_scale))
+    return pack_nibbles(e2m1_encode(x).reshape(n, k)), scale_codes
 
 
 def dequantize_nvfp4(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +50,10 @@ def plan_shards(plan: Plan, shard_bytes: int) -> list[list]:
     return shards
 
 
-def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shard: str) -> dict:
+def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shard: str, pool) -> dict:
     """Stream one shard to disk: header first (sizes are known from the plan), then
-    each entry converted and written in turn. Hashes every tensor and the file."""
+    each entry converted and written in turn. Every tensor is hashed on a worker
+    thread while this one writes it and feeds the file hash (hashing releases the GIL)."""
     specs = [spec for entry in entries for spec in tensor_specs(entry)]
     file_hash = hashlib.sha256()
     with open(path, "wb") as f:
@@ -60,14 +62,18 @@ def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shar
         file_hash.update(head)
         size = len(head)
         for entry in entries:
+            pending = []
             for (name, dtype, data), (_, _, shape) in zip(convert_entry(ckpt, entry), tensor_specs(entry)):
                 if tuple(data.shape) != tuple(shape):
                     raise PackError(f"{ckpt.path}: pack entry {name} came out {data.shape}, planned {shape}")
                 raw = memoryview(np.ascontiguousarray(data)).cast("B")
+                pending.append((name, pool.submit(mf.sha256_bytes, raw)))
                 f.write(raw)
                 file_hash.update(raw)
                 size += raw.nbytes
-                tensors[name] = {"dtype": dtype, "shape": list(shape), "shard": shard, "sha256": mf.sha256_bytes(raw)}
+                tensors[name] = {"dtype": dtype, "shape": list(shape), "shard": shard}
+            for name, digest in pending:
+                tensors[name]["sha256"] = digest.result()
     return {"bytes": size, "sha256": file_hash.hexdigest()}
 
 
@@ -142,15 +148,17 @@ def build_pack(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            layout = plan_shards(plan, shard_bytes)
-            tensors: dict = {}
-            shards: dict = {}
-            for index, entries in enumerate(layout):
-                name = mf.shard_name(index, len(layout))
-                shards[name] = write_shard(ckpt, entries, tmp / name, tensors, name)
-                ckpt.release()  # keep resident source pages to about one shard
+            with ThreadPoolExecutor(2) as pool:
+                source_hashes = pool.submit(ckpt.source_files)  # overlaps the conversion
+                layout = plan_shards(plan, shard_bytes)
+                tensors: dict = {}
+                shards: dict = {}
+                for index, entries in enumerate(layout):
+                    name = mf.shard_name(index, len(layout))
+                    shards[name] = write_shard(ckpt, entries, tmp / name, tensors, name, pool)
+                    ckpt.release()  # keep resident source pages to about one shard
+                sources = source_hashes.result()
             aux = copy_aux_files(ckpt, tmp)
-            sources = ckpt.source_files()
             label = {"path": str(ckpt.path)} if Path(str(source)).is_dir() else {"repo": str(source), "revision": revision}
             manifest = _manifest(ckpt, plan, tensors, shards, aux, sources)
             if extra_manifest:

@@ -95,6 +95,8 @@ def convert_entry(ckpt: Checkpoint, entry: Entry) -> list[tuple[str, str, np.nda
     lead = entry.shape[:-2]
     if entry.precision in FLOAT_DTYPES:
         (name, dtype, shape), = specs
+        if len(entry.parts) == 1 and not lead and entry.source_precision == entry.precision:
+            return [(name, dtype, np.asarray(ckpt.read(ckpt.module(entry.parts[0].source).tensors["weight"])))]
         out = np.empty(shape, dtype=formats.stfile.STORAGE_DTYPES[dtype])
         for part in entry.parts:
             target = out[part.expert] if lead else out
