@@ -691,25 +691,33 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse)
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch, no_network):
-    """A Hugging Face cache (models--org--name/{refs,snapshots}) holding REPO at COMMIT."""
+def make_hub_cache(source: Path, cache: Path, monkeypatch) -> Path:
+    """A Hugging Face cache (models--org--name/{blobs,refs,snapshots}) holding the files
+    of `source` as REPO at COMMIT, snapshot files linking into blobs/ as in a real cache."""
     import huggingface_hub.constants
 
-    cache = tmp_path / "hub"
     repo_dir = cache / f"models--{REPO.replace('/', '--')}"
-    write_checkpoint(repo_dir / "snapshots" / COMMIT, modelopt_nvfp4_fmt,
-                     hf_quant={"quantization": {"quant_algo": "NVFP4", "exclude_modules": MODELOPT_EXCLUDES}})
+    snapshot = repo_dir / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
     (repo_dir / "blobs").mkdir()
-    for f in sorted((repo_dir / "snapshots" / COMMIT).iterdir()):  # files are links into blobs/, as in a real cache
+    for f in sorted(source.iterdir()):
         blob = repo_dir / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
-        f.rename(blob)
-        f.symlink_to(Path("../..") / "blobs" / blob.name)
+        blob.write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(Path("../..") / "blobs" / blob.name)
     (repo_dir / "refs").mkdir()
     (repo_dir / "refs" / "main").write_text(COMMIT)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))  # read at import time
-    return repo_dir / "snapshots" / COMMIT
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch, no_network):
+    """A hub cache holding a small ModelOpt NVFP4 checkpoint as REPO at COMMIT."""
+    source = tmp_path / "source"
+    write_checkpoint(source, modelopt_nvfp4_fmt,
+                     hf_quant={"quantization": {"quant_algo": "NVFP4", "exclude_modules": MODELOPT_EXCLUDES}})
+    return make_hub_cache(source, tmp_path / "hub", monkeypatch)
 
 
 def test_resolve_from_offline_cache(hub_cache, monkeypatch):
@@ -786,3 +794,17 @@ def test_resolve_local_dir(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is a file"):
         resolve_checkpoint(str(tmp_path / "file"))
+
+
+def test_pack_builds_from_a_hub_id_offline(synth_dir, tmp_path, monkeypatch, no_network):
+    """The pack path for hub ids: resolved from the local cache, nothing downloaded,
+    and the source identity (repo, revision) recorded."""
+    from monolith.pack import build_pack, read_manifest, resolve_pack
+
+    make_hub_cache(synth_dir("target", "modelopt-nvfp4"), tmp_path / "hub", monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pack = build_pack(REPO, tmp_path / "pack", revision=COMMIT)
+    conversion = json.loads((pack / "conversion.json").read_text())
+    assert conversion["source"] == {"repo": REPO, "revision": COMMIT}
+    cached = resolve_pack(REPO, cache_dir=tmp_path / "cache", local_files_only=True)
+    assert read_manifest(cached)["pack_sha256"] == read_manifest(pack)["pack_sha256"]

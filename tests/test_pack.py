@@ -521,3 +521,11 @@ def test_reduced_vocabulary_without_d2t_is_refused(synth_dir, tmp_path):
         index.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="d2t"):
         build_pack(src, tmp_path / "out")
+
+
+def test_missing_config_field_is_named(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "bf16"), tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["text_config"]["num_hidden_layers"], cfg["text_config"]["layer_types"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), "config.json", "num_hidden_layers")

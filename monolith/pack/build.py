@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from filelock import FileLock
+from tqdm import tqdm
 
 from .. import formats
 from ..checkpoint import Checkpoint, open_checkpoint
@@ -50,7 +51,7 @@ def plan_shards(plan: Plan, shard_bytes: int) -> list[list]:
     return shards
 
 
-def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shard: str, pool) -> dict:
+def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shard: str, pool, progress) -> dict:
     """Stream one shard to disk: header first (sizes are known from the plan), then
     each entry converted and written in turn. Every tensor is hashed on a worker
     thread while this one writes it and feeds the file hash (hashing releases the GIL)."""
@@ -74,6 +75,7 @@ def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shar
                 tensors[name] = {"dtype": dtype, "shape": list(shape), "shard": shard}
             for name, digest in pending:
                 tensors[name]["sha256"] = digest.result()
+            progress.update(entry_nbytes(entry))
     return {"bytes": size, "sha256": file_hash.hexdigest()}
 
 
@@ -148,14 +150,16 @@ def build_pack(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            with ThreadPoolExecutor(2) as pool:
+            layout = plan_shards(plan, shard_bytes)
+            total = sum(entry_nbytes(e) for e in plan.entries)
+            with ThreadPoolExecutor(2) as pool, tqdm(total=total, unit="B", unit_scale=True, desc=f"packing {out.name}",
+                                                     disable=None, leave=False) as progress:
                 source_hashes = pool.submit(ckpt.source_files)  # overlaps the conversion
-                layout = plan_shards(plan, shard_bytes)
                 tensors: dict = {}
                 shards: dict = {}
                 for index, entries in enumerate(layout):
                     name = mf.shard_name(index, len(layout))
-                    shards[name] = write_shard(ckpt, entries, tmp / name, tensors, name, pool)
+                    shards[name] = write_shard(ckpt, entries, tmp / name, tensors, name, pool, progress)
                     ckpt.release()  # keep resident source pages to about one shard
                 sources = source_hashes.result()
             aux = copy_aux_files(ckpt, tmp)

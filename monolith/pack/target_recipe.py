@@ -14,7 +14,7 @@ weight as F32.
 from __future__ import annotations
 
 from ..checkpoint import Checkpoint
-from .recipe import Plan, Planner
+from .recipe import PackError, Plan, Planner
 
 ZERO_CENTRED = "zero-centred RMSNorm weight stored as 1 + w in F32"
 SKIP = (
@@ -28,9 +28,13 @@ def source_prefix(ckpt: Checkpoint) -> str:
     for prefix in ("model.language_model.", "model."):
         if ckpt.has(prefix + "embed_tokens.weight"):
             return prefix
-    from .recipe import PackError
-
     raise PackError(f"{ckpt.path}: no embed_tokens.weight under model.language_model. or model.")
+
+
+def config_field(ckpt: Checkpoint, name: str):
+    if name not in ckpt.text_config:
+        raise PackError(f"{ckpt.path / 'config.json'}: the text config has no field {name}")
+    return ckpt.text_config[name]
 
 
 def plan_target(ckpt: Checkpoint, quantization: str) -> Plan:
@@ -43,7 +47,7 @@ def plan_target(ckpt: Checkpoint, quantization: str) -> Plan:
     p.linear("model.embed_tokens", [src + "embed_tokens"], plan)
     layer_types = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention"
-        for i in range(cfg["num_hidden_layers"])
+        for i in range(config_field(ckpt, "num_hidden_layers"))
     ]
     for i, kind in enumerate(layer_types):
         s, d = f"{src}layers.{i}.", f"model.layers.{i}."
@@ -73,7 +77,7 @@ def plan_target(ckpt: Checkpoint, quantization: str) -> Plan:
                 p.fused_experts(n + "experts.gate_up", m + "experts.gate_up_proj", 2, plan)
                 p.fused_experts(n + "experts.down", m + "experts.down_proj", 1, plan)
             else:
-                count = cfg["num_experts"]
+                count = config_field(ckpt, "num_experts")
                 p.experts(n + "experts.gate_up",
                           [[f"{m}experts.{e}.gate_proj", f"{m}experts.{e}.up_proj"] for e in range(count)], plan)
                 p.experts(n + "experts.down", [[f"{m}experts.{e}.down_proj"] for e in range(count)], plan)
