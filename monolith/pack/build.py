@@ -75,6 +75,7 @@ def write_shard(ckpt: Checkpoint, entries: list, path: Path, tensors: dict, shar
                 tensors[name] = {"dtype": dtype, "shape": list(shape), "shard": shard}
             for name, digest in pending:
                 tensors[name]["sha256"] = digest.result()
+            ckpt.release()  # unmap the source: resident memory stays about one entry
             progress.update(entry_nbytes(entry))
     return {"bytes": size, "sha256": file_hash.hexdigest()}
 
@@ -160,7 +161,6 @@ def build_pack(
                 for index, entries in enumerate(layout):
                     name = mf.shard_name(index, len(layout))
                     shards[name] = write_shard(ckpt, entries, tmp / name, tensors, name, pool, progress)
-                    ckpt.release()  # keep resident source pages to about one shard
                 sources = source_hashes.result()
             aux = copy_aux_files(ckpt, tmp)
             label = {"path": str(ckpt.path)} if Path(str(source)).is_dir() else {"repo": str(source), "revision": revision}
