@@ -27,6 +27,7 @@ from monolith.pack import (
     unpack_pack,
     verify_pack,
 )
+from monolith.pack.manifest import lock_path
 
 TARGET_FORMATS = ["bf16", "modelopt-nvfp4", "modelopt-mixed", "compressed-tensors", "compressed-tensors-mixed"]
 
@@ -414,7 +415,7 @@ def test_existing_pack_is_not_overwritten_without_force(built):
 
 def test_build_waits_for_the_lock(synth_dir, tmp_path):
     out = tmp_path / "out"
-    lock = FileLock(str(out) + ".lock")
+    lock = FileLock(lock_path(out))
     lock.acquire()
     thread = threading.Thread(target=build_pack, args=(synth_dir("target", "bf16"), out))
     thread.start()

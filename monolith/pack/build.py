@@ -137,7 +137,7 @@ def build_pack(
     """Build a pack at `out` from a checkpoint (local dir or hub id). Returns `out`."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
+    with FileLock(mf.lock_path(out)):
         if out.exists() and not force:
             raise PackError(f"{out}: already exists (use --force to replace it)")
         ckpt = open_checkpoint(str(source), revision=revision, local_files_only=local_files_only)

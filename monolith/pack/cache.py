@@ -55,7 +55,7 @@ def resolve_pack(
     out = Path(cache_dir or cache_root()) / f"{slug}-{role or 'auto'}-{quantization}"
     stamp = out / CACHE_KEY_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".cache.lock"):  # check, build and stamp as one step
+    with FileLock(mf.lock_path(out, "cache")):  # check, build and stamp as one step
         if stamp.is_file() and stamp.read_text() == key and mf.is_pack(out):
             return out
         build_pack(path, out, role=role, quantization=quantization, force=True)

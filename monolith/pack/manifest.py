@@ -78,5 +78,11 @@ def read_manifest(pack_dir: Path) -> dict:
     return manifest
 
 
+def lock_path(out: Path, purpose: str = "build") -> str:
+    """A hidden lock file beside `out` (left in place after use, as lock files must be)."""
+    out = Path(out)
+    return str(out.parent / f".{out.name}.{purpose}.lock")
+
+
 def is_pack(path: Path) -> bool:
     return (Path(path) / MANIFEST).is_file()

@@ -115,7 +115,7 @@ def unpack_pack(pack_dir, out, force: bool = False) -> Path:
     manifest = mf.read_manifest(pack)
     reader = PackTensors(pack, manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
+    with FileLock(mf.lock_path(out)):
         if out.exists() and not force:
             raise PackError(f"{out}: already exists (use --force to replace it)")
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
