@@ -117,7 +117,11 @@ def tokenizer_json() -> str:
         special_tokens=[],
     )
     tok.train_from_iterator(corpus.splitlines(keepends=True), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=t not in TEXT_TAGS, normalized=False) for t in SPECIAL_TOKENS])
+    for t in SPECIAL_TOKENS:  # one at a time keeps the ids in order
+        if t in TEXT_TAGS:  # add_special_tokens would mark them special and decoding would drop them
+            tok.add_tokens([AddedToken(t, special=False, normalized=False)])
+        else:
+            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
     return json.dumps(json.loads(tok.to_str()), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 

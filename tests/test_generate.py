@@ -1,0 +1,527 @@
+"""Plain decoding (monolith.runtime.decode), the tokenizer (monolith.tokenizer) and
+`python -m monolith.generate`: against a fake bigram model, transformers' chat
+template rendering, subprocess argument errors, and one test with the real model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from monolith.generate import main
+from monolith.runtime.decode import ContextLengthError, GenerationResult, generate
+from monolith.runtime.sampling import SamplingParams, key_chain, sample
+from monolith.tokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
+
+EOS = 402  # <|im_end|> in the synthetic tokenizer; generation_config adds 400 (<|endoftext|>)
+VOCAB = 512  # the tiny synthetic target's vocab_size (the tokenizer has 410 tokens)
+
+
+# ------------------------------------------------------------------ a fake model with the real interface
+
+
+@dataclass
+class FakeArgs:
+    vocab_size: int
+    eos_token_id: object
+
+
+class FakeCache:
+    def __init__(self, max_context):
+        self.max_context = max_context
+        self.offset = 0
+
+
+class FakeModel:
+    """Bigram model: the logits after token t are row t of a fixed random table.
+    Records every call so tests can check what the decode loop did."""
+
+    def __init__(self, vocab=VOCAB, seed=0, eos=EOS, forced=None):
+        table = np.random.default_rng(seed).standard_normal((vocab, vocab)).astype(np.float32) * 3
+        for prev, nxt in (forced or {}).items():  # greedy decoding follows these edges
+            table[prev, nxt] = 100.0
+        self.table_np = table
+        self.table = mx.array(table)
+        self.args = FakeArgs(vocab, eos)
+        self.caches: list[FakeCache] = []
+        self.prefills: list[tuple[list[int], int]] = []
+        self.steps = 0
+
+    def make_cache(self, max_context):
+        self.caches.append(FakeCache(max_context))
+        return self.caches[-1]
+
+    def __call__(self, tokens, cache, taps=None):
+        assert tokens.ndim == 1 and tokens.dtype == mx.int32
+        cache.offset += tokens.shape[0]
+        assert cache.offset <= cache.max_context, "cache overflow"
+        return self.table[tokens], None
+
+    def prefill(self, tokens, cache, chunk_size=512):
+        self.prefills.append((np.array(tokens).tolist(), chunk_size))
+        for start in range(0, tokens.shape[0], chunk_size):
+            logits, _ = self(tokens[start : start + chunk_size], cache)
+        return logits[-1]
+
+    def greedy_chain(self, last, n):
+        out = []
+        for _ in range(n):
+            last = int(self.table_np[last].argmax())
+            out.append(last)
+        return out
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    from monolith.pack import build_pack
+    from monolith.synth import write_target
+
+    root = tmp_path_factory.mktemp("gen")
+    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+
+
+@pytest.fixture(scope="module")
+def tok(pack_dir):
+    return load_tokenizer(pack_dir)
+
+
+# ------------------------------------------------------------------ decode loop
+
+
+def test_greedy_follows_the_argmax_chain():
+    model = FakeModel()
+    seen = []
+    result = generate(model, [5, 6, 7], 12, SamplingParams(), {EOS}, 64, on_token=seen.append)
+    want = model.greedy_chain(7, 12)
+    assert EOS not in want
+    assert isinstance(result, GenerationResult)
+    assert result.token_ids == want == seen
+    assert result.finish_reason == "length" and result.prompt_tokens == 3
+    assert model.prefills == [([5, 6, 7], 512)]
+    assert result.prefill_seconds > 0 and result.decode_seconds > 0
+    assert result.prefill_tok_s > 0 and result.decode_tok_s > 0 and result.decode_steps == 11
+
+
+def test_stop_token_ends_generation_and_is_not_output():
+    model = FakeModel(forced={2: 9, 9: EOS})
+    seen = []
+    result = generate(model, [1, 2], 100, SamplingParams(), [EOS], 128, on_token=seen.append)
+    assert result.token_ids == seen == [9] and result.finish_reason == "stop"
+    assert result.decode_steps == 1
+
+
+def test_stop_right_after_the_prompt_gives_no_tokens():
+    model = FakeModel(forced={9: EOS})
+    seen = []
+    result = generate(model, [1, 9], 10, SamplingParams(), [EOS], 16, on_token=seen.append)
+    assert result.token_ids == [] == seen and result.finish_reason == "stop"
+    assert result.decode_tok_s == 0.0
+
+
+def test_stop_mid_generation():
+    model = FakeModel()
+    chain = model.greedy_chain(7, 5)
+    stop = chain[3]
+    result = generate(model, [7], 50, SamplingParams(), [stop, EOS], 64)
+    assert result.token_ids == chain[: chain.index(stop)] and result.finish_reason == "stop"
+
+
+def test_context_full_finishes_with_length():
+    model = FakeModel()
+    result = generate(model, [1, 2, 3, 4], 100, SamplingParams(), [EOS], 7)
+    assert len(result.token_ids) == 3  # prompt + output == max_context
+    assert result.finish_reason == "length"
+    assert model.caches[0].offset <= 7 and model.caches[0].max_context == 7
+    one = generate(FakeModel(), [1, 2, 3, 4], 100, SamplingParams(), [EOS], 5)
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+
+
+def test_prompt_too_long_fails_before_any_work():
+    model = FakeModel()
+    with pytest.raises(ContextLengthError, match=r"prompt is 8 tokens but max_context is 8") as e:
+        generate(model, list(range(8)), 10, SamplingParams(), [EOS], 8)
+    assert (e.value.prompt_tokens, e.value.max_context) == (8, 8)
+    assert model.caches == [] and model.prefills == []
+
+
+def test_prefill_chunk_size_reaches_the_model():
+    model = FakeModel()
+    generate(model, list(range(10)), 2, SamplingParams(), [EOS], 64, prefill_chunk_size=3)
+    assert model.prefills == [(list(range(10)), 3)]
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens, chunk, match",
+    [
+        ([], 4, 512, "empty"),
+        ([1, VOCAB], 4, 512, f"token id {VOCAB} is out of range for a vocabulary of {VOCAB}"),
+        ([-1], 4, 512, "token id -1"),
+        ([1], 0, 512, "max_tokens"),
+        ([1], 4, 0, "prefill_chunk_size"),
+    ],
+)
+def test_bad_arguments(prompt, max_tokens, chunk, match):
+    model = FakeModel()
+    with pytest.raises(ValueError, match=match):
+        generate(model, prompt, max_tokens, SamplingParams(), [EOS], 64, prefill_chunk_size=chunk)
+    assert model.caches == []
+
+
+def test_sampling_equals_a_hand_rolled_loop_with_the_same_key_chain():
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=21)
+    model = FakeModel()
+    result = generate(model, [4, 2], 15, params, [], 64)
+    keys, token, want = key_chain(21), 2, []
+    for _ in range(15):
+        token = sample(model.table[token], params, next(keys)).item()
+        want.append(token)
+    assert result.token_ids == want
+    again = generate(FakeModel(), [4, 2], 15, params, [], 64)
+    other = generate(FakeModel(), [4, 2], 15, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=22), [], 64)
+    assert again.token_ids == want != other.token_ids
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def test_tokenizer_ids_and_special_tokens(tok):
+    assert tok.eos_token_ids == (402, 400)  # generation_config first, then config / tokenizer_config
+    assert tok.special_tokens["eos_token"] == "<|im_end|>" and tok.special_tokens["bos_token"] is None
+    text = "def f(x):\n    return x  # naïve 日本語 🙂"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.encode("<|im_start|>hi") [0] == tok.token_to_id("<|im_start|>") == 401
+    assert tok.decode([401, *tok.encode("hi"), 402]) == "hi"
+    assert tok.decode([401, *tok.encode("hi")], skip_special_tokens=False) == "<|im_start|>hi"
+    assert tok.decode([450, *tok.encode("a"), 511]) == "a"  # ids past the tokenizer (vocab padding)
+
+
+def test_chat_template_matches_transformers(tok, pack_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(pack_dir))
+    function = {"name": "get", "description": "é — ü", "parameters": {"type": "object"}}
+    tools = [{"type": "function", "function": function}]
+    conversations = [
+        [{"role": "user", "content": "Hello there"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": [{"type": "text", "text": "and 3+3?"}]}],
+        [{"role": "user", "content": "weather?"},
+         {"role": "assistant", "content": "",
+          "tool_calls": [{"function": {"name": "get", "arguments": {"city": "Zürich"}}}]},
+         {"role": "tool", "content": "sunny"}],
+    ]
+    for messages in conversations:
+        for kwargs in ({}, {"tools": tools}, {"enable_thinking": False}):
+            want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            assert tok.apply_chat_template(messages, **kwargs) == want
+            assert tok.encode_chat(messages, **kwargs) == hf.encode(want, add_special_tokens=False)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def write_tokenizer_dir(tmp_path, pack_dir, template=None, template_file=None, **config_updates) -> Path:
+    d = tmp_path / "tok"
+    d.mkdir(parents=True)
+    shutil.copy(Path(pack_dir) / "tokenizer.json", d)
+    config = json.loads((Path(pack_dir) / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    config.update(config_updates)
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    if template_file is not None:
+        (d / "chat_template.jinja").write_text(template_file)
+    return d
+
+
+def test_chat_template_sources(tmp_path, pack_dir):
+    msgs = [{"role": "user", "content": "x"}]
+    both = load_tokenizer(write_tokenizer_dir(tmp_path / "a", pack_dir, "config", "file"))
+    assert both.apply_chat_template(msgs) == "file"  # chat_template.jinja wins, as in transformers
+    templates = [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]
+    named = load_tokenizer(write_tokenizer_dir(tmp_path / "b", pack_dir, templates))
+    assert named.apply_chat_template(msgs) == "d"
+    none = load_tokenizer(write_tokenizer_dir(tmp_path / "c", pack_dir))
+    assert none.eos_token_ids == (402,)  # no generation_config / config.json here
+    with pytest.raises(TokenizerError, match="no chat template"):
+        none.apply_chat_template(msgs)
+
+
+def test_chat_template_globals_and_sandbox(tmp_path, pack_dir):
+    template = (
+        "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('role bad is not allowed') }}{% endif %}"
+        "{% if loop.index > 2 %}{% break %}{% endif %}{{ m | tojson }}|{% endfor %}"
+        "{{ eos_token }}{{ strftime_now('%Y') | length }}{{ add_generation_prompt }}{{ extra }}"
+    )
+    tok = load_tokenizer(write_tokenizer_dir(tmp_path, pack_dir, template))
+    msgs = [{"role": "user", "content": "ü"}, {"role": "user", "content": "b"}, {"role": "user", "content": "c"}]
+    assert tok.apply_chat_template(msgs, extra=7) == (
+        '{"role": "user", "content": "ü"}|{"role": "user", "content": "b"}|<|im_end|>4True7'
+    )
+    with pytest.raises(TokenizerError, match="role bad is not allowed"):
+        tok.apply_chat_template([{"role": "bad", "content": ""}])
+    for escape in ("{{ messages.append(1) }}", "{{ ''.__class__.__mro__[1].__subclasses__() }}"):
+        unsafe = load_tokenizer(write_tokenizer_dir(tmp_path / str(len(escape)), pack_dir, escape))
+        with pytest.raises(TokenizerError, match="chat template"):
+            unsafe.apply_chat_template(msgs)
+    broken = load_tokenizer(write_tokenizer_dir(tmp_path / "broken", pack_dir, "{% if %}"))
+    with pytest.raises(TokenizerError, match="does not parse"):
+        broken.apply_chat_template(msgs)
+
+
+def test_missing_or_corrupt_tokenizer(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_synth_tokenizer_keeps_text_tags_in_decoded_text(tok):
+    """Bug report for monolith.synth (not this module): its tokenizer_config.json marks
+    <think>, <tool_call>... non-special (as Qwen does), but tokenizer.json marks them
+    special because `Tokenizer.add_special_tokens` forces special=True on every
+    AddedToken. Decoding with skip_special_tokens (the default everywhere) then drops
+    the reasoning and tool-call tags from generated text. Fix: add the text tags with
+    `add_tokens` instead."""
+    think = tok.token_to_id("<think>")
+    assert tok.decode([think, *tok.encode("hm")]) == "<think>hm"
+
+
+# ------------------------------------------------------------------ incremental detokenization
+
+
+def stream(tok, ids, **kw):
+    detok = IncrementalDetokenizer(tok, **kw)
+    pieces = [detok.add(t) for t in ids]
+    return pieces, detok.flush()
+
+
+def test_detokenizer_releases_only_complete_characters(tok):
+    text = "naïve → 日本語 🙂 ok"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.encode()) // 2  # the multi-byte characters are split over byte tokens
+    pieces, rest = stream(tok, ids)
+    assert "".join(pieces) + rest == text and rest == ""
+    assert not any(REPLACEMENT_CHAR in p for p in pieces)
+    held = 0
+    for n in range(1, len(ids) + 1):  # every character comes out with the token that completes it
+        prefix = tok.decode(ids[:n])
+        if prefix.endswith(REPLACEMENT_CHAR):
+            held += 1
+        else:
+            assert "".join(pieces[:n]) == prefix
+    assert held >= 5  # the test text does split characters across tokens
+
+
+def test_detokenizer_special_tokens_and_flush(tok):
+    ids = [401, *tok.encode("ab"), 402, *tok.encode(" c")]
+    pieces, rest = stream(tok, ids)
+    assert "".join(pieces) + rest == "ab c"
+    pieces, rest = stream(tok, ids, skip_special_tokens=False)
+    assert "".join(pieces) + rest == "<|im_start|>ab<|im_end|> c"
+    partial = tok.encode("日")[:-1]  # an incomplete character is held back until flush
+    pieces, rest = stream(tok, tok.encode("x") + partial)
+    assert "".join(pieces) == "x" and rest.startswith(REPLACEMENT_CHAR)
+
+
+# ------------------------------------------------------------------ CLI, in process with the fake model
+
+
+def run_cli(capsys, argv, model=None):
+    model = model or FakeModel()
+    loaded = []
+
+    def load(pack, dtype):
+        loaded.append((Path(pack), dtype))
+        return model
+
+    code = main(argv, load=load)
+    out, err = capsys.readouterr()
+    return code, out, err, loaded
+
+
+def test_cli_json_with_prompt_ids(capsys, pack_dir, tok):
+    model = FakeModel()
+    code, out, err, loaded = run_cli(capsys, ["--model", str(pack_dir), "--prompt-ids", "5, 6,7", "--max-tokens", "9",
+                                              "--json", "--dtype", "float32"], model)
+    assert code == 0, err
+    assert loaded == [(Path(pack_dir), "float32")]
+    doc = json.loads(out)
+    want = model.greedy_chain(7, 9)
+    assert doc["token_ids"] == want and doc["text"] == tok.decode(want)
+    assert doc["finish_reason"] == "length" and doc["prompt_tokens"] == 3
+    stats = doc["stats"]
+    assert set(stats) == {"prefill_tok_s", "decode_tok_s", "prefill_seconds", "decode_seconds",
+                          "rounds", "accepted_per_round", "per_position_acceptance"}
+    assert stats["rounds"] is stats["accepted_per_round"] is stats["per_position_acceptance"] is None
+    assert stats["prefill_tok_s"] > 0 and stats["decode_seconds"] > 0
+    assert model.prefills == [([5, 6, 7], 512)] and model.caches[0].max_context == 32768
+
+
+def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):
+    model = FakeModel()
+    code, out, err, _ = run_cli(capsys, ["--model", str(pack_dir), "--chat", "Hello there", "--max-tokens", "20",
+                                         "--prefill-chunk-size", "4", "--max-context", "100"], model)
+    assert code == 0, err
+    prompt = tok.encode_chat([{"role": "user", "content": "Hello there"}])
+    assert model.prefills == [(prompt, 4)]
+    want = model.greedy_chain(prompt[-1], 20)
+    assert out == tok.decode(want) + "\n"
+    assert err.count("\n") == 1 and f"prompt: {len(prompt)} tokens" in err and "generated: 20 tokens" in err
+    assert "tok/s" in err
+
+
+def test_cli_raw_prompt_sampled_with_seed(capsys, pack_dir, tok):
+    argv = ["--model", str(pack_dir), "--prompt", "The cat", "--max-tokens", "12", "--json",
+            "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--min-p", "0.01", "--seed", "5"]
+    outs = [json.loads(run_cli(capsys, argv)[1]) for _ in range(2)]
+    other = json.loads(run_cli(capsys, argv[:-1] + ["6"])[1])
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] != other["token_ids"]
+    assert outs[0]["prompt_tokens"] == len(tok.encode("The cat"))
+
+
+def test_cli_stops_at_any_eos_id(capsys, pack_dir):
+    model = FakeModel(eos=400, forced={9: 400})  # 400 is an eos id of generation_config only
+    code, out, _, _ = run_cli(capsys, ["--model", str(pack_dir), "--prompt-ids", "9", "--json"], model)
+    assert code == 0 and json.loads(out)["finish_reason"] == "stop" and json.loads(out)["token_ids"] == []
+
+
+def test_cli_model_errors_are_one_line(capsys, pack_dir):
+    def broken(pack, dtype):
+        raise RuntimeError("shard model-00001 is truncated\nat offset 12")
+
+    code = main(["--model", str(pack_dir), "--prompt-ids", "1"], load=broken)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert err == "error: RuntimeError: shard model-00001 is truncated at offset 12\n"
+    code, out, err, _ = run_cli(capsys, ["--model", str(pack_dir), "--prompt-ids", "1,512"])
+    assert code == 1 and err.startswith("error: prompt token id 512 is out of range") and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ CLI argument errors, as a subprocess
+
+
+def cli(*args, env=None):
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "monolith.generate", *args], capture_output=True, text=True,
+                          env=full_env, timeout=120, check=False)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", "hi"], "the following arguments are required: --model"),
+        (["--model", "m"], "one of the arguments --prompt --prompt-ids --chat is required"),
+        (["--model", "m", "--prompt", "a", "--chat", "b"], "not allowed with argument"),
+        (["--model", "m", "--prompt", "a", "--draft", "d"], "speculative decoding (--draft) is not available yet"),
+        (["--model", "m", "--prompt", "a", "--draft", "d", "--spec-sched", "cost"], "(--draft) is not available yet"),
+        (["--model", "m", "--prompt", "a", "--spec-sched", "cost", "--draft-block-size", "4"],
+         "--draft-block-size, --spec-sched only apply with --draft"),
+        (["--model", "m", "--prompt", "a", "--draft-quantization", "none"],
+         "--draft-quantization only apply with --draft"),
+        (["--model", "m", "--prompt", "a", "--spec-sched", "bogus"], "invalid choice: 'bogus'"),
+        (["--model", "m", "--prompt", "a", "--temperature", "-1"], "temperature must be"),
+        (["--model", "m", "--prompt", "a", "--top-p", "0"], "top_p must be"),
+        (["--model", "m", "--prompt", "a", "--top-k", "x"], "invalid int value"),
+        (["--model", "m", "--prompt", "a", "--min-p", "1"], "min_p must be"),
+        (["--model", "m", "--prompt", "a", "--seed", "-3"], "seed must be"),
+        (["--model", "m", "--prompt", "a", "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--model", "m", "--prompt", "a", "--dtype", "float16"], "invalid choice: 'float16'"),
+        (["--model", "m", "--prompt-ids", "1,x,3"], "--prompt-ids must be comma-separated token ids"),
+        (["--model", "m", "--prompt-ids", "1,-2"], "--prompt-ids must be comma-separated token ids"),
+        (["--model", "/nonexistent/model/dir", "--prompt", "a"], "/nonexistent/model/dir"),
+    ],
+)
+def test_cli_argument_errors(args, message):
+    proc = cli(*args)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_prompt_too_long_and_corrupt_pack(pack_dir, tmp_path):
+    proc = cli("--model", str(pack_dir), "--prompt-ids", "1,2,3", "--max-context", "3")
+    assert proc.returncode == 1 and proc.stderr == (
+        "error: prompt is 3 tokens but max_context is 3: the prompt plus at least one generated token must fit\n"
+    )
+    chat = cli("--model", str(pack_dir), "--chat", "hello " * 50, "--max-context", "20")
+    assert chat.returncode == 1 and "but max_context is 20" in chat.stderr
+    bad = tmp_path / "bad.pack"
+    shutil.copytree(pack_dir, bad)
+    (bad / "tokenizer.json").write_text("{")
+    proc = cli("--model", str(bad), "--prompt", "hi")
+    assert proc.returncode == 1 and "tokenizer.json" in proc.stderr and proc.stderr.count("\n") == 1
+    (bad / "manifest.json").write_text("{")
+    proc = cli("--model", str(bad), "--prompt", "hi")
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_cli_help_exits_zero():
+    proc = cli("--help")
+    assert proc.returncode == 0 and "--prompt-ids" in proc.stdout and "--spec-sched" in proc.stdout
+
+
+# ------------------------------------------------------------------ integration with the real model
+
+
+def test_cli_with_the_real_model_on_a_synth_pack(tmp_path):
+    models = pytest.importorskip("monolith.models")
+    target = tmp_path / "target"
+    subprocess.run([sys.executable, "-m", "monolith.synth", "target", "--out", str(target)], check=True,
+                   capture_output=True)
+    env = {"MONOLITH_CACHE": str(tmp_path / "cache")}
+    prompt = [401, 316, 265, 198, 71, 72, 402, 198, 401]
+    base = ["--model", str(target), "--prompt-ids", ",".join(map(str, prompt)), "--json", "--dtype", "float32",
+            "--max-tokens", "10"]
+
+    def run(*extra):
+        proc = cli(*base, *extra, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    greedy = run()
+    assert greedy["prompt_tokens"] == len(prompt) and greedy["token_ids"]
+    assert run()["token_ids"] == greedy["token_ids"]
+
+    # the same greedy tokens from a hand-rolled loop over the model (one full forward, then one token at a time)
+    from monolith.pack import resolve_pack
+
+    pack = resolve_pack(str(target), role="target", cache_dir=tmp_path / "cache2")
+    model = models.load_model(pack, dtype="float32")
+    stops = set(load_tokenizer(pack).eos_token_ids)
+    cache = model.make_cache(64)
+    logits, _ = model(mx.array(prompt, dtype=mx.int32), cache)
+    want = []
+    while len(want) < 10:
+        token = int(mx.argmax(logits[-1]).item())
+        if token in stops:
+            break
+        want.append(token)
+        logits, _ = model(mx.array([token], dtype=mx.int32), cache)
+    assert greedy["token_ids"] == want
+    assert greedy["finish_reason"] == ("length" if len(want) == 10 else "stop")
+
+    full = run("--max-context", str(len(prompt) + 3))  # the real cache at its limit
+    assert full["token_ids"] == want[:3] and full["finish_reason"] == ("length" if len(want) >= 3 else "stop")
+
+    sampled = run("--temperature", "1.0", "--seed", "3")
+    assert run("--temperature", "1.0", "--seed", "3")["token_ids"] == sampled["token_ids"]
+    assert run("--temperature", "1.0", "--seed", "4")["token_ids"] != sampled["token_ids"]
