@@ -1,0 +1,6 @@
+"""MLX models read from packs: the Qwen3.5/3.6 hybrid target (dense and MoE)."""
+
+from .loading import MODELS, PackWeights, load_model
+from .qwen3_5 import ConfigError, ModelArgs, Qwen3_5, Qwen3_5Moe
+
+__all__ = ["MODELS", "ConfigError", "ModelArgs", "PackWeights", "Qwen3_5", "Qwen3_5Moe", "load_model"]

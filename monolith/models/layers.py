@@ -1,0 +1,172 @@
+"""Building blocks that read pack entries as stored: linears in every pack precision
+(including fused groups split by precision), the embedding gather, stacked experts,
+and the norms. Weights stay in pack precision; activations are the compute dtype.
+
+Pack precisions and the MLX op that consumes them (formats.md 4):
+  nvfp4  uint32 words [N, K/8], E4M3 scales [N, K/16]  -> mode="nvfp4"
+  fp8    uint32 words [N, K/4], E8M0 scales = 1.0       -> mode="mxfp8"
+  bf16 / f16 / f32 matrix [N, K]                      -> plain matmul
+Quantized entries carry an F32 per-row tensor scale that multiplies the output.
+Experts use the gather forms (gather_qmm / gather_mm) of the same ops.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# pack precision -> (mode, group_size, bits) of MLX's quantized ops
+QUANT_MODES = {"nvfp4": ("nvfp4", 16, 4), "fp8": ("mxfp8", 32, 8)}
+# gather_qmm/gather_mm run faster on expert-sorted rows once there are this many
+SORT_THRESHOLD = 64
+
+
+def cast(x: mx.array, dtype) -> mx.array:
+    """astype that adds no graph node when the dtype already matches."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """Zero-centred RMSNorm with the stored (1 + w) in F32: computed in F32 (MLX
+    promotes to the F32 weight), cast back to x's dtype."""
+    return cast(mx.fast.rms_norm(x, weight, eps), x.dtype)
+
+
+@mx.compile
+def gated_rms_norm(o: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """GDN output norm: rmsnorm(o) * w * silu(z) in F32 (plain weight w, F32)."""
+    z = z.astype(mx.float32)
+    return mx.fast.rms_norm(o.astype(mx.float32), weight, eps) * (z * mx.sigmoid(z))
+
+
+@mx.compile
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+@mx.compile
+def swiglu(gate_up: mx.array) -> mx.array:
+    """silu(gate) * up from a fused [..., 2I] gate|up output."""
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    return gate * mx.sigmoid(gate) * up
+
+
+class _PackMatrix:
+    """Arrays of one linear or experts entry, and the activation dtype its kernel takes.
+
+    MLX 0.32's CPU kernels accumulate quantized matmuls in the activation dtype (a BF16
+    NVFP4 GEMV at K=1024 is ~1% off) and run gather_mm only in F32, so on the CPU those
+    kernels get F32 activations and the result is cast back; Metal takes the compute
+    dtype as it is. The per-row tensor scale is applied in the kernel dtype (in BF16 its
+    rounding, at most 2^-9, is one more rounding of the output)."""
+
+    def __init__(self, weight, precision, scales=None, tensor_scale=None, shape=None, dtype=mx.float32,
+                 gather=False):
+        self.weight = weight
+        self.precision = precision
+        self.scales = scales
+        self.mode = QUANT_MODES.get(precision)
+        self.shape = tuple(shape) if shape is not None else tuple(weight.shape)  # logical ([E,] N, K)
+        on_cpu = mx.default_device() == mx.cpu
+        self.kernel_dtype = mx.float32 if on_cpu and (self.mode or gather) else dtype
+        self.tensor_scale = None if tensor_scale is None else cast(tensor_scale, self.kernel_dtype)
+
+
+class Linear(_PackMatrix):
+    """One pack linear entry: y = x @ W^T, times the per-row tensor scale when quantized.
+    The output has x's dtype."""
+
+    def __init__(self, weight, precision, scales=None, tensor_scale=None, shape=None, dtype=mx.float32):
+        super().__init__(weight, precision, scales, tensor_scale, shape, dtype)
+        if self.mode is None:
+            self.weight_t = weight.T  # a view; matmul reads it transposed
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.mode is None:
+            return cast(x @ self.weight_t, x.dtype)
+        mode, group_size, bits = self.mode
+        y = mx.quantized_matmul(cast(x, self.kernel_dtype), self.weight, self.scales, transpose=True,
+                                group_size=group_size, bits=bits, mode=mode)
+        return cast(y * self.tensor_scale, x.dtype)
+
+
+class FusedLinear:
+    """A fused group whose members differ in precision, stored as NAME.0, NAME.1, ...:
+    concatenating the parts' outputs in index order gives the whole fused output."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        self.shape = (sum(p.out_features for p in parts), parts[0].shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([p(x) for p in self.parts], axis=-1)
+
+
+class Embedding:
+    """Row gather from an embedding stored like a linear entry (BF16, or quantized rows
+    dequantized after the gather and scaled by their row tensor scale)."""
+
+    def __init__(self, table: Linear, dtype):
+        self.table = table
+        self.dtype = dtype
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        t = self.table
+        if t.mode is None:
+            return cast(t.weight[tokens], self.dtype)
+        mode, group_size, bits = t.mode
+        rows = mx.dequantize(t.weight[tokens], t.scales[tokens], group_size=group_size, bits=bits, mode=mode,
+                             dtype=mx.float32)
+        return cast(rows * t.tensor_scale[tokens][:, None], self.dtype)
+
+
+class Experts(_PackMatrix):
+    """A stacked experts entry [E, N, K] applied to per-row expert ids."""
+
+    def __init__(self, weight, precision, scales=None, tensor_scale=None, shape=None, dtype=mx.float32):
+        super().__init__(weight, precision, scales, tensor_scale, shape, dtype, gather=True)
+        if self.mode is None:  # on the CPU an F32 copy (see _PackMatrix), not kept twice
+            self.weight = cast(weight, self.kernel_dtype)
+            self.weight_t = self.weight.swapaxes(-1, -2)
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        """x [..., 1, K] broadcast against indices [...] -> [..., 1, N]."""
+        xk = cast(x, self.kernel_dtype)
+        if self.mode is None:
+            y = mx.gather_mm(xk, self.weight_t, rhs_indices=indices, sorted_indices=sorted_indices)
+            return cast(y, x.dtype)
+        mode, group_size, bits = self.mode
+        y = mx.gather_qmm(xk, self.weight, self.scales, rhs_indices=indices, transpose=True, group_size=group_size,
+                          bits=bits, mode=mode, sorted_indices=sorted_indices)
+        return cast(y * mx.expand_dims(self.tensor_scale[indices], -2), x.dtype)
+
+
+class SwitchGLU:
+    """Routed experts: down(silu(gate(x)) * up(x)) for each of the top-k experts of a row."""
+
+    def __init__(self, gate_up: Experts, down: Experts):
+        self.gate_up = gate_up
+        self.down = down
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [T, H], indices [T, k] -> [T, k, H]."""
+        t, k = indices.shape
+        if t * k >= SORT_THRESHOLD:
+            # group rows by expert so each expert's weights are read once
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            xs = mx.expand_dims(x[order // k], -2)  # [T*k, 1, H]
+            ids = flat[order]
+            y = self.down(swiglu(self.gate_up(xs, ids, True)), ids, True)
+            return y.squeeze(-2)[inverse].reshape(t, k, -1)
+        xs = mx.expand_dims(x, (-2, -3))  # [T, 1, 1, H]
+        y = self.down(swiglu(self.gate_up(xs, indices)), indices)
+        return y.squeeze(-2)

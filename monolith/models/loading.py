@@ -1,0 +1,159 @@
+"""Pack directory -> MLX arrays, manifest and config -> a target model.
+
+The pack is the only thing a model loads (formats.md 5): shards are `mx.load`ed as
+stored and every entry is read in the layout its kernels consume.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..pack import PackError, read_manifest, resolve_pack
+from .layers import QUANT_MODES, Experts, FusedLinear, Linear
+from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
+
+MODELS = {"qwen3_5": Qwen3_5, "qwen3_5_moe": Qwen3_5Moe}
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+# entries a target pack may carry that the text runtime does not read
+UNUSED_PREFIXES = ("mtp.",)
+
+
+class PackWeights:
+    """The arrays of one pack, handed out entry by entry with shape checks; remembers
+    which tensors were used so a pack that does not match the model is caught."""
+
+    def __init__(self, pack_dir, dtype=mx.bfloat16):
+        self.path = Path(pack_dir)
+        self.manifest = read_manifest(self.path)
+        self.entries: dict = self.manifest["entries"]
+        self.dtype = dtype
+        self.config = _read_json(self.path / "config.json", required=True)
+        self.generation_config = _read_json(self.path / "generation_config.json", required=False)
+        self.arrays: dict[str, mx.array] = {}
+        for shard in sorted(self.manifest["shards"]):
+            self.arrays.update(mx.load(str(self.path / shard)))
+        self.used: set[str] = set()
+
+    def _array(self, name: str) -> mx.array:
+        if name not in self.arrays:
+            raise PackError(f"{self.path}: pack has no tensor {name}")
+        self.used.add(name)
+        return self.arrays[name]
+
+    def _entry(self, name: str, kind: str, shape: tuple) -> dict:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise PackError(f"{self.path}: pack has no entry {name}")
+        if entry["kind"] != kind:
+            raise PackError(f"{self.path}: entry {name} is a {entry['kind']}, expected a {kind}")
+        if shape is not None and tuple(entry["shape"]) != tuple(shape):
+            raise PackError(f"{self.path}: entry {name} has shape {entry['shape']}, the config implies {list(shape)}")
+        return entry
+
+    def _quantized(self, name: str, precision: str) -> dict:
+        if precision in QUANT_MODES:
+            return {"scales": self._array(name + ".scales"), "tensor_scale": self._array(name + ".tensor_scale"),
+                    "dtype": self.dtype}
+        return {"dtype": self.dtype}
+
+    def has_linear(self, name: str) -> bool:
+        return name in self.entries or f"{name}.0" in self.entries
+
+    def linear(self, name: str, shape: tuple | None = None) -> Linear | FusedLinear:
+        """A linear entry, or the split group NAME.0, NAME.1, ... when precisions differ."""
+        if name not in self.entries and f"{name}.0" in self.entries:
+            parts, i = [], 0
+            while f"{name}.{i}" in self.entries:
+                parts.append(self.linear(f"{name}.{i}"))
+                i += 1
+            group = FusedLinear(parts)
+            if shape is not None and (group.shape != tuple(shape) or any(p.shape[1] != shape[1] for p in parts)):
+                raise PackError(f"{self.path}: {name}.0..{i - 1} together have shape {list(group.shape)}, "
+                                f"the config implies {list(shape)}")
+            return group
+        entry = self._entry(name, "linear", shape)
+        precision = entry["precision"]
+        arrays = self._quantized(name, precision)
+        return Linear(self._array(name + ".weight"), precision, shape=entry["shape"], **arrays)
+
+    def experts(self, name: str, shape: tuple | None = None) -> Experts:
+        entry = self._entry(name, "experts", shape)
+        precision = entry["precision"]
+        arrays = self._quantized(name, precision)
+        return Experts(self._array(name + ".weight"), precision, shape=entry["shape"], **arrays)
+
+    def tensor(self, name: str, shape: tuple | None = None, dtype=None) -> mx.array:
+        entry = self._entry(name, "tensor", shape)
+        array = self._array(name)
+        if tuple(array.shape) != tuple(entry["shape"]):
+            raise PackError(f"{self.path}: tensor {name} has shape {list(array.shape)}, "
+                            f"its entry says {entry['shape']}")
+        return array if dtype is None or array.dtype == dtype else array.astype(dtype)
+
+    def unused(self) -> list[str]:
+        return sorted(n for n in self.arrays if n not in self.used and not n.startswith(UNUSED_PREFIXES))
+
+
+def _read_json(path: Path, required: bool) -> dict | None:
+    if not path.is_file():
+        if required:
+            raise PackError(f"{path}: missing (a pack carries a copy of the source's config)")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PackError(f"{path}: not valid JSON ({e})") from None
+
+
+def _dtype(dtype):
+    if isinstance(dtype, mx.Dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(source, dtype="bfloat16", **resolve_options) -> Qwen3_5:
+    """A target model from a pack directory (or anything `resolve_pack` accepts: a
+    checkpoint directory or hub id, packed once into the cache). `dtype` is the
+    compute dtype ("bfloat16" or "float32"); weights stay in pack precision."""
+    dtype = _dtype(dtype)
+    resolve_options.setdefault("role", "target")
+    pack_dir = resolve_pack(source, **resolve_options)
+    manifest = read_manifest(pack_dir)
+    architecture = manifest.get("architecture")
+    if architecture not in MODELS:
+        raise PackError(f"{pack_dir}: architecture {architecture!r} is not a supported target "
+                        f"(supported: {', '.join(sorted(MODELS))})")
+    weights = PackWeights(pack_dir, dtype)
+    args = ModelArgs.from_config(weights.config, architecture, weights.generation_config,
+                                 where=str(pack_dir / "config.json"))
+    model = MODELS[architecture](args, weights)
+    unused = weights.unused()
+    if unused:
+        raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {', '.join(unused[:8])}"
+                        + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+    mx.eval(model_arrays(model))  # read the shards and derive F32 copies now, not in the first forward
+    return model
+
+
+def model_arrays(obj, seen=None) -> list[mx.array]:
+    """Every mx.array a model holds (its attributes, recursively)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, mx.array):
+        return [obj]
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, (list, tuple)):
+        children = obj
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("monolith."):
+        children = vars(obj).values()
+    else:
+        return []
+    return [a for child in children for a in model_arrays(child, seen)]

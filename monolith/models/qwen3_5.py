@@ -1,0 +1,385 @@
+"""Qwen3.5 / Qwen3.6 hybrid targets: gated DeltaNet + gated attention decoder layers,
+with a dense SwiGLU MLP (`Qwen3_5`, the 27B) or a routed MoE block (`Qwen3_5Moe`,
+the 35B-A3B). The math is /docs/target.md; weights come from a pack (loading.py).
+
+Batch size is 1: a forward takes T >= 1 new rows of one sequence, continuing at the
+cache's offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..runtime.cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
+from .layers import Embedding, SwitchGLU, cast, gated_rms_norm, rms_norm, silu, swiglu
+
+L2_EPS = 1e-6  # GDN q/k l2norm (target.md step 4)
+
+
+class ConfigError(ValueError):
+    """config.json lacks a field the model needs, or asks for something unsupported."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int | None
+    eos_token_ids: tuple[int, ...]
+    intermediate_size: int | None = None  # dense MLP
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @classmethod
+    def from_config(cls, config: dict, architecture: str, generation_config: dict | None = None,
+                    where: str = "config.json") -> ModelArgs:
+        """Read `text_config` (or the config itself when it has none)."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+
+        def need(name):
+            if name not in text:
+                raise ConfigError(f"{where}: the text config has no field {name!r}")
+            return text[name]
+
+        layers = need("num_hidden_layers")
+        layer_types = text.get("layer_types") or [
+            "full_attention" if (i + 1) % text.get("full_attention_interval", 4) == 0 else "linear_attention"
+            for i in range(layers)
+        ]
+        unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+        if len(layer_types) != layers or unknown:
+            raise ConfigError(f"{where}: layer_types must list {layers} of full_attention/linear_attention"
+                              + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"{where}: rope_type {rope['rope_type']!r} is not supported (only default RoPE)")
+        theta = rope.get("rope_theta", text.get("rope_theta"))
+        if theta is None:
+            raise ConfigError(f"{where}: no rope_theta in rope_parameters or the text config")
+        moe = architecture == "qwen3_5_moe"
+        return cls(
+            architecture=architecture,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_hidden_layers=layers,
+            layer_types=tuple(layer_types),
+            num_attention_heads=need("num_attention_heads"),
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=need("head_dim"),
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            linear_conv_kernel_dim=need("linear_conv_kernel_dim"),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
+            max_position_embeddings=text.get("max_position_embeddings"),
+            eos_token_ids=_eos_ids(generation_config, text, config),
+            intermediate_size=None if moe else need("intermediate_size"),
+            num_experts=need("num_experts") if moe else None,
+            num_experts_per_tok=need("num_experts_per_tok") if moe else None,
+            moe_intermediate_size=need("moe_intermediate_size") if moe else None,
+            shared_expert_intermediate_size=need("shared_expert_intermediate_size") if moe else None,
+        )
+
+
+def _eos_ids(*configs) -> tuple[int, ...]:
+    """eos_token_id of the first config that has one (generation_config first)."""
+    for cfg in configs:
+        eos = (cfg or {}).get("eos_token_id")
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+# ------------------------------------------------------------------------ mixers
+
+
+@mx.compile
+def _gdn_gates(a, b, neg_decay, dt_bias):
+    """beta = sigmoid(b); gamma = exp(-exp(A_log) * softplus(a + dt_bias)), in F32."""
+    a = a.astype(mx.float32) + dt_bias
+    softplus = mx.logaddexp(a, 0.0)
+    return mx.sigmoid(b.astype(mx.float32)), mx.exp(neg_decay * softplus)
+
+
+class GatedDeltaNet:
+    def __init__(self, args: ModelArgs, w, prefix: str):
+        h = args.hidden_size
+        self.hk, self.hv = args.linear_num_key_heads, args.linear_num_value_heads
+        self.dk, self.dv = args.linear_key_head_dim, args.linear_value_head_dim
+        self.kernel = args.linear_conv_kernel_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.eps = args.rms_norm_eps
+        self.in_proj = w.linear(prefix + "in_proj", (self.conv_dim + self.value_dim + 2 * self.hv, h))
+        self.out_proj = w.linear(prefix + "out_proj", (h, self.value_dim))
+        # [C, 1, K] -> MLX conv1d weight [C_out, K, C_in / groups]
+        self.conv_weight = w.tensor(prefix + "conv1d", (self.conv_dim, 1, self.kernel), mx.float32).swapaxes(1, 2)
+        self.neg_decay = -mx.exp(w.tensor(prefix + "A_log", (self.hv,), mx.float32))
+        self.dt_bias = w.tensor(prefix + "dt_bias", (self.hv,), mx.float32)
+        self.norm = w.tensor(prefix + "norm", (self.dv,), mx.float32)
+        # l2norm(x) * s == rms_norm(x, eps / D) * s / sqrt(D): one fused op for q and k
+        self.q_scale = mx.full((self.dk,), 1.0 / self.dk, mx.float32)  # includes Dk^-0.5
+        self.k_scale = mx.full((self.dk,), self.dk ** -0.5, mx.float32)
+
+    def __call__(self, x: mx.array, state: GDNState, offset: int) -> mx.array:
+        _, t, _ = x.shape
+        c, v_end = self.conv_dim, self.conv_dim + self.value_dim
+        proj = self.in_proj(x)
+        mixed, z = proj[..., :c], proj[..., c:v_end]
+        b, a = proj[..., v_end:v_end + self.hv], proj[..., v_end + self.hv:]
+
+        window = mx.concatenate([state.conv, cast(mixed, mx.float32)], axis=1)  # [1, K-1+T, C]
+        state.conv = window[:, t:]  # the last K-1 pre-conv rows
+        conv = silu(mx.conv1d(window, self.conv_weight, groups=c))  # valid conv: T rows
+
+        kd = self.key_dim
+        q = conv[..., :kd].reshape(1, t, self.hk, self.dk)
+        k = conv[..., kd:2 * kd].reshape(1, t, self.hk, self.dk)
+        v = conv[..., 2 * kd:].reshape(1, t, self.hv, self.dv)
+        q = mx.fast.rms_norm(q, self.q_scale, L2_EPS / self.dk)  # F32 out (F32 weight)
+        k = mx.fast.rms_norm(k, self.k_scale, L2_EPS / self.dk)
+        beta, gamma = _gdn_gates(a, b, self.neg_decay, self.dt_bias)
+        # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
+        if state.record:
+            state.tape = GDNTape(window, q, k, v, gamma, beta)
+        o, state.recurrent = mx.fast.gated_delta_update(q, k, v, gamma, beta, initial_state=state.recurrent)
+        o = gated_rms_norm(o, z.reshape(1, t, self.hv, self.dv), self.norm, self.eps)
+        return self.out_proj(cast(o, x.dtype).reshape(1, t, self.value_dim))
+
+
+class Attention:
+    def __init__(self, args: ModelArgs, w, prefix: str):
+        h = args.hidden_size
+        self.heads, self.kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv = w.linear(prefix + "qkv", (2 * q_rows + 2 * kv_rows, h))  # per head: query | gate
+        self.o_proj = w.linear(prefix + "o_proj", (h, q_rows))
+        self.q_norm = w.tensor(prefix + "q_norm", (self.head_dim,), mx.float32)
+        self.k_norm = w.tensor(prefix + "k_norm", (self.head_dim,), mx.float32)
+        self.eps = args.rms_norm_eps
+        self.rotary_dim, self.rope_theta = args.rotary_dim, args.rope_theta
+        self.scale = self.head_dim ** -0.5
+
+    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
+        _, t, _ = x.shape
+        n, d = self.heads, self.head_dim
+        qkv = self.qkv(x)
+        q_gate = qkv[..., :2 * n * d].reshape(1, t, n, 2 * d)
+        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(1, t, n * d)
+        k = qkv[..., 2 * n * d:(2 * n + self.kv_heads) * d].reshape(1, t, self.kv_heads, d)
+        v = qkv[..., (2 * n + self.kv_heads) * d:].reshape(1, t, self.kv_heads, d)
+        q = rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3)
+        k = rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
+        q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+        keys, values = cache.update(k, v.transpose(0, 2, 1, 3), offset)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask="causal" if t > 1 else None)
+        o = o.transpose(0, 2, 1, 3).reshape(1, t, n * d)
+        return self.o_proj(o * mx.sigmoid(gate))
+
+
+# ----------------------------------------------------------------------- MLPs
+
+
+class MLP:
+    """Dense SwiGLU with fused gate|up rows."""
+
+    def __init__(self, w, prefix: str, hidden: int, intermediate: int):
+        self.gate_up = w.linear(prefix + "gate_up", (2 * intermediate, hidden))
+        self.down = w.linear(prefix + "down_proj", (hidden, intermediate))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down(swiglu(self.gate_up(x)))
+
+
+class SparseMoeBlock:
+    def __init__(self, args: ModelArgs, w, prefix: str):
+        h, e, i = args.hidden_size, args.num_experts, args.moe_intermediate_size
+        self.top_k = args.num_experts_per_tok
+        self.router = w.linear(prefix + "gate", (e, h))
+        self.experts = SwitchGLU(w.experts(prefix + "experts.gate_up", (e, 2 * i, h)),
+                                 w.experts(prefix + "experts.down", (e, h, i)))
+        self.shared_expert = MLP(w, prefix + "shared_expert.", h, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = w.linear(prefix + "shared_expert_gate", (1, h))
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(expert ids [T, k], F32 weights [T, k]) from F32 router logits: softmax ->
+        top-k -> renormalize, computed as the softmax over the top-k logits (equal)."""
+        logits = self.router(x.astype(mx.float32))
+        k = self.top_k
+        indices = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
+        return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        indices, weights = self.route(x)
+        routed = (self.experts(x, indices) * cast(weights, x.dtype)[..., None]).sum(axis=1)
+        shared = self.shared_expert(x) * mx.sigmoid(self.shared_expert_gate(x))
+        return (routed + shared).reshape(shape)
+
+
+# ----------------------------------------------------------------------- model
+
+
+class DecoderLayer:
+    def __init__(self, args: ModelArgs, w, index: int, mlp):
+        prefix = f"model.layers.{index}."
+        self.kind = args.layer_types[index]
+        if self.kind == "linear_attention":
+            self.mixer = GatedDeltaNet(args, w, prefix + "linear_attn.")
+        else:
+            self.mixer = Attention(args, w, prefix + "self_attn.")
+        self.mlp = mlp
+        self.input_layernorm = w.tensor(prefix + "input_layernorm", (args.hidden_size,), mx.float32)
+        self.post_attention_layernorm = w.tensor(prefix + "post_attention_layernorm", (args.hidden_size,), mx.float32)
+        self.eps = args.rms_norm_eps
+
+    def __call__(self, x: mx.array, state, offset: int) -> mx.array:
+        h = x + self.mixer(rms_norm(x, self.input_layernorm, self.eps), state, offset)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+
+
+class Qwen3_5:
+    """The dense target. `model(tokens, cache, taps)` runs T >= 1 rows at cache.offset
+    and returns (logits F32 [T, vocab], the residual-stream outputs of the decoder
+    layers listed in `taps` concatenated [T, len(taps) * hidden], or None)."""
+
+    def __init__(self, args: ModelArgs, weights):
+        self.args = args
+        self.dtype = weights.dtype
+        h = args.hidden_size
+        self.embed_tokens = Embedding(weights.linear("model.embed_tokens", (args.vocab_size, h)), self.dtype)
+        self.layers = [DecoderLayer(args, weights, i, self.make_mlp(weights, f"model.layers.{i}.mlp."))
+                       for i in range(args.num_hidden_layers)]
+        self.norm = weights.tensor("model.norm", (h,), mx.float32)
+        if weights.has_linear("lm_head"):
+            self.lm_head = weights.linear("lm_head", (args.vocab_size, h))
+        elif args.tie_word_embeddings:
+            self.lm_head = self.embed_tokens.table
+        else:
+            raise ConfigError(f"{weights.path}: the pack has no lm_head and the config does not tie embeddings")
+
+    def make_mlp(self, weights, prefix: str):
+        return MLP(weights, prefix, self.args.hidden_size, self.args.intermediate_size)
+
+    def make_cache(self, max_context: int, spare_rows: int = SPARE_ROWS) -> HybridCache:
+        """KV for max_context + spare_rows rows per attention layer, zero GDN states."""
+        if max_context < 1:
+            raise ValueError(f"max_context must be positive, got {max_context}")
+        a = self.args
+        layers = []
+        for kind in a.layer_types:
+            if kind == "full_attention":
+                layers.append(KVCache(a.num_key_value_heads, a.head_dim, max_context + spare_rows, self.dtype))
+            else:
+                key_dim = a.linear_num_key_heads * a.linear_key_head_dim
+                conv_dim = 2 * key_dim + a.linear_num_value_heads * a.linear_value_head_dim
+                layers.append(GDNState(conv_dim, a.linear_conv_kernel_dim, a.linear_num_value_heads,
+                                       a.linear_value_head_dim, a.linear_key_head_dim))
+        return HybridCache(layers, max_context, spare_rows)
+
+    def __call__(self, tokens, cache: HybridCache, taps=None) -> tuple[mx.array, mx.array | None]:
+        return self.forward(tokens, cache, taps)
+
+    def forward(self, tokens, cache: HybridCache, taps=None, logits: str = "all"):
+        """`model(...)` with a choice of logits: "all" rows, the "last" row only
+        ([1, vocab]), or "none" (prefill chunks). Taps are in the compute dtype."""
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f'logits must be "all", "last" or "none", got {logits!r}')
+        tokens = self._tokens(tokens)
+        t = tokens.shape[0]
+        taps = self._taps(taps)
+        cache.check(t)
+        offset = cache.offset
+        x = self.embed_tokens(tokens)[None]
+        tapped, wanted = {}, set(taps)
+        for i, (layer, state) in enumerate(zip(self.layers, cache.layers)):
+            x = layer(x, state, offset)
+            if i in wanted:
+                tapped[i] = x
+        cache.advance(t)
+        hidden = mx.concatenate([tapped[i][0] for i in taps], axis=-1) if taps else None
+        if logits == "none":
+            return None, hidden
+        if logits == "last":
+            x = x[:, -1:]
+        out = self.lm_head(rms_norm(x, self.norm, self.args.rms_norm_eps))
+        return cast(out[0], mx.float32), hidden
+
+    def prefill(self, tokens, cache: HybridCache, chunk_size: int = 512) -> mx.array:
+        """Run a prompt in chunks; return the last row's logits [vocab] (F32)."""
+        tokens = self._tokens(tokens)
+        total = tokens.shape[0]
+        cache.check(total, limit=cache.max_context)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        for start in range(0, total, chunk_size):
+            if start + chunk_size < total:
+                self.forward(tokens[start:start + chunk_size], cache, logits="none")
+                mx.eval(cache.arrays())  # bound the graph and free the chunk's activations
+            else:
+                logits, _ = self.forward(tokens[start:], cache, logits="last")
+        return logits[-1]
+
+    def _tokens(self, tokens) -> mx.array:
+        if not isinstance(tokens, mx.array):
+            ids = np.asarray(tokens, dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= self.args.vocab_size):
+                raise ValueError(f"token ids must be in [0, {self.args.vocab_size})")
+            tokens = mx.array(ids.astype(np.int32))
+        if tokens.ndim != 1 or tokens.shape[0] < 1:
+            raise ValueError(f"tokens must be a 1-D array of at least one id, got shape {tuple(tokens.shape)}")
+        return tokens if tokens.dtype == mx.int32 else tokens.astype(mx.int32)
+
+    def _taps(self, taps) -> list[int]:
+        if not taps:
+            return []
+        n = self.args.num_hidden_layers
+        bad = [i for i in taps if not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(f"taps must be decoder layer ids in [0, {n}), got {bad}")
+        return list(taps)
+
+
+class Qwen3_5Moe(Qwen3_5):
+    """The MoE target: the same layers with a routed MoE block as the MLP."""
+
+    def make_mlp(self, weights, prefix: str):
+        return SparseMoeBlock(self.args, weights, prefix)

@@ -1,0 +1,185 @@
+"""The target's caches: preallocated attention KV and the gated DeltaNet states.
+
+One `HybridCache` per sequence holds, per decoder layer, either a `KVCache` (full
+attention: keys/values for max_context + spare rows) or a `GDNState` (linear
+attention: the last K-1 pre-conv rows and the F32 recurrent state), and `offset`, the
+number of committed rows.
+
+KV rows past `offset` are ignored and overwritten, so `rewind` moves the attention
+caches back for free. A GDN state cannot be rewound: it is a function of every row it
+has consumed. `snapshot()` keeps references to the GDN arrays (MLX arrays are
+immutable, so this copies nothing) and `restore()` puts them back with their offset;
+a speculative commit may also build a `Snapshot` itself (e.g. from replaying the kept
+rows) and restore it. A forward refuses to run while the GDN states and the offset
+disagree, so a forgotten restore fails loudly instead of decoding from a wrong state.
+
+Speculative commit by replay (dspark.md 4.5): with `cache.record = True` every GDN
+layer keeps a tape of its latest forward (the conv window and the per-row q, k, v,
+gamma, beta), and `commit(snap, rows)` rebuilds the states after exactly the first
+`rows` rows of that forward from the pre-forward snapshot, without rerunning the model.
+
+This module only depends on MLX (the models import it to build their caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+SPARE_ROWS = 8  # KV rows beyond max_context: room for one speculative verify block
+
+
+class CacheError(ValueError):
+    """A forward does not fit the cache, or the cache was moved inconsistently."""
+
+
+class KVCache:
+    """Keys and values of one attention layer, [1, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype):
+        self.keys = mx.zeros((1, kv_heads, capacity, head_dim), dtype)
+        self.values = mx.zeros((1, kv_heads, capacity, head_dim), dtype)
+
+    def update(self, keys: mx.array, values: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Write rows [offset, offset + T) and return all rows up to there."""
+        end = offset + keys.shape[2]
+        self.keys[:, :, offset:end] = keys
+        self.values[:, :, offset:end] = values
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+
+@dataclass(frozen=True)
+class GDNTape:
+    """One GDN layer's inputs over the rows of a forward: window [1, K-1+T, C] (the
+    previous conv state then the new pre-conv rows, F32) and the recurrence inputs
+    q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], gamma, beta [1, T, Hv] (F32)."""
+
+    window: mx.array
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    gamma: mx.array
+    beta: mx.array
+
+    def replay(self, conv_rows: int, recurrent: mx.array, rows: int) -> tuple[mx.array, mx.array]:
+        """(conv, recurrent) after the first `rows` rows, from the recurrent state before them."""
+        _, state = mx.fast.gated_delta_update(self.q[:, :rows], self.k[:, :rows], self.v[:, :rows],
+                                              self.gamma[:, :rows], self.beta[:, :rows], initial_state=recurrent)
+        return self.window[:, rows:rows + conv_rows], state
+
+
+class GDNState:
+    """One gated DeltaNet layer: conv [1, K-1, conv_dim] (the last K-1 pre-conv rows,
+    F32) and recurrent [1, Hv, Dv, Dk] (F32, MLX's layout: transposed against Hugging
+    Face's [Hv, Dk, Dv]); `tape` holds the latest forward's inputs while recording."""
+
+    def __init__(self, conv_dim: int, kernel: int, value_heads: int, value_dim: int, key_dim: int):
+        self.conv = mx.zeros((1, kernel - 1, conv_dim), mx.float32)
+        self.recurrent = mx.zeros((1, value_heads, value_dim, key_dim), mx.float32)
+        self.record = False
+        self.tape: GDNTape | None = None
+
+    def arrays(self) -> list[mx.array]:
+        return [self.conv, self.recurrent]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """GDN states (conv, recurrent) per linear-attention layer, in layer order, valid
+    after exactly `offset` rows."""
+
+    offset: int
+    states: tuple[tuple[mx.array, mx.array], ...]
+
+
+class HybridCache:
+    def __init__(self, layers: list[KVCache | GDNState], max_context: int, spare_rows: int = SPARE_ROWS):
+        self.layers = layers
+        self.max_context = max_context
+        self.spare_rows = spare_rows
+        self.capacity = max_context + spare_rows
+        self.offset = 0  # committed rows (attention positions)
+        self.state_offset = 0  # rows the GDN states have consumed
+        self.written = 0  # KV rows [0, written) hold the rows of the latest forward
+        self.tape_offset: int | None = None  # where the recorded forward started
+        self._gdn = [layer for layer in layers if isinstance(layer, GDNState)]
+        self._record = False
+
+    @property
+    def record(self) -> bool:
+        """Keep each GDN layer's tape of the latest forward (for commit)."""
+        return self._record
+
+    @record.setter
+    def record(self, value: bool) -> None:
+        self._record = bool(value)
+        for layer in self._gdn:
+            layer.record, layer.tape = self._record, None
+        self.tape_offset = None
+
+    def __repr__(self) -> str:
+        return (f"HybridCache(offset={self.offset}, max_context={self.max_context}, "
+                f"{len(self.layers) - len(self._gdn)} attention + {len(self._gdn)} linear layers)")
+
+    def check(self, rows: int, limit: int | None = None) -> None:
+        """Raise before any work unless `rows` more rows fit (in `limit`, default the
+        capacity: max_context + spare rows) and the GDN states match the offset."""
+        limit = self.capacity if limit is None else limit
+        if self.offset + rows > limit:
+            spare = f" (+{self.spare_rows} spare rows)" if limit == self.capacity else ""
+            raise CacheError(
+                f"{rows} rows at offset {self.offset} need {self.offset + rows} positions, "
+                f"but the cache holds max_context={self.max_context}{spare}"
+            )
+        if self._gdn and self.state_offset != self.offset:
+            raise CacheError(
+                f"the cache offset is {self.offset} but the gated DeltaNet states hold {self.state_offset} rows: "
+                "after rewind(), restore() a snapshot taken at that offset"
+            )
+
+    def advance(self, rows: int) -> None:
+        """Called by the model after laying out a forward of `rows` rows."""
+        self.tape_offset = self.offset if self.record else None
+        self.offset += rows
+        self.state_offset = self.written = self.offset
+
+    def rewind(self, offset: int) -> None:
+        """Move the attention caches back to `offset` committed rows (GDN states are not
+        touched: restore a snapshot for them)."""
+        if not 0 <= offset <= self.offset:
+            raise CacheError(f"cannot rewind to {offset}: the cache holds {self.offset} rows")
+        self.offset = offset
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.state_offset, tuple((s.conv, s.recurrent) for s in self._gdn))
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put back the GDN states of `snap` and set the offset to snap.offset, which may
+        lie past a rewind as long as the latest forward wrote those KV rows."""
+        if len(snap.states) != len(self._gdn):
+            raise CacheError(f"snapshot has {len(snap.states)} GDN states, the cache has {len(self._gdn)}")
+        if snap.offset > self.written:
+            raise CacheError(f"snapshot at offset {snap.offset} is ahead of the KV rows written ({self.written})")
+        for layer, (conv, recurrent) in zip(self._gdn, snap.states):
+            layer.conv, layer.recurrent = conv, recurrent
+        self.offset = self.state_offset = snap.offset
+
+    def commit(self, snap: Snapshot, rows: int) -> None:
+        """Keep only the first `rows` rows of the latest (recorded) forward, which started
+        at snap.offset: GDN states replayed from `snap` over those rows, offset after them."""
+        if self.tape_offset is None or self.tape_offset != snap.offset:
+            raise CacheError(f"commit needs a recorded forward starting at the snapshot's offset {snap.offset} "
+                             f"(recorded: {self.tape_offset}); set cache.record = True before the forward")
+        if not 0 <= rows <= self.written - snap.offset:
+            raise CacheError(f"cannot keep {rows} rows of a {self.written - snap.offset}-row forward")
+        states = tuple(layer.tape.replay(conv.shape[1], recurrent, rows)
+                       for layer, (conv, recurrent) in zip(self._gdn, snap.states))
+        self.restore(Snapshot(snap.offset + rows, states))
+
+    def arrays(self) -> list[mx.array]:
+        """Every state array (to mx.eval between prefill chunks)."""
+        return [a for layer in self.layers for a in layer.arrays()]
