@@ -460,8 +460,7 @@ def test_nibble_order_low_nibble_is_even_column():
 
 @pytest.fixture(scope="module")
 def ct():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("compressed_tensors")
+    import torch
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4.helpers import (
@@ -839,7 +838,8 @@ def _bits(a: np.ndarray) -> np.ndarray:
 
 
 def test_stfile_round_trip_every_dtype(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
+
     tensors = _all_dtype_tensors(np.random.default_rng(17))
     path = tmp_path / "all.safetensors"
     write_safetensors(path, tensors, metadata={"format": "pt", "b": 2})
