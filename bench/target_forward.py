@@ -131,13 +131,12 @@ def mlx_lm_decode(path: Path, prompt, steps: int, dtype, quantize: bool) -> floa
     from mlx_lm.utils import load_model as lm_load
 
     model, _ = lm_load(path)
+    model.set_dtype(dtype)  # same compute dtype as ours (the CPU GatherMM runs only in float32)
     if quantize:
         import mlx.nn as nn
 
         nn.quantize(model, group_size=16, bits=4, mode="nvfp4",
                     class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith(("mlp.gate", "shared_expert_gate", "embed_tokens")))
-    else:
-        model.set_dtype(dtype)
     cache = lm_cache.make_prompt_cache(model)
     logits = model(mx.array(prompt, dtype=mx.int32)[None], cache=cache)
     token = mx.argmax(logits[0, -1]).reshape(1, 1)
