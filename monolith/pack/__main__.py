@@ -7,6 +7,7 @@ import json
 import sys
 
 from ..checkpoint import CheckpointError
+from ..cli import ArgumentParser
 from ..formats import FormatError
 from .build import DEFAULT_SHARD_BYTES, build_pack
 from .inspect import format_inspection, inspect_pack
@@ -16,7 +17,7 @@ from .verify import verify_pack
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m monolith.pack", description=__doc__)
+    ap = ArgumentParser(prog="python -m monolith.pack", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build a chip-layout pack from a checkpoint (dir or hub id)")
     b.add_argument("source")

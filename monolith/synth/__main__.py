@@ -6,18 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import ArgumentParser
 from . import DRAFT_FORMATS, FORMATS, PRESETS, write_draft, write_pair, write_target
 from .target import EXPERT_LAYOUTS
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit 1
-        print(f"monolith.synth: error: {message}", file=sys.stderr)
-        raise SystemExit(1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m monolith.synth", description=__doc__)
+    parser = ArgumentParser(prog="python -m monolith.synth", description=__doc__)
     parser.add_argument("what", choices=("target", "draft", "pair"))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
