@@ -1,0 +1,595 @@
+"""DSpark / DFlash drafts (dspark.md sections 1-3) from draft packs: DeepSpec-native, its
+NVFP4 export, speculators (reduced vocabulary, sliding window) and z-lab DFlash.
+
+The draft is a few Qwen3 decoder layers whose keys/values are [context ; block]. The
+context rows are `hidden_norm(fc(target features))`, the same for every layer, so their
+K/V are computed once, when the target commits them, and kept in a `DraftContext`. The
+block is [anchor, mask x (B-1)] at positions p..p+B-1 and only it makes queries; no
+attention mask (a sliding-window draft sees the last `window` context rows). Slot k
+gives U_k = lm_head(h_k); a Markov head adds a bias that depends on the token drawn
+before it, so proposals are drawn one after another, on the device (no host sync:
+`propose` returns lazy arrays); a confidence head predicts each proposal's survival.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..pack import read_manifest, resolve_pack
+from ..pack.draft_recipe import DRAFT_ARCHITECTURES
+from ..runtime.cache import CacheError, KVCache
+from ..runtime.sampling import SamplingParams, filtered_logits
+from .layers import Embedding, FusedLinear, Linear, cast, rms_norm
+from .loading import PackWeights, _dtype, model_arrays
+from .qwen3_5 import MLP
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# pack tensors the draft does not read: t2d is the inverse of d2t; speculators' verifier_norm
+# is a training-time copy of the target's final norm
+UNUSED_TENSORS = ("t2d", "verifier_norm")
+
+__all__ = ["Draft", "DraftArgs", "DraftContext", "DraftError", "Proposal", "load_draft", "yarn_parameters"]
+
+
+class DraftError(ValueError):
+    """The draft does not fit the target, or its config asks for something unsupported."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """`tokens` int32 [gamma] (target ids); `q` float32 [gamma, V_target]: the filtered
+    distribution each token was drawn from (one-hot when greedy); `confidence` float32
+    [gamma] (probability that proposal k survives given that all before it did) or None."""
+
+    tokens: mx.array
+    q: mx.array
+    confidence: mx.array | None
+
+
+# ----------------------------------------------------------------------- config
+
+
+def yarn_parameters(head_dim: int, theta: float, rope: dict, max_position_embeddings=None,
+                    original_max_position_embeddings=None) -> tuple[np.ndarray, float]:
+    """(inverse frequencies float32 [head_dim / 2], attention factor) of YaRN RoPE, as
+    transformers' `_compute_yarn_parameters` (a config-level original_max_position_embeddings
+    takes priority over the rope dict's, as in its `standardize_rope_params`)."""
+    original = original_max_position_embeddings or rope.get("original_max_position_embeddings") \
+        or max_position_embeddings
+    if original is None:
+        raise DraftError("yarn rope_parameters need original_max_position_embeddings")
+    factor = rope.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+    extrapolation = 1 - np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+@dataclass(frozen=True)
+class DraftArgs:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_inv_freq: tuple[float, ...] | None  # YaRN; None = plain RoPE with rope_theta
+    rope_attention_factor: float  # YaRN scales cos and sin by this
+    sliding_windows: tuple[int | None, ...]  # per layer: context rows the block sees (None = all)
+    taps: tuple[int, ...]  # DeepSpec convention: id i = output of target layer i
+    block_size: int
+    mask_token_id: int
+    markov_rank: int
+    markov_head_type: str
+    confidence_head: bool
+    confidence_with_markov: bool
+    sample_from_anchor: bool  # every slot predicts (DSpark) or slot 0 is dropped (DFlash)
+
+    @classmethod
+    def from_pack(cls, config: dict, settings: dict, architecture: str, where: str) -> DraftArgs:
+        """From the pack's draft settings (manifest layout.draft, DeepSpec conventions)
+        and its copy of the draft's config.json (for speculators the layer fields sit
+        under transformer_layer_config). Target-only fields a qwen3 draft inherits
+        (partial_rotary_factor, mrope_*, attn_output_gate, linear_*) are never read."""
+        cfg = config.get("transformer_layer_config") or {} if architecture == "dspark-speculators" else config
+
+        def need(name, source=cfg):
+            if source.get(name) is None:
+                raise DraftError(f"{where}: the draft config has no {name}")
+            return source[name]
+
+        for field in ("block_size", "mask_token_id"):
+            need(field, settings)
+        head_dim = int(need("head_dim"))  # never hidden / heads (the 35B drafts: 32 x 128 != 2048)
+        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        theta = rope.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            raise DraftError(f"{where}: the draft config has no rope_theta")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        inv_freq, attention_factor = None, 1.0
+        if kind == "yarn":
+            inv, attention_factor = yarn_parameters(head_dim, float(theta), rope, cfg.get("max_position_embeddings"),
+                                                    cfg.get("original_max_position_embeddings"))
+            inv_freq = tuple(float(f) for f in inv)
+        elif kind != "default":
+            raise DraftError(f"{where}: draft rope_type {kind!r} is not supported (default or yarn)")
+        layers = int(settings["num_layers"])
+        if cfg.get("num_hidden_layers") not in (None, layers):
+            raise DraftError(f"{where}: num_hidden_layers is {cfg['num_hidden_layers']} but the draft has "
+                             f"{layers} layers")
+        rank, head_type = int(settings.get("markov_rank") or 0), settings.get("markov_head_type") or "vanilla"
+        if head_type not in MARKOV_HEAD_TYPES:
+            raise DraftError(f"{where}: markov_head_type {head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}")
+        with_markov = bool(settings.get("confidence_head_with_markov"))
+        if settings.get("enable_confidence_head") and with_markov and rank == 0:
+            raise DraftError(f"{where}: confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+        block_size = int(settings["block_size"])
+        sample_from_anchor = bool(settings.get("sample_from_anchor", True))
+        if block_size < (1 if sample_from_anchor else 2):
+            raise DraftError(f"{where}: block_size {block_size} leaves no proposal")
+        return cls(
+            architecture=architecture,
+            hidden_size=int(need("hidden_size")),
+            num_layers=layers,
+            num_heads=int(need("num_attention_heads")),
+            num_kv_heads=int(need("num_key_value_heads")),
+            head_dim=head_dim,
+            intermediate_size=int(need("intermediate_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_inv_freq=inv_freq,
+            rope_attention_factor=float(attention_factor),
+            sliding_windows=_sliding_windows(cfg, layers),
+            taps=tuple(int(t) for t in settings["target_layer_ids"]),
+            block_size=block_size,
+            mask_token_id=int(settings["mask_token_id"]),
+            markov_rank=rank,
+            markov_head_type=head_type,
+            confidence_head=bool(settings.get("enable_confidence_head")),
+            confidence_with_markov=with_markov,
+            sample_from_anchor=sample_from_anchor,
+        )
+
+
+def _sliding_windows(cfg: dict, layers: int) -> tuple[int | None, ...]:
+    """Per layer: a `layer_types` "sliding_attention" layer sees the last `sliding_window`
+    context rows (the rule the pack's draft settings use too)."""
+    types = cfg.get("layer_types") or []
+    return tuple(cfg.get("sliding_window") if i < len(types) and types[i] == "sliding_attention" else None
+                 for i in range(layers))
+
+
+# ----------------------------------------------------------------------- pieces
+
+
+def row_slice(linear: Linear | FusedLinear, start: int, stop: int) -> Linear | FusedLinear:
+    """Rows [start, stop) of a (fused) linear entry as a linear of their own. MLX row
+    slices share the parent's buffer, so this costs no weight memory."""
+    if isinstance(linear, FusedLinear):
+        parts, base = [], 0
+        for p in linear.parts:
+            a, b = max(start, base), min(stop, base + p.out_features)
+            if a < b:
+                parts.append(row_slice(p, a - base, b - base))
+            base += p.out_features
+        return parts[0] if len(parts) == 1 else FusedLinear(parts)
+    scales = None if linear.scales is None else linear.scales[start:stop]
+    tensor_scale = None if linear.tensor_scale is None else linear.tensor_scale[start:stop]
+    return Linear(linear.weight[start:stop], linear.precision, scales, tensor_scale,
+                  (stop - start, linear.shape[1]), linear.kernel_dtype)
+
+
+def dense(linear: Linear | FusedLinear) -> mx.array:
+    """The float32 [N, K] matrix of a (small) linear entry, dequantized if needed."""
+    if isinstance(linear, FusedLinear):
+        return mx.concatenate([dense(p) for p in linear.parts])
+    if linear.mode is None:
+        return linear.weight.astype(mx.float32)
+    mode, group_size, bits = linear.mode
+    w = mx.dequantize(linear.weight, linear.scales, group_size=group_size, bits=bits, mode=mode, dtype=mx.float32)
+    return w * linear.tensor_scale.astype(mx.float32)[:, None]
+
+
+class Rope:
+    """Full-width rotate-half RoPE from the draft's config (plain or YaRN). YaRN's cos/sin
+    factor multiplies both q and k, so it is folded into the attention scale."""
+
+    def __init__(self, args: DraftArgs):
+        self.dims = args.head_dim
+        self.base = None if args.rope_inv_freq else args.rope_theta
+        self.freqs = None if not args.rope_inv_freq else 1 / mx.array(args.rope_inv_freq, mx.float32)
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=offset,
+                            freqs=self.freqs)
+
+
+class DraftLayer:
+    """Qwen3 decoder layer with KV injection: queries from the block, keys/values from
+    [context ; block]."""
+
+    def __init__(self, args: DraftArgs, w: PackWeights, index: int, rope: Rope):
+        p = f"layers.{index}."
+        h, self.heads, self.kv_heads, self.head_dim = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_rows, self.kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qkv = w.linear(p + "self_attn.qkv", (self.q_rows + 2 * self.kv_rows, h))
+        self.kv = row_slice(self.qkv, self.q_rows, self.q_rows + 2 * self.kv_rows)  # context rows need no q
+        self.o_proj = w.linear(p + "self_attn.o_proj", (h, self.q_rows))
+        self.q_norm = w.tensor(p + "self_attn.q_norm", (self.head_dim,), mx.float32)  # plain weights
+        self.k_norm = w.tensor(p + "self_attn.k_norm", (self.head_dim,), mx.float32)
+        self.input_layernorm = w.tensor(p + "input_layernorm", (h,), mx.float32)
+        self.post_attention_layernorm = w.tensor(p + "post_attention_layernorm", (h,), mx.float32)
+        self.mlp = MLP(w, p + "mlp.", h, args.intermediate_size)
+        self.eps = args.rms_norm_eps
+        self.scale = self.head_dim ** -0.5 * args.rope_attention_factor ** 2
+        self.window = args.sliding_windows[index]
+        self.rope = rope
+
+    def _keys_values(self, kv: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """[1, T, 2 * kv_rows] -> k_norm'd, roped keys and values [1, kv_heads, T, head_dim]."""
+        t = kv.shape[1]
+        k = kv[..., :self.kv_rows].reshape(1, t, self.kv_heads, self.head_dim)
+        v = kv[..., self.kv_rows:].reshape(1, t, self.kv_heads, self.head_dim)
+        k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
+        return k, v.transpose(0, 2, 1, 3)
+
+    def context_kv(self, context: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K/V of context rows C [1, n, H] at positions offset..offset+n-1."""
+        return self._keys_values(self.kv(context), offset)
+
+    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
+        """Block rows x [1, B, H] at positions offset.. over the cache's context rows
+        [0, offset); the block's K/V go to the scratch rows [offset, offset + B)."""
+        b = x.shape[1]
+        qkv = self.qkv(rms_norm(x, self.input_layernorm, self.eps))
+        q = qkv[..., :self.q_rows].reshape(1, b, self.heads, self.head_dim)
+        q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
+        keys, values = cache.update(*self._keys_values(qkv[..., self.q_rows:], offset), offset)
+        if self.window is not None and offset > self.window:
+            keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        x = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+
+
+class MarkovHead:
+    """Low-rank bias B_k on slot k's logits from the previous token (dspark.md 2): vanilla
+    W2 @ W1[prev]; gated W2 @ (sigmoid(gate_proj([h ; e])) * e); rnn over the block with
+    joint_proj([s ; e ; h]) -> gate, candidate, output. Runs in float32. The parts of
+    gate_proj / joint_proj that read h are applied to all slots at once (`prepare`)."""
+
+    def __init__(self, w: PackWeights, head_type: str, rank: int, hidden: int, target_vocab: int, draft_vocab: int):
+        self.head_type, self.rank = head_type, rank
+        self.w1 = Embedding(w.linear("markov_head.markov_w1", (target_vocab, rank)), mx.float32)
+        self.w2 = w.linear("markov_head.markov_w2", (draft_vocab, rank))
+        r, h = rank, hidden
+        if head_type == "gated":
+            g = dense(w.linear("markov_head.gate_proj", (r, h + r)))  # input [h ; e]
+            self.from_h, self.from_e = g[:, :h].T, g[:, h:].T
+            self.bias = _bias(w, "markov_head.gate_proj.bias", r)
+        elif head_type == "rnn":
+            j = dense(w.linear("markov_head.joint_proj", (3 * r, 2 * r + h)))  # input [s ; e ; h]
+            self.from_s, self.from_e, self.from_h = j[:, :r].T, j[:, r:2 * r].T, j[:, 2 * r:].T
+            self.bias = _bias(w, "markov_head.joint_proj.bias", 3 * r)
+
+    def prepare(self, h: mx.array) -> mx.array | None:
+        """The per-slot part that depends on the block's hidden states h [k, H] only."""
+        if self.head_type == "vanilla":
+            return None
+        return h.astype(mx.float32) @ self.from_h + self.bias
+
+    def initial_state(self) -> mx.array | None:
+        return mx.zeros((1, self.rank), mx.float32) if self.head_type == "rnn" else None
+
+    def step(self, e: mx.array, pre: mx.array | None, state: mx.array | None):
+        """Slot bias [1, V_draft] from e = W1[prev] [1, r] and this slot's `prepare` row."""
+        if self.head_type == "vanilla":
+            return self.w2(e), state
+        if self.head_type == "gated":
+            return self.w2(mx.sigmoid(pre + e @ self.from_e) * e), state
+        gate, cand, out = mx.split(pre + state @ self.from_s + e @ self.from_e, 3, axis=-1)
+        gate = mx.sigmoid(gate)
+        state = gate * state + (1 - gate) * mx.tanh(cand)
+        return self.w2(mx.tanh(out)), state
+
+    def block_bias(self, prev_ids: mx.array, h: mx.array) -> mx.array:
+        """Teacher-forced biases [k, V_draft] for given previous tokens (target ids) [k]."""
+        pre, state, rows = self.prepare(h), self.initial_state(), []
+        e = self.w1(prev_ids)
+        for k in range(prev_ids.shape[0]):
+            bias, state = self.step(e[k:k + 1], None if pre is None else pre[k:k + 1], state)
+            rows.append(bias)
+        return mx.concatenate(rows)
+
+
+class ConfidenceHead:
+    """logit_k = w . [h_k ; W1[prev_k]] + b (or w . h_k + b without the Markov input)."""
+
+    def __init__(self, w: PackWeights, hidden: int, rank: int):
+        proj = dense(w.linear("confidence_head.proj", (1, hidden + rank)))[0]
+        self.from_h, self.from_e = proj[:hidden], proj[hidden:] if rank else None
+        self.bias = _bias(w, "confidence_head.proj.bias", 1)
+
+    def logits(self, h: mx.array, e: mx.array | None) -> mx.array:
+        out = h.astype(mx.float32) @ self.from_h + self.bias
+        return out if self.from_e is None else out + e @ self.from_e
+
+
+def _bias(w: PackWeights, name: str, size: int) -> mx.array:
+    return w.tensor(name, (size,), mx.float32) if name in w.entries else mx.zeros((size,), mx.float32)
+
+
+# ----------------------------------------------------------------------- the draft
+
+
+class DraftContext:
+    """Per draft layer, K/V of the committed context rows in a `KVCache` [1, kv_heads,
+    max_context + block_size, head_dim]; `offset` = committed rows. The rows from offset
+    on are the running proposal's scratch space."""
+
+    def __init__(self, layers: list[KVCache], max_context: int):
+        self.layers = layers
+        self.max_context = max_context
+        self.offset = 0
+
+    def __repr__(self) -> str:
+        return f"DraftContext(offset={self.offset}, max_context={self.max_context})"
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in layer.arrays()]
+
+
+class Draft:
+    def __init__(self, args: DraftArgs, weights: PackWeights, target, draft_to_target: mx.array | None):
+        a, w = args, weights
+        self.args, self.dtype = a, w.dtype
+        h, self.target_vocab = a.hidden_size, target.args.vocab_size
+        if w.has_linear("embed_tokens"):
+            self.embed_tokens = Embedding(w.linear("embed_tokens", (self.target_vocab, h)), self.dtype)
+        else:  # bound to the target's (frozen copies in every real draft)
+            self.embed_tokens = target.embed_tokens
+        self.lm_head = w.linear("lm_head") if w.has_linear("lm_head") else target.lm_head
+        self.draft_vocab = self.lm_head.out_features
+        self.draft_to_target = draft_to_target
+        self.fc = w.linear("fc", (h, len(a.taps) * target.args.hidden_size))
+        self.hidden_norm = w.tensor("hidden_norm", (h,), mx.float32)
+        self.norm = w.tensor("norm", (h,), mx.float32)
+        self.rope = Rope(a)
+        self.layers = [DraftLayer(a, w, i, self.rope) for i in range(a.num_layers)]
+        self.markov = None
+        if a.markov_rank:
+            self.markov = MarkovHead(w, a.markov_head_type, a.markov_rank, h, self.target_vocab, self.draft_vocab)
+        self.confidence_head = None
+        if a.confidence_head:
+            self.confidence_head = ConfidenceHead(w, h, a.markov_rank if a.confidence_with_markov else 0)
+        masks = mx.full((a.block_size - 1,), a.mask_token_id, mx.int32)
+        self.mask_embeddings = cast(self.embed_tokens(masks), self.dtype)  # the same every round
+
+    @property
+    def taps(self) -> list[int]:
+        return list(self.args.taps)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def max_proposals(self) -> int:
+        return self.args.block_size - (0 if self.args.sample_from_anchor else 1)
+
+    # -- context
+
+    def make_context(self, max_context: int) -> DraftContext:
+        if max_context < 1:
+            raise ValueError(f"max_context must be positive, got {max_context}")
+        capacity = max_context + self.block_size
+        a = self.args
+        return DraftContext([KVCache(a.num_kv_heads, a.head_dim, capacity, self.dtype) for _ in self.layers],
+                            max_context)
+
+    def append_context(self, ctx: DraftContext, features: mx.array) -> None:
+        """Append the target features [n, len(taps) * H] of the next n committed rows."""
+        width = self.fc.shape[1]
+        if features.ndim != 2 or features.shape[1] != width or features.shape[0] < 1:
+            raise ValueError(f"features must be [n >= 1, {width}] (len(taps) x hidden), got {tuple(features.shape)}")
+        n = features.shape[0]
+        if ctx.offset + n > ctx.max_context:
+            raise CacheError(f"{n} context rows at offset {ctx.offset} exceed the draft context's "
+                             f"max_context={ctx.max_context}")
+        c = rms_norm(self.fc(cast(features, self.dtype)[None]), self.hidden_norm, self.args.rms_norm_eps)
+        for layer, cache in zip(self.layers, ctx.layers):
+            cache.update(*layer.context_kv(c, ctx.offset), ctx.offset)
+        ctx.offset += n
+
+    def rewind_context(self, ctx: DraftContext, offset: int) -> None:
+        if not 0 <= offset <= ctx.offset:
+            raise ValueError(f"can only rewind the draft context to [0, {ctx.offset}], got {offset}")
+        ctx.offset = offset
+
+    # -- proposals
+
+    def forward(self, ctx: DraftContext, anchor) -> mx.array:
+        """Hidden states [B, H] after the final norm of the block [anchor, mask x (B-1)]
+        at positions ctx.offset... (`anchor`: a target token id, int or int32 mx.array)."""
+        if isinstance(anchor, mx.array):
+            anchor = anchor.reshape(1).astype(mx.int32)
+        else:
+            if not 0 <= int(anchor) < self.target_vocab:
+                raise ValueError(f"anchor must be a token id in [0, {self.target_vocab}), got {anchor}")
+            anchor = mx.array([int(anchor)], mx.int32)
+        x = mx.concatenate([cast(self.embed_tokens(anchor), self.dtype), self.mask_embeddings])[None]
+        for layer, cache in zip(self.layers, ctx.layers):
+            x = layer(x, cache, ctx.offset)
+        return rms_norm(x, self.norm, self.args.rms_norm_eps)[0]
+
+    def propose(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams,
+                key: mx.array | None = None) -> Proposal:
+        """`gamma` proposals after `anchor` (at position ctx.offset), drawn serially from
+        U_k + B_k(prev); lazy arrays (evaluating them is the caller's one sync)."""
+        if not 1 <= gamma <= self.max_proposals:
+            raise ValueError(f"gamma must be in [1, {self.max_proposals}], got {gamma}")
+        if not params.greedy and key is None:
+            raise ValueError("sampling with temperature > 0 needs a PRNG key (see key_chain)")
+        first = 0 if self.args.sample_from_anchor else 1  # z-lab DFlash: slot 0 predicts nothing
+        h = self.forward(ctx, anchor)[first:first + gamma]
+        u = cast(self.lm_head(h), mx.float32)
+        prev = anchor.reshape(1).astype(mx.int32) if isinstance(anchor, mx.array) else mx.array([anchor], mx.int32)
+        if self.markov is None:
+            logits = filtered_logits(u, params)
+            tokens = self._draw(logits, params, key)
+            prev_embeddings = None
+        else:
+            tokens, logits, prev_embeddings = self._markov_chain(u, h, prev, params, key)
+        q = mx.softmax(logits, axis=-1)
+        if self.draft_to_target is not None:
+            q_target = mx.zeros((gamma, self.target_vocab), mx.float32)
+            q_target[:, self.draft_to_target] = q
+            q = q_target
+        confidence = None
+        if self.confidence_head is not None:
+            confidence = mx.sigmoid(self.confidence_head.logits(h, prev_embeddings))
+        return Proposal(tokens, q, confidence)
+
+    def _draw(self, logits: mx.array, params: SamplingParams, key) -> mx.array:
+        """Draft ids from filtered logits [k, V_draft] -> target ids int32 [k]."""
+        if params.greedy:
+            ids = mx.argmax(logits, axis=-1)
+        else:
+            ids = mx.random.categorical(logits, axis=-1, key=key)
+        ids = ids.astype(mx.int32)
+        return ids if self.draft_to_target is None else self.draft_to_target[ids]
+
+    def _markov_chain(self, u, h, prev, params, key):
+        """Serial sampling: logits_k = U_k + B_k(prev), prev starting at the anchor.
+        Returns (tokens [k], filtered logits [k, V_draft], W1[prev_k] [k, r])."""
+        m = self.markov
+        pre, state = m.prepare(h), m.initial_state()
+        keys = None if params.greedy else mx.random.split(key, u.shape[0])
+        tokens, logits, embeddings = [], [], []
+        for k in range(u.shape[0]):
+            e = m.w1(prev)
+            bias, state = m.step(e, None if pre is None else pre[k:k + 1], state)
+            row = filtered_logits(u[k:k + 1] + bias, params)
+            prev = self._draw(row, params, None if keys is None else keys[k])
+            tokens.append(prev)
+            logits.append(row)
+            embeddings.append(e)
+        return mx.concatenate(tokens), mx.concatenate(logits), mx.concatenate(embeddings)
+
+
+# ----------------------------------------------------------------------- loading
+
+
+def _check_fit(args: DraftArgs, settings: dict, w: PackWeights, target, where: str) -> mx.array | None:
+    """Raise DraftError naming the field when the draft cannot run on this target; return
+    the draft -> target id map (arange + d2t) of a reduced vocabulary, else None."""
+    t = target.args
+    bad = [i for i in args.taps if not 0 <= i < t.num_hidden_layers]
+    if bad:
+        if args.architecture == "dspark-speculators":
+            raise DraftError(f"{where}: aux_hidden_state_layer_ids {[i + 1 for i in args.taps]} (target layer ids "
+                             f"{list(args.taps)}) reach beyond the target's {t.num_hidden_layers} layers")
+        raise DraftError(f"{where}: target_layer_ids {list(args.taps)} reach beyond the target's "
+                         f"{t.num_hidden_layers} layers")
+    if args.hidden_size != t.hidden_size:
+        raise DraftError(f"{where}: draft hidden_size {args.hidden_size} != the target's {t.hidden_size}")
+
+    def rows(name):
+        entry = w.entries.get(name) or w.entries.get(name + ".0")
+        if entry is None:
+            return None
+        if name in w.entries:
+            return entry["shape"][0]
+        return w.linear(name).out_features
+
+    vocab = t.vocab_size
+    if not 0 <= args.mask_token_id < vocab:
+        raise DraftError(f"{where}: mask_token_id {args.mask_token_id} is outside the target vocabulary ({vocab})")
+    embed = rows("embed_tokens")
+    if embed is not None and embed != vocab:
+        raise DraftError(f"{where}: embed_tokens has {embed} rows, the target vocabulary {vocab}")
+    lm_head = rows("lm_head")
+    reduced = settings.get("draft_vocab_size")
+    if "d2t" not in w.entries:
+        if reduced and reduced != vocab:
+            raise DraftError(f"{where}: reduced vocabulary (draft_vocab_size {reduced}) without a d2t tensor")
+        if lm_head is not None and lm_head != vocab:
+            raise DraftError(f"{where}: lm_head has {lm_head} rows but the target vocabulary is {vocab} "
+                             "and there is no d2t")
+        draft_vocab, mapping = vocab, None
+    else:
+        d2t = np.asarray(w.tensor("d2t"), dtype=np.int64)
+        draft_vocab = d2t.shape[0]
+        if lm_head is None:
+            raise DraftError(f"{where}: reduced vocabulary (d2t) without its own lm_head")
+        if lm_head != draft_vocab or (reduced and reduced != draft_vocab):
+            raise DraftError(f"{where}: lm_head has {lm_head} rows, d2t {draft_vocab}, draft_vocab_size {reduced}")
+        ids = np.arange(draft_vocab, dtype=np.int64) + d2t
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise DraftError(f"{where}: d2t maps draft ids to target ids [{ids.min()}, {ids.max()}], outside the "
+                             f"target vocabulary ({vocab})")
+        mapping = mx.array(ids.astype(np.int32))
+    if args.markov_rank:
+        w1, w2 = rows("markov_head.markov_w1"), rows("markov_head.markov_w2")
+        if w1 != vocab:
+            raise DraftError(f"{where}: markov_head.markov_w1 has {w1} rows, the target vocabulary {vocab}")
+        if w2 != draft_vocab:
+            raise DraftError(f"{where}: markov_head.markov_w2 has {w2} rows, the draft vocabulary {draft_vocab}")
+    if "t2d" in w.entries:
+        t2d = w.tensor("t2d")
+        if t2d.shape != (vocab,):
+            raise DraftError(f"{where}: t2d has shape {list(t2d.shape)}, the target vocabulary is {vocab}")
+    return mapping
+
+
+def load_draft(draft_source, target_model, dtype="bfloat16", quantization="auto", **resolve_options) -> Draft:
+    """A DSpark / DFlash draft for `target_model` from a pack directory, checkpoint
+    directory or hub id (packed once into the cache, NVFP4 by default). Checked against
+    the target at load: taps, hidden size, vocabulary (DraftError names the field)."""
+    dtype = _dtype(dtype)
+    pack_dir = resolve_pack(draft_source, role="draft", quantization=quantization, **resolve_options)
+    manifest = read_manifest(pack_dir)
+    where = str(pack_dir)
+    architecture = manifest.get("architecture")
+    settings = (manifest.get("layout") or {}).get("draft")
+    if architecture not in DRAFT_ARCHITECTURES or not settings:
+        raise DraftError(f"{where}: not a draft pack (architecture {architecture!r}; drafts: "
+                         f"{', '.join(DRAFT_ARCHITECTURES)})")
+    weights = PackWeights(pack_dir, dtype)
+    args = DraftArgs.from_pack(weights.config, settings, architecture, f"{where}/config.json")
+    mapping = _check_fit(args, settings, weights, target_model, where)
+    draft = Draft(args, weights, target_model, mapping)
+    unused = [n for n in weights.unused() if n not in UNUSED_TENSORS]
+    if unused:
+        raise DraftError(f"{where}: tensors the draft does not use: {', '.join(unused[:8])}"
+                         + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+    mx.eval(model_arrays(draft))
+    return draft

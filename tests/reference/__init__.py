@@ -1,0 +1,1 @@
+"""Registry reference implementations vendored for tests (see each file's header)."""
