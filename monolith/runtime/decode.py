@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .sampling import SamplingParams, key_chain, sample
+from .stats import SpecStats
 
 
 class ContextLengthError(ValueError):
@@ -36,7 +37,10 @@ class GenerationResult:
     prompt_tokens: int
     prefill_seconds: float  # start to first generated token (prefill + first sample)
     decode_seconds: float  # first generated token to the last one
-    decode_steps: int  # forward steps after the prefill whose token was read
+    # tokens read after the first one, a stop token included (plain decoding: one
+    # forward step each; a speculative round reads up to gamma + 1)
+    decode_steps: int
+    speculative: SpecStats | None = None  # rounds and acceptance (speculative decoding only)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -60,13 +64,7 @@ def generate(
     """Generate up to `max_tokens` tokens after `prompt_ids`. The sequence (prompt +
     output) never exceeds `max_context` tokens; a stop token ends it with "stop" and is
     not part of the output. `on_token(id)` is called for each output token as it is read."""
-    prompt = _check_prompt(prompt_ids, model.args.vocab_size)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if prefill_chunk_size < 1:
-        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size!r}")
-    if len(prompt) + 1 > max_context:
-        raise ContextLengthError(len(prompt), max_context)
+    prompt = check_request(prompt_ids, model.args.vocab_size, max_tokens, max_context, prefill_chunk_size)
     stops = frozenset(int(t) for t in stop_ids)
     keys = None if params.greedy else key_chain(params.seed)
 
@@ -104,6 +102,19 @@ def generate(
         token = upcoming
     end = time.perf_counter()
     return GenerationResult(out, finish, len(prompt), first_at - start, end - first_at, steps)
+
+
+def check_request(prompt_ids: Sequence[int], vocab_size: int, max_tokens: int, max_context: int,
+                  prefill_chunk_size: int) -> list[int]:
+    """The prompt as a list of ids, after checking every argument (before any work)."""
+    prompt = _check_prompt(prompt_ids, vocab_size)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size!r}")
+    if len(prompt) + 1 > max_context:
+        raise ContextLengthError(len(prompt), max_context)
+    return prompt
 
 
 def _check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
