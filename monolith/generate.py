@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-threshold", type=float,
                     help=f"with --spec-sched threshold: the survival cut-off (default {DEFAULT_THRESHOLD})")
     ap.add_argument("--revision", help="hub revision of --model")
-    ap.add_argument("--local-files-only", action="store_true", help="never download")
+    ap.add_argument("--local-files-only", action="store_true", help="never download (--model and --draft)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return ap
 
@@ -70,11 +70,11 @@ def load_target(pack, dtype: str):
     return load_model(pack, dtype=dtype)
 
 
-def load_drafter(source, model, dtype: str, quantization: str):
+def load_drafter(source, model, dtype: str, quantization: str, local_files_only: bool = False):
     """The real draft loader (late import, as load_target)."""
     from .runtime.drafter import load_drafter as load
 
-    return load(source, model, dtype=dtype, quantization=quantization)
+    return load(source, model, dtype=dtype, quantization=quantization, local_files_only=local_files_only)
 
 
 def main(argv=None, load=load_target, load_draft=load_drafter) -> int:
@@ -133,7 +133,8 @@ def _run(args, load, load_draft, stdout, stderr) -> int:
     stop_ids = set(tokenizer.eos_token_ids) | set(_as_list(getattr(model.args, "eos_token_id", None)))
     drafter = None
     if args.draft is not None:
-        drafter = load_draft(args.draft, model, args.dtype, args.draft_quantization or "auto")
+        drafter = load_draft(args.draft, model, args.dtype, args.draft_quantization or "auto",
+                             local_files_only=args.local_files_only)
         if args.draft_block_size is not None and args.draft_block_size > drafter.max_proposals:
             raise CliError(f"--draft-block-size must be at most {drafter.max_proposals} "
                            f"(the draft's proposals per block), got {args.draft_block_size}")

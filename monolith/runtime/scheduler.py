@@ -1,0 +1,211 @@
+"""Block schedulers: how many of the gamma proposals a round verifies (dspark.md 4.2).
+
+- `fixed`: all gamma.
+- `threshold`: cut before the first position whose survival a_j = prod_{i<=j} c_i
+  falls below a threshold (default 0.1).
+- `cost`: the l maximizing the expected tokens per second
+  (1 + sum_{j<=l} a_j) / (T_draft + T_verify(1 + l)), scanning l = 0, 1, ... and
+  stopping at the first l that does not improve on the one before. T_draft and the
+  T_verify table (rows 1..gamma+1) are measured at warm-up by `measure_costs`: medians
+  of timed forwards on a scratch cache at a short context, kept for the whole run.
+
+Whatever l is chosen, it is chosen from the draft's side alone (confidences, past
+rounds), never from the target's verdict on this round, so the output distribution is
+that of the target (rejection sampling stays exact for any l).
+
+Survival estimates, per position j = 1..max_proposals, learned online from the
+rounds' verdicts with exponential forgetting (DECAY per round, so the estimates follow a
+drifting prompt and an estimate no round observes drifts back to its prior):
+- with a confidence head: a_j = min(1, raw a_j * r_j), where r_j = (observed + 1) /
+  (predicted + 1) over the rounds that verified position j: observed counts the rounds
+  that accepted j, predicted sums the raw survivals the head gave j in those rounds
+  (a running ratio of observed to predicted survival; r_j = 1 before any round);
+- without one: a_j = prod_{i<=j} rate_i with rate_i the conditional acceptance at i
+  ((accepted + 1) / (reached + 1): optimistic, 1, before any round reaches i).
+Both schedulers verify at least `min_proposals` (default 1) proposals when any are
+available: with l = 0 no position is ever observed again and the online estimates could
+lock the scheduler at l = 0 for good; one extra verify row is cheap.
+
+`choose` reads the confidences on the host, which costs one more host sync per round
+(the verify's shape depends on them); `fixed`, and the others without a confidence
+head, add none.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+SCHEDULERS = ("fixed", "threshold", "cost")
+DEFAULT_THRESHOLD = 0.1
+DECAY = 0.98
+
+
+class Scheduler:
+    name = "fixed"
+    uses_confidence = False  # choose() wants the proposal's confidences on the host
+
+    def choose(self, gamma: int, confidence: np.ndarray | None) -> int:
+        """How many of `gamma` proposals to verify, 0 <= l <= gamma."""
+        return gamma
+
+    def update(self, proposed: int, accepted: int, confidence: np.ndarray | None) -> None:
+        """Learn from a round that verified `proposed` and accepted `accepted`."""
+
+
+class FixedScheduler(Scheduler):
+    pass
+
+
+class SurvivalScheduler(Scheduler):
+    """Keeps the online per-position estimates that `threshold` and `cost` share."""
+
+    uses_confidence = True
+
+    def __init__(self, max_positions: int = 16, min_proposals: int = 1, decay: float = DECAY):
+        self.min_proposals = min_proposals
+        self.decay = decay
+        n = max_positions
+        self.reached = np.zeros(n)  # rounds that verified j with all before accepted
+        self.accepted = np.zeros(n)  # ... and accepted j
+        self.predicted = np.zeros(n)  # raw survival the head gave j, rounds that verified j
+        self.observed = np.zeros(n)  # rounds that verified j and accepted it
+
+    def survival(self, gamma: int, confidence: np.ndarray | None) -> np.ndarray:
+        """Estimated a_1..a_gamma (non-increasing, in [0, 1])."""
+        self._grow(gamma)
+        if confidence is None:
+            rates = (self.accepted[:gamma] + 1) / (self.reached[:gamma] + 1)
+            return np.cumprod(rates)
+        raw = np.cumprod(np.clip(np.asarray(confidence, np.float64)[:gamma], 0.0, 1.0))
+        ratio = (self.observed[:gamma] + 1) / (self.predicted[:gamma] + 1)
+        return np.minimum.accumulate(np.minimum(raw * ratio, 1.0))
+
+    def update(self, proposed: int, accepted: int, confidence: np.ndarray | None) -> None:
+        self._grow(proposed)
+        for arr in (self.reached, self.accepted, self.predicted, self.observed):
+            arr *= self.decay
+        verified = np.arange(proposed)  # 0-based positions
+        self.reached[: min(accepted + 1, proposed)] += 1
+        self.accepted[:accepted] += 1
+        if confidence is not None and proposed:
+            raw = np.cumprod(np.clip(np.asarray(confidence, np.float64)[:proposed], 0.0, 1.0))
+            self.predicted[verified] += raw
+            self.observed[:accepted] += 1
+
+    def _floor(self, gamma: int) -> int:
+        return min(self.min_proposals, gamma)
+
+    def _grow(self, n: int) -> None:
+        if n > self.reached.size:
+            pad = n - self.reached.size
+            for name in ("reached", "accepted", "predicted", "observed"):
+                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(pad)]))
+
+
+class ThresholdScheduler(SurvivalScheduler):
+    name = "threshold"
+
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, **kw):
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"the survival threshold must be in [0, 1], got {threshold}")
+        super().__init__(**kw)
+        self.threshold = threshold
+
+    def choose(self, gamma: int, confidence: np.ndarray | None) -> int:
+        survival = self.survival(gamma, confidence)
+        below = np.flatnonzero(survival < self.threshold)
+        keep = int(below[0]) if below.size else gamma
+        return max(keep, self._floor(gamma))
+
+
+class CostScheduler(SurvivalScheduler):
+    name = "cost"
+
+    def __init__(self, draft_seconds: float | None = None, verify_seconds=None, **kw):
+        """verify_seconds[r - 1] = T_verify(r rows); both measured by `measure_costs`
+        when not given."""
+        super().__init__(**kw)
+        self.draft_seconds = draft_seconds
+        self.verify_seconds = None if verify_seconds is None else [float(t) for t in verify_seconds]
+
+    @property
+    def calibrated(self) -> bool:
+        return self.draft_seconds is not None and self.verify_seconds is not None
+
+    def set_costs(self, draft_seconds: float, verify_seconds) -> None:
+        self.draft_seconds, self.verify_seconds = float(draft_seconds), [float(t) for t in verify_seconds]
+
+    def verify_time(self, rows: int) -> float:
+        """T_verify(rows), extrapolated linearly past the table."""
+        table = self.verify_seconds
+        if rows <= len(table):
+            return table[rows - 1]
+        slope = table[-1] - table[-2] if len(table) > 1 else table[-1]
+        return table[-1] + slope * (rows - len(table))
+
+    def choose(self, gamma: int, confidence: np.ndarray | None) -> int:
+        if not self.calibrated:
+            raise RuntimeError("the cost scheduler has no timings: call set_costs (see measure_costs)")
+        survival = self.survival(gamma, confidence)
+        best_l, best = 0, 1.0 / (self.draft_seconds + self.verify_time(1))
+        expected = 1.0
+        for l in range(1, gamma + 1):
+            expected += survival[l - 1]
+            value = expected / (self.draft_seconds + self.verify_time(1 + l))
+            if value <= best:
+                break  # the first non-improvement ends the scan
+            best_l, best = l, value
+        return max(best_l, self._floor(gamma))
+
+
+def make_scheduler(name: str, max_positions: int = 16, threshold: float | None = None) -> Scheduler:
+    if name == "fixed":
+        return FixedScheduler()
+    if name == "threshold":
+        return ThresholdScheduler(DEFAULT_THRESHOLD if threshold is None else threshold, max_positions=max_positions)
+    if name == "cost":
+        return CostScheduler(max_positions=max_positions)
+    raise ValueError(f"unknown scheduler {name!r} (known: {', '.join(SCHEDULERS)})")
+
+
+def measure_costs(model, drafter, gamma: int, params, context: int = 64, repeats: int = 5) -> tuple[float, list[float]]:
+    """(T_draft, [T_verify(1), ..., T_verify(gamma + 1)]) in seconds: medians of timed
+    runs on a scratch cache holding `context` random rows (verify forwards as in a
+    round: taps captured, GDN tapes recorded). Restarts the drafter: call it before
+    the sequence's `drafter.start`."""
+    vocab = model.args.vocab_size
+    tokens = mx.random.randint(0, vocab, (context + gamma + 1,), key=mx.random.key(0)).astype(mx.int32)
+    cache = model.make_cache(context + gamma + 2)
+    drafter.start(context + gamma + 2)
+    _, features = model.forward(tokens[:context], cache, taps=drafter.taps, logits="none")
+    drafter.observe(features)
+    mx.eval(cache.arrays(), drafter.arrays())
+    cache.record = True
+    snap = cache.snapshot()
+    key = None if params.greedy else mx.random.key(1)
+
+    def median_seconds(run) -> float:
+        run()  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    def draft():
+        p = drafter.propose(int(tokens[context].item()), gamma, params, key)
+        mx.eval([a for a in (p.tokens, p.q, p.confidence) if a is not None])
+
+    def verify(rows):
+        cache.restore(snap)
+        logits, feats = model.forward(tokens[context:context + rows], cache, taps=drafter.taps)
+        mx.eval(logits, feats, cache.arrays())
+
+    draft_seconds = median_seconds(draft)
+    verify_seconds = [median_seconds(lambda r=rows: verify(r)) for rows in range(1, gamma + 2)]
+    return draft_seconds, verify_seconds
