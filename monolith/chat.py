@@ -1,0 +1,242 @@
+"""python -m monolith.chat [--model M] [--draft D | --no-draft] ...: a terminal chat.
+
+Replies stream as they are generated, then one line of speed and acceptance. The
+conversation's cache is kept across turns, so each turn prefills only its new
+tokens. Commands: /reset, /system TEXT, /stats, /quit. Ctrl-C stops the current
+reply (the conversation keeps what was shown); Ctrl-D or /quit leaves.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import sys
+import unicodedata
+
+from .cli import ArgumentParser
+from .runtime.decode import ContextLengthError
+from .runtime.engine import Delta, Failed, Finished, GenerationRequest
+from .runtime.sampling import SamplingParams
+from .serving.loading import SetupError, add_model_arguments, load_engine, plan_model
+
+HELP = "commands: /reset  /system TEXT  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D leaves)"
+
+
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m monolith.chat", description=__doc__)
+    add_model_arguments(ap)
+    ap.add_argument("--system", help="system prompt")
+    ap.add_argument("--max-tokens", type=int, default=2048, help="per reply (default 2048)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--min-p", type=float, default=0.0)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--no-thinking", action="store_true", help="render the template with enable_thinking=false")
+    return ap
+
+
+class Conversation:
+    """The tokens of one conversation as the model saw them. The first turn renders the
+    chat template; later turns append the template's text between an assistant reply
+    and the next generation prompt to the exact tokens so far, so every prompt extends
+    the cached sequence and only the new turn is prefilled."""
+
+    def __init__(self, tokenizer, system: str | None = None, template_kwargs: dict | None = None):
+        self.tokenizer = tokenizer
+        self.system = system
+        self.template_kwargs = template_kwargs or {}
+        self.tokens: list[int] = []
+        self.turns = 0
+
+    def _head(self) -> list[dict]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
+    def prompt(self, user_text: str) -> list[int]:
+        user = {"role": "user", "content": user_text}
+        if not self.tokens:
+            return self.tokenizer.encode_chat(self._head() + [user], **self.template_kwargs)
+        sentinel = "\x00reply-" + secrets.token_hex(8)
+        text = self.tokenizer.apply_chat_template(
+            self._head() + [{"role": "user", "content": "."}, {"role": "assistant", "content": sentinel}, user],
+            **self.template_kwargs)
+        suffix = text[text.index(sentinel) + len(sentinel):]
+        return self.tokens + self.tokenizer.encode(suffix, add_special_tokens=False)
+
+    def commit(self, prompt: list[int], reply: list[int]) -> None:
+        """After a reply (complete or stopped): the prompt and the reply's tokens, without
+        the end token (the template's text after a reply supplies it)."""
+        self.tokens = list(prompt) + list(reply)
+        self.turns += 1
+
+
+class Chat:
+    def __init__(self, engine, args, name: str = "", out=None):
+        self.engine = engine
+        self.name = name or engine.tokenizer.path.name
+        self.out = out or sys.stdout
+        self.params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+        self.max_tokens = args.max_tokens
+        self.template_kwargs = {"enable_thinking": False} if args.no_thinking else {}
+        self.session = engine.new_session()
+        self.conversation = Conversation(engine.tokenizer, args.system, self.template_kwargs)
+        self.totals = {"prompt": 0, "cached": 0, "generated": 0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0,
+                       "drafts": 0, "accepted": 0}
+
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def run(self, read=input) -> int:
+        mode = f"draft {self.engine.draft_name}" if self.engine.draft_name else "plain decoding"
+        self.write(f"monolith chat: {self.name} ({mode}); {HELP}\n")
+        while True:
+            try:
+                line = read("> ")
+            except EOFError:
+                self.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                self.write("\n(Ctrl-C stops a reply; /quit or Ctrl-D leaves)\n")
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if self.command(line):
+                    return 0
+                continue
+            self.reply(line)
+
+    def command(self, line: str) -> bool:
+        """Run a /command; True to quit."""
+        name, _, rest = line.partition(" ")
+        if name in ("/quit", "/exit"):
+            return True
+        if name == "/reset":
+            self.reset()
+            self.write("(new conversation)\n")
+        elif name == "/system":
+            self.conversation.system = rest.strip() or None
+            self.reset()
+            self.write("(system prompt " + ("set" if rest.strip() else "cleared") + "; new conversation)\n")
+        elif name == "/stats":
+            self.write(self.stats() + "\n")
+        else:
+            self.write(f"unknown command {name}; {HELP}\n")
+        return False
+
+    def reset(self) -> None:
+        self.session.reset()
+        self.conversation = Conversation(self.engine.tokenizer, self.conversation.system, self.template_kwargs)
+
+    def reply(self, user_text: str) -> None:
+        try:
+            prompt = self.conversation.prompt(user_text)
+            prompt = self.engine.check_prompt(prompt)
+        except ContextLengthError as e:
+            self.write(f"(the conversation is {e.prompt_tokens} tokens and no longer fits the context of "
+                       f"{e.max_context}; /reset starts over)\n")
+            return
+        except ValueError as e:
+            self.write(f"(error: {e})\n")
+            return
+        events: queue.Queue = queue.Queue()
+        job = self.engine.submit(GenerationRequest(tuple(prompt), self.max_tokens, self.params), events.put,
+                                 self.session)
+        finished, stopped, text = None, False, []
+        while finished is None:
+            try:
+                try:
+                    event = events.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(event, Delta):
+                    text.append(event.text)
+                    self.write(_printable(event.text))
+                elif isinstance(event, Finished):
+                    finished = event
+                elif isinstance(event, Failed):
+                    self.write(f"\n(error: {event.error})\n")
+                    self.session.reset()
+                    self.conversation = Conversation(self.engine.tokenizer, self.conversation.system,
+                                                     self.template_kwargs)
+                    return
+            except KeyboardInterrupt:
+                stopped = True
+                job.cancel()
+        self.conversation.commit(prompt, finished.token_ids)
+        self.write("\n" + ("[stopped] " if stopped else "") + self.reply_line(finished) + "\n")
+
+    def reply_line(self, f: Finished) -> str:
+        t = self.totals
+        t["prompt"] += f.usage.prompt_tokens
+        t["cached"] += f.usage.cached_tokens
+        t["generated"] += f.usage.completion_tokens
+        t["prefill_s"] += f.prefill_seconds
+        t["decode_s"] += f.decode_seconds
+        t["steps"] += f.decode_steps
+        if f.spec is not None:
+            t["drafts"] += f.spec.drafts
+            t["accepted"] += f.spec.accepted_tokens
+        acceptance = (f"acceptance {f.spec.acceptance_length:.2f} tokens/round" if f.spec and f.spec.drafts
+                      else "acceptance n/a (no draft)" if not self.engine.draft_name else "acceptance n/a")
+        return (f"-- {f.usage.completion_tokens} tokens, {f.decode_tok_s:.1f} tok/s | prompt "
+                f"{f.usage.prompt_tokens} tokens: {f.usage.cached_tokens} cached, {f.prefilled_tokens} prefilled, "
+                f"{f.prefill_tok_s:.1f} tok/s | {acceptance} | {f.finish_reason}")
+
+    def stats(self) -> str:
+        t = self.totals
+        prefilled = t["prompt"] - t["cached"]
+        prefill = prefilled / t["prefill_s"] if t["prefill_s"] > 0 else 0.0
+        decode = t["steps"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
+        if self.engine.draft_name is None:
+            acceptance = "n/a (no draft)"
+        elif t["drafts"]:
+            acceptance = f"{(t['accepted'] + t['drafts']) / t['drafts']:.2f} tokens/round over {t['drafts']} rounds"
+        else:
+            acceptance = "n/a (no rounds yet)"
+        return (f"turns: {self.conversation.turns} | conversation: {len(self.conversation.tokens)} tokens of "
+                f"{self.engine.max_context}\n"
+                f"prompt tokens: {t['prompt']} ({t['cached']} cached, {prefilled} prefilled), {prefill:.1f} tok/s\n"
+                f"generated: {t['generated']} tokens, {decode:.1f} tok/s\n"
+                f"acceptance: {acceptance}")
+
+
+def _printable(text: str) -> str:
+    """Model text for a terminal: control characters (escape sequences!) shown as U+FFFD."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else "\ufffd" for c in text)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = plan_model(args)
+        if args.max_tokens < 1:
+            raise SetupError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    except (SetupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        engine = load_engine(args, plan, lambda message: print(message, file=sys.stderr, flush=True),
+                             max_queue=1, queue_timeout=1e9)
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - a model that cannot load ends in one line, not a traceback
+        print(f"error: {e}".replace("\n", " "), file=sys.stderr)
+        return 1
+    try:
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        return Chat(engine, args, plan.name).run()
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(encoding="utf-8")
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""python -m monolith.serve [--model M] [--draft D | --no-draft] [--host H] [--port P] ...:
+an OpenAI-compatible HTTP server (serving.md). The server answers at once and loads
+the model in the background: GET /health says 503 until it is ready, then 200. With no
+--model it serves the bundled demo pair."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .cli import ArgumentParser
+from .serving.loading import SetupError, add_model_arguments, load_engine, plan_model
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def build_parser() -> ArgumentParser:
+    ap = ArgumentParser(prog="python -m monolith.serve", description=__doc__)
+    add_model_arguments(ap)
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                    help="the model name(s) clients use (default: the --model value, or monolith-demo)")
+    ap.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health "
+                                      "(default: $MONOLITH_API_KEY; unset = no key)")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
+    ap.add_argument("--queue-timeout", type=float, default=300.0,
+                    help="seconds a request may wait in the queue before a 503 (default 300)")
+    ap.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                    help="larger request bodies get 413 (default 8 MiB)")
+    ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = plan_model(args)
+        if not 0 <= args.port <= 65535:
+            raise SetupError(f"--port must be in [0, 65535], got {args.port}")
+        for flag, value in (("--max-queue", args.max_queue), ("--max-request-bytes", args.max_request_bytes)):
+            if value < 1:
+                raise SetupError(f"{flag} must be at least 1, got {value}")
+        if not args.queue_timeout > 0:
+            raise SetupError(f"--queue-timeout must be positive, got {args.queue_timeout}")
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    import uvicorn
+
+    from .serving.app import ServerConfig, create_app
+
+    level = logging.DEBUG if args.log_level == "trace" else getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s:     %(message)s", stream=sys.stderr)
+    log = logging.getLogger("monolith.serve")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
+    config = ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes)
+    failures: list[Exception] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_failure(error: Exception) -> None:
+        failures.append(error)
+        server.should_exit = True
+
+    def load():
+        return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout)
+
+    app = create_app(load, config, on_load_failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=10))
+    log.info("loading %s in the background; /health answers 503 until it is ready", plan.name)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
+        pass
+    if failures:
+        print(f"error: {failures[0]}".replace("\n", " "), file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,619 @@
+"""The OpenAI-compatible HTTP app (starlette): /health, /v1/models,
+/v1/chat/completions, /v1/completions, /metrics (serving.md is the contract).
+
+`create_app(load, config)` answers at once and runs `load()` (which returns an
+Engine) on a background thread: /health says 503 until it is done, and the
+generation endpoints answer 503 meanwhile. Each generation request is validated
+(schemas.py), rendered and tokenized, then queued in the engine; the handler waits
+for it to start (bounded by the queue timeout) and then either collects the answer or
+streams Server-Sent Events, with keep-alive comments while nothing else is sent. A
+client that disconnects cancels its request. Every error is an OpenAI error body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..runtime.decode import ContextLengthError
+from ..runtime.engine import (
+    Delta,
+    EngineClosed,
+    Failed,
+    Finished,
+    GenerationRequest,
+    QueueFull,
+    QueueTimeout,
+    Started,
+    release_thread_streams,
+)
+from .metrics import CONTENT_TYPE, Metrics
+from .schemas import (
+    APIError,
+    SamplingDefaults,
+    bad,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_body,
+)
+from .tools import ToolCallParser, parse_tool_calls
+
+log = logging.getLogger("monolith.serve")
+
+NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_names: tuple[str, ...]  # the names /v1/models lists and requests may use
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    keepalive_seconds: float = 5.0  # an SSE comment line when nothing was sent for this long
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.status = "loading"  # -> "ready" or "failed"
+        self.error: str | None = None
+        self.engine = None
+        self.defaults = SamplingDefaults()
+        self.token_text: TokenText | None = None
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    def ready(self, engine) -> None:
+        config = _read_json(engine.tokenizer.path / "generation_config.json")
+        self.defaults = SamplingDefaults.from_generation_config(config)
+        self.token_text = TokenText(engine.tokenizer)
+        self.metrics.bind(engine)
+        self.engine = engine
+        self.status = "ready"
+
+
+def create_app(load: Callable[[], object], config: ServerConfig,
+               on_load_failure: Callable[[Exception], None] | None = None) -> Starlette:
+    """The app; `load()` runs on a background thread at startup and returns the Engine.
+    If it raises, /health reports the error and `on_load_failure(error)` is called
+    (the CLI uses it to stop the server)."""
+    state = ServerState(config)
+
+    def load_in_background() -> None:
+        try:
+            state.ready(load())
+        except Exception as e:  # noqa: BLE001 - reported on /health and to the caller
+            state.status, state.error = "failed", f"{type(e).__name__}: {e}" if not str(e) else str(e)
+            log.error("loading failed: %s", state.error)
+            if on_load_failure is not None:
+                on_load_failure(e)
+        finally:
+            release_thread_streams()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=load_in_background, name="monolith-load", daemon=True).start()
+        yield
+        if state.engine is not None:
+            await anyio.to_thread.run_sync(state.engine.close)
+
+    handlers = _Handlers(state)
+    routes = [
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
+        Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
+        Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
+        Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
+    ]
+
+    async def http_error(request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       code=code))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.monolith = state
+    return app
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class _Handlers:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def endpoint(self, name: str, handler):
+        """Authorization, OpenAI error bodies for every failure, request counting."""
+
+        async def run(request: Request) -> Response:
+            try:
+                self._authorize(request)
+                response = await handler(request)
+            except APIError as e:
+                response = error_response(e)
+            except Exception:  # noqa: BLE001 - never a stack trace to the client
+                log.exception("%s %s failed", request.method, request.url.path)
+                response = error_response(APIError(500, "internal server error (the server log has the details)",
+                                                   code="internal_error"))
+            self.state.metrics.requests.labels(name, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    def _authorize(self, request: Request) -> None:
+        key = self.state.config.api_key
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
+            raise APIError(401, "missing or invalid API key: send the header Authorization: Bearer KEY",
+                           code="invalid_api_key")
+
+    def _engine(self):
+        state = self.state
+        if state.status == "ready":
+            return state.engine
+        if state.status == "failed":
+            raise APIError(503, f"the model failed to load: {state.error}", code="model_load_failed")
+        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
+
+    # ---------------------------------------------------------------- simple endpoints
+
+    async def health(self, request: Request) -> Response:
+        state = self.state
+        if state.status == "ready":
+            return JSONResponse({"status": "ok"})
+        body = {"status": state.status}
+        if state.error:
+            body["message"] = state.error
+        return JSONResponse(body, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        state = self.state
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "monolith"}
+                for name in state.config.model_names]
+        if state.engine is not None:
+            for entry in data:
+                entry["max_model_len"] = state.engine.max_context
+        return JSONResponse({"object": "list", "data": data})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    # ---------------------------------------------------------------- generation
+
+    async def chat(self, request: Request) -> Response:
+        engine = self._engine()
+        started = time.monotonic()
+        req = parse_chat_request(await self._body(request), self.state.defaults)
+        name = self._model(req.model)
+
+        def encode() -> list[int]:
+            try:
+                return engine.tokenizer.encode_chat(req.messages, req.tools, **req.template_kwargs)
+            except ValueError as e:  # TokenizerError: the template refused the conversation
+                raise bad(str(e), "messages") from None
+
+        prompt_ids = await anyio.to_thread.run_sync(encode)
+        fmt = _ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools)
+        return await self._generate(request, engine, prompt_ids, req, fmt, "messages", started)
+
+    async def completions(self, request: Request) -> Response:
+        engine = self._engine()
+        started = time.monotonic()
+        req = parse_completion_request(await self._body(request), self.state.defaults)
+        name = self._model(req.model)
+        if isinstance(req.prompt, str):
+            prompt_ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, req.prompt)
+        else:
+            prompt_ids = req.prompt
+        fmt = _CompletionFormat(name, self.state.token_text, req.logprobs is not None)
+        return await self._generate(request, engine, prompt_ids, req, fmt, "prompt", started)
+
+    async def _body(self, request: Request) -> dict:
+        """The JSON body; 413 as soon as it is known to exceed the limit (from
+        Content-Length, before reading; or while reading a chunked body)."""
+        limit = self.state.config.max_request_bytes
+        length = request.headers.get("content-length")
+        too_big = APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+        if length is not None:
+            if not length.isdigit():
+                raise bad("invalid Content-Length header")
+            if int(length) > limit:
+                raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        if not size:
+            raise bad("the request body is empty: send a JSON object")
+        return parse_json_body(b"".join(chunks))
+
+    def _model(self, model: str | None) -> str:
+        names = self.state.config.model_names
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(names)}",
+                           "model", "model_not_found")
+        return model
+
+    async def _generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
+                        started: float) -> Response:
+        try:
+            prompt_ids = engine.check_prompt(prompt_ids)
+        except ContextLengthError as e:
+            raise bad(f"the prompt is {e.prompt_tokens} tokens, but this server's context is {e.max_context} "
+                      "tokens and the prompt plus at least one generated token must fit", prompt_param,
+                      "context_length_exceeded") from None
+        except ValueError as e:
+            raise bad(str(e), prompt_param) from None
+        if req.logprobs is not None and not engine.supports_logprobs:
+            raise bad("logprobs are not available with speculative decoding (a server started with --draft)",
+                      "logprobs")
+        gen = GenerationRequest(tuple(prompt_ids), req.max_tokens, req.params, req.stop, req.logprobs)
+        events = _EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
+        try:
+            job = engine.submit(gen, events.put)
+        except QueueFull as e:
+            raise APIError(429, f"{e}; retry later", code="queue_full") from None
+        except EngineClosed:
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        try:
+            await self._wait_started(request, job, events)
+        except BaseException:
+            job.cancel()
+            raise
+        if req.stream:
+            return StreamingResponse(self._stream(job, events, fmt, req.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Delta):
+                    fmt.collect(event)
+                elif isinstance(event, Finished):
+                    return JSONResponse(fmt.response(event))
+                elif isinstance(event, Failed):
+                    raise _engine_error(event.error)
+        finally:
+            watcher.cancel()
+            job.cancel()  # a no-op once finished
+
+    async def _wait_started(self, request: Request, job, events: _EventBridge) -> None:
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        try:
+            while True:
+                left = job.deadline - time.monotonic()
+                if left <= 0:
+                    raise _engine_error(QueueTimeout("the request timed out waiting in the queue"))
+                try:
+                    event = await asyncio.wait_for(events.get(), left)
+                except asyncio.TimeoutError:
+                    continue
+                if isinstance(event, Started):
+                    return
+                if isinstance(event, Failed):
+                    raise _engine_error(event.error)
+                if isinstance(event, Finished):  # cancelled while queued: the client has gone
+                    raise APIError(499, "the request was cancelled", code="cancelled")
+        finally:
+            watcher.cancel()
+
+    async def _stream(self, job, events: _EventBridge, fmt, include_usage: bool):
+        keepalive = self.state.config.keepalive_seconds
+        try:
+            for chunk in fmt.stream_start(include_usage):
+                yield _sse(chunk)
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                if isinstance(event, Delta):
+                    for chunk in fmt.stream_delta(event, include_usage):
+                        yield _sse(chunk)
+                elif isinstance(event, Finished):
+                    for chunk in fmt.stream_finish(event, include_usage):
+                        yield _sse(chunk)
+                    break
+                elif isinstance(event, Failed):
+                    yield _sse(_engine_error(event.error).body())
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # the client went away (the task is cancelled) or we are done (a no-op)
+
+
+# ------------------------------------------------------------------ engine <-> asyncio
+
+
+class _EventBridge:
+    """Engine events (pushed on the worker thread) into an asyncio queue. The metrics of
+    a request are recorded here, on the worker thread, so that a request whose client
+    has gone (nobody reads its queue any more) is counted too."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics, started: float):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.metrics = metrics
+        self.started = started
+        self.first_token: float | None = None
+
+    def put(self, event) -> None:
+        if isinstance(event, Delta) and self.first_token is None:
+            self.first_token = time.monotonic() - self.started
+        elif isinstance(event, Finished):
+            self.metrics.observe(event, self.first_token, time.monotonic() - self.started)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    async def get(self):
+        return await self.queue.get()
+
+
+async def _cancel_on_disconnect(request: Request, job) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+def _engine_error(error: Exception) -> APIError:
+    if isinstance(error, QueueTimeout):
+        return APIError(503, f"{error}; the server is busy, retry later", code="queue_timeout")
+    if isinstance(error, EngineClosed):
+        return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(error, ValueError):
+        return bad(str(error))
+    log.error("generation failed: %s: %s", type(error).__name__, error, exc_info=error)
+    return APIError(500, "generation failed (the server log has the details)", code="internal_error")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(finished: Finished) -> dict:
+    u = finished.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _finish_reason(finished: Finished) -> str:
+    return "abort" if finished.finish_reason == "cancelled" else finished.finish_reason
+
+
+# ------------------------------------------------------------------ response formats
+
+
+class _ChatFormat:
+    """chat.completion and chat.completion.chunk bodies."""
+
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None):
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.tools = tools
+        self.parser = ToolCallParser(tools) if tools else None
+        self.texts: list[str] = []
+        self.entries: list[dict] = []  # logprobs not yet sent (streaming) / all of them
+        self.calls_sent = 0
+
+    def collect(self, delta: Delta) -> None:
+        self.texts.append(delta.text)
+        self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
+
+    def response(self, finished: Finished) -> dict:
+        text = "".join(self.texts)
+        calls = []
+        if self.tools:
+            content, calls = parse_tool_calls(text, self.tools)
+        else:
+            content = text
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        reason = "tool_calls" if calls and finished.finish_reason == "stop" else _finish_reason(finished)
+        choice = {"index": 0, "message": message,
+                  "logprobs": {"content": self.entries} if self.logprobs else None, "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": _usage(finished)}
+
+    def _chunk(self, delta: dict, finish_reason=None, include_usage=False, with_logprobs=True) -> dict:
+        logprobs = None
+        if self.logprobs and with_logprobs:
+            logprobs, self.entries = {"content": self.entries}, []
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def stream_start(self, include_usage: bool) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""}, include_usage=include_usage, with_logprobs=False)]
+
+    def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
+        self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
+        if self.parser is None:
+            content, calls = delta.text, []
+        else:
+            content, calls = self.parser.feed(delta.text)
+        return self._pieces(content, calls, include_usage)
+
+    def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
+        chunks = []
+        if self.parser is not None:
+            content, calls = self.parser.finish()
+            if self.parser.calls and not content.strip():
+                content = ""  # whitespace after the calls
+            chunks = self._pieces(content, calls, include_usage)
+        reason = "tool_calls" if self.parser and self.parser.calls and finished.finish_reason == "stop" \
+            else _finish_reason(finished)
+        chunks.append(self._chunk({}, reason, include_usage))
+        if include_usage:
+            chunks.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model, "choices": [], "usage": _usage(finished)})
+        return chunks
+
+    def _pieces(self, content: str, calls, include_usage: bool) -> list[dict]:
+        chunks = []
+        if content:
+            chunks.append(self._chunk({"content": content}, include_usage=include_usage))
+        for call in calls:
+            entry = {"index": self.calls_sent, **call.openai()}
+            self.calls_sent += 1
+            chunks.append(self._chunk({"tool_calls": [entry]}, include_usage=include_usage))
+        return chunks
+
+
+class _CompletionFormat:
+    """text_completion bodies (the legacy completions API)."""
+
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool):
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.texts: list[str] = []
+        self.lps: list = []
+        self.offset = 0  # text_offset of the next token
+
+    def collect(self, delta: Delta) -> None:
+        self.texts.append(delta.text)
+        self.lps += delta.logprobs
+
+    def _logprobs(self, lps) -> dict | None:
+        if not self.logprobs:
+            return None
+        tt = self.token_text
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            token = tt.text(lp.token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_finite(lp.logprob))
+            out["top_logprobs"].append({tt.text(t): _finite(v) for t, v in lp.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+    def _body(self, text: str, lps, finish_reason, include_usage=False) -> dict:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": self._logprobs(lps),
+                             "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def response(self, finished: Finished) -> dict:
+        body = self._body("".join(self.texts), self.lps, _finish_reason(finished))
+        body["usage"] = _usage(finished)
+        return body
+
+    def stream_start(self, include_usage: bool) -> list[dict]:
+        return []
+
+    def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
+        return [self._body(delta.text, delta.logprobs, None, include_usage)]
+
+    def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
+        chunks = [self._body("", (), _finish_reason(finished), include_usage)]
+        if include_usage:
+            chunks.append({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                           "choices": [], "usage": _usage(finished)})
+        return chunks
+
+
+# ------------------------------------------------------------------ token text for logprobs
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable character table (byte-level BPE vocabularies)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class TokenText:
+    """The exact bytes of single tokens (a token may hold part of a UTF-8 character),
+    for the `bytes` and `token` fields of logprobs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        data = _read_json(tokenizer.path / "tokenizer.json")
+        vocab = (data.get("model") or {}).get("vocab")
+        self.pieces = {i: t for t, i in vocab.items()} if isinstance(vocab, dict) else {}
+        self.added = {t["id"]: t["content"] for t in data.get("added_tokens") or ()}
+        decoder = data.get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+        self.byte_level = "ByteLevel" in kinds
+        self._cache: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        if token_id not in self._cache:
+            self._cache[token_id] = self._bytes(token_id)
+        return self._cache[token_id]
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id].encode()
+        piece = self.pieces.get(token_id)
+        if piece is not None and self.byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+    def chat_entry(self, lp) -> dict:
+        def one(token_id, logprob):
+            b = self.bytes(token_id)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(b)}
+
+        entry = one(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [one(t, v) for t, v in lp.top]
+        return entry
+
+
+def _finite(value: float) -> float:
+    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def _read_json(path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,369 @@
+"""Request validation for the OpenAI-compatible endpoints: JSON bodies -> typed requests,
+or an `APIError` whose message names the field (`param`).
+
+Fields a client may send that would change the result but are not implemented
+(penalties, logit_bias, n > 1, echo, constrained output, ...) are refused, never
+ignored; fields that change nothing (user, metadata, ...) are accepted. A JSON null
+means "not given", as the OpenAI API treats it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass
+
+from ..runtime.engine import MAX_TOP_LOGPROBS
+from ..runtime.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
+# accepted and ignored: they do not change what is generated
+INERT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
+# accepted only at the value that means "off"
+NEUTRAL_VALUES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
+                  "n": 1, "best_of": 1, "echo": False, "suffix": ""}
+SAMPLING_FIELDS = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "logprobs"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                 "chat_template_kwargs", "response_format"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _default_type(status)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _default_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for the sampling fields it leaves out: the checkpoint's
+    generation_config.json when it has them (as vLLM does), else OpenAI's defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @classmethod
+    def from_generation_config(cls, config: dict | None) -> SamplingDefaults:
+        config = config or {}
+        if config.get("do_sample") is False:
+            return cls(temperature=0.0)
+        def get(name, default, kind):
+            value = config.get(name)
+            return value if isinstance(value, kind) and not isinstance(value, bool) else default
+        top_k = get("top_k", 0, int)
+        return cls(float(get("temperature", 1.0, numbers.Real)), float(get("top_p", 1.0, numbers.Real)),
+                   top_k if top_k > 0 else 0, float(get("min_p", 0.0, numbers.Real)))
+
+
+@dataclass(frozen=True)
+class GenerationFields:
+    """What the chat and completion requests share."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    params: SamplingParams
+    stop: tuple[str, ...]
+    logprobs: int | None  # None: off; k: the sampled token's logprob and the k most likely
+
+
+@dataclass(frozen=True)
+class ChatRequest(GenerationFields):
+    messages: list[dict]
+    tools: list[dict] | None  # None when tool calls are off (no tools, or tool_choice "none")
+    template_kwargs: dict
+
+
+@dataclass(frozen=True)
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int]
+
+
+def parse_json_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> ChatRequest:
+    _check_fields(body, CHAT_FIELDS)
+    fields = _generation_fields(body, defaults, chat=True)
+    messages = _messages(body.get("messages"))
+    response_format = _optional(body, "response_format", dict, "an object like {\"type\": \"text\"}")
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise bad(f"response_format type {response_format.get('type')!r} is not supported (only \"text\": "
+                  "structured output needs constrained decoding, which does not exist yet)", "response_format")
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        if choice == "required" or isinstance(choice, dict):
+            raise bad("tool_choice \"required\" or a named function needs constrained decoding, which does not "
+                      "exist yet; use \"auto\" or \"none\"", "tool_choice")
+        raise bad(f"tool_choice must be \"auto\" or \"none\", got {choice!r}", "tool_choice")
+    kwargs = _optional(body, "chat_template_kwargs", dict, "an object") or {}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise bad(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
+                       template_kwargs=dict(kwargs))
+
+
+def parse_completion_request(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> CompletionRequest:
+    _check_fields(body, COMPLETION_FIELDS)
+    fields = _generation_fields(body, defaults, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("prompt is empty", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if min(prompt) < 0:
+            raise bad("prompt token ids must be >= 0", "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("only one prompt per request is supported (batches of prompts are not)", "prompt")
+    elif prompt is None:
+        raise bad("prompt is required", "prompt")
+    else:
+        raise bad("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    return CompletionRequest(**vars(fields), prompt=prompt)
+
+
+# ------------------------------------------------------------------ fields
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    unknown = sorted(k for k in body if k not in known and k not in INERT_FIELDS and k not in NEUTRAL_VALUES)
+    if unknown:
+        raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                  "(fields that would change the result are refused, not ignored)", unknown[0])
+    for name, neutral in NEUTRAL_VALUES.items():
+        value = body.get(name)
+        if value is not None and (value != neutral or type(value) is bool and type(neutral) is not bool):
+            what = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported"}.get(
+                name, f"{name} is not supported (only {json.dumps(neutral)})")
+            raise bad(f"{what}, got {json.dumps(value)}", name)
+
+
+def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> GenerationFields:
+    model = _optional(body, "model", str, "a string")
+    stream = _optional(body, "stream", bool, "true or false") or False
+    options = _optional(body, "stream_options", dict, "an object")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        include_usage = _optional(options, "include_usage", bool, "true or false", "stream_options.include_usage")
+        include_usage = bool(include_usage)
+    max_tokens = _positive_int(body, "max_tokens")
+    if chat:
+        completion = _positive_int(body, "max_completion_tokens")
+        if completion is not None and max_tokens is not None and completion != max_tokens:
+            raise bad("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
+        max_tokens = completion if completion is not None else max_tokens
+    temperature = _real(body, "temperature", defaults.temperature, "in [0, 2]", lambda v: 0 <= v <= 2)
+    top_p = _real(body, "top_p", defaults.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
+    min_p = _real(body, "min_p", defaults.min_p, "in [0, 1)", lambda v: 0 <= v < 1)
+    top_k = _optional(body, "top_k", int, "an integer >= 0 (0 or -1 = off)")
+    if top_k is None:
+        top_k = defaults.top_k
+    elif top_k < -1:
+        raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    seed = _optional(body, "seed", int, "an integer")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise bad(f"seed must be in [0, 2**64), got {seed}", "seed")
+    params = SamplingParams(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed)
+    return GenerationFields(model, stream, include_usage, max_tokens, params, _stop(body.get("stop")),
+                            _logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if chat:
+        wanted = _optional(body, "logprobs", bool, "true or false")
+        top = _optional(body, "top_logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+        if top is not None and not wanted:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if wanted else None
+    top = _optional(body, "logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "logprobs")
+    return top
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
+    if any(not s for s in stops):
+        raise bad("stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _messages(value) -> list[dict]:
+    if value is None:
+        raise bad("messages is required", "messages")
+    if not isinstance(value, list):
+        raise bad("messages must be a list of message objects", "messages")
+    if not value:
+        raise bad("messages is empty: at least one message is needed", "messages")
+    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(m, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise bad(f"{where} must be an object", where)
+    unknown = sorted(set(m) - MESSAGE_FIELDS)
+    if unknown:
+        raise bad(f"{where} has unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}",
+                  f"{where}.{unknown[0]}")
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+    out = {"role": "system" if role == "developer" else role}  # chat templates know no developer role
+    content = _content(m.get("content"), f"{where}.content")
+    tool_calls = m.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant":
+            raise bad(f"{where}.tool_calls is only allowed in assistant messages", f"{where}.tool_calls")
+        out["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
+    if content is None and not (role == "assistant" and tool_calls):
+        raise bad(f"{where}.content is required", f"{where}.content")
+    out["content"] = content if content is not None else ""
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        value = m.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise bad(f"{where}.{name} must be a string", f"{where}.{name}")
+            out[name] = value
+    return out
+
+
+def _content(value, where: str) -> str | None:
+    """Text content: a string, or a list of {"type": "text", "text": ...} parts (joined)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a string or a list of content parts", where)
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise bad(f"{where}[{i}]: only text content parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                      f"supported, got {kind!r}", f"{where}[{i}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_calls(value, where: str) -> list[dict]:
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a list", where)
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": ...}}}}",
+                      at)
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):  # JSON text in the API; templates iterate a mapping
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise bad(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise bad(f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments")
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        calls.append(entry)
+    return calls
+
+
+def _tools(value) -> list[dict] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise bad("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
+    for i, tool in enumerate(value):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise bad(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", at)
+        fn = tool["function"]
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{at}.function.name must be a non-empty string", f"{at}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad(f"{at}.function.parameters must be a JSON schema object", f"{at}.function.parameters")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad(f"{at}.function.description must be a string", f"{at}.function.description")
+    return value or None
+
+
+# ------------------------------------------------------------------ scalars
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional(body: dict, name: str, kind, want: str, param: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise bad(f"{param or name} must be {want}, got {json.dumps(value)[:60]}", param or name)
+    return value
+
+
+def _positive_int(body: dict, name: str) -> int | None:
+    value = _optional(body, name, int, "an integer >= 1")
+    if value is not None and value < 1:
+        raise bad(f"{name} must be an integer >= 1, got {value}", name)
+    return value
+
+
+def _real(body: dict, name: str, default: float, want: str, ok) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise bad(f"{name} must be a number {want}, got {json.dumps(value)[:60]}", name)
+    return float(value)

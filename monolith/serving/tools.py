@@ -1,0 +1,163 @@
+"""Qwen tool calls in generated text -> OpenAI `tool_calls`.
+
+Qwen models write a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(Qwen3) or `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`
+(Qwen3-Coder, Qwen3.5/3.6), the function block sometimes without the wrapper.
+`ToolCallParser` reads the text as it streams: content is released as soon as it
+cannot be the start of a call block, and a call only once its block is complete (a
+call is never streamed in pieces). A block that does not parse stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+OPENERS = {"<tool_call>": "</tool_call>", "<function=": "</function>"}
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's convention)
+    id: str
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class ToolCallParser:
+    """feed(text) -> (content, calls) as the text grows; finish() -> the rest."""
+
+    def __init__(self, tools: list[dict] | None = None):
+        self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}) for t in tools or ()}
+        self.calls: list[ToolCall] = []
+        self._buffer = ""
+        self._closer: str | None = None  # inside a block: the tag that ends it
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buffer += text
+        content, calls = [], []
+        while True:
+            if self._closer is not None:
+                end = self._buffer.find(self._closer)
+                if end < 0:
+                    break
+                end += len(self._closer)
+                block, self._buffer, self._closer = self._buffer[:end], self._buffer[end:], None
+                parsed = self._parse_block(block)
+                if parsed is None:
+                    content.append(block)
+                else:
+                    calls += parsed
+                continue
+            starts = [(i, opener) for opener in OPENERS if (i := self._buffer.find(opener)) >= 0]
+            if starts:
+                i, opener = min(starts)
+                content.append(self._buffer[:i])
+                self._buffer, self._closer = self._buffer[i:], OPENERS[opener]
+                continue
+            keep = _opener_prefix_length(self._buffer)
+            content.append(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            break
+        self.calls += calls
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the text: an unterminated block is a call if it parses (a model may
+        stop right after `</function>`), else content."""
+        rest, self._buffer = self._buffer, ""
+        calls = []
+        if self._closer is not None:
+            self._closer = None
+            parsed = self._parse_block(rest)
+            if parsed is not None:
+                calls, rest = parsed, ""
+        self.calls += calls
+        return rest, calls
+
+    # ---------------------------------------------------------------- blocks
+
+    def _parse_block(self, block: str) -> list[ToolCall] | None:
+        inner = block
+        if inner.startswith("<tool_call>"):
+            inner = inner[len("<tool_call>"):]
+            inner = inner[:-len("</tool_call>")] if inner.endswith("</tool_call>") else inner
+        inner = inner.strip()
+        if inner.startswith("{"):
+            return self._parse_json(inner)
+        calls = []
+        pos = 0
+        for match in _FUNCTION.finditer(inner):
+            if inner[pos:match.start()].strip():
+                return None
+            calls.append(self._parse_function(match.group(1).strip(), match.group(2)))
+            pos = match.end()
+        if not calls or inner[pos:].strip():
+            return None
+        return calls
+
+    def _parse_json(self, inner: str) -> list[ToolCall] | None:
+        try:
+            value = json.loads(inner)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return [ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())]
+
+    def _parse_function(self, name: str, body: str) -> ToolCall:
+        properties = self.schemas.get(name, {}).get("properties") or {}
+        arguments = {}
+        for match in _PARAMETER.finditer(body):
+            key, value = match.group(1).strip(), match.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            arguments[key] = _convert(value, (properties.get(key) or {}).get("type"))
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
+
+
+def _convert(value: str, kind) -> object:
+    """A parameter's text as its schema type: strings stay text; other types (and no
+    type given) are read as JSON when they parse."""
+    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _opener_prefix_length(text: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a block opener."""
+    for n in range(min(len(text), max(map(len, OPENERS)) - 1), 0, -1):
+        if any(opener.startswith(text[-n:]) for opener in OPENERS):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """The whole text at once: (content without the call blocks, stripped, or None if
+    nothing is left; the calls)."""
+    parser = ToolCallParser(tools)
+    head, calls = parser.feed(text)
+    tail, more = parser.finish()
+    content = (head + tail).strip()
+    return content or None, calls + more

@@ -1,0 +1,195 @@
+"""python -m monolith.chat, driven through a pseudo-terminal (pexpect) on a tiny
+synthetic target in float32, plus the Conversation's token bookkeeping in-process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pexpect
+import pytest
+
+from monolith.chat import Conversation
+from monolith.models import load_model
+from monolith.pack import build_pack
+from monolith.runtime.engine import Engine, GenerationRequest
+from monolith.synth import write_target
+from monolith.tokenizer import load_tokenizer
+
+STATS = re.compile(r"-- (\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens: (\d+) cached, (\d+) prefilled, "
+                   r"[\d.]+ tok/s \| acceptance n/a \(no draft\) \| (\w+)")
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+
+
+@pytest.fixture(scope="module")
+def tok(pack):
+    return load_tokenizer(pack)
+
+
+def spawn(pack, *args) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "monolith.chat", "--model", str(pack), "--dtype", "float32", *args],
+                          encoding="utf-8", timeout=60, dimensions=(50, 200))
+    child.expect("monolith chat: ")
+    child.expect("> ")
+    return child
+
+
+def turn(child, text) -> tuple[int, int, int, int, str]:
+    """Send a message; (generated, prompt, cached, prefilled, finish) from the stats line."""
+    child.sendline(text)
+    child.expect(STATS)
+    generated, prompt, cached, prefilled, finish = child.match.groups()
+    child.expect("> ")
+    return int(generated), int(prompt), int(cached), int(prefilled), finish
+
+
+def turn_suffix(tok, text) -> list[int]:
+    """The synthetic ChatML template's tokens between a reply and the next generation."""
+    return tok.encode(f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)
+
+
+def test_two_turns_prefill_only_the_new_tokens_and_commands(pack, tok):
+    child = spawn(pack, "--max-tokens", "8")
+    generated1, prompt1, cached1, prefilled1, finish1 = turn(child, "Hello there")
+    assert prompt1 == len(tok.encode_chat([{"role": "user", "content": "Hello there"}]))
+    assert (cached1, prefilled1) == (0, prompt1)
+    generated2, prompt2, cached2, prefilled2, finish2 = turn(child, "Tell me more")
+    suffix = turn_suffix(tok, "Tell me more")
+    assert prompt2 == prompt1 + generated1 - (finish1 == "stop") + len(suffix)
+    if finish1 == "length":  # the last reply token was never fed: it is prefilled with the new turn
+        assert (cached2, prefilled2) == (prompt1 + generated1 - 1, len(suffix) + 1)
+    else:  # the end token was fed by the queued step and is the suffix's first token
+        assert (cached2, prefilled2) == (prompt1 + generated1, len(suffix) - 1)
+    assert cached2 + prefilled2 == prompt2
+
+    child.sendline("/stats")
+    child.expect(r"turns: 2 \| conversation: (\d+) tokens")
+    child.expect(r"prompt tokens: (\d+) \((\d+) cached, (\d+) prefilled\)")
+    assert [int(x) for x in child.match.groups()] == [prompt1 + prompt2, cached2, prompt1 + prefilled2]
+    child.expect(r"generated: (\d+) tokens")
+    assert int(child.match.group(1)) == generated1 + generated2
+    child.expect("acceptance: n/a")
+    child.expect("> ")
+
+    child.sendline("/reset")
+    child.expect(r"\(new conversation\)")
+    child.expect("> ")
+    _, prompt3, cached3, _, _ = turn(child, "Hello there")
+    assert prompt3 == prompt1 and cached3 == 0  # /reset forgets the cache too
+
+    child.sendline("/system You are a pirate.")
+    child.expect(r"\(system prompt set; new conversation\)")
+    child.expect("> ")
+    _, prompt4, cached4, _, _ = turn(child, "Hello there")
+    messages = [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello there"}]
+    assert prompt4 == len(tok.encode_chat(messages)) and cached4 == 0
+
+    child.sendline("/nonsense")
+    child.expect("unknown command /nonsense")
+    child.expect("> ")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def start_reply(child) -> None:
+    """A reply that runs for a while: greedy decoding of this prompt goes 866 tokens
+    before the synthetic model's end token (a second or two here)."""
+    child.sendline("Hello there")
+    child.expect("Hello there\r?\n")  # the terminal's echo
+    child.expect(r"\S", timeout=30)  # the reply is streaming
+
+
+def test_ctrl_c_stops_the_reply_not_the_program(pack):
+    child = spawn(pack, "--max-tokens", "5000")
+    start_reply(child)
+    child.sendintr()
+    child.expect(r"\[stopped\] -- (\d+) tokens", timeout=30)
+    assert int(child.match.group(1)) < 866
+    child.expect("> ")
+    child.sendline("/stats")
+    child.expect(r"turns: 1 ")
+    child.expect("> ")
+    child.sendintr()  # at the prompt: a hint, not an exit
+    child.expect(r"/quit or Ctrl-D")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_stopped_reply_keeps_the_conversation_cached(pack, tok):
+    child = spawn(pack, "--max-tokens", "5000")
+    start_reply(child)
+    child.sendintr()
+    child.expect(r"\[stopped\] -- (\d+) tokens.*? prompt (\d+) tokens", timeout=30)
+    generated, prompt = (int(x) for x in child.match.groups())
+    child.expect("> ")
+    _, prompt2, cached2, prefilled2, _ = turn(child, "Stop there")
+    suffix = turn_suffix(tok, "Stop there")
+    assert prompt2 == prompt + generated + len(suffix)
+    assert cached2 >= prompt + generated - 1 and cached2 + prefilled2 == prompt2
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
+def test_conversation_prompts_extend_the_cached_tokens(pack, tok):
+    model = load_model(pack, dtype="float32")
+    engine = Engine(model, tok, max_context=512)
+    try:
+        conversation = Conversation(tok, system="Be brief.")
+        session = engine.new_session()
+        for i, text in enumerate(["One", "Two", "Three"]):
+            prompt = conversation.prompt(text)
+            assert prompt[:len(conversation.tokens)] == conversation.tokens
+            _, finished = engine.generate(GenerationRequest(tuple(prompt), 6), session)
+            if i:
+                assert finished.usage.cached_tokens >= len(conversation.tokens) - 1
+            conversation.commit(prompt, finished.token_ids)
+        assert conversation.turns == 3
+    finally:
+        engine.close()
+
+
+def test_usage_errors_exit_1():
+    for args in (["--max-tokens", "0"], ["--temperature", "-1"], ["--no-draft", "--spec-sched", "cost"]):
+        r = subprocess.run([sys.executable, "-m", "monolith.chat", *args], capture_output=True, text=True, timeout=60,
+                           stdin=subprocess.DEVNULL)
+        assert r.returncode == 1 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_chat_with_a_draft_reports_acceptance(tmp_path):
+    from monolith.synth import write_pair
+
+    target, draft = write_pair(tmp_path / "pair")
+    child = pexpect.spawn(sys.executable, ["-m", "monolith.chat", "--model", str(target), "--draft", str(draft),
+                                           "--draft-quantization", "none", "--dtype", "float32", "--max-tokens", "16"],
+                          encoding="utf-8", timeout=60, dimensions=(50, 200),
+                          env={**os.environ, "MONOLITH_CACHE": str(tmp_path / "cache")})
+    child.expect(r"monolith chat: .*\(draft ")
+    child.expect("> ")
+    child.sendline("Hello there")
+    child.expect(r"-- 16 tokens, [\d.]+ tok/s \| prompt \d+ tokens: 0 cached, \d+ prefilled, [\d.]+ tok/s \| "
+                 r"acceptance [\d.]+ tokens/round \| length")
+    child.expect("> ")
+    child.sendline("Tell me more")  # the speculative backend resumes the conversation's cache too
+    child.expect(r"-- 16 tokens, [\d.]+ tok/s \| prompt (\d+) tokens: (\d+) cached, (\d+) prefilled")
+    prompt, cached, prefilled = (int(x) for x in child.match.groups())
+    assert cached > 0 and cached + prefilled == prompt and prefilled < 30
+    child.expect("> ")
+    child.sendline("/stats")
+    child.expect(r"acceptance: [\d.]+ tokens/round over \d+ rounds")
+    child.expect("> ")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
