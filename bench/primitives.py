@@ -1,0 +1,587 @@
+"""MLX primitives and bytes per decode step and per verify round on the real 35B-A3B
+shapes: the reference op path (what the model runs today) against the fused kernels
+(monolith/kernels). Counts, never times: on the Linux CPU neither path says anything
+about a Mac's speed, but the number of primitives (dispatches) and the bytes do.
+
+    python bench/primitives.py [--context 1024] [--rows 8] [--kept 4] [--dtype bfloat16]
+
+How it counts (all of it on the graph MLX builds, before any evaluation):
+- A few decoder layers of Qwen3.6-35B-A3B at real size (the model's own classes, with
+  weights that are zero-cost broadcast leaves in pack precision: NVFP4 projections,
+  experts, embedding and lm_head; BF16 routers), layers [GDN, GDN, GDN, attention]. One
+  period of 4 layers is the difference between a 4- and an 8-layer model; 40 layers =
+  4 layers + 9 periods.
+- Nodes of the graph are counted with mx.export_to_dot ("shape=rectangle").
+- As on a Mac, not as on this CPU: quantized matmuls take the compute dtype (no F32
+  upcasts), and the fast ops that the CPU backend expands into fallback graphs
+  (mx.fast.rms_norm / rope / scaled_dot_product_attention / gated_delta_update and
+  nvfp4 mx.dequantize) count as the one primitive they are on Metal. mx.compile fuses as
+  it does on both backends.
+- mx.fast.metal_kernel cannot run without Metal: calling it raises "[metal_kernel] No
+  Metal back-end." It does build inside mx.export_function tracing, as one CustomKernel
+  node per call (checked below and in tests/test_kernels.py), but that tracing also
+  expands the fast ops and disables mx.compile. So every kernel call counts as one
+  primitive (a stand-in node with the kernel's inputs and outputs), plus the ops around it.
+- Bytes: weights touched (experts: the expected number of distinct experts for the rows),
+  recurrent/conv state read + written, KV read, and the activation traffic of the fused
+  regions, assuming every materializing primitive reads its inputs and writes its output
+  once (views are free), against one read + one write per kernel.
+Writes bench/results/primitives.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import platform
+import re
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+
+from monolith.kernels import add_norm, attention, combine, embedding, gated_norm, premix, replay, router
+from monolith.kernels.kernel import cast
+from monolith.models import layers as model_layers
+from monolith.models import qwen3_5
+from monolith.models.layers import Experts, Linear
+from monolith.models.loading import model_arrays
+from monolith.runtime import GDNTape, KVCache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Qwen3.6-35B-A3B text_config (target.md)
+CONFIG = {
+    "vocab_size": 248320, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25}, "num_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False, "full_attention_interval": 4,
+}
+TOTAL_LAYERS = 40
+PERIOD = 4
+BF16_ENTRIES = ("mlp.gate", "shared_expert_gate")  # kept unquantized, as in ModelOpt NVFP4 exports
+
+
+# ------------------------------------------------------------------ a real-size model without memory
+
+
+def leaf(shape, dtype) -> mx.array:
+    """An evaluated array of `shape` that holds one element (a broadcast view): a graph leaf."""
+    x = mx.broadcast_to(mx.zeros((), dtype), shape)
+    mx.eval(x)
+    return x
+
+
+class ShapeWeights:
+    """The weights interface of models/loading.PackWeights, at real shapes, in pack
+    precision, as leaves that take no memory."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def _nvfp4(self, name, shape, cls):
+        *lead, n, k = shape
+        return cls(leaf((*lead, n, k // 8), mx.uint32), "nvfp4", scales=leaf((*lead, n, k // 16), mx.uint8),
+                   tensor_scale=leaf((*lead, n), mx.float32), shape=shape, dtype=self.dtype)
+
+    def linear(self, name, shape=None):
+        if name.endswith(BF16_ENTRIES):
+            return Linear(leaf(shape, mx.bfloat16), "bf16", shape=shape, dtype=self.dtype)
+        return self._nvfp4(name, shape, Linear)
+
+    def experts(self, name, shape=None):
+        return self._nvfp4(name, shape, Experts)
+
+    def has_linear(self, name):
+        return True
+
+    def tensor(self, name, shape=None, dtype=None):
+        return leaf(shape, dtype or mx.float32)
+
+
+def as_on_metal(model, dtype) -> None:
+    """layers._PackMatrix upcasts quantized-matmul activations to F32 on the CPU only:
+    take the Metal choice (the compute dtype) for every matrix of the model."""
+    for obj in model_objects(model):
+        if isinstance(obj, (Linear, Experts)) and obj.mode is not None:
+            obj.kernel_dtype = dtype
+            obj.tensor_scale = leaf(obj.tensor_scale.shape, dtype)
+
+
+def model_objects(obj, seen=None):
+    """Every monolith object a model holds (itself included), recursively."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, mx.array):
+        return
+    seen.add(id(obj))
+    yield obj
+    children = obj if isinstance(obj, (list, tuple)) else (
+        vars(obj).values() if type(obj).__module__.startswith("monolith.") else ())
+    for child in children:
+        yield from model_objects(child, seen)
+
+
+def build_model(layers: int, dtype):
+    config = dict(CONFIG, num_hidden_layers=layers)
+    args = qwen3_5.ModelArgs.from_config(config, "qwen3_5_moe")
+    model = qwen3_5.Qwen3_5Moe(args, ShapeWeights(dtype))
+    as_on_metal(model, dtype)
+    mx.eval(model_arrays(model))
+    return model
+
+
+def make_cache(model, context: int):
+    cache = model.make_cache(context + 8)
+    mx.eval(cache.arrays())
+    cache.offset = cache.state_offset = cache.written = context  # rows already there
+    return cache
+
+
+# ------------------------------------------------------------------ counting as on Metal
+
+
+def opaque(inputs, shapes, dtypes) -> list[mx.array]:
+    """One graph node (Depends) with these inputs and outputs of these shapes and dtypes."""
+    placeholders = [leaf(tuple(s), d) for s, d in zip(shapes, dtypes)]
+    arrays = [x for x in inputs if isinstance(x, mx.array)]
+    return list(mx.depends(placeholders, arrays))
+
+
+@mx.compile
+def _gated_tail(normed, z):
+    z = z.astype(mx.float32)
+    return normed * (z * mx.sigmoid(z))
+
+
+def _model_gated_rms_norm(o, z, weight, eps):
+    """layers.gated_rms_norm as Metal's compile leaves it: RMSNorm, then the fused tail."""
+    return _gated_tail(mx.fast.rms_norm(o.astype(mx.float32), weight, eps), z)
+
+
+@contextlib.contextmanager
+def metal_primitives():
+    """mx.fast ops and nvfp4 dequantize as the single primitives they are on Metal."""
+    fast = mx.fast
+    saved = {name: getattr(fast, name) for name in ("rms_norm", "rope", "scaled_dot_product_attention",
+                                                    "gated_delta_update")}
+    saved_dequantize, saved_gated = mx.dequantize, qwen3_5.gated_rms_norm
+
+    def rms_norm(x, weight, eps, **_):
+        out = x.dtype if weight is None or weight.dtype == x.dtype else mx.float32  # MLX's promotion here
+        return opaque([x, weight], [x.shape], [out])[0]
+
+    def rope(x, dims, **kw):
+        return opaque([x, kw.get("offset")], [x.shape], [x.dtype])[0]
+
+    def sdpa(q, k, v, **kw):
+        return opaque([q, k, v], [q.shape[:-1] + (v.shape[-1],)], [q.dtype])[0]
+
+    def gdu(q, k, v, g, beta, initial_state=None, mask=None, **_):
+        b, t, hv, dv = v.shape
+        return tuple(opaque([q, k, v, g, beta, initial_state], [(b, t, hv, dv), (b, hv, dv, k.shape[-1])],
+                            [v.dtype, mx.float32]))
+
+    def dequantize(w, scales, biases=None, group_size=None, bits=None, mode="affine", dtype=mx.float32, **_):
+        per_word = 32 // bits
+        return opaque([w, scales], [w.shape[:-1] + (w.shape[-1] * per_word,)], [dtype])[0]
+
+    fast.rms_norm, fast.rope, fast.scaled_dot_product_attention, fast.gated_delta_update = (
+        rms_norm, rope, sdpa, gdu)
+    mx.dequantize, qwen3_5.gated_rms_norm = dequantize, _model_gated_rms_norm
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(fast, name, fn)
+        mx.dequantize, qwen3_5.gated_rms_norm = saved_dequantize, saved_gated
+
+
+def count(*arrays) -> tuple[int, Counter]:
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    labels = re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue())
+    return len(labels), Counter(labels)
+
+
+# ------------------------------------------------------------------ the kernel path
+
+
+def counted(module, *args):
+    """A kernel call as one primitive, its outputs in the public function's order."""
+    launch = module.launch(*args)
+    outs = opaque(launch.inputs, launch.output_shapes, launch.output_dtypes)
+    if module is premix:
+        return premix.Premix(*outs)
+    if module is replay:
+        return outs[1], outs[0]
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def computed(module, *args):
+    """A kernel call computed by its MLX reference (to check the kernel path's wiring)."""
+    return module.reference(*args)
+
+
+def kernel_gdn(call, mixer, x, state, record: bool):
+    _, t, _ = x.shape
+    proj = mixer.in_proj(x)
+    pre = call(premix, proj, state.conv, mixer.conv_weight, mixer.neg_decay, mixer.dt_bias, mixer.hk, mixer.dk,
+               mixer.hv, mixer.dv)
+    state.conv = pre.window[:, t:]
+    if record:
+        state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)
+    o, state.recurrent = mx.fast.gated_delta_update(pre.q, pre.k, pre.v, pre.gamma, pre.beta,
+                                                    initial_state=state.recurrent)
+    return mixer.out_proj(call(gated_norm, o, proj, mixer.norm, mixer.eps, mixer.conv_dim))
+
+
+def kernel_attention(call, attn, x, cache: KVCache, offset: int):
+    _, t, _ = x.shape
+    q, k, v, gate = call(attention, attn.qkv(x), attn.q_norm, attn.k_norm, offset, attn.heads, attn.kv_heads,
+                         attn.head_dim, attn.rotary_dim, attn.rope_theta, attn.eps)
+    keys, values = cache.update(k, v, offset)
+    o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask="causal" if t > 1 else None)
+    return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, t, -1) * gate)
+
+
+def kernel_moe(call, block, x, residual, next_norm, eps):
+    """(h, next_norm(h)): the MoE block, the residual add and the norm that follows."""
+    flat = x.reshape(-1, x.shape[-1])
+    ids, weights = call(router, block.router(flat.astype(mx.float32)), block.top_k)
+    return call(combine, block.experts(flat, ids), weights, block.shared_expert(flat),
+                block.shared_expert_gate(flat), residual, next_norm, eps)
+
+
+def kernel_forward(model, tokens, cache, logits: str, record: bool = False, call=counted):
+    """Qwen3_5.forward with the fused kernels (a preview of the wiring): each layer takes
+    (x, its normed input) and hands the next layer both."""
+    t = tokens.shape[0]
+    cache.check(t)
+    offset = cache.offset
+    table = model.embed_tokens.table
+    if table.precision == "nvfp4":
+        x = call(embedding, tokens, table.weight, table.scales, table.tensor_scale, model.dtype)[None]
+    else:  # a BF16 table: a plain gather
+        x = model.embed_tokens(tokens)[None]
+    normed = model_layers.rms_norm(x, model.layers[0].input_layernorm, model.args.rms_norm_eps)
+    norms_after = [layer.input_layernorm for layer in model.layers[1:]] + [model.norm]
+    for layer, state, next_norm in zip(model.layers, cache.layers, norms_after):
+        if layer.kind == "linear_attention":
+            mix = kernel_gdn(call, layer.mixer, normed, state, record)
+        else:
+            mix = kernel_attention(call, layer.mixer, normed, state, offset)
+        h, post = call(add_norm, x, mix, layer.post_attention_layernorm, layer.eps)
+        x, normed = kernel_moe(call, layer.mlp, post, h, next_norm, layer.eps)
+    cache.advance(t)
+    if logits == "last":
+        normed = normed[:, -1:]
+    return cast(model.lm_head(normed)[0], mx.float32)
+
+
+def kernel_commit(cache, snap, rows: int, call=counted) -> list[mx.array]:
+    gdn = [layer for layer in cache.layers if hasattr(layer, "tape")]
+    out = []
+    for layer, (conv, recurrent) in zip(gdn, snap.states):
+        t = layer.tape
+        out.extend(call(replay, t.window, t.k, t.v, t.gamma, t.beta, recurrent, rows))
+    return out
+
+
+def reference_commit(cache, snap, rows: int) -> list[mx.array]:
+    cache.commit(snap, rows)
+    return [a for pair in cache.snapshot().states for a in pair]
+
+
+def check_kernel_path() -> float:
+    """The kernel path, with each kernel computed by its reference, against the model on a
+    small synthetic NVFP4 target (F32): logits of a verify forward and the committed
+    states. Returns the largest relative difference."""
+    from monolith.models import load_model
+    from monolith.pack import build_pack
+    from monolith.synth import write_target
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_target(Path(tmp) / "target", format="modelopt-nvfp4")
+        model = load_model(build_pack(ckpt, Path(tmp) / "pack"), dtype="float32")
+    tokens = mx.array([5, 17, 2, 99, 31, 8], dtype=mx.int32)
+    worst = 0.0
+
+    def rel(a, b):
+        return float(mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-30))
+
+    caches = []
+    for path in ("reference", "kernels"):
+        cache = model.make_cache(16)
+        snap = cache.snapshot()
+        cache.record = True
+        if path == "reference":
+            logits = model.forward(tokens, cache)[0]
+            states = reference_commit(cache, snap, 3)
+        else:
+            logits = kernel_forward(model, tokens, cache, "all", record=True, call=computed)
+            states = kernel_commit(cache, snap, 3, call=computed)
+        caches.append([logits, *states])
+    for a, b in zip(caches[1], caches[0]):
+        worst = max(worst, rel(a, b))
+    return worst
+
+
+def step_graph(path: str, model, tokens, context: int, kind: str, kept: int):
+    """Output arrays of one decode step (kind "decode") or one verify round ("round":
+    verify forward over the rows, then commit of `kept` rows)."""
+    cache = make_cache(model, context)
+    if kind == "decode":
+        if path == "reference":
+            return [model.forward(tokens, cache, logits="last")[0]]
+        return [kernel_forward(model, tokens, cache, "last")]
+    snap = cache.snapshot()
+    cache.record = True
+    if path == "reference":
+        logits = model.forward(tokens, cache, logits="all")[0]
+        return [logits, *reference_commit(cache, snap, kept)]
+    logits = kernel_forward(model, tokens, cache, "all", record=True)
+    return [logits, *kernel_commit(cache, snap, kept)]
+
+
+def primitives(models, path, rows, context, kind, kept):
+    counts = {}
+    for layers, model in models.items():
+        tokens = mx.array(list(range(1, rows + 1)), dtype=mx.int32)
+        with metal_primitives():
+            counts[layers] = count(*step_graph(path, model, tokens, context, kind, kept))
+    small, large = counts[PERIOD], counts[2 * PERIOD]
+    period = large[0] - small[0]
+    total = small[0] + (TOTAL_LAYERS // PERIOD - 1) * period
+    labels = large[1] - small[1]
+    return {"period": period, "total": total, "four_layers": small[0], "period_breakdown": dict(labels.most_common())}
+
+
+# ------------------------------------------------------------------ bytes
+
+
+def distinct_experts(rows: int, experts: int, k: int) -> float:
+    """Expected distinct experts among rows * k picks (uniform routing)."""
+    return experts * (1 - (1 - k / experts) ** rows)
+
+
+def weight_bytes(model, rows: int) -> float:
+    """Weights one forward of `rows` rows reads (routed experts: the distinct ones)."""
+    a = model.args
+    frac = distinct_experts(rows, a.num_experts, a.num_experts_per_tok) / a.num_experts
+    total = 0.0
+    for obj in model_objects(model):
+        if isinstance(obj, Experts):
+            total += frac * sum(x.nbytes for x in (obj.weight, obj.scales, obj.tensor_scale) if x is not None)
+        elif isinstance(obj, Linear) and obj is not model.embed_tokens.table:
+            total += sum(x.nbytes for x in (obj.weight, obj.scales, obj.tensor_scale) if x is not None)
+    return total
+
+
+def state_bytes(a, rows: int, context: int) -> float:
+    """GDN recurrent and conv state read + written, KV read (context + rows) and written."""
+    gdn = sum(1 for k in a.layer_types if k == "linear_attention")
+    attn = len(a.layer_types) - gdn
+    recurrent = a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim * 4
+    conv = (a.linear_conv_kernel_dim - 1) * conv_dim(a) * 4
+    kv_row = 2 * a.num_key_value_heads * a.head_dim * 2
+    return gdn * 2 * (recurrent + conv) + attn * kv_row * (context + 2 * rows)
+
+
+def conv_dim(a) -> int:
+    return 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
+
+
+def fused_region_bytes(a, rows: int, s: int, kept: int | None = None) -> dict[str, tuple[float, float]]:
+    """(reference, kernel) activation bytes of each fused region for one forward of `rows`
+    rows (per model, all layers), from the op sequences in monolith/kernels: every
+    materializing primitive reads its inputs and writes its output once; views are free.
+    With `kept`, the commit (replay) of a verify round instead."""
+    f = 4
+    t, h = rows, a.hidden_size
+    gdn = sum(1 for k in a.layer_types if k == "linear_attention")
+    attn = len(a.layer_types) - gdn
+    c, hk, dk, hv, dv, kc = conv_dim(a), a.linear_num_key_heads, a.linear_key_head_dim, \
+        a.linear_num_value_heads, a.linear_value_head_dim, a.linear_conv_kernel_dim
+    vd, n, kv, d, e, k = hv * dv, a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.num_experts, \
+        a.num_experts_per_tok
+    if kept is not None:
+        r = kept
+        state = hv * dv * dk * f
+        tape = r * (2 * hk * dk + hv * dv + 2 * hv) * f  # q, k, v, gamma, beta of the kept rows
+        ref = state + tape + state + r * vd * f  # gated_delta_update also writes its (unused) output
+        ker = state + tape - r * hk * dk * f + (kc - 1) * c * f + state + (kc - 1) * c * f  # no q; conv copied
+        return {"gdn_replay": (gdn * ref, gdn * ker)}
+    words, scales = t * h // 2, t * h // 16
+    layers = len(a.layer_types)
+    norm_ref = (t * h * s + h * f + t * h * f) + (t * h * f + t * h * s)  # rms_norm (F32 out), astype
+    regions = {
+        # Gather words, scales, tensor scale; dequantize; * scale; astype
+        "nvfp4_embedding": (2 * words + 2 * scales + 2 * t * f + (words + scales + t * h * f)
+                            + (2 * t * h * f + t * f) + (t * h * f + t * h * s),
+                            words + scales + t * f + t * h * s),
+        # astype, concatenate, conv1d, silu, rms_norm q and k, gates
+        "gdn_premix": (gdn * ((t * c * s + t * c * f) + ((kc - 1) * c * f + t * c * f + (kc - 1 + t) * c * f)
+                              + ((kc - 1 + t) * c * f + c * kc * f + t * c * f) + 2 * t * c * f
+                              + 2 * 2 * t * hk * dk * f + (2 * t * hv * s + 2 * hv * f + 2 * t * hv * f)),
+                       gdn * (t * (c + 2 * hv) * s + (kc - 1) * c * f + c * kc * f + 2 * hv * f
+                              + t * c * f + 2 * t * hv * f + (kc - 1 + t) * c * f)),
+        # rms_norm (F32 out), fused tail (F32 out), astype
+        "gated_rms_norm": (gdn * ((2 * t * vd * f + dv * f) + (t * vd * f + t * vd * s + t * vd * f)
+                                  + (t * vd * f + t * vd * s)),
+                           gdn * (t * vd * f + t * vd * s + dv * f + t * vd * s)),
+        # argpartition, take_along_axis, softmax
+        "moe_router": (layers * ((t * e * f + t * e * 4) + t * k * (4 + f) + t * k * f + 2 * t * k * f),
+                       layers * (t * e * f + t * k * 8)),
+        # q/k rms_norm (F32 out) + astype + rope; sigmoid(gate); v is a view
+        "attention_prologue": (attn * sum(t * m * d * (s + f + f + s + s + s) + d * f for m in (n, kv))
+                               + attn * 2 * t * n * d * s,
+                               attn * (t * (2 * n + 2 * kv) * d * s + 2 * d * f + t * (n + 2 * kv) * d * s
+                                       + t * n * d * s)),
+        # weights * experts, sum over k, sigmoid * shared, routed + shared, residual add; the
+        # next norm (F32 out) + astype
+        "moe_combine": (layers * (2 * t * k * h * s + (t * k * h * s + t * h * s) + 2 * t * s + 3 * t * h * s
+                                  + 3 * t * h * s + 3 * t * h * s + norm_ref),
+                        layers * (t * k * h * s + t * k * f + 2 * t * h * s + t * s + t * h * s + h * f
+                                  + t * h * s)),
+        # residual add, post-attention norm (F32 out) + astype
+        "add_rms_norm": (layers * (3 * t * h * s + norm_ref), layers * (2 * t * h * s + h * f + 2 * t * h * s)),
+    }
+    return regions
+
+
+# ------------------------------------------------------------------ checks
+
+
+def kernel_nodes_when_traced(rows: int = 8) -> dict[str, int]:
+    """Build every kernel call under mx.export_function tracing (where metal_kernel works
+    without Metal) at real shapes and count its nodes: each must be one CustomKernel."""
+    def dense(shape, dtype):  # the trace writes its constants: no broadcast views here
+        x = mx.zeros(shape, dtype)
+        mx.eval(x)
+        return x
+
+    a = qwen3_5.ModelArgs.from_config(dict(CONFIG, num_hidden_layers=4), "qwen3_5_moe")
+    c, hv, dv = conv_dim(a), a.linear_num_value_heads, a.linear_value_head_dim
+    hk, dk = a.linear_num_key_heads, a.linear_key_head_dim
+    bf, f32 = mx.bfloat16, mx.float32
+    width = c + hv * dv + 2 * hv
+    tape = (dense((1, 3 + rows, c), f32), dense((1, rows, hk, dk), f32), dense((1, rows, hv, dv), f32),
+            dense((1, rows, hv), f32), dense((1, rows, hv), f32), dense((1, hv, dv, dk), f32))
+    calls = {
+        # (a slice of the vocabulary: the trace writes its constants to a file)
+        "nvfp4_embedding": (embedding, (dense((rows,), mx.int32), dense((1024, 256), mx.uint32),
+                                        dense((1024, 128), mx.uint8), dense((1024,), f32), bf)),
+        "gdn_premix": (premix, (dense((1, rows, width), bf), dense((1, 3, c), f32), dense((c, 4), f32), dense((hv,), f32),
+                                dense((hv,), f32), hk, dk, hv, dv)),
+        "gated_rms_norm": (gated_norm, (dense((1, rows, hv, dv), f32), dense((1, rows, width), bf), dense((dv,), f32),
+                                        1e-6, c)),
+        "moe_router": (router, (dense((rows, 256), f32), 8)),
+        "attention_prologue": (attention, (dense((1, rows, 36 * 256), bf), dense((256,), f32), dense((256,), f32), 5,
+                                           16, 2, 256, 64, 1e7, 1e-6)),
+        "moe_combine": (combine, (dense((rows, 8, 2048), bf), dense((rows, 8), f32), dense((rows, 2048), bf),
+                                  dense((rows, 1), bf), dense((1, rows, 2048), bf), dense((2048,), f32), 1e-6)),
+        "add_rms_norm": (add_norm, (dense((1, rows, 2048), bf), dense((1, rows, 2048), bf), dense((2048,), f32),
+                                    1e-6)),
+        "gdn_replay": (replay, (*tape, 4)),
+    }
+    found = {}
+    for name, (module, args) in calls.items():
+        def traced(module=module, args=args, name=name):
+            outs = module.metal(*args)
+            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            found[name] = count(*outs)[1]
+            return outs
+
+        with tempfile.TemporaryDirectory() as tmp:
+            mx.export_function(str(Path(tmp) / "k.mlxfn"), traced)
+    return {name: dict(labels) for name, labels in found.items()}
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=1024, help="rows already in the cache")
+    parser.add_argument("--rows", type=int, default=8, help="verify rows per round (anchor + proposals)")
+    parser.add_argument("--kept", type=int, default=4, help="rows a round keeps (commit)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "primitives.json"))
+    opts = parser.parse_args(argv)
+    dtype = getattr(mx, opts.dtype)
+    s = 2 if dtype == mx.bfloat16 else 4
+
+    traced = kernel_nodes_when_traced()
+    for name, labels in traced.items():
+        if labels != {"CustomKernel": 1}:
+            raise SystemExit(f"{name}: traced as {labels}, not one CustomKernel node")
+    difference = check_kernel_path()
+    if difference > 1e-4:
+        raise SystemExit(f"the kernel path (references) differs from the model by {difference:.2e}")
+
+    models = {n: build_model(n, dtype) for n in (PERIOD, 2 * PERIOD)}
+    results = {"config": "Qwen3.6-35B-A3B", "layers": TOTAL_LAYERS, "dtype": opts.dtype, "context": opts.context,
+               "verify_rows": opts.rows, "kept_rows": opts.kept, "platform": platform.platform(),
+               "mlx": mx.__version__, "kernel_nodes_when_traced": traced,
+               "kernel_path_vs_model_max_rel_difference": difference}
+    for kind, rows in (("decode", 1), ("round", opts.rows)):
+        ref = primitives(models, "reference", rows, opts.context, kind, opts.kept)
+        ker = primitives(models, "kernels", rows, opts.context, kind, opts.kept)
+        results[kind] = {"reference": ref, "kernels": ker,
+                         "fewer_primitives": 1 - ker["total"] / ref["total"]}
+
+    full = qwen3_5.ModelArgs.from_config(dict(CONFIG, num_hidden_layers=TOTAL_LAYERS), "qwen3_5_moe")
+    for kind, rows in (("decode", 1), ("round", opts.rows)):
+        common = weight_bytes_total(models, rows) + state_bytes(full, rows, opts.context)
+        regions = fused_region_bytes(full, rows, s)
+        if kind == "round":  # the commit: replay of the kept rows from the pre-round state
+            regions.update(fused_region_bytes(full, rows, s, kept=opts.kept))
+        ref_act = sum(r for r, _ in regions.values())
+        ker_act = sum(k for _, k in regions.values())
+        results[kind]["bytes"] = {
+            "weights_state_kv": common, "reference_fused_regions": ref_act, "kernel_fused_regions": ker_act,
+            "reference_total": common + ref_act, "kernels_total": common + ker_act,
+            "regions": {name: {"reference": r, "kernels": k} for name, (r, k) in regions.items()},
+        }
+    report(results)
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {opts.out}")
+    return results
+
+
+def weight_bytes_total(models, rows: int) -> float:
+    """Weights read by one forward over 40 layers (4 layers + 9 periods, with lm_head; the
+    embedding rows are in the gather's region)."""
+    w4, w8 = weight_bytes(models[PERIOD], rows), weight_bytes(models[2 * PERIOD], rows)
+    return w4 + (TOTAL_LAYERS // PERIOD - 1) * (w8 - w4)
+
+
+def report(results: dict) -> None:
+    gb = 1e9
+    print(f"Qwen3.6-35B-A3B, {results['layers']} layers, {results['dtype']}, context {results['context']}; "
+          f"round = verify {results['verify_rows']} rows + commit {results['kept_rows']}")
+    print("MLX primitives counted as on Metal: fast ops and each kernel call = 1 primitive "
+          "(metal_kernel does not run without Metal; traced, each call is one CustomKernel node)")
+    print(f"\n{'':24s}{'reference':>12s}{'kernels':>12s}{'fewer':>9s}")
+    for kind, label in (("decode", "decode step (T=1)"), ("round", "verify round")):
+        r = results[kind]
+        print(f"{label:24s}{r['reference']['total']:12d}{r['kernels']['total']:12d}"
+              f"{100 * r['fewer_primitives']:8.1f}%")
+        print(f"{'  per 4-layer period':24s}{r['reference']['period']:12d}{r['kernels']['period']:12d}")
+    print(f"\n{'bytes (GB)':24s}{'reference':>12s}{'kernels':>12s}{'common':>12s}")
+    for kind, label in (("decode", "decode step (T=1)"), ("round", "verify round")):
+        b = results[kind]["bytes"]
+        print(f"{label:24s}{b['reference_total'] / gb:12.4f}{b['kernels_total'] / gb:12.4f}"
+              f"{b['weights_state_kv'] / gb:12.4f}")
+        for name, v in b["regions"].items():
+            print(f"{'  ' + name:24s}{v['reference'] / 1e6:10.2f}MB{v['kernels'] / 1e6:10.2f}MB")
+
+
+if __name__ == "__main__":
+    main()

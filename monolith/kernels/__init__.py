@@ -1,0 +1,19 @@
+"""Fused ops for the decode and verify paths (docs: kernels.md). Each op has a plain MLX
+reference and a Metal kernel (body in metal/) with the same inputs and outputs; the
+public functions pick the kernel when Metal is available, else the reference.
+MONOLITH_KERNELS=reference|metal forces one (metal without Metal raises)."""
+
+from .add_norm import add_rms_norm
+from .attention import attention_prologue
+from .combine import moe_combine
+from .embedding import nvfp4_embedding
+from .gated_norm import gated_rms_norm
+from .kernel import ENV, KernelBackendError, Launch, MetalKernel, backend, use_metal
+from .premix import Premix, gdn_premix
+from .replay import gdn_replay
+from .router import moe_route
+
+__all__ = [
+    "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue", "backend",
+    "gated_rms_norm", "gdn_premix", "gdn_replay", "moe_combine", "moe_route", "nvfp4_embedding", "use_metal",
+]

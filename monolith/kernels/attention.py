@@ -1,0 +1,69 @@
+"""Gated attention prologue (target.md gated attention mixer): split the fused q|gate
+rows, zero-centred RMSNorm of q and k with the stored (1 + w) F32 weights, rotate-half
+RoPE on the first rotary_dim dims at positions offset + t, and the layouts SDPA and the
+KV cache take. Returns q [1, H, T, D], k, v [1, KVH, T, D] and sigmoid(gate) [1, T, H*D],
+all in qkv's dtype: the mixer multiplies the attention output by that gate directly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .kernel import Launch, MetalKernel, cast, threads_for, use_metal
+
+KERNEL = MetalKernel("monolith_attention_prologue", "attention_prologue.metal",
+                     ("qkv", "q_norm", "k_norm", "offset", "log2_base", "eps"), ("q", "k", "v", "gate"))
+
+
+def _check(qkv, heads, kv_heads, head_dim, rotary_dim):
+    width = (2 * heads + 2 * kv_heads) * head_dim
+    if qkv.ndim != 3 or qkv.shape[0] != 1 or qkv.shape[2] != width:
+        raise ValueError(f"attention_prologue: qkv must be [1, T, {width}], got {qkv.shape}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or head_dim < 8:
+        raise ValueError(f"attention_prologue: need an even rotary_dim <= head_dim (>= 8), got {rotary_dim}, "
+                         f"{head_dim}")
+
+
+def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps):
+    _check(qkv, heads, kv_heads, head_dim, rotary_dim)
+    _, t, _ = qkv.shape
+    n, d, kv = heads, head_dim, kv_heads
+    q_gate = qkv[..., :2 * n * d].reshape(1, t, n, 2 * d)
+    q, gate = q_gate[..., :d], q_gate[..., d:].reshape(1, t, n * d)
+    k = qkv[..., 2 * n * d:(2 * n + kv) * d].reshape(1, t, kv, d)
+    v = qkv[..., (2 * n + kv) * d:].reshape(1, t, kv, d)
+    q = cast(mx.fast.rms_norm(q, q_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
+    k = cast(mx.fast.rms_norm(k, k_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
+    q = mx.fast.rope(q, rotary_dim, traditional=False, base=rope_theta, scale=1.0, offset=offset)
+    k = mx.fast.rope(k, rotary_dim, traditional=False, base=rope_theta, scale=1.0, offset=offset)
+    return q, k, v.transpose(0, 2, 1, 3), mx.sigmoid(gate)
+
+
+def launch(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps) -> Launch:
+    _check(qkv, heads, kv_heads, head_dim, rotary_dim)
+    t, dtype = qkv.shape[1], qkv.dtype
+    threads = threads_for(head_dim)
+    offset = offset if isinstance(offset, mx.array) else int(offset)
+    return Launch(
+        inputs=(qkv, q_norm, k_norm, offset, float(math.log2(rope_theta)), float(eps)),
+        grid=(threads, heads + 2 * kv_heads, t), threadgroup=(threads, 1, 1),
+        output_shapes=((1, heads, t, head_dim), (1, kv_heads, t, head_dim), (1, kv_heads, t, head_dim),
+                       (1, t, heads * head_dim)),
+        output_dtypes=(dtype,) * 4,
+        template=(("T", dtype), ("H", heads), ("KVH", kv_heads), ("D", head_dim), ("R", rotary_dim),
+                  ("TG", threads)))
+
+
+def metal(*args):
+    return tuple(KERNEL(launch(*args)))
+
+
+def attention_prologue(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, offset, heads: int, kv_heads: int,
+                       head_dim: int, rotary_dim: int, rope_theta: float, eps: float):
+    """qkv [1, T, (2H + 2KVH) * D]: the fused q_proj (per head query | gate), k_proj and
+    v_proj output; offset: position of row 0 (int, or an int32 scalar array).
+    Returns (q [1, H, T, D], k [1, KVH, T, D], v [1, KVH, T, D], sigmoid(gate) [1, T, H*D])."""
+    args = (qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps)
+    return metal(*args) if use_metal() else reference(*args)
