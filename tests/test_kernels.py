@@ -231,15 +231,14 @@ def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
 
 @requires_emulator
 def test_gated_norm_matches_the_models_op(model):
-    from monolith.models.layers import gated_rms_norm as model_gated_rms_norm
-
     mixer = next(layer.mixer for layer in model.layers if layer.kind == "linear_attention")
     rng = np.random.default_rng(17)
     proj = normal(rng, 1, 6, mixer.in_proj.out_features)
     o = normal(rng, 1, 6, mixer.hv, mixer.dv)
     c = mixer.conv_dim
     z = proj[..., c:c + mixer.value_dim].reshape(1, 6, mixer.hv, mixer.dv)
-    want = model_gated_rms_norm(o, z, mixer.norm, mixer.eps).reshape(1, 6, -1)
+    z32 = z.astype(mx.float32)  # the op the model ran before monolith.kernels
+    want = (mx.fast.rms_norm(o, mixer.norm, mixer.eps) * (z32 * mx.sigmoid(z32))).reshape(1, 6, -1)
     got, = run_kernel(gated_norm.KERNEL, gated_norm.launch(o, proj, mixer.norm, mixer.eps, c))
     assert_matches(got, want.astype(got.dtype))
 
@@ -284,8 +283,9 @@ def test_router_and_combine_are_drop_ins_for_the_moe_block(model):
     expert_out = block.experts(x, ids)
     h, normed = run_kernel(combine.KERNEL, combine.launch(expert_out, weights, block.shared_expert(x),
                                                           block.shared_expert_gate(x), residual, next_norm, 1e-6))
-    want = residual + block(x)[None]
+    want, want_normed = block.add_norm(x, residual, next_norm, 1e-6)
     assert_matches(h, want)
+    assert_matches(normed, want_normed)
     assert_matches(normed, rms_norm(want, next_norm, 1e-6))
 
 
@@ -368,14 +368,14 @@ def test_every_kernel_body_is_in_metal_dir():
 
 def test_primitives_bench_meets_the_goal(tmp_path):
     """bench/primitives.py: the fused path needs at least 40% fewer MLX primitives per
-    decode step and per verify round on the 35B shapes (and its wiring matches the model)."""
+    decode step and per verify round on the 35B shapes (both paths are the model's own
+    forward: tests/test_kernels_model.py checks the kernel path's numbers)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_primitives", REPO / "bench" / "primitives.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = bench.main(["--out", str(tmp_path / "primitives.json")])
-    assert results["kernel_path_vs_model_max_rel_difference"] < 1e-4
     for kind in ("decode", "round"):
         assert results[kind]["fewer_primitives"] >= 0.40, (kind, results[kind]["fewer_primitives"])
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..kernels import nvfp4_embedding
+
 # pack precision -> (mode, group_size, bits) of MLX's quantized ops
 QUANT_MODES = {"nvfp4": ("nvfp4", 16, 4), "fp8": ("mxfp8", 32, 8)}
 # gather_qmm/gather_mm run faster on expert-sorted rows once there are this many
@@ -29,18 +31,6 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """Zero-centred RMSNorm with the stored (1 + w) in F32: computed in F32 (MLX
     promotes to the F32 weight), cast back to x's dtype."""
     return cast(mx.fast.rms_norm(x, weight, eps), x.dtype)
-
-
-@mx.compile
-def gated_rms_norm(o: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """GDN output norm: rmsnorm(o) * w * silu(z) in F32 (plain weight w, F32)."""
-    z = z.astype(mx.float32)
-    return mx.fast.rms_norm(o.astype(mx.float32), weight, eps) * (z * mx.sigmoid(z))
-
-
-@mx.compile
-def silu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(x)
 
 
 @mx.compile
@@ -111,7 +101,8 @@ class FusedLinear:
 
 class Embedding:
     """Row gather from an embedding stored like a linear entry (BF16, or quantized rows
-    dequantized after the gather and scaled by their row tensor scale)."""
+    dequantized after the gather and scaled by their row tensor scale: NVFP4 through
+    monolith.kernels.nvfp4_embedding, other quantized modes with MLX ops)."""
 
     def __init__(self, table: Linear, dtype):
         self.table = table
@@ -121,6 +112,9 @@ class Embedding:
         t = self.table
         if t.mode is None:
             return cast(t.weight[tokens], self.dtype)
+        if t.precision == "nvfp4":  # the fused gather (monolith.kernels) takes 1-D ids
+            rows = nvfp4_embedding(tokens.reshape(-1), t.weight, t.scales, t.tensor_scale, self.dtype)
+            return rows if tokens.ndim == 1 else rows.reshape(*tokens.shape, -1)
         mode, group_size, bits = t.mode
         rows = mx.dequantize(t.weight[tokens], t.scales[tokens], group_size=group_size, bits=bits, mode=mode,
                              dtype=mx.float32)

@@ -13,10 +13,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..kernels import (
+    add_rms_norm,
+    attention_prologue,
+    gated_rms_norm,
+    gdn_premix,
+    moe_combine,
+    moe_route,
+)
 from ..runtime.cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
-from .layers import Embedding, SwitchGLU, cast, gated_rms_norm, rms_norm, silu, swiglu
-
-L2_EPS = 1e-6  # GDN q/k l2norm (target.md step 4)
+from .layers import Embedding, Linear, SwitchGLU, cast, rms_norm, swiglu
 
 
 class ConfigError(ValueError):
@@ -129,14 +135,6 @@ def _eos_ids(*configs) -> tuple[int, ...]:
 # ------------------------------------------------------------------------ mixers
 
 
-@mx.compile
-def _gdn_gates(a, b, neg_decay, dt_bias):
-    """beta = sigmoid(b); gamma = exp(-exp(A_log) * softplus(a + dt_bias)), in F32."""
-    a = a.astype(mx.float32) + dt_bias
-    softplus = mx.logaddexp(a, 0.0)
-    return mx.sigmoid(b.astype(mx.float32)), mx.exp(neg_decay * softplus)
-
-
 class GatedDeltaNet:
     def __init__(self, args: ModelArgs, w, prefix: str):
         h = args.hidden_size
@@ -148,39 +146,25 @@ class GatedDeltaNet:
         self.eps = args.rms_norm_eps
         self.in_proj = w.linear(prefix + "in_proj", (self.conv_dim + self.value_dim + 2 * self.hv, h))
         self.out_proj = w.linear(prefix + "out_proj", (h, self.value_dim))
-        # [C, 1, K] -> MLX conv1d weight [C_out, K, C_in / groups]
-        self.conv_weight = w.tensor(prefix + "conv1d", (self.conv_dim, 1, self.kernel), mx.float32).swapaxes(1, 2)
+        # [C, 1, K] -> MLX conv1d weight [C_out, K, C_in / groups] (a contiguous view: the middle axis is 1)
+        self.conv_weight = w.tensor(prefix + "conv1d", (self.conv_dim, 1, self.kernel), mx.float32).reshape(
+            self.conv_dim, self.kernel, 1)
         self.neg_decay = -mx.exp(w.tensor(prefix + "A_log", (self.hv,), mx.float32))
         self.dt_bias = w.tensor(prefix + "dt_bias", (self.hv,), mx.float32)
         self.norm = w.tensor(prefix + "norm", (self.dv,), mx.float32)
-        # l2norm(x) * s == rms_norm(x, eps / D) * s / sqrt(D): one fused op for q and k
-        self.q_scale = mx.full((self.dk,), 1.0 / self.dk, mx.float32)  # includes Dk^-0.5
-        self.k_scale = mx.full((self.dk,), self.dk ** -0.5, mx.float32)
 
     def __call__(self, x: mx.array, state: GDNState, offset: int) -> mx.array:
         _, t, _ = x.shape
-        c, v_end = self.conv_dim, self.conv_dim + self.value_dim
-        proj = self.in_proj(x)
-        mixed, z = proj[..., :c], proj[..., c:v_end]
-        b, a = proj[..., v_end:v_end + self.hv], proj[..., v_end + self.hv:]
-
-        window = mx.concatenate([state.conv, cast(mixed, mx.float32)], axis=1)  # [1, K-1+T, C]
-        state.conv = window[:, t:]  # the last K-1 pre-conv rows
-        conv = silu(mx.conv1d(window, self.conv_weight, groups=c))  # valid conv: T rows
-
-        kd = self.key_dim
-        q = conv[..., :kd].reshape(1, t, self.hk, self.dk)
-        k = conv[..., kd:2 * kd].reshape(1, t, self.hk, self.dk)
-        v = conv[..., 2 * kd:].reshape(1, t, self.hv, self.dv)
-        q = mx.fast.rms_norm(q, self.q_scale, L2_EPS / self.dk)  # F32 out (F32 weight)
-        k = mx.fast.rms_norm(k, self.k_scale, L2_EPS / self.dk)
-        beta, gamma = _gdn_gates(a, b, self.neg_decay, self.dt_bias)
+        proj = self.in_proj(x)  # conv channels | z | b | a
+        pre = gdn_premix(proj, state.conv, self.conv_weight, self.neg_decay, self.dt_bias, self.hk, self.dk, self.hv,
+                         self.dv)
+        state.conv = pre.window[:, t:]  # the last K-1 pre-conv rows
         # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
         if state.record:
-            state.tape = GDNTape(window, q, k, v, gamma, beta)
-        o, state.recurrent = mx.fast.gated_delta_update(q, k, v, gamma, beta, initial_state=state.recurrent)
-        o = gated_rms_norm(o, z.reshape(1, t, self.hv, self.dv), self.norm, self.eps)
-        return self.out_proj(cast(o, x.dtype).reshape(1, t, self.value_dim))
+            state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)
+        o, state.recurrent = mx.fast.gated_delta_update(pre.q, pre.k, pre.v, pre.gamma, pre.beta,
+                                                        initial_state=state.recurrent)
+        return self.out_proj(gated_rms_norm(o, proj, self.norm, self.eps, z_offset=self.conv_dim))
 
 
 class Attention:
@@ -198,20 +182,11 @@ class Attention:
 
     def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
         _, t, _ = x.shape
-        n, d = self.heads, self.head_dim
-        qkv = self.qkv(x)
-        q_gate = qkv[..., :2 * n * d].reshape(1, t, n, 2 * d)
-        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(1, t, n * d)
-        k = qkv[..., 2 * n * d:(2 * n + self.kv_heads) * d].reshape(1, t, self.kv_heads, d)
-        v = qkv[..., (2 * n + self.kv_heads) * d:].reshape(1, t, self.kv_heads, d)
-        q = rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3)
-        k = rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3)
-        q = mx.fast.rope(q, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        k = mx.fast.rope(k, self.rotary_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
-        keys, values = cache.update(k, v.transpose(0, 2, 1, 3), offset)
+        q, k, v, gate = attention_prologue(self.qkv(x), self.q_norm, self.k_norm, offset, self.heads, self.kv_heads,
+                                           self.head_dim, self.rotary_dim, self.rope_theta, self.eps)
+        keys, values = cache.update(k, v, offset)
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask="causal" if t > 1 else None)
-        o = o.transpose(0, 2, 1, 3).reshape(1, t, n * d)
-        return self.o_proj(o * mx.sigmoid(gate))
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, t, -1) * gate)
 
 
 # ----------------------------------------------------------------------- MLPs
@@ -227,12 +202,16 @@ class MLP:
     def __call__(self, x: mx.array) -> mx.array:
         return self.down(swiglu(self.gate_up(x)))
 
+    def add_norm(self, x: mx.array, residual: mx.array, norm: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        """(h = residual + self(x), rmsnorm(h) with the next norm's weight)."""
+        return add_rms_norm(residual, self(x), norm, eps)
+
 
 class SparseMoeBlock:
     def __init__(self, args: ModelArgs, w, prefix: str):
         h, e, i = args.hidden_size, args.num_experts, args.moe_intermediate_size
         self.top_k = args.num_experts_per_tok
-        self.router = w.linear(prefix + "gate", (e, h))
+        self.router = _f32_linear(w.linear(prefix + "gate", (e, h)))
         self.experts = SwitchGLU(w.experts(prefix + "experts.gate_up", (e, 2 * i, h)),
                                  w.experts(prefix + "experts.down", (e, h, i)))
         self.shared_expert = MLP(w, prefix + "shared_expert.", h, args.shared_expert_intermediate_size)
@@ -240,19 +219,24 @@ class SparseMoeBlock:
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(expert ids [T, k], F32 weights [T, k]) from F32 router logits: softmax ->
-        top-k -> renormalize, computed as the softmax over the top-k logits (equal)."""
-        logits = self.router(x.astype(mx.float32))
-        k = self.top_k
-        indices = mx.argpartition(logits, kth=-k, axis=-1)[..., -k:]
-        return indices, mx.softmax(mx.take_along_axis(logits, indices, axis=-1), axis=-1, precise=True)
+        top-k -> renormalize."""
+        return moe_route(self.router(cast(x, mx.float32)), self.top_k)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def add_norm(self, x: mx.array, residual: mx.array, norm: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        """(h = residual + moe(x), rmsnorm(h) with the next norm's weight): routed experts,
+        sigmoid-gated shared expert, residual add and norm in one combine."""
+        x = x.reshape(-1, x.shape[-1])
         indices, weights = self.route(x)
-        routed = (self.experts(x, indices) * cast(weights, x.dtype)[..., None]).sum(axis=1)
-        shared = self.shared_expert(x) * mx.sigmoid(self.shared_expert_gate(x))
-        return (routed + shared).reshape(shape)
+        return moe_combine(self.experts(x, indices), weights, self.shared_expert(x), self.shared_expert_gate(x),
+                           residual, norm, eps)
+
+
+def _f32_linear(linear: Linear) -> Linear:
+    """An unquantized linear with its weight in F32 (the router: small, and its logits are
+    F32), converted once at load rather than promoted in every matmul."""
+    if linear.mode is not None or linear.weight.dtype == mx.float32:
+        return linear
+    return Linear(linear.weight.astype(mx.float32), linear.precision, shape=linear.shape)
 
 
 # ----------------------------------------------------------------------- model
@@ -271,9 +255,12 @@ class DecoderLayer:
         self.post_attention_layernorm = w.tensor(prefix + "post_attention_layernorm", (args.hidden_size,), mx.float32)
         self.eps = args.rms_norm_eps
 
-    def __call__(self, x: mx.array, state, offset: int) -> mx.array:
-        h = x + self.mixer(rms_norm(x, self.input_layernorm, self.eps), state, offset)
-        return h + self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps))
+    def __call__(self, x: mx.array, normed: mx.array, state, offset: int, next_norm: mx.array):
+        """(x, its input_layernorm) -> (the layer's output, normed by `next_norm`: the next
+        layer's input_layernorm or the final norm): each residual add is fused with the norm
+        after it."""
+        h, post = add_rms_norm(x, self.mixer(normed, state, offset), self.post_attention_layernorm, self.eps)
+        return self.mlp.add_norm(post, h, next_norm, self.eps)
 
 
 class Qwen3_5:
@@ -329,9 +316,12 @@ class Qwen3_5:
         cache.check(t)
         offset = cache.offset
         x = self.embed_tokens(tokens)[None]
+        eps = self.args.rms_norm_eps
+        normed = rms_norm(x, self.layers[0].input_layernorm, eps)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         tapped, wanted = {}, set(taps)
-        for i, (layer, state) in enumerate(zip(self.layers, cache.layers)):
-            x = layer(x, state, offset)
+        for i, (layer, state, next_norm) in enumerate(zip(self.layers, cache.layers, next_norms)):
+            x, normed = layer(x, normed, state, offset, next_norm)
             if i in wanted:
                 tapped[i] = x
         cache.advance(t)
@@ -339,8 +329,8 @@ class Qwen3_5:
         if logits == "none":
             return None, hidden
         if logits == "last":
-            x = x[:, -1:]
-        out = self.lm_head(rms_norm(x, self.norm, self.args.rms_norm_eps))
+            normed = normed[:, -1:]
+        out = self.lm_head(normed)
         return cast(out[0], mx.float32), hidden
 
     def prefill(self, tokens, cache: HybridCache, chunk_size: int = 512) -> mx.array:

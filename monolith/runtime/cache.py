@@ -18,7 +18,7 @@ layer keeps a tape of its latest forward (the conv window and the per-row q, k, 
 gamma, beta), and `commit(snap, rows)` rebuilds the states after exactly the first
 `rows` rows of that forward from the pre-forward snapshot, without rerunning the model.
 
-This module only depends on MLX (the models import it to build their caches).
+This module only depends on MLX and monolith.kernels (the models import it to build their caches).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from ..kernels import gdn_replay
 
 SPARE_ROWS = 8  # KV rows beyond max_context: room for one speculative verify block
 
@@ -67,9 +69,7 @@ class GDNTape:
 
     def replay(self, conv_rows: int, recurrent: mx.array, rows: int) -> tuple[mx.array, mx.array]:
         """(conv, recurrent) after the first `rows` rows, from the recurrent state before them."""
-        _, state = mx.fast.gated_delta_update(self.q[:, :rows], self.k[:, :rows], self.v[:, :rows],
-                                              self.gamma[:, :rows], self.beta[:, :rows], initial_state=recurrent)
-        return self.window[:, rows:rows + conv_rows], state
+        return gdn_replay(self.window, self.k, self.v, self.gamma, self.beta, recurrent, rows, conv_rows)
 
 
 class GDNState:
