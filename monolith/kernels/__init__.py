@@ -5,6 +5,7 @@ MONOLITH_KERNELS=reference|metal forces one (metal without Metal raises)."""
 
 from .add_norm import add_rms_norm
 from .attention import attention_prologue
+from .check import check_kernels
 from .combine import moe_combine
 from .embedding import nvfp4_embedding
 from .gated_norm import gated_rms_norm
@@ -15,5 +16,5 @@ from .router import moe_route
 
 __all__ = [
     "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue", "backend",
-    "gated_rms_norm", "gdn_premix", "gdn_replay", "moe_combine", "moe_route", "nvfp4_embedding", "use_metal",
+    "check_kernels", "gated_rms_norm", "gdn_premix", "gdn_replay", "moe_combine", "moe_route", "nvfp4_embedding", "use_metal",
 ]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..kernels import check_kernels
 from ..pack import PackError, read_manifest, resolve_pack
 from .layers import QUANT_MODES, Experts, FusedLinear, Linear
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
@@ -139,6 +140,7 @@ def load_model(source, dtype="bfloat16", **resolve_options) -> Qwen3_5:
         raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {', '.join(unused[:8])}"
                         + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
     mx.eval(model_arrays(model))  # read the shards and derive F32 copies now, not in the first forward
+    check_kernels(lambda: model(mx.array([0, 1, 2], dtype=mx.int32), model.make_cache(8))[0])
     return model
 
 
