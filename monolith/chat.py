@@ -15,7 +15,7 @@ import unicodedata
 
 from .cli import ArgumentParser
 from .runtime.decode import ContextLengthError
-from .runtime.engine import Delta, Failed, Finished, GenerationRequest
+from .runtime.events import Delta, Failed, Finished, GenerationRequest
 from .runtime.sampling import SamplingParams
 from .serving.loading import SetupError, add_model_arguments, load_engine, plan_model
 

@@ -14,7 +14,8 @@ import pytest
 from monolith.chat import Conversation
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime.engine import Engine, GenerationRequest
+from monolith.runtime.engine import Engine
+from monolith.runtime.events import GenerationRequest
 from monolith.synth import write_target
 from monolith.tokenizer import load_tokenizer
 

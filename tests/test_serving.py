@@ -23,10 +23,13 @@ import uvicorn
 
 from monolith.models import load_model
 from monolith.pack import build_pack
+from monolith.runtime.backends import SpeculativeBackend
 from monolith.runtime.decode import generate
 from monolith.runtime.drafter import load_drafter
-from monolith.runtime.engine import Engine, GenerationRequest, Outcome, SpecCounters, SpeculativeBackend, TextStream
+from monolith.runtime.engine import Engine
+from monolith.runtime.events import GenerationRequest, Outcome, SpecCounters
 from monolith.runtime.sampling import SamplingParams
+from monolith.runtime.textstream import TextStream
 from monolith.serving.app import ServerConfig, create_app
 from monolith.serving.schemas import SamplingDefaults
 from monolith.serving.tools import ToolCallParser, parse_tool_calls

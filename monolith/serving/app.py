@@ -32,16 +32,12 @@ from starlette.routing import Route
 
 from ..runtime.decode import ContextLengthError
 from ..runtime.engine import (
-    Delta,
     EngineClosed,
-    Failed,
-    Finished,
-    GenerationRequest,
     QueueFull,
     QueueTimeout,
-    Started,
     release_thread_streams,
 )
+from ..runtime.events import Delta, Failed, Finished, GenerationRequest, Started
 from .metrics import CONTENT_TYPE, Metrics
 from .schemas import (
     APIError,

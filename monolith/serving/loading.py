@@ -137,8 +137,8 @@ def _speculative_backend(args, model, draft, log):
         raise SetupError("speculative decoding is not available yet: "
                          f"{' and '.join(SPECULATIVE_MODULES)} are not built")
     from ..pack import build_pack, is_pack
+    from ..runtime.backends import SpeculativeBackend
     from ..runtime.drafter import load_drafter
-    from ..runtime.engine import SpeculativeBackend
     from ..runtime.scheduler import make_scheduler
 
     quantization = args.draft_quantization or "auto"
