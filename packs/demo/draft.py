@@ -1,0 +1,356 @@
+"""Train the demo DSpark draft on the target's OWN greedy generations, with the target's
+tap features as context, then export it as DeepSpec BF16 and DeepSpec NVFP4 (LithosAI
+style: every matrix W4A16 NVFP4, Markov W1 kept BF16).
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
+        python packs/demo/draft.py --out build/demo [--gen-minutes 6] [--minutes 10]
+
+Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
+  1. generate -> OUT/generations.npz: greedy continuations of training-corpus prompts by
+     our runtime (the served target, F32 compute), prompt + continuation per row.
+  2. draft    -> OUT/draft_train.npz, OUT/draft_log.json
+  3. export   -> OUT/draft-bf16/ (deepspec) and OUT/draft/ (deepspec-nvfp4)
+
+Training mirrors monolith.models.dspark exactly: context C = hidden_norm(fc(taps)) of
+rows < p, block [s_p, mask x (B-1)] at positions p.., queries attend to all context rows
+< p and their whole block (no mask inside the block), slot k predicts s_{p+k+1} with
+logits lm_head(norm(h_k)) + W2 W1[s_{p+k}] (teacher-forced Markov prev), frozen embedding
+and lm_head copied from the target, confidence head trained (BCE, detached inputs) on
+whether slot k's argmax is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import model as M  # noqa: E402
+import train as T  # noqa: E402
+
+from monolith.synth.draft import DraftSizes  # noqa: E402
+
+SIZES = DraftSizes(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
+                   target_layer_ids=(1, 2, 3), markov_rank=32, draft_vocab_size=2048, sliding_window=4096,
+                   block_size=8)
+PROMPT_LEN = 64
+GEN_LEN = 192
+BLOCKS_PER_SEQ = 24
+BATCH_SEQS = 4
+EPS = 1e-6
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------- stage 1: generations
+
+
+def stage_generate(out: Path, train_ids: np.ndarray, minutes: float, seed: int, force: bool):
+    path = out / "generations.npz"
+    if path.exists() and not force:
+        return np.load(path)["seqs"]
+    from monolith.models import load_model
+    from monolith.runtime.decode import generate
+    from monolith.runtime.sampling import SamplingParams
+
+    model = load_model(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    rng = np.random.default_rng(seed + 1)
+    params = SamplingParams(temperature=0.0)
+    seqs, t0, gen_tokens = [], time.time(), 0
+    while time.time() - t0 < minutes * 60:
+        s = int(rng.integers(0, train_ids.size - PROMPT_LEN))
+        prompt = train_ids[s:s + PROMPT_LEN].tolist()
+        r = generate(model, prompt, GEN_LEN, params, [], PROMPT_LEN + GEN_LEN + 16)
+        ids = (prompt + list(r.token_ids))[:PROMPT_LEN + GEN_LEN]
+        if len(ids) < PROMPT_LEN + GEN_LEN:  # stopped early (EOS): pad by repeating nothing: skip
+            continue
+        seqs.append(ids)
+        gen_tokens += GEN_LEN
+        if len(seqs) % 10 == 0:
+            log(f"generate: {len(seqs)} seqs, {gen_tokens / (time.time() - t0):.1f} tok/s")
+    seqs = np.array(seqs, dtype=np.int32)
+    np.savez(path, seqs=seqs)
+    log(f"generate: {len(seqs)} sequences of {PROMPT_LEN}+{GEN_LEN} in {time.time() - t0:.0f}s")
+    return seqs
+
+
+# ---------------------------------------------------------------- the draft mirror
+
+
+def init_draft(h: int, vocab: int, s: DraftSizes, seed: int, target_P) -> tuple[dict, dict]:
+    """(trainable params, frozen params) with DeepSpec names."""
+    rng = np.random.default_rng(seed + 2)
+    P = {}
+
+    def lin(name, out, inp, gain=1.0):
+        P[name] = mx.array(rng.standard_normal((out, inp), dtype=np.float32) * np.float32(gain / np.sqrt(inp)))
+
+    lin("fc.weight", h, len(s.target_layer_ids) * h)
+    P["hidden_norm.weight"] = mx.ones((h,))
+    qd, kvd = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    for i in range(s.num_layers):
+        ly = f"layers.{i}"
+        P[f"{ly}.input_layernorm.weight"] = mx.ones((h,))
+        P[f"{ly}.post_attention_layernorm.weight"] = mx.ones((h,))
+        lin(f"{ly}.self_attn.q_proj.weight", qd, h)
+        lin(f"{ly}.self_attn.k_proj.weight", kvd, h)
+        lin(f"{ly}.self_attn.v_proj.weight", kvd, h)
+        lin(f"{ly}.self_attn.o_proj.weight", h, qd, 0.5)
+        P[f"{ly}.self_attn.q_norm.weight"] = mx.ones((s.head_dim,))
+        P[f"{ly}.self_attn.k_norm.weight"] = mx.ones((s.head_dim,))
+        lin(f"{ly}.mlp.gate_proj.weight", s.intermediate_size, h)
+        lin(f"{ly}.mlp.up_proj.weight", s.intermediate_size, h)
+        lin(f"{ly}.mlp.down_proj.weight", h, s.intermediate_size, 0.5)
+    P["norm.weight"] = mx.ones((h,))
+    P["markov_head.markov_w1.weight"] = mx.array(rng.standard_normal((vocab, s.markov_rank), dtype=np.float32) * 0.1)
+    P["markov_head.markov_w2.weight"] = mx.zeros((vocab, s.markov_rank))
+    P["confidence_head.proj.weight"] = mx.zeros((1, h + s.markov_rank))
+    P["confidence_head.proj.bias"] = mx.zeros((1,))
+    bf = lambda a: a.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731  (the checkpoint stores BF16 copies)
+    frozen = {"embed_tokens.weight": bf(target_P[f"{M.LM}.embed_tokens.weight"]),
+              "lm_head.weight": bf(target_P["lm_head.weight"])}
+    return P, frozen
+
+
+def block_layout(L: int, anchors: np.ndarray, bsz: int):
+    """Positions [n*B] and additive mask [n*B, L + n*B] for blocks anchored at `anchors`."""
+    n = anchors.size
+    pos = (anchors[:, None] + np.arange(bsz)[None]).reshape(-1)
+    ctx_ok = np.arange(L)[None, :] < np.repeat(anchors, bsz)[:, None]
+    blk = np.repeat(np.arange(n), bsz)
+    blk_ok = blk[:, None] == blk[None, :]
+    mask = np.where(np.concatenate([ctx_ok, blk_ok], axis=1), 0.0, -1e9).astype(np.float32)
+    return pos.astype(np.int32), mask
+
+
+def draft_forward(P, frozen, feats, x_tokens, pos, mask, s: DraftSizes, rope_theta: float):
+    """feats [B, L, n*H] (target taps), x_tokens [B, N] block inputs (anchor / mask ids),
+    pos [N] block positions, mask [N, L + N] -> final-normed hidden [B, N, H]."""
+    b_, L, _ = feats.shape
+    n = x_tokens.shape[1]
+    nh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
+    c = mx.fast.rms_norm(feats @ P["fc.weight"].T, P["hidden_norm.weight"], EPS)
+    x = frozen["embed_tokens.weight"][x_tokens]
+    ctx_pos = mx.arange(L)
+
+    def rope_at(t, positions):  # t [B, heads, T, d]; per-row positions
+        inv = 1.0 / (rope_theta ** (mx.arange(0, d, 2).astype(mx.float32) / d))
+        ang = positions.astype(mx.float32)[:, None] * inv[None]
+        cos, sin = mx.cos(ang), mx.sin(ang)
+        t1, t2 = t[..., :d // 2], t[..., d // 2:]
+        return mx.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
+
+    for i in range(s.num_layers):
+        ly = f"layers.{i}.self_attn"
+        hx = mx.fast.rms_norm(x, P[f"layers.{i}.input_layernorm.weight"], EPS)
+        q = (hx @ P[f"{ly}.q_proj.weight"].T).reshape(b_, n, nh, d)
+        kv_in = mx.concatenate([c, hx], axis=1)
+        k = (kv_in @ P[f"{ly}.k_proj.weight"].T).reshape(b_, L + n, kvh, d)
+        v = (kv_in @ P[f"{ly}.v_proj.weight"].T).reshape(b_, L + n, kvh, d).transpose(0, 2, 1, 3)
+        q = rope_at(mx.fast.rms_norm(q, P[f"{ly}.q_norm.weight"], EPS).transpose(0, 2, 1, 3), pos)
+        k = rope_at(mx.fast.rms_norm(k, P[f"{ly}.k_norm.weight"], EPS).transpose(0, 2, 1, 3),
+                    mx.concatenate([ctx_pos, pos]))
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask)
+        x = x + o.transpose(0, 2, 1, 3).reshape(b_, n, nh * d) @ P[f"{ly}.o_proj.weight"].T
+        m = f"layers.{i}.mlp"
+        hx = mx.fast.rms_norm(x, P[f"layers.{i}.post_attention_layernorm.weight"], EPS)
+        x = x + (M.silu(hx @ P[f"{m}.gate_proj.weight"].T) * (hx @ P[f"{m}.up_proj.weight"].T)) @ \
+            P[f"{m}.down_proj.weight"].T
+    return mx.fast.rms_norm(x, P["norm.weight"], EPS)
+
+
+def draft_loss(P, frozen, feats, x_tokens, prev, labels, pos, mask, weights, s, rope_theta):
+    h = draft_forward(P, frozen, feats, x_tokens, pos, mask, s, rope_theta)
+    e = P["markov_head.markov_w1.weight"][prev]
+    logits = h @ frozen["lm_head.weight"].T + e @ P["markov_head.markov_w2.weight"].T
+    ce = mx.logsumexp(logits, -1) - mx.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    loss = (ce * weights).sum() / weights.sum()
+    correct = mx.stop_gradient((mx.argmax(logits, -1) == labels).astype(mx.float32))
+    conf_in = mx.stop_gradient(mx.concatenate([h, e], axis=-1))
+    z = (conf_in @ P["confidence_head.proj.weight"].T)[..., 0] + P["confidence_head.proj.bias"]
+    bce = mx.mean(mx.logaddexp(0.0, z) - correct * z)
+    return loss + 0.1 * bce, (ce.mean(), correct.mean(), bce)
+
+
+# ---------------------------------------------------------------- stage 2: training
+
+
+def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, minutes: float, force: bool):
+    path = out / "draft_train.npz"
+    if path.exists() and not force:
+        z = np.load(path)
+        return {k: mx.array(z[k]) for k in z.files}
+    p, s = T.PRESET, SIZES
+    bsz = s.block_size
+    mask_id = json.loads((out / "tokenizer.json").read_text())
+    mask_id = {t["content"]: t["id"] for t in mask_id["added_tokens"]}["<|mask|>"]
+    P, frozen = init_draft(p.hidden_size, p.vocab_size, s, seed, target_P)
+    Pt = {k: v.astype(mx.bfloat16).astype(mx.float32) for k, v in target_P.items()}  # served weights
+
+    # target tap features of every sequence (one batched forward per 8 sequences)
+    t0 = time.time()
+    feats = []
+    for i in range(0, len(seqs), 8):
+        _, taps, _ = M.forward(Pt, mx.array(seqs[i:i + 8]), p, taps=s.target_layer_ids)
+        f = mx.concatenate([taps[j] for j in s.target_layer_ids], axis=-1)
+        mx.eval(f)
+        feats.append(np.array(f))
+    feats = np.concatenate(feats)
+    log(f"draft: features {feats.shape} in {time.time() - t0:.0f}s")
+    n_val = max(4, len(seqs) // 10)
+    L = seqs.shape[1]
+    # anchors inside the generated part only (the draft serves generations)
+    lo, hi = PROMPT_LEN, L - bsz
+
+    def make_batch(rng, idx):
+        anchors = np.sort(rng.choice(np.arange(lo, hi), size=BLOCKS_PER_SEQ, replace=False))
+        pos, mask = block_layout(L, anchors, bsz)
+        sq = seqs[idx]
+        x_tokens = np.full((len(idx), anchors.size, bsz), mask_id, np.int32)
+        x_tokens[:, :, 0] = sq[:, anchors]
+        prev = sq[:, pos]
+        labels = sq[:, np.minimum(pos + 1, L - 1)]
+        return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev), mx.array(labels),
+                mx.array(pos), mx.array(mask))
+
+    wts = mx.array(np.tile(np.exp(-np.arange(bsz) / bsz), BLOCKS_PER_SEQ).astype(np.float32))
+    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, s, p.rope_theta)  # noqa: E731
+    vg = mx.compile(mx.value_and_grad(lf))
+    opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.01, betas=[0.9, 0.95])
+    rng = np.random.default_rng(seed + 3)
+    curve, t0, step = [], time.time(), 0
+    train_idx = np.arange(n_val, len(seqs))
+    while time.time() - t0 < minutes * 60:
+        frac = (time.time() - t0) / (minutes * 60)
+        opt.learning_rate = mx.array(1e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac))))
+        batch = make_batch(rng, rng.choice(train_idx, size=BATCH_SEQS, replace=False))
+        (loss, (ce, acc, bce)), grads = vg(P, *batch)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        P = opt.apply_gradients(grads, P)
+        mx.eval(P, opt.state, ce)
+        step += 1
+        if step % 25 == 0 or step == 1:
+            entry = {"step": step, "seconds": round(time.time() - t0, 1), "ce": round(float(ce), 4),
+                     "slot_acc": round(float(acc), 4), "conf_bce": round(float(bce), 4)}
+            if step % 100 == 0:
+                vb = make_batch(np.random.default_rng(7), np.arange(min(n_val, BATCH_SEQS)))
+                _, (vce, vacc, _) = lf(P, *vb)
+                entry.update(val_ce=round(float(vce), 4), val_slot_acc=round(float(vacc), 4))
+            curve.append(entry)
+            log(json.dumps(entry))
+    (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
+                                                   indent=1) + "\n")
+    np.savez(path, **{k: np.array(v) for k, v in P.items()})
+    return P
+
+
+# ---------------------------------------------------------------- stage 3: export
+
+
+def export_draft(P, out: Path, fmt: str) -> Path:
+    """fmt "deepspec" (BF16) or "deepspec-nvfp4" (matrices W4A16 NVFP4, Markov W1 BF16),
+    with monolith.synth.draft's names, config and quantization config."""
+    from monolith.synth import draft as sd
+    from monolith.synth.quant import MODELOPT_PRODUCER
+    from monolith.synth.values import Param
+    from monolith.synth.writers import Unit, write_checkpoint, write_json
+
+    s = SIZES
+    tdir = out / "target-bf16"
+    target_cfg = json.loads((tdir / "config.json").read_text())
+    tc = target_cfg["text_config"]
+    h, vocab = tc["hidden_size"], tc["vocab_size"]
+    ids = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
+    dest = out / ("draft-bf16" if fmt == "deepspec" else "draft")
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    values = {k: np.array(v.astype(mx.float32)) for k, v in P.items()}
+    for prm_name, module in (("embed_tokens.weight", f"{M.LM}.embed_tokens"), ("lm_head.weight", "lm_head")):
+        values[prm_name] = sd.read_target_matrix(tdir, module)
+    embed = Param("embed_tokens.weight", (vocab, h), "embed", module="embed_tokens")
+    lm_head = Param("lm_head.weight", (vocab, h), "linear", module="lm_head")
+    params = [embed, *sd.backbone_params(h, s), lm_head, *sd.head_params(h, vocab, s, "vanilla")]
+    config = sd.deepspec_config(tc, s, "vanilla", ids["<|mask|>"])
+    quantize = fmt == "deepspec-nvfp4"
+
+    def scheme_of(prm):
+        if not quantize or prm.init in ("norm1", "bias", "markov") or prm.name.startswith("confidence_head"):
+            return "bf16"
+        return "w4a16"
+
+    units = [Unit((prm,), scheme_of(prm)) for prm in params]
+    if quantize:
+        hf_quant, lithos = sd.nvfp4_export_config(units, ["markov_w1"])
+        config["lithos_quantization"] = lithos
+        config["quantization_config"] = {**hf_quant["quantization"], "producer": MODELOPT_PRODUCER,
+                                         "quant_method": "modelopt"}
+        write_json(dest / "hf_quant_config.json", hf_quant)
+    write_checkpoint(dest, units, lambda prm: values[prm.name], shards=1)
+    write_json(dest / "config.json", config)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tdir / f, dest / f)
+    return dest
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("build/demo"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-minutes", type=float, default=6.0)
+    ap.add_argument("--minutes", type=float, default=10.0, help="draft training time budget")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    z = np.load(args.out / "tokens.npz")
+    tP = np.load(args.out / "target_train.npz")
+    target_P = {k: mx.array(tP[k]) for k in tP.files}
+    seqs = stage_generate(args.out, z["train"], args.gen_minutes, args.seed, args.force)
+    P = stage_draft(args.out, seqs, target_P, args.seed, args.minutes, args.force)
+    for fmt in ("deepspec", "deepspec-nvfp4"):
+        d = export_draft(P, args.out, fmt)
+        size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+        log(f"exported {d} ({size / 1e6:.2f} MB)")
+    check_runtime(args.out, P, seqs)
+
+
+
+def check_runtime(out: Path, P, seqs: np.ndarray, p_anchor: int = 100) -> float:
+    """Our runtime Draft (BF16 checkpoint, F32 compute, fed by the runtime target's taps)
+    vs the mirror on one block: max |hidden diff| (the mirror uses BF16-rounded weights)."""
+    from monolith.models import load_model
+    from monolith.models.dspark import load_draft
+
+    s = SIZES
+    model = load_model(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    draft = load_draft(out / "draft-bf16", model, dtype="float32", quantization="none", cache_dir=out / "packs")
+    seq = seqs[0]
+    cache = model.make_cache(len(seq) + 8)
+    _, feats = model(mx.array(seq[:p_anchor]), cache, taps=list(s.target_layer_ids))
+    ctx = draft.make_context(len(seq) + 8)
+    draft.append_context(ctx, feats)
+    h_rt = draft.forward(ctx, int(seq[p_anchor]))
+    tP = {k: mx.array(v) for k, v in np.load(out / "target_train.npz").items()}
+    _, frozen = init_draft(T.PRESET.hidden_size, T.PRESET.vocab_size, s, 0, tP)
+    Pb = {k: v.astype(mx.bfloat16).astype(mx.float32) for k, v in P.items()}
+    ids = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
+    pos, mask = block_layout(p_anchor, np.array([p_anchor]), s.block_size)
+    x = np.full((1, s.block_size), ids["<|mask|>"], np.int32)
+    x[0, 0] = seq[p_anchor]
+    h_m = draft_forward(Pb, frozen, feats[None], mx.array(x), mx.array(pos), mx.array(mask), s, T.PRESET.rope_theta)
+    diff = float(mx.abs(h_m[0] - h_rt).max())
+    log(f"draft check: max |hidden diff| runtime vs mirror {diff:.4g} (|h| max {float(mx.abs(h_rt).max()):.3g})")
+    return diff
+
+
+if __name__ == "__main__":
+    main()

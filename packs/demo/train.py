@@ -1,0 +1,236 @@
+"""Train the demo target (and, later, its DSpark draft) on the CPU with MLX.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
+        python packs/demo/train.py --out build/demo [--minutes 20] [--seed 0]
+
+Stages (each skipped when its output exists, unless --force):
+  1. tokenizer  -> OUT/tokenizer.json (+ config files)
+  2. target     -> OUT/target_train.npz, OUT/target_log.json (loss curve, tok/s)
+  3. export     -> OUT/target-bf16/ (BF16, fused experts) and OUT/target/ (ModelOpt NVFP4)
+  4. check      -> logits of our runtime (load_model on the BF16 checkpoint) vs the
+                   training forward on held-out text: they must agree.
+The draft stages live in draft.py (not written yet: see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import corpus  # noqa: E402
+import model as M  # noqa: E402
+import tokenizer as demo_tok  # noqa: E402
+
+from monolith.synth.presets import Preset  # noqa: E402
+
+# The demo target: a 4-layer Qwen3_5Moe (3 GDN + 1 gated attention), 8 experts top-2.
+PRESET = Preset(
+    hidden_size=256, num_hidden_layers=4, full_attention_interval=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+    shared_expert_intermediate_size=128, vocab_size=2048, rope_theta=10_000.0, partial_rotary_factor=0.25,
+    max_position_embeddings=4096, lm_head_gain=1.0,
+)
+SEQ_LEN = 256
+BATCH = 8
+AUX_COEF = 0.01
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------- stage 1: tokenizer
+
+
+def stage_tokenizer(out: Path, force: bool):
+    train_docs, held_docs, info = corpus.load()
+    tj_path = out / "tokenizer.json"
+    if force or not tj_path.exists():
+        t = time.time()
+        tj = demo_tok.train(train_docs)
+        demo_tok.write(out / "tok", tj)
+        tj_path.write_text(tj, encoding="utf-8")
+        log(f"tokenizer: trained in {time.time() - t:.1f}s")
+    tj = tj_path.read_text(encoding="utf-8")
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_str(tj)
+    ids = demo_tok.special_ids(tj)
+    sep = ids["<|endoftext|>"]
+
+    def stream(docs):
+        toks = []
+        for d in docs:
+            toks += tk.encode(d).ids + [sep]
+        return np.array(toks, dtype=np.int32)
+
+    cache = out / "tokens.npz"
+    if force or not cache.exists():
+        np.savez(cache, train=stream(train_docs), held=stream(held_docs))
+    z = np.load(cache)
+    info["train_tokens"], info["heldout_tokens"] = int(z["train"].size), int(z["held"].size)
+    return tj, z["train"], z["held"], info
+
+
+# ----------------------------------------------------------------- stage 2: target
+
+
+def loss_fn(P, batch, p):
+    logits, _, aux = M.forward(P, batch[:, :-1], p)
+    ce = mx.mean(mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, batch[:, 1:, None], -1)[..., 0])
+    return ce + AUX_COEF * aux, ce
+
+
+def eval_loss(P, data, p, n=8, seed=1):
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, data.size - SEQ_LEN - 1, size=n)
+    batch = mx.array(np.stack([data[s:s + SEQ_LEN + 1] for s in starts]))
+    return float(loss_fn(P, batch, p)[1])
+
+
+def stage_target(out: Path, train_ids, held_ids, seed: int, minutes: float, max_steps: int | None, force: bool):
+    ckpt = out / "target_train.npz"
+    if ckpt.exists() and not force:
+        z = np.load(ckpt)
+        return {k: mx.array(z[k]) for k in z.files}
+    p = PRESET
+    mx.random.seed(seed)
+    P = M.init_params(p, seed)
+    n_params = sum(v.size for v in P.values())
+    expert = sum(v.size for k, v in P.items() if ".experts." in k)
+    active = n_params - expert + expert * p.num_experts_per_tok // p.num_experts
+    log(f"target: {n_params / 1e6:.2f} M params ({active / 1e6:.2f} M active), train {train_ids.size} tokens")
+    vg = mx.value_and_grad(lambda P, b: loss_fn(P, b, p), argnums=0)
+    step_fn = mx.compile(lambda P, b: vg(P, b))
+    budget = minutes * 60.0
+    lr_peak, warm = 2e-3, 50
+    est_steps = max_steps or 10**9
+    opt = optim.AdamW(learning_rate=lr_peak, weight_decay=0.01, betas=[0.9, 0.95])
+    rng = np.random.default_rng(seed)
+    curve, t0, tokens, step = [], time.time(), 0, 0
+    while True:
+        elapsed = time.time() - t0
+        if (max_steps and step >= max_steps) or (not max_steps and elapsed >= budget):
+            break
+        # schedule: warmup then cosine over the time budget (or max_steps)
+        frac = (step / est_steps) if max_steps else (elapsed / budget)
+        lr = lr_peak * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        opt.learning_rate = mx.array(lr)
+        starts = rng.integers(0, train_ids.size - SEQ_LEN - 1, size=BATCH)
+        batch = mx.array(np.stack([train_ids[s:s + SEQ_LEN + 1] for s in starts]))
+        (loss, ce), grads = step_fn(P, batch)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        P = opt.apply_gradients(grads, P)
+        mx.eval(P, opt.state, ce)
+        step += 1
+        tokens += BATCH * SEQ_LEN
+        if step % 25 == 0 or step == 1:
+            dt = time.time() - t0
+            entry = {"step": step, "seconds": round(dt, 1), "tokens": tokens, "train_ce": round(float(ce), 4),
+                     "lr": lr, "tok_s": round(tokens / dt, 1)}
+            if step % 100 == 0:
+                entry["heldout_ce"] = round(eval_loss(P, held_ids, p), 4)
+            curve.append(entry)
+            log(json.dumps(entry))
+    final = {"steps": step, "tokens": tokens, "seconds": time.time() - t0, "heldout_ce": eval_loss(P, held_ids, p, 16),
+             "params": int(n_params), "active_params": int(active)}
+    log("target done: " + json.dumps(final))
+    (out / "target_log.json").write_text(json.dumps({"final": final, "curve": curve}, indent=1) + "\n")
+    np.savez(ckpt, **{k: np.array(v) for k, v in P.items()})
+    return P
+
+
+# ----------------------------------------------------------------- stage 3: export
+
+
+def export_target(P, out: Path, tj: str, fmt: str) -> Path:
+    """Write a checkpoint in our synthetic-target layout (monolith.synth.target), trained
+    values for the language model, synth's deterministic values for vision and MTP."""
+    from monolith.synth import target as st
+    from monolith.synth.quant import MODELOPT_PRODUCER, modelopt_nvfp4_config, modelopt_scheme
+    from monolith.synth.values import generate
+    from monolith.synth.writers import write_checkpoint, write_json
+
+    p = PRESET
+    dest = out / ("target-bf16" if fmt == "bf16" else "target")
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    values = M.export_values(P)
+    params = st.target_params(p, dense=False)
+    config = st.target_config(p, dense=False)
+    ids = demo_tok.write(dest, tj)
+    config["text_config"]["bos_token_id"] = ids["<|endoftext|>"]
+    config["text_config"]["eos_token_id"] = ids["<|im_end|>"]
+    if fmt == "bf16":
+        units = st.plan_units(params, lambda m: "bf16", share_scales=False, fuse_experts=True)
+    else:
+        q = modelopt_nvfp4_config(False)
+        config["quantization_config"] = {**q, "producer": MODELOPT_PRODUCER, "quant_method": "modelopt"}
+        write_json(dest / "hf_quant_config.json", {"producer": MODELOPT_PRODUCER, "quantization": q})
+        units = st.plan_units(params, lambda m: modelopt_scheme(m, q), share_scales=True, fuse_experts=False)
+    missing = [prm.name for prm in params if prm.name.startswith((M.LM, "lm_head")) and prm.name not in values]
+    if missing:
+        raise AssertionError(f"export: no trained value for {missing[:5]}")
+
+    def values_of(prm):
+        return values[prm.name] if prm.name in values else generate(0, prm)
+
+    write_checkpoint(dest, units, values_of, shards=1)
+    write_json(dest / "config.json", config)
+    return dest
+
+
+# ----------------------------------------------------------------- stage 4: check
+
+
+def check_runtime(P, src: Path, held_ids, n=64):
+    """Our inference forward (pack of the BF16 checkpoint, F32 compute) vs the training
+    forward on the same (BF16-rounded) weights."""
+    from monolith.models import load_model
+
+    model = load_model(src, dtype="float32")
+    toks = held_ids[:n]
+    cache = model.make_cache(n + 8)
+    ours, _ = model(mx.array(toks), cache)
+    Pb = {k: v.astype(mx.bfloat16).astype(mx.float32) for k, v in P.items()}
+    ref, _, _ = M.forward(Pb, mx.array(toks)[None], PRESET)
+    diff = float(mx.abs(ours - ref[0]).max())
+    agree = float((mx.argmax(ours, -1) == mx.argmax(ref[0], -1)).astype(mx.float32).mean())
+    log(f"check: max |logit diff| {diff:.4g}, argmax agreement {agree:.3f}")
+    return diff, agree
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("build/demo"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--minutes", type=float, default=20.0, help="target training time budget")
+    ap.add_argument("--max-steps", type=int, help="fixed step count instead of a time budget (reproducible)")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tj, train_ids, held_ids, info = stage_tokenizer(args.out, args.force)
+    log("corpus: " + json.dumps(info))
+    P = stage_target(args.out, train_ids, held_ids, args.seed, args.minutes, args.max_steps, args.force)
+    bf16 = export_target(P, args.out, tj, "bf16")
+    nvfp4 = export_target(P, args.out, tj, "nvfp4")
+    check_runtime(P, bf16, held_ids)
+    size = sum(f.stat().st_size for f in nvfp4.glob("*.safetensors"))
+    log(f"exported {bf16} and {nvfp4} (NVFP4 weights {size / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()
