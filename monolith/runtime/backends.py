@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .decode import ContextLengthError
+from .decode import check_prompt
 from .events import Outcome, SpecCounters, TokenLogprob
 from .sampling import SamplingParams, key_chain, sample
 
@@ -267,20 +267,6 @@ def spec_counters(stats) -> SpecCounters | None:
     return SpecCounters(c["spec_decode_num_drafts_total"], c["spec_decode_num_draft_tokens_total"],
                         c["spec_decode_num_accepted_tokens_total"],
                         tuple(c["spec_decode_num_accepted_tokens_per_pos_total"]))
-
-
-def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
-    """The prompt as a list of ints; ValueError (or ContextLengthError) if it is empty,
-    holds an id outside the vocabulary, or leaves no room for one generated token."""
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("the prompt is empty: at least one token is needed")
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
-    if len(prompt) + 1 > max_context:
-        raise ContextLengthError(len(prompt), max_context)
-    return prompt
 
 
 def _logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:

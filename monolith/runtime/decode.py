@@ -107,21 +107,23 @@ def generate(
 def check_request(prompt_ids: Sequence[int], vocab_size: int, max_tokens: int, max_context: int,
                   prefill_chunk_size: int) -> list[int]:
     """The prompt as a list of ids, after checking every argument (before any work)."""
-    prompt = _check_prompt(prompt_ids, vocab_size)
+    prompt = check_prompt(prompt_ids, vocab_size, max_context)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     if prefill_chunk_size < 1:
         raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size!r}")
-    if len(prompt) + 1 > max_context:
-        raise ContextLengthError(len(prompt), max_context)
     return prompt
 
 
-def _check_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
+    """The prompt as a list of ints; ValueError (or ContextLengthError) if it is empty,
+    holds an id outside the vocabulary, or leaves no room for one generated token."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt is empty: at least one token is needed")
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
+    if len(prompt) + 1 > max_context:
+        raise ContextLengthError(len(prompt), max_context)
     return prompt

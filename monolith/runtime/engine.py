@@ -28,11 +28,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .backends import (
-    PlainDecoder,
-    Session,
-    check_prompt,
-)
+from .backends import PlainDecoder, Session
+from .decode import check_prompt
 from .events import (
     Delta,
     Event,
