@@ -145,6 +145,23 @@ def measure(model, target_manifest, drafter, draft_manifest, contexts, gamma, re
     return rows
 
 
+def load_pair(args):
+    """(scratch dir, target pack, draft source, loaded target): --model/--draft, or a
+    synthetic pair of --preset written into a scratch directory."""
+    from monolith.models import load_model
+    from monolith.pack import build_pack, resolve_pack
+    from monolith.synth import Preset, write_draft, write_target
+
+    work = Path(tempfile.mkdtemp(prefix="monolith-bench-"))
+    if args.model is None:
+        target_src = write_target(work / "target", preset=Preset(**PRESETS[args.preset]), format="bf16")
+        draft_src = write_draft(work / "draft", target_src, format="deepspec")
+        target_pack = build_pack(target_src, work / "target.pack", role="target")
+    else:
+        target_pack, draft_src = resolve_pack(args.model, role="target"), args.draft
+    return work, target_pack, draft_src, load_model(target_pack, dtype=args.dtype)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench-forward", choices=sorted(PRESETS))
@@ -159,19 +176,10 @@ def main() -> None:
     if (args.model is None) != (args.draft is None):
         ap.error("--model and --draft go together")
 
-    from monolith.models import load_model
-    from monolith.pack import build_pack, read_manifest, resolve_pack
+    from monolith.pack import read_manifest, resolve_pack
     from monolith.runtime.drafter import load_drafter
-    from monolith.synth import Preset, write_draft, write_target
 
-    work = Path(tempfile.mkdtemp(prefix="monolith-bench-"))
-    if args.model is None:
-        target_src = write_target(work / "target", preset=Preset(**PRESETS[args.preset]), format="bf16")
-        draft_src = write_draft(work / "draft", target_src, format="deepspec")
-        target_pack = build_pack(target_src, work / "target.pack", role="target")
-    else:
-        target_pack, draft_src = resolve_pack(args.model, role="target"), args.draft
-    model = load_model(target_pack, dtype=args.dtype)
+    work, target_pack, draft_src, model = load_pair(args)
     contexts = [int(c) for c in args.contexts.split(",")]
     dtype_bytes = 4 if args.dtype == "float32" else 2
     report = {"machine": platform.platform(), "mlx": mx.__version__, "dtype": args.dtype,

@@ -23,13 +23,13 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from round_latency import load_pair
 from target_forward import PRESETS
 
 
@@ -82,24 +82,14 @@ def main() -> None:
     if (args.model is None) != (args.draft is None):
         ap.error("--model and --draft go together")
 
-    from monolith.models import load_model
-    from monolith.pack import build_pack, resolve_pack
     from monolith.runtime.decode import generate
     from monolith.runtime.drafter import load_drafter
     from monolith.runtime.sampling import SamplingParams
     from monolith.runtime.scheduler import make_scheduler, measure_costs
     from monolith.runtime.speculative import generate_speculative
-    from monolith.synth import Preset, write_draft, write_target
     from monolith.tokenizer import load_tokenizer
 
-    work = Path(tempfile.mkdtemp(prefix="monolith-bench-"))
-    if args.model is None:
-        target_src = write_target(work / "target", preset=Preset(**PRESETS[args.preset]), format="bf16")
-        draft_src = write_draft(work / "draft", target_src, format="deepspec")
-        target_pack = build_pack(target_src, work / "target.pack", role="target")
-    else:
-        target_pack, draft_src = resolve_pack(args.model, role="target"), args.draft
-    model = load_model(target_pack, dtype=args.dtype)
+    work, target_pack, draft_src, model = load_pair(args)
     prompts = corpus_prompts(load_tokenizer(target_pack), args.prompts, args.prompt_tokens)
     params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None)
     max_context = args.prompt_tokens + args.max_tokens + 16
