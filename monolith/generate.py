@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"),
+                    help="compute dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     ap.add_argument("--max-context", type=int, default=32768, help="prompt + generated tokens, at most")
     ap.add_argument("--prefill-chunk-size", type=int, default=512)
     ap.add_argument("--draft-block-size", type=int,

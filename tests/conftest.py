@@ -9,6 +9,16 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
 
+@pytest.fixture(scope="session", autouse=True)
+def packed_weights_by_default():
+    """In-process loads keep weights in pack precision unless a test asks for dense=True:
+    the tests exercise the quantized paths a Mac runs, not the CPU's dense F32 copies
+    (monolith.models.loading, "Dense weights on the CPU"; tests/test_dense.py covers those)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("monolith.models.loading.DENSE_MEMORY_SHARE", 0.0)
+        yield
+
+
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory):
     """synth_dir(kind, format, **kw) -> path of a synthetic checkpoint, cached per session."""

@@ -570,7 +570,8 @@ def _check_fit(args: DraftArgs, settings: dict, w: PackWeights, target, where: s
     return mapping
 
 
-def load_draft(draft_source, target_model, dtype="bfloat16", quantization="auto", **resolve_options) -> Draft:
+def load_draft(draft_source, target_model, dtype=None, quantization="auto", dense: bool | None = None,
+               **resolve_options) -> Draft:
     """A DSpark / DFlash draft for `target_model` from a pack directory, checkpoint
     directory or hub id (packed once into the cache, NVFP4 by default). Checked against
     the target at load: taps, hidden size, vocabulary (DraftError names the field)."""
@@ -583,7 +584,7 @@ def load_draft(draft_source, target_model, dtype="bfloat16", quantization="auto"
     if architecture not in DRAFT_ARCHITECTURES or not settings:
         raise DraftError(f"{where}: not a draft pack (architecture {architecture!r}; drafts: "
                          f"{', '.join(DRAFT_ARCHITECTURES)})")
-    weights = PackWeights(pack_dir, dtype)
+    weights = PackWeights(pack_dir, dtype, dense)
     args = DraftArgs.from_pack(weights.config, settings, architecture, f"{where}/config.json")
     mapping = _check_fit(args, settings, weights, target_model, where)
     draft = Draft(args, weights, target_model, mapping)

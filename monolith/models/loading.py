@@ -2,11 +2,20 @@
 
 The pack is the only thing a model loads (formats.md 5): shards are `mx.load`ed as
 stored and every entry is read in the layout its kernels consume.
+
+Dense weights on the CPU: MLX's CPU quantized matmuls are scalar loops (an NVFP4
+256x768 product costs ~90 us per row, so an 8-row verify pays 8x a decode step) and
+BF16 matmuls have no BLAS (~7x F32), while F32 matmuls run on BLAS. So on the CPU, when
+the dense F32 weights fit in a quarter of physical memory, every matrix is dequantized
+(and its tensor scale applied) into F32 once at load: the same values, computed with
+F32 accumulation as the CPU quantized kernels already do. `dense=True/False` forces it.
+On a GPU weights stay in pack precision.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +27,7 @@ from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 
 MODELS = {"qwen3_5": Qwen3_5, "qwen3_5_moe": Qwen3_5Moe}
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+DENSE_MEMORY_SHARE = 0.25  # dense CPU weights may take at most this share of physical memory
 # entries a target pack may carry that the text runtime does not read
 UNUSED_PREFIXES = ("mtp.",)
 
@@ -26,11 +36,12 @@ class PackWeights:
     """The arrays of one pack, handed out entry by entry with shape checks; remembers
     which tensors were used so a pack that does not match the model is caught."""
 
-    def __init__(self, pack_dir, dtype=mx.bfloat16):
+    def __init__(self, pack_dir, dtype=mx.bfloat16, dense: bool | None = None):
         self.path = Path(pack_dir)
         self.manifest = read_manifest(self.path)
         self.entries: dict = self.manifest["entries"]
         self.dtype = dtype
+        self.dense = use_dense(self.manifest) if dense is None else bool(dense)
         self.config = _read_json(self.path / "config.json", required=True)
         self.generation_config = _read_json(self.path / "generation_config.json", required=False)
         self.arrays: dict[str, mx.array] = {}
@@ -54,11 +65,19 @@ class PackWeights:
             raise PackError(f"{self.path}: entry {name} has shape {entry['shape']}, the config implies {list(shape)}")
         return entry
 
-    def _quantized(self, name: str, precision: str) -> dict:
-        if precision in QUANT_MODES:
-            return {"scales": self._array(name + ".scales"), "tensor_scale": self._array(name + ".tensor_scale"),
-                    "dtype": self.dtype}
-        return {"dtype": self.dtype}
+    def _matrix(self, name: str, precision: str) -> tuple[mx.array, str, dict]:
+        """(weight, precision, keyword arguments) of a linear or experts entry: as stored,
+        or dense F32 (precision "f32") when self.dense."""
+        weight = self._array(name + ".weight")
+        mode = QUANT_MODES.get(precision)
+        if mode is None:
+            return (weight.astype(mx.float32), "f32", {}) if self.dense else (weight, precision, {"dtype": self.dtype})
+        scales, tensor_scale = self._array(name + ".scales"), self._array(name + ".tensor_scale")
+        if not self.dense:
+            return weight, precision, {"scales": scales, "tensor_scale": tensor_scale, "dtype": self.dtype}
+        mode, group_size, bits = mode
+        rows = mx.dequantize(weight, scales, group_size=group_size, bits=bits, mode=mode, dtype=mx.float32)
+        return rows * mx.expand_dims(tensor_scale.astype(mx.float32), -1), "f32", {}
 
     def has_linear(self, name: str) -> bool:
         return name in self.entries or f"{name}.0" in self.entries
@@ -76,15 +95,13 @@ class PackWeights:
                                 f"the config implies {list(shape)}")
             return group
         entry = self._entry(name, "linear", shape)
-        precision = entry["precision"]
-        arrays = self._quantized(name, precision)
-        return Linear(self._array(name + ".weight"), precision, shape=entry["shape"], **arrays)
+        weight, precision, arrays = self._matrix(name, entry["precision"])
+        return Linear(weight, precision, shape=entry["shape"], **arrays)
 
     def experts(self, name: str, shape: tuple | None = None) -> Experts:
         entry = self._entry(name, "experts", shape)
-        precision = entry["precision"]
-        arrays = self._quantized(name, precision)
-        return Experts(self._array(name + ".weight"), precision, shape=entry["shape"], **arrays)
+        weight, precision, arrays = self._matrix(name, entry["precision"])
+        return Experts(weight, precision, shape=entry["shape"], **arrays)
 
     def tensor(self, name: str, shape: tuple | None = None, dtype=None) -> mx.array:
         entry = self._entry(name, "tensor", shape)
@@ -96,6 +113,25 @@ class PackWeights:
 
     def unused(self) -> list[str]:
         return sorted(n for n in self.arrays if n not in self.used and not n.startswith(UNUSED_PREFIXES))
+
+
+def use_dense(manifest: dict) -> bool:
+    """Dense F32 weights: on the CPU, when they fit in DENSE_MEMORY_SHARE of memory."""
+    if mx.default_device() != mx.cpu:
+        return False
+    elements = sum(_elements(e["shape"]) for e in manifest["entries"].values() if e["kind"] in ("linear", "experts"))
+    return 4 * elements <= DENSE_MEMORY_SHARE * physical_memory()
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _read_json(path: Path, required: bool) -> dict | None:
@@ -110,6 +146,10 @@ def _read_json(path: Path, required: bool) -> dict | None:
 
 
 def _dtype(dtype):
+    """The compute dtype: a name or mx.Dtype, or None for the device's default (float32
+    on the CPU, whose BF16 matmuls have no BLAS; bfloat16 on a GPU)."""
+    if dtype is None:
+        return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
     if isinstance(dtype, mx.Dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
@@ -119,10 +159,11 @@ def _dtype(dtype):
     return DTYPES[dtype]
 
 
-def load_model(source, dtype="bfloat16", **resolve_options) -> Qwen3_5:
+def load_model(source, dtype=None, dense: bool | None = None, **resolve_options) -> Qwen3_5:
     """A target model from a pack directory (or anything `resolve_pack` accepts: a
     checkpoint directory or hub id, packed once into the cache). `dtype` is the
-    compute dtype ("bfloat16" or "float32"); weights stay in pack precision."""
+    compute dtype ("bfloat16", "float32", or None: the device's default); weights stay in pack precision, or are
+    dense F32 (`dense`, default: on the CPU when they fit, see the module docstring)."""
     dtype = _dtype(dtype)
     resolve_options.setdefault("role", "target")
     pack_dir = resolve_pack(source, **resolve_options)
@@ -131,7 +172,7 @@ def load_model(source, dtype="bfloat16", **resolve_options) -> Qwen3_5:
     if architecture not in MODELS:
         raise PackError(f"{pack_dir}: architecture {architecture!r} is not a supported target "
                         f"(supported: {', '.join(sorted(MODELS))})")
-    weights = PackWeights(pack_dir, dtype)
+    weights = PackWeights(pack_dir, dtype, dense)
     args = ModelArgs.from_config(weights.config, architecture, weights.generation_config,
                                  where=str(pack_dir / "config.json"))
     model = MODELS[architecture](args, weights)

@@ -91,7 +91,7 @@ class DraftModelDrafter:
         return self.context
 
 
-def load_drafter(draft_source, target_model, dtype: str = "bfloat16", quantization: str = "auto",
+def load_drafter(draft_source, target_model, dtype: str | None = None, quantization: str = "auto",
                  **resolve_options) -> DraftModelDrafter:
     """Load a draft (hub id, checkpoint or pack directory) for `target_model`; raises
     DraftError (a ValueError) when the draft does not fit the target."""

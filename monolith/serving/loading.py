@@ -37,7 +37,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-revision", help="hub revision of --draft")
     ap.add_argument("--local-files-only", action="store_true", help="never download")
     ap.add_argument("--prefill-chunk-size", type=int, default=512)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"),
+                    help="compute dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation after loading")
 
 
@@ -110,8 +111,8 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     else:
         log(f"resolving the target {target}")
         pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only)
-    log(f"loading the target from {pack} ({args.dtype})")
     model = load_model(pack, dtype=args.dtype)
+    log(f"loaded the target from {pack} ({model.dtype}, {'dense F32' if model.dense else 'pack-precision'} weights)")
     tokenizer = load_tokenizer(pack)
     backend, draft_name = None, None
     if draft is not None:
