@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .kernel import Launch, MetalKernel, use_metal
+from .recurrence import gated_delta
 
 ROWS_PER_THREADGROUP = 8  # SIMD groups (state rows) per threadgroup
 KERNEL = MetalKernel("monolith_gdn_replay", "gdn_replay.metal",
@@ -36,8 +37,7 @@ def reference(window, k, v, gamma, beta, state, rows: int, conv_rows: int | None
     if rows == 0:
         return conv, state
     ks = k[:, :rows]  # q only shapes the discarded output: pass k
-    _, new_state = mx.fast.gated_delta_update(ks, ks, v[:, :rows], gamma[:, :rows], beta[:, :rows],
-                                              initial_state=state)
+    _, new_state = gated_delta(ks, ks, v[:, :rows], gamma[:, :rows], beta[:, :rows], state)
     return conv, new_state
 
 

@@ -4,16 +4,18 @@ batched [B, T], over a flat dict of F32 parameters named as in the checkpoint
 (`...mlp.experts.{gate,up,down}_proj` [E, out, in]) and split at export.
 
 Math = /docs/target.md: zero-centred RMSNorms (1 + w), GDN with causal depthwise conv,
-l2-normed q/k, gated delta rule (mx.fast.gated_delta_update: it has a VJP, checked
-against a plain-ops recurrence), gated attention with partial rotate-half RoPE, MoE
-with softmax -> top-k -> renormalize and a sigmoid-gated shared expert. The MoE runs
-every expert densely and masks the router weights (E is small here).
+l2-normed q/k, gated delta rule (monolith.kernels.gated_delta: the fast op on Metal, a
+chunked form in plain differentiable ops on the CPU), gated attention with partial
+rotate-half RoPE, MoE with softmax -> top-k -> renormalize and a sigmoid-gated shared
+expert. The MoE runs every expert densely and masks the router weights (E is small here).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+
+from monolith.kernels import gated_delta
 
 LM = "model.language_model"
 
@@ -101,7 +103,7 @@ def gdn(P, pre, x, p):
     beta = mx.sigmoid(x @ P[f"{pre}.in_proj_b.weight"].T)
     a = x @ P[f"{pre}.in_proj_a.weight"].T
     g = -mx.exp(P[f"{pre}.A_log"]) * mx.logaddexp(a + P[f"{pre}.dt_bias"], 0.0)
-    o, _ = mx.fast.gated_delta_update(q, k, v, mx.exp(g), beta)
+    o, _ = gated_delta(q, k, v, mx.exp(g), beta)
     o = rms(o, P[f"{pre}.norm.weight"], p.rms_norm_eps, zero_centred=False) * silu(z)
     return o.reshape(b_, t, -1) @ P[f"{pre}.out_proj.weight"].T
 
