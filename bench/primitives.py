@@ -93,6 +93,7 @@ class ShapeWeights:
 
     def __init__(self, dtype):
         self.dtype = dtype
+        self.dense = False  # a Mac keeps pack precision
 
     def _nvfp4(self, name, shape, cls):
         *lead, n, k = shape

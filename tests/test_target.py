@@ -252,7 +252,7 @@ def test_verify_block_equals_one_row_decodes_and_snapshot_restore(moe_f32):
     cache.rewind(15)
     cache.restore(Snapshot(kept.offset, kept.states))
     tail, _ = model(block[3:], cache)
-    np.testing.assert_array_equal(np.array(tail), verify[3:])
+    assert rel(np.array(tail), verify[3:]) < 1e-5  # the chunked GDN rounds by its chunking
 
     # ... or replay the recorded tape of the 8-row forward over the first 3 rows
     cache.restore(snap)

@@ -16,6 +16,7 @@ import numpy as np
 from ..kernels import (
     add_rms_norm,
     attention_prologue,
+    gated_delta,
     gated_rms_norm,
     gdn_premix,
     moe_combine,
@@ -162,8 +163,7 @@ class GatedDeltaNet:
         # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
         if state.record:
             state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)
-        o, state.recurrent = mx.fast.gated_delta_update(pre.q, pre.k, pre.v, pre.gamma, pre.beta,
-                                                        initial_state=state.recurrent)
+        o, state.recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, state.recurrent)
         return self.out_proj(gated_rms_norm(o, proj, self.norm, self.eps, z_offset=self.conv_dim))
 
 
