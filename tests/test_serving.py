@@ -788,9 +788,11 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
             assert re.search(r"^spec_decode_num_drafts_total [1-9]", metrics, re.M)  # the demo draft is in use
         finally:
             logs.append(_stop(proc))
-    assert "writing the synthetic demo pair" in logs[0] and "writing the synthetic demo pair" not in logs[1]
-    assert "loading the target" in logs[0] and "loading the draft" in logs[0] and "with draft" in logs[0]
-    assert (tmp_path / "cache" / "demo").is_dir()
+    # the first start builds and checks the bundled pair's packs, the second finds them
+    assert "built the demo target pack" in logs[0] and "built the demo draft pack" in logs[0]
+    assert "built the demo" not in logs[1]
+    assert "loaded the target" in logs[0] and "loading the draft" in logs[0] and "with draft" in logs[0]
+    assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
 
 
 def test_cli_flags(tmp_path, pack):

@@ -1,51 +1,129 @@
-"""The embedded default: the model pair served when no --model is given.
+"""The embedded default: the trained demo pair served when no --model is given.
 
-A trained demo pair in packs/demo/{target,draft} wins when it exists. Until then the
-demo pair is the deterministic synthetic pair (`monolith.synth.write_pair`), written
-once into the monolith cache (`$MONOLITH_CACHE`, default ~/.cache/monolith) under a
-file lock, then packed through the pack cache like any other checkpoint. A second
-start finds it there and writes nothing.
+The pair (a target and its DSpark draft, NVFP4 checkpoints, about 9 MB) is bundled in
+packs/demo/{target,draft} by packs/demo/bundle.py, beside packs/demo/expected.json,
+which records the pack_sha256 each of their packs must have. A checkout reads it
+there; a wheel installs it as data files under <prefix>/share/monolith/packs/demo/
+(pyproject: [tool.setuptools.data-files]), found through the distribution's file list.
+
+The first start builds both packs into the pack cache ($MONOLITH_CACHE) with
+resolve_pack, with the role and quantization serve and chat then resolve them with, and
+checks each against expected.json: the pack_sha256 and every file the pack took from
+the bundle. A pack that does not match is removed from the cache and the start fails,
+naming the pack and both hashes. Later starts find the cached packs (resolve_pack's
+stamp: no rebuild) and re-check only what their manifests record.
+
+There is no fallback pair: a missing bundle (a broken install) is an error, not a
+server of random weights.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import shutil
+import sysconfig
+import time
 from pathlib import Path
 
 from filelock import FileLock
 
-from ..pack.cache import cache_root
-
 DEMO_NAME = "monolith-demo"
-# Names what write_pair is called with; a change writes a new pair beside the old one.
-DEMO_VERSION = "synth-pair-tiny-bf16-deepspec-seed0"
-COMPLETE = "COMPLETE"
+BUNDLE_FORMAT = "monolith-demo-bundle/1"
+EXPECTED = "expected.json"
+# role -> pack quantization: what serve and chat resolve the pair with by default
+DEMO_PACKS = {"target": "auto", "draft": "auto"}
+DATA_SUBDIR = ("share", "monolith", "packs", "demo")
 
 
-def bundled_demo() -> tuple[Path, Path] | None:
-    """packs/demo/{target,draft} of a source checkout, when a trained pair is there."""
-    root = Path(__file__).resolve().parents[2] / "packs" / "demo"
-    target, draft = root / "target", root / "draft"
-    return (target, draft) if target.is_dir() and draft.is_dir() else None
+class DemoError(RuntimeError):
+    """The bundled demo pair is missing, or does not build into the recorded packs."""
 
 
-def demo_pair(log=lambda message: None) -> tuple[Path, Path]:
-    """(target, draft) checkpoint or pack directories of the demo pair."""
-    bundled = bundled_demo()
-    if bundled is not None:
-        return bundled
-    root = cache_root().parent / "demo"
-    out = root / DEMO_VERSION
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{DEMO_VERSION}.lock")):
-        if not (out / COMPLETE).is_file():
-            from ..synth import write_pair
+def _installed_dir() -> Path | None:
+    try:
+        dist = importlib.metadata.distribution("monolith")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for entry in dist.files or ():
+        if entry.parts[-5:] == (*DATA_SUBDIR, EXPECTED):
+            return Path(dist.locate_file(entry)).resolve().parent
+    return None
 
-            log(f"writing the synthetic demo pair into {out} (first start only)")
-            tmp = root / f".{DEMO_VERSION}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            write_pair(tmp, preset="tiny", format="bf16", draft_format="deepspec", seed=0)
-            (tmp / COMPLETE).write_text(DEMO_VERSION + "\n")
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-    return out / "target", out / "draft"
+
+def search_paths() -> list[Path]:
+    """Where the bundle is looked for, in order: the checkout, then the installed data files."""
+    paths = [Path(__file__).resolve().parents[2] / "packs" / "demo"]
+    installed = _installed_dir()
+    if installed is not None:
+        paths.append(installed)
+    paths.append(Path(sysconfig.get_path("data")).joinpath(*DATA_SUBDIR))
+    return list(dict.fromkeys(paths))
+
+
+def bundle_dir() -> Path:
+    for path in search_paths():
+        if (path / EXPECTED).is_file():
+            return path
+    tried = ", ".join(str(p) for p in search_paths())
+    raise DemoError(f"the bundled demo pair is missing (no {EXPECTED} in {tried}); reinstall monolith or give --model")
+
+
+def read_expected(bundle: Path) -> dict:
+    path = bundle / EXPECTED
+    try:
+        expected = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DemoError(f"{path}: unreadable ({e})") from None
+    if not isinstance(expected, dict) or expected.get("format") != BUNDLE_FORMAT:
+        raise DemoError(f"{path}: not a {BUNDLE_FORMAT} record; re-run packs/demo/bundle.py")
+    for role, quantization in DEMO_PACKS.items():
+        record = expected.get("packs", {}).get(role, {})
+        if "pack_sha256" not in record or record.get("quantization") != quantization:
+            raise DemoError(f"{path}: no {role} pack with quantization {quantization} recorded; "
+                            "re-run packs/demo/bundle.py")
+        if not (bundle / role / "config.json").is_file():
+            raise DemoError(f"{bundle / role}: the bundled demo {role} is missing; reinstall monolith or give --model")
+    return expected
+
+
+def _mismatches(manifest: dict, role: str, expected: dict) -> list[str]:
+    """The pack's source and copied files whose SHA-256 is not the bundled one."""
+    files = expected.get("files", {})
+    found = {f["name"]: f["sha256"] for f in manifest.get("source", {}).get("files", [])}
+    found.update(manifest.get("aux_files", {}))
+    return [name for name, digest in sorted(found.items())
+            if files.get(f"{role}/{name}", {}).get("sha256") != digest]
+
+
+def check_pack(bundle: Path, role: str, expected: dict, log) -> Path:
+    """The cached pack of the bundled `role`, built on first use, matching expected.json."""
+    from ..pack import read_manifest, resolve_pack
+    from ..pack.manifest import MANIFEST, lock_path
+
+    started = time.time()
+    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role])
+    manifest = read_manifest(pack)
+    want, got = expected["packs"][role]["pack_sha256"], manifest.get("pack_sha256")
+    changed = _mismatches(manifest, role, expected)
+    if got != want or changed:
+        with FileLock(lock_path(pack, "cache")):  # nothing left for a later start (or --model) to reuse
+            shutil.rmtree(pack, ignore_errors=True)
+        why = (f"bundled files differ from the record: {', '.join(changed)}" if changed else
+               "the bundled files are as recorded, so this monolith packs them differently")
+        raise DemoError(f"the demo {role} pack does not match {bundle / EXPECTED}: expected pack_sha256 {want}, "
+                        f"got {got} ({why}); the pack was removed. Reinstall monolith, or re-run "
+                        "packs/demo/bundle.py in a checkout")
+    if (pack / MANIFEST).stat().st_mtime >= started:
+        log(f"built the demo {role} pack {pack}: pack_sha256 {got[:16]}... as recorded")
+    return pack
+
+
+def demo_pair(log=lambda message: None, bundle: Path | None = None) -> tuple[Path, Path]:
+    """(target, draft) checkpoint directories of the bundled demo pair, their packs built
+    into the pack cache and checked (the first start) or found there (later starts)."""
+    bundle = Path(bundle).absolute() if bundle is not None else bundle_dir()
+    expected = read_expected(bundle)
+    for role in DEMO_PACKS:
+        check_pack(bundle, role, expected, log)
+    return bundle / "target", bundle / "draft"

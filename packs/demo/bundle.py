@@ -1,0 +1,137 @@
+"""Bundle a trained demo pair into packs/demo/ as the embedded default.
+
+    python packs/demo/bundle.py OUT
+
+OUT is the output of the recipe (train.py + draft.py): OUT/target (ModelOpt NVFP4) and
+OUT/draft (DeepSpec NVFP4, Markov W1 BF16). Their checkpoint files are copied into
+packs/demo/target and packs/demo/draft (replacing what was there), both packs are built
+from the copies in a scratch directory exactly as the first start of
+`python -m monolith.serve` builds them (same role and quantization, from
+monolith.serving.demo), verified, and packs/demo/expected.json records each pack's
+pack_sha256, every bundled file's SHA-256 and size, the versions that built them and
+where the pair came from. Re-run it after retraining; nothing else holds the hashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MAX_BYTES = 50 * 2**20  # the issue's budget for the whole bundle
+
+
+def checkpoint_files(src: Path) -> list[Path]:
+    """The files of a checkpoint directory the runtime reads (what a hub download fetches)."""
+    from monolith.checkpoint.resolve import ALLOW_PATTERNS
+
+    files = sorted(p for p in src.iterdir() if p.is_file() and any(fnmatch.fnmatch(p.name, g) for g in ALLOW_PATTERNS))
+    if not any(p.name == "config.json" for p in files):
+        sys.exit(f"error: {src}: not a checkpoint directory (no config.json)")
+    return files
+
+
+def copy_pair(out: Path) -> None:
+    for role in ("target", "draft"):
+        src, dest = out / role, HERE / role
+        if not src.is_dir():
+            sys.exit(f"error: {src}: missing (run the recipe first: packs/demo/README.md)")
+        files = checkpoint_files(src)
+        tmp = HERE / f".{role}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for path in files:
+            shutil.copyfile(path, tmp / path.name)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        print(f"copied {len(files)} files of {src} into {dest}", file=sys.stderr)
+
+
+def origin(out: Path) -> dict:
+    """Where the pair came from: the recipe's logs as far as they exist."""
+    info: dict = {"out": str(out.resolve()), "recipe": "packs/demo (train.py, draft.py)"}
+    try:
+        info["git_commit"] = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True,
+                                            text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    log = out / "train.log"
+    if log.is_file():
+        for line in log.read_text().splitlines():
+            if line.startswith("corpus: "):
+                info["corpus"] = json.loads(line[len("corpus: "):])
+    for name, key in (("target_log.json", "target"), ("draft_log.json", "draft")):
+        path = out / name
+        if path.is_file():
+            data = json.loads(path.read_text())
+            info[key] = data.get("final") or {k: v for k, v in data.items() if k != "curve"}
+    path = out / "acceptance.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        keep = ("dtype", "target", "gamma", "prompt_tokens", "max_tokens")
+        info["acceptance"] = {**{k: data.get(k) for k in keep}, "summary": {
+            mode: {k: v for k, v in s.items() if k in ("tau", "same_as_plain", "speedup")}
+            for mode, s in data.get("summary", {}).items() if isinstance(s, dict)}}
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="the recipe's output directory (holds target/ and draft/)")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    from monolith.pack import build_pack, verify_pack
+    from monolith.pack import manifest as mf
+    from monolith.pack.build import quantizer_sha256
+    from monolith.pack.recipe import RECIPE_VERSION
+    from monolith.serving.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS
+
+    copy_pair(args.out)
+    files = {}
+    for role in DEMO_PACKS:
+        for path in sorted((HERE / role).iterdir()):
+            files[f"{role}/{path.name}"] = {"sha256": mf.sha256_file(path), "bytes": path.stat().st_size}
+    total = sum(f["bytes"] for f in files.values())
+    if total > MAX_BYTES:
+        sys.exit(f"error: the bundle is {total / 2**20:.1f} MB, over the {MAX_BYTES / 2**20:.0f} MB budget")
+
+    packs = {}
+    with tempfile.TemporaryDirectory(prefix="monolith-bundle-") as scratch:
+        for role, quantization in DEMO_PACKS.items():
+            pack = build_pack(HERE / role, Path(scratch) / role, role=role, quantization=quantization)
+            summary = verify_pack(pack)
+            manifest = mf.read_manifest(pack)
+            packs[role] = {"role": role, "quantization": quantization, "pack_sha256": summary["pack_sha256"],
+                           "architecture": manifest["architecture"], "tensors": summary["tensors"],
+                           "bytes": summary["bytes"]}
+            print(f"{role}: pack_sha256 {summary['pack_sha256']} ({summary['tensors']} tensors, "
+                  f"{summary['bytes'] / 2**20:.1f} MB)", file=sys.stderr)
+
+    expected = {
+        "format": BUNDLE_FORMAT,
+        "name": DEMO_NAME,
+        "packs": packs,
+        "files": files,
+        "built_with": {"monolith": importlib.metadata.version("monolith"), "mlx": mx.__version__, "python": platform.python_version(),
+                       "recipe_version": RECIPE_VERSION, "pack_format_version": mf.PACK_FORMAT_VERSION,
+                       "quantizer_sha256": quantizer_sha256()},
+        "origin": origin(args.out),
+    }
+    tmp = HERE / ".expected.json.tmp"
+    tmp.write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+    tmp.rename(HERE / "expected.json")
+    print(f"wrote {HERE / 'expected.json'} (bundle {total / 2**20:.1f} MB)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

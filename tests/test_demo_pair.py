@@ -1,0 +1,174 @@
+"""The bundled demo pair (packs/demo, the embedded default): the bundle is what
+expected.json records, its packs rebuild to the recorded pack_sha256s, the default path
+builds and checks them once and refuses a pack that does not match, and the trained
+draft is really bound to its target (greedy speculative == plain, tau above a floor)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+
+from monolith.models import load_model
+from monolith.pack import build_pack, resolve_pack, verify_pack
+from monolith.pack.manifest import sha256_file
+from monolith.runtime.decode import generate
+from monolith.runtime.drafter import load_drafter
+from monolith.runtime.sampling import SamplingParams
+from monolith.runtime.scheduler import make_scheduler
+from monolith.runtime.speculative import generate_speculative
+from monolith.serving import demo
+from monolith.serving.demo import DEMO_PACKS, DemoError, bundle_dir, demo_pair
+from monolith.tokenizer import load_tokenizer
+
+BUNDLE = bundle_dir()
+EXPECTED = json.loads((BUNDLE / demo.EXPECTED).read_text())
+
+# Held-out-style prompts: Python source written here, not taken from the standard
+# library the pair was trained on.
+PROMPTS = [
+    ('class LRUCache:\n    """A fixed-size cache that evicts the least recently used entry."""\n\n'
+     "    def __init__(self, capacity):\n        self.capacity = capacity\n        self.entries = {}\n\n"
+     "    def get(self, key):\n"),
+    ('def parse_header(line):\n    """Split an HTTP header line into a (name, value) pair."""\n'
+     '    name, sep, value = line.partition(":")\n    if not sep:\n'
+     '        raise ValueError("malformed header: %r" % (line,))\n'),
+    ("import os\nimport sys\n\n\ndef main(argv=None):\n"
+     '    """Print every file under the given directory, sorted by size."""\n'
+     "    if argv is None:\n        argv = sys.argv[1:]\n"),
+    ("    def __repr__(self):\n"
+     '        return "%s(%r, %r)" % (self.__class__.__name__, self.name, self.value)\n\n'
+     "    def __eq__(self, other):\n        if not isinstance(other, Token):\n"),
+]
+GAMMA = 7
+NEW_TOKENS = 64
+# Pooled tau (accepted + 1 per round) on PROMPTS at gamma 7, greedy, float32, measured on
+# the pair bundled with this test (Linux CPU): 3.45 (per prompt 3.15, 3.50, 4.85, 2.86).
+# Broken bindings measured the same way: target features zeroed 1.81; an NVFP4 global
+# scale dropped from layer 0's o_proj 1.97, layer 1's o_proj 1.54, layer 0's qkv 1.57.
+# Tap layer ids shifted by one give 3.55: this tiny pair's draft hardly depends on which
+# target layers it reads (tests/test_dspark.py checks the id convention). The floor
+# sits well below 3.45 and above the broken cases; a retrained pair aims at tau >= 3.
+TAU_FLOOR = 2.5
+
+
+def test_the_bundle_is_what_expected_json_records():
+    files = {f"{role}/{p.name}": p for role in DEMO_PACKS for p in sorted((BUNDLE / role).iterdir())}
+    assert sorted(files) == sorted(EXPECTED["files"])
+    for name, path in files.items():
+        record = EXPECTED["files"][name]
+        assert path.stat().st_size == record["bytes"], name
+        assert sha256_file(path) == record["sha256"], name
+    assert sum(f["bytes"] for f in EXPECTED["files"].values()) < 25 * 2**20  # well under the 50 MB budget
+
+
+@pytest.mark.parametrize("role", list(DEMO_PACKS))
+def test_the_bundled_packs_rebuild_to_the_recorded_hashes(role, tmp_path):
+    pack = build_pack(BUNDLE / role, tmp_path / role, role=role, quantization=DEMO_PACKS[role])
+    assert verify_pack(pack)["pack_sha256"] == EXPECTED["packs"][role]["pack_sha256"]
+
+
+def test_the_default_pair_is_built_checked_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
+    logs: list[str] = []
+    assert demo_pair(logs.append) == (BUNDLE / "target", BUNDLE / "draft")
+    assert [m.split(" pack ")[0] for m in logs] == ["built the demo target", "built the demo draft"]
+    packs = {role: resolve_pack(BUNDLE / role, role=role, quantization=q) for role, q in DEMO_PACKS.items()}
+    stamps = {}
+    for role, pack in packs.items():
+        assert pack.parent == tmp_path / "cache" / "packs"
+        assert verify_pack(pack)["pack_sha256"] == EXPECTED["packs"][role]["pack_sha256"]
+        stamps[role] = (pack / "manifest.json").stat().st_mtime_ns
+    logs.clear()
+    demo_pair(logs.append)  # a later start: found in the cache, nothing rebuilt
+    assert logs == [] and all((p / "manifest.json").stat().st_mtime_ns == stamps[r] for r, p in packs.items())
+
+
+def copy_bundle(tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(BUNDLE, copy, ignore=shutil.ignore_patterns("*.py", "*.md", "*.sh", "__pycache__"))
+    return copy
+
+
+def cached_packs(tmp_path):
+    return sorted(p.name for p in (tmp_path / "cache" / "packs").iterdir() if not p.name.startswith("."))
+
+
+def test_a_wrong_recorded_hash_fails_and_leaves_no_pack(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
+    bundle = copy_bundle(tmp_path)
+    record = json.loads((bundle / demo.EXPECTED).read_text())
+    real = record["packs"]["draft"]["pack_sha256"]
+    record["packs"]["draft"]["pack_sha256"] = "0" * 64
+    (bundle / demo.EXPECTED).write_text(json.dumps(record))
+    with pytest.raises(DemoError, match=f"demo draft pack .*expected pack_sha256 {'0' * 64}, got {real}"):
+        demo_pair(bundle=bundle)
+    assert len(cached_packs(tmp_path)) == 1  # the target's; the draft's was removed
+    with pytest.raises(DemoError, match="demo draft pack"):  # a second start does not trust anything
+        demo_pair(bundle=bundle)
+
+
+def flip_tensor_byte(path, name_part):
+    """Invert the first byte of the first tensor whose name contains `name_part`."""
+    data = bytearray(path.read_bytes())
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    name = next(n for n in sorted(header) if name_part in n)
+    data[8 + size + header[name]["data_offsets"][0]] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("role, file", [("target", "model.safetensors"), ("draft", "model.safetensors"),
+                                        ("target", "tokenizer.json")])
+def test_a_tampered_bundled_file_is_refused(role, file, tmp_path, monkeypatch):
+    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
+    bundle = copy_bundle(tmp_path)
+    path = bundle / role / file
+    if file.endswith(".safetensors"):
+        flip_tensor_byte(path, "layers.0.")
+    else:
+        path.write_text(path.read_text().replace('"<|im_end|>"', '"<|im_stop|>"', 1))
+    with pytest.raises(DemoError, match=f"demo {role} pack .* differ from the record: {file}"):
+        demo_pair(bundle=bundle)
+    assert not [name for name in cached_packs(tmp_path) if name.endswith(f"_{role}-{role}-auto")]
+
+
+def test_a_missing_bundle_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo, "search_paths", lambda: [tmp_path / "nowhere"])
+    with pytest.raises(DemoError, match="the bundled demo pair is missing .*reinstall monolith or give --model"):
+        demo_pair()
+    bundle = copy_bundle(tmp_path)
+    shutil.rmtree(bundle / "draft")
+    with pytest.raises(DemoError, match="the bundled demo draft is missing"):
+        demo_pair(bundle=bundle)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MONOLITH_CACHE", str(tmp_path_factory.mktemp("cache")))
+        target, draft = demo_pair()
+        pack = resolve_pack(target, role="target")
+        model = load_model(pack, dtype="float32")
+        drafter = load_drafter(draft, model, dtype="float32")
+    return model, drafter, load_tokenizer(pack)
+
+
+def test_greedy_speculative_equals_plain_with_tau_above_the_floor(loaded):
+    model, drafter, tokenizer = loaded
+    greedy = SamplingParams(temperature=0.0)
+    accepted = rounds = 0
+    for text in PROMPTS:
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        max_context = len(prompt) + NEW_TOKENS + GAMMA + 1
+        plain = generate(model, prompt, NEW_TOKENS, greedy, [], max_context)
+        spec = generate_speculative(model, drafter, prompt, NEW_TOKENS, greedy, [], max_context, block_size=GAMMA,
+                                    scheduler=make_scheduler("fixed"))
+        assert spec.token_ids == plain.token_ids and len(plain.token_ids) == NEW_TOKENS
+        accepted += sum(spec.speculative.accepted_per_round)
+        rounds += spec.speculative.rounds
+    tau = (accepted + rounds) / rounds
+    assert tau > TAU_FLOOR, f"tau {tau:.2f} on the demo prompts: is the draft bound to its target?"
+
