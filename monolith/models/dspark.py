@@ -497,8 +497,10 @@ class Draft:
         for k in range(u.shape[0]):
             e = m.w1(prev)
             bias, state = m.step(e, None if pre is None else pre[k:k + 1], state)
-            row = filtered_logits(u[k:k + 1] + bias, params)
-            prev = self._draw(row, params, None if keys is None else keys[k])
+            raw = u[k:k + 1] + bias
+            row = filtered_logits(raw, params)
+            # greedy: argmax of the raw row (the same id, without the one-hot mask in the chain)
+            prev = self._draw(raw if params.greedy else row, params, None if keys is None else keys[k])
             tokens.append(prev)
             logits.append(row)
             embeddings.append(e)

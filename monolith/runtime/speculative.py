@@ -14,7 +14,9 @@ sequence, prompt + output, stays within max_context, as in plain decoding), so t
 block shrinks near the end and committed rows never pass max_context - 1; a stop token
 ends the output where it is read, and nothing after it is emitted.
 
-Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The threshold and cost
+Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The draft and the commit
+are queued with mx.async_eval as soon as their graphs exist, so the device works while
+the host builds the next stage (as plain decoding overlaps its steps). The threshold and cost
 schedulers add one when the drafter has a confidence head (the verify's row count
 depends on the confidences), and `profile=True` evaluates each stage before the next
 (to time draft, verify and commit separately) at the price of two more.
@@ -140,12 +142,16 @@ class SpeculativeDecoder:
         block = self.draft(max_new)
         if self.profile:
             mx.eval(block.arrays())
+        else:
+            mx.async_eval(block.proposed)  # the draft runs while the host builds the verify
         drafted = time.perf_counter()
         read = np.array(self.verify(block))  # the round's one host sync
         verified = time.perf_counter()
         result = self.commit(block, read)
         if self.profile:
             mx.eval(self.cache.arrays())
+        else:  # the commit runs while the host hands out the tokens and builds the next draft
+            mx.async_eval(self.cache.arrays(), self.drafter.arrays())
         committed = time.perf_counter()
         self.stats.record(result.proposed, result.accepted,
                           (drafted - started, verified - drafted, committed - verified) if self.profile else None)
