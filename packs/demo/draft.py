@@ -3,7 +3,7 @@ tap features as context, then export it as DeepSpec BF16 and DeepSpec NVFP4 (Lit
 style: every matrix W4A16 NVFP4, Markov W1 kept BF16).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/draft.py --out build/demo [--gen-minutes 6] [--minutes 10]
+        python packs/demo/draft.py --out build/demo [--generations 400] [--steps 1800]
 
 Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
   1. generate -> OUT/generations.npz: greedy continuations of training-corpus prompts by
@@ -55,7 +55,7 @@ def log(*a):
 # ---------------------------------------------------------------- stage 1: generations
 
 
-def stage_generate(out: Path, train_ids: np.ndarray, minutes: float, seed: int, force: bool):
+def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, force: bool):
     path = out / "generations.npz"
     if path.exists() and not force:
         return np.load(path)["seqs"]
@@ -67,7 +67,7 @@ def stage_generate(out: Path, train_ids: np.ndarray, minutes: float, seed: int, 
     rng = np.random.default_rng(seed + 1)
     params = SamplingParams(temperature=0.0)
     seqs, t0, gen_tokens = [], time.time(), 0
-    while time.time() - t0 < minutes * 60:
+    while len(seqs) < count:
         s = int(rng.integers(0, train_ids.size - PROMPT_LEN))
         prompt = train_ids[s:s + PROMPT_LEN].tolist()
         r = generate(model, prompt, GEN_LEN, params, [], PROMPT_LEN + GEN_LEN + 16)
@@ -185,7 +185,7 @@ def draft_loss(P, frozen, feats, x_tokens, prev, labels, pos, mask, weights, s, 
 # ---------------------------------------------------------------- stage 2: training
 
 
-def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, minutes: float, force: bool):
+def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, force: bool):
     path = out / "draft_train.npz"
     if path.exists() and not force:
         z = np.load(path)
@@ -230,8 +230,8 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, minutes: float
     rng = np.random.default_rng(seed + 3)
     curve, t0, step = [], time.time(), 0
     train_idx = np.arange(n_val, len(seqs))
-    while time.time() - t0 < minutes * 60:
-        frac = (time.time() - t0) / (minutes * 60)
+    while step < steps:
+        frac = step / steps
         opt.learning_rate = mx.array(1e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac))))
         batch = make_batch(rng, rng.choice(train_idx, size=BATCH_SEQS, replace=False))
         (loss, (ce, acc, bce)), grads = vg(P, *batch)
@@ -307,15 +307,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gen-minutes", type=float, default=6.0)
-    ap.add_argument("--minutes", type=float, default=10.0, help="draft training time budget")
+    ap.add_argument("--generations", type=int, default=400, help="target generations to train on")
+    ap.add_argument("--steps", type=int, default=1800, help="draft training steps")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     z = np.load(args.out / "tokens.npz")
     tP = np.load(args.out / "target_train.npz")
     target_P = {k: mx.array(tP[k]) for k in tP.files}
-    seqs = stage_generate(args.out, z["train"], args.gen_minutes, args.seed, args.force)
-    P = stage_draft(args.out, seqs, target_P, args.seed, args.minutes, args.force)
+    seqs = stage_generate(args.out, z["train"], args.generations, args.seed, args.force)
+    P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force)
     for fmt in ("deepspec", "deepspec-nvfp4"):
         d = export_draft(P, args.out, fmt)
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))

@@ -1,7 +1,7 @@
 """Train the demo target (and, later, its DSpark draft) on the CPU with MLX.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/train.py --out build/demo [--minutes 20] [--seed 0]
+        python packs/demo/train.py --out build/demo [--steps 1200] [--seed 0]
 
 Stages (each skipped when its output exists, unless --force):
   1. tokenizer  -> OUT/tokenizer.json (+ config files)
@@ -100,7 +100,7 @@ def eval_loss(P, data, p, n=8, seed=1):
     return float(loss_fn(P, batch, p)[1])
 
 
-def stage_target(out: Path, train_ids, held_ids, seed: int, minutes: float, max_steps: int | None, force: bool):
+def stage_target(out: Path, train_ids, held_ids, seed: int, steps: int, force: bool):
     ckpt = out / "target_train.npz"
     if ckpt.exists() and not force:
         z = np.load(ckpt)
@@ -114,18 +114,13 @@ def stage_target(out: Path, train_ids, held_ids, seed: int, minutes: float, max_
     log(f"target: {n_params / 1e6:.2f} M params ({active / 1e6:.2f} M active), train {train_ids.size} tokens")
     vg = mx.value_and_grad(lambda P, b: loss_fn(P, b, p), argnums=0)
     step_fn = mx.compile(lambda P, b: vg(P, b))
-    budget = minutes * 60.0
     lr_peak, warm = 2e-3, 50
-    est_steps = max_steps or 10**9
     opt = optim.AdamW(learning_rate=lr_peak, weight_decay=0.01, betas=[0.9, 0.95])
     rng = np.random.default_rng(seed)
     curve, t0, tokens, step = [], time.time(), 0, 0
-    while True:
-        elapsed = time.time() - t0
-        if (max_steps and step >= max_steps) or (not max_steps and elapsed >= budget):
-            break
-        # schedule: warmup then cosine over the time budget (or max_steps)
-        frac = (step / est_steps) if max_steps else (elapsed / budget)
+    while step < steps:
+        # schedule: warmup then cosine over the steps
+        frac = step / steps
         lr = lr_peak * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         opt.learning_rate = mx.array(lr)
         starts = rng.integers(0, train_ids.size - SEQ_LEN - 1, size=BATCH)
@@ -217,14 +212,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--minutes", type=float, default=20.0, help="target training time budget")
-    ap.add_argument("--max-steps", type=int, help="fixed step count instead of a time budget (reproducible)")
+    ap.add_argument("--steps", type=int, default=1200, help="training steps of 8 x 256 tokens")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tj, train_ids, held_ids, info = stage_tokenizer(args.out, args.force)
     log("corpus: " + json.dumps(info))
-    P = stage_target(args.out, train_ids, held_ids, args.seed, args.minutes, args.max_steps, args.force)
+    P = stage_target(args.out, train_ids, held_ids, args.seed, args.steps, args.force)
     bf16 = export_target(P, args.out, tj, "bf16")
     nvfp4 = export_target(P, args.out, tj, "nvfp4")
     check_runtime(P, bf16, held_ids)
