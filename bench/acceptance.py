@@ -1,20 +1,52 @@
-"""Acceptance of a trained target + DSpark draft pair on held-out prompts (greedy):
-tau (accepted + 1 per round), per-position acceptance, decode tok/s of plain vs
-speculative (alternating runs, medians), whether outputs equal plain greedy, for the
-BF16 and the NVFP4 draft, and the NVFP4/BF16 tau ratio.
+"""Acceptance of a trained target + DSpark draft pair on held-out prompts (issue 7):
+tau, per-position acceptance and decode tok/s of plain vs speculative decoding, greedy
+and sampled (temperature 0.7), for the BF16 and the NVFP4 draft; the matched-prefix
+acceptance of both drafts against the target's greedy continuations; the goals.
 
-    python bench/acceptance.py --pair DIR [--target target] [--prompts 6] [--prompt-tokens 64]
-                               [--max-tokens 128] [--block-size 7] [--repeats 2] [--dtype float32]
+    python bench/acceptance.py [--pair DIR] [--target target] [--prompts 6] [--prompt-tokens 64]
+                               [--max-tokens 128] [--block-size 7] [--repeats 2] [--temperature 0.7]
+                               [--seed 0] [--json FILE]
 
-DIR is the output of packs/demo (train.py + draft.py): DIR/target (ModelOpt NVFP4),
-DIR/target-bf16, DIR/draft (DeepSpec NVFP4), DIR/draft-bf16, DIR/tokens.npz (held-out
-token stream: prompts are slices of it, never trained on). Prints a table and writes
-bench/results/acceptance.json.
+DIR is either the output of the packs/demo recipe (train.py + draft.py): DIR/target
+(ModelOpt NVFP4), DIR/target-bf16, DIR/draft (DeepSpec NVFP4), DIR/draft-bf16,
+DIR/tokens.npz (train / held-out token streams; packs are cached in DIR/packs), or the
+bundled pair packs/demo (the default: DIR/target, DIR/draft, DIR/expected.json; its
+packs are built and checked in the pack cache exactly as the first start of serve does).
+The bundle holds no tokens.npz: the held-out stream is then rebuilt from the corpus
+(packs/demo/corpus.py, the held-out files only) with the pair's tokenizer and checked
+against the corpus SHA-256 the bundle records. The bundle holds no BF16 draft either,
+and loading its NVFP4 draft with quantization "none" only repacks the NVFP4 weights: the
+BF16 rows and the NVFP4/BF16 comparison need a BF16 draft checkpoint (--draft-bf16, e.g.
+OUT/draft-bf16 of the recipe that produced the bundle); without one they are skipped.
+
+Measures (shared/docs/dspark.md 5), gamma = --block-size (7):
+- timed runs: per prompt and repeat, plain then each draft, greedy then sampled at
+  --temperature (seed --seed + prompt index, the same for plain and every draft);
+  tok/s = decode tok/s, medians over repeats; speedup = draft tok/s / plain tok/s of
+  the same prompt and mode, median over prompts. tau = accepted + 1 per round, pooled
+  over the rounds of all prompts; per-position conditional acceptance pooled likewise
+  (rounds that accepted position j / rounds that verified j after accepting all before).
+  Greedy speculative output must equal plain greedy output (same_as_plain); sampled
+  outputs differ from plain ones by construction (same distribution, other draws).
+- matched prefix (untimed, greedy proposals): the reference continuation of a prompt is
+  the target's plain greedy output. One target forward over prompt + reference gives
+  every row's tap features; at every anchor position p of the reference (p = len(prompt)
+  .. len(seq) - gamma - 1) the draft has observed exactly the rows < p, proposes gamma
+  tokens after seq[p], and the leading ones equal to seq[p+1 : p+1+gamma] are counted.
+  Mean over anchors (out of gamma) per draft, and NVFP4/BF16: both drafts see identical
+  contexts, so the ratio isolates the draft's quantization.
+
+Goals (issue 7), judged on the NVFP4 draft (the one the bundle ships): tau >= 3.0 at
+gamma 7 greedy; NVFP4 matched prefix >= 97% of the BF16 draft's; greedy speculative
+>= 1.5x plain tok/s. Prints per-prompt rows, a summary table and the goals; writes the
+JSON (default bench/results/acceptance.json): settings, "rows" (per prompt) and
+"summary" (keys "<mode>/<draft>", mode greedy or t<T>, draft plain / bf16 / nvfp4).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -25,99 +57,364 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[1]
+GOAL_TAU, GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAMMA = 3.0, 0.97, 1.5, 7
+NO_BF16 = ("no BF16 draft checkpoint ({path} missing): the bundled draft is NVFP4, and loading it with "
+           'quantization "none" repacks the same NVFP4 weights, so there is no BF16 baseline; the BF16 rows '
+           "and the NVFP4/BF16 comparison need --draft-bf16 DIR (e.g. OUT/draft-bf16 of the recipe) or "
+           "--pair OUT (a recipe output with draft-bf16)")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------- the pair
+
+
+def locate_pair(args) -> dict:
+    """Where the target, the drafts, the pack cache and the held-out tokens are."""
+    pair = args.pair
+    if pair is None:
+        from monolith.serving.demo import bundle_dir
+
+        pair = bundle_dir()
+    pair = pair.absolute()
+    bundle = (pair / "expected.json").is_file()
+    bf16 = args.draft_bf16 if args.draft_bf16 is not None else pair / "draft-bf16"
+    info = {
+        "pair": pair,
+        "kind": "bundle" if bundle else "recipe output",
+        "target": pair / args.target,
+        "draft": pair / "draft",
+        "draft_bf16": bf16 if (bf16 / "config.json").is_file() else None,
+        "bf16_note": None if (bf16 / "config.json").is_file() else NO_BF16.format(path=bf16),
+        # a recipe output caches its packs beside it (as the recipe does); the bundle's
+        # packs live in the pack cache, where serve builds and checks them
+        "cache": args.cache if args.cache is not None else (None if bundle else pair / "packs"),
+        "tokens": args.tokens if args.tokens is not None else pair / "tokens.npz",
+    }
+    for role in ("target", "draft"):
+        if not (info[role] / "config.json").is_file():
+            sys.exit(f"error: {info[role]}: no checkpoint (config.json); --pair takes a packs/demo recipe output "
+                     "or the bundle packs/demo")
+    return info
+
+
+def held_out_stream(info: dict) -> tuple[np.ndarray, str]:
+    """The held-out token stream: DIR/tokens.npz "held", or (the bundle) rebuilt from the
+    corpus's held-out files with the pair's tokenizer as train.py builds it."""
+    path = info["tokens"]
+    if path.is_file():
+        return np.load(path)["held"], f"{path} (held)"
+    tokenizer = next((p for p in (info["pair"] / "tokenizer.json", info["target"] / "tokenizer.json") if p.is_file()),
+                     None)
+    corpus_py = REPO / "packs" / "demo" / "corpus.py"
+    if tokenizer is None or not corpus_py.is_file():
+        sys.exit(f"error: no held-out tokens: {path} is missing and the stream cannot be rebuilt "
+                 f"(tokenizer {tokenizer}, {corpus_py}); give --tokens OUT/tokens.npz")
+    spec = importlib.util.spec_from_file_location("demo_corpus", corpus_py)
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    from tokenizers import Tokenizer
+
+    _, held_docs, corpus_info = corpus.load()
+    tk = Tokenizer.from_file(str(tokenizer))
+    sep = tk.token_to_id("<|endoftext|>")
+    held = np.array([t for doc in held_docs for t in [*tk.encode(doc).ids, sep]], dtype=np.int32)
+    source = f"rebuilt from the held-out files of {corpus_py} with {tokenizer}"
+    record = {}
+    expected = info["pair"] / "expected.json"
+    if expected.is_file():
+        record = json.loads(expected.read_text()).get("origin", {}).get("corpus", {})
+    want = (record.get("sha256"), record.get("heldout_tokens"))
+    if want == (None, None):
+        log(f"warning: {source}; no corpus record to check it against (prompts may not be held out)")
+    elif want != (corpus_info["sha256"], int(held.size)):
+        log(f"warning: the corpus here (sha256 {corpus_info['sha256'][:16]}..., {held.size} held-out tokens) is not "
+            f"the one the pair was trained on ({str(want[0])[:16]}..., {want[1]} tokens): another Python version? "
+            "The prompts may not be held out; give --tokens OUT/tokens.npz")
+        source += " (corpus differs from the recorded one)"
+    else:
+        source += " (corpus SHA-256 and token count as recorded)"
+    return held, source
+
+
+def load_pair(info: dict, dtype):
+    from monolith.models import load_model
+    from monolith.pack import read_manifest, resolve_pack
+    from monolith.runtime.drafter import load_drafter
+
+    if info["kind"] == "bundle" and info["cache"] is None:
+        from monolith.serving.demo import demo_pair
+
+        demo_pair(log, bundle=info["pair"])  # builds (first use) and checks both packs against expected.json
+    cache = {"cache_dir": info["cache"]}
+    model = load_model(info["target"], dtype=dtype, **cache)
+    drafters = {}
+    if info["draft_bf16"] is not None:
+        pack = resolve_pack(info["draft_bf16"], role="draft", quantization="none", **cache)
+        quantized = sorted(n for n, e in read_manifest(pack)["entries"].items() if e.get("precision") == "nvfp4")
+        if quantized:
+            sys.exit(f"error: {info['draft_bf16']} is not a BF16 draft: {len(quantized)} NVFP4 matrices "
+                     f"({', '.join(quantized[:3])}, ...)")
+        drafters["bf16"] = load_drafter(pack, model, dtype=dtype)
+    drafters["nvfp4"] = load_drafter(info["draft"], model, dtype=dtype, quantization="auto", **cache)
+    return model, drafters
+
+
+# ----------------------------------------------------------------- measures
+
+
+def spec_row(runs, plain_tok_s: float) -> dict:
+    s = runs[-1].speculative  # the runs of one prompt and seed are identical but for timing
+    tok_s = statistics.median(r.decode_tok_s for r in runs)
+    return {
+        "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s, "generated": len(runs[-1].token_ids),
+        "tau": s.acceptance_length, "rounds": s.rounds,
+        "accepted": sum(s.accepted_per_round), "proposed": sum(s.proposed_per_round),
+        "accepted_per_position": s.accepted_per_position(), "reached_per_position": s.reached_per_position(),
+        "per_position_acceptance": s.per_position_acceptance(),
+    }
+
+
+def matched_prefix(drafter, seq: list[int], start: int, gamma: int, max_context: int,
+                   features: mx.array) -> list[int]:
+    """Leading greedy proposals equal to the reference, at every anchor p in [start,
+    len(seq) - gamma - 1]; the drafter has observed exactly the rows < p."""
+    from monolith.runtime.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0)
+    drafter.start(max_context)
+    drafter.observe(features[:start])
+    matched = []
+    for p in range(start, len(seq) - gamma):
+        proposal = np.array(drafter.propose(seq[p], gamma, greedy, None).tokens[:gamma])
+        hits = proposal == np.array(seq[p + 1:p + 1 + gamma])
+        matched.append(int(np.cumprod(hits).sum()))
+        drafter.observe(features[p:p + 1])
+    return matched
+
+
+def tap_features(model, taps: list[int], seq: list[int], max_context: int) -> mx.array:
+    """Every row's tap features from one target forward over seq (as the prefill's)."""
+    cache = model.make_cache(max_context)
+    cache.record = False
+    _, features = model.forward(mx.array(seq, dtype=mx.int32), cache, taps=taps, logits="none")
+    mx.eval(features)
+    return features
+
+
+def pooled_positions(rows: list[dict], gamma: int) -> list[float | None]:
+    acc = [sum(r["accepted_per_position"][j] for r in rows) for j in range(gamma)]
+    reached = [sum(r["reached_per_position"][j] for r in rows) for j in range(gamma)]
+    return [a / n if n else None for a, n in zip(acc, reached)]
+
+
+def matched_positions(counts: list[int], gamma: int) -> list[float | None]:
+    """Conditional match rate by position: anchors matching j + 1 of those matching j."""
+    at_least = [sum(1 for c in counts if c >= j) for j in range(gamma + 1)]
+    return [at_least[j + 1] / at_least[j] if at_least[j] else None for j in range(gamma)]
+
+
+# ----------------------------------------------------------------- output
+
+
+def fmt(x, spec: str, width: int) -> str:
+    return format("-" if x is None else format(x, spec), f">{width}")
+
+
+def positions(values) -> str:
+    return " ".join("   -" if v is None else f"{v:.2f}" for v in values)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", type=Path, required=True)
+    ap.add_argument("--pair", type=Path, default=None, help="recipe output or bundle (default: the bundled pair)")
     ap.add_argument("--target", default="target", help="target subdirectory (target = NVFP4, target-bf16)")
+    ap.add_argument("--draft-bf16", type=Path, default=None, help="BF16 draft checkpoint (default DIR/draft-bf16)")
+    ap.add_argument("--tokens", type=Path, default=None, help="token streams .npz with 'held' (default DIR/tokens.npz)")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="pack cache (default DIR/packs for a recipe output, the monolith pack cache for the bundle)")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=7)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--block-size", type=int, default=7, help="gamma")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per prompt, mode and draft (medians)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="the sampled mode (0: greedy only)")
+    ap.add_argument("--seed", type=int, default=0, help="sampled runs of prompt i use seed + i")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="compute dtype (default: the device's, float32 on the CPU)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "acceptance.json")
     args = ap.parse_args()
 
-    from monolith.models import load_model
     from monolith.runtime.decode import generate
-    from monolith.runtime.drafter import load_drafter
     from monolith.runtime.sampling import SamplingParams
     from monolith.runtime.scheduler import make_scheduler
     from monolith.runtime.speculative import generate_speculative
 
-    cache = args.pair / "packs"
+    info = locate_pair(args)
     t = time.time()
-    model = load_model(args.pair / args.target, dtype=args.dtype, cache_dir=cache)
-    drafters = {
-        "bf16": load_drafter(args.pair / "draft-bf16", model, dtype=args.dtype, quantization="none", cache_dir=cache),
-        "nvfp4": load_drafter(args.pair / "draft", model, dtype=args.dtype, quantization="auto", cache_dir=cache),
-    }
-    print(f"loaded in {time.time() - t:.1f}s", file=sys.stderr)
-    held = np.load(args.pair / "tokens.npz")["held"]
+    model, drafters = load_pair(info, args.dtype)
+    log(f"loaded {info['kind']} {info['pair']} in {time.time() - t:.1f}s")
+    if info["bf16_note"]:
+        log(f"note: {info['bf16_note']}")
+    held, held_source = held_out_stream(info)
     stride = (held.size - args.prompt_tokens) // args.prompts
     prompts = [held[i * stride:i * stride + args.prompt_tokens].tolist() for i in range(args.prompts)]
-    params = SamplingParams(temperature=0.0)
     max_context = args.prompt_tokens + args.max_tokens + 16
     gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
+    modes = {"greedy": None}
+    if args.temperature > 0:
+        modes[f"t{args.temperature:g}"] = args.temperature
+    greedy = SamplingParams(temperature=0.0)
 
     rows = []
     for index, prompt in enumerate(prompts):
-        plain_runs, spec_runs = [], {k: [] for k in drafters}
-        for _ in range(args.repeats):
-            plain_runs.append(generate(model, prompt, args.max_tokens, params, [], max_context))
-            for label, drafter in drafters.items():
-                spec_runs[label].append(generate_speculative(model, drafter, prompt, args.max_tokens, params, [],
-                                                             max_context, block_size=gamma,
-                                                             scheduler=make_scheduler("fixed")))
-        plain_tok_s = statistics.median(r.decode_tok_s for r in plain_runs)
-        rows.append({"prompt": index, "mode": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0,
-                     "generated": len(plain_runs[-1].token_ids)})
-        for label, runs in spec_runs.items():
-            s = runs[-1].speculative
-            tok_s = statistics.median(r.decode_tok_s for r in runs)
-            rows.append({
-                "prompt": index, "mode": label, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
-                "acceptance_length": s.acceptance_length, "rounds": s.rounds,
-                "accepted": sum(s.accepted_per_round), "proposed": sum(s.proposed_per_round),
-                "per_position_acceptance": s.per_position_acceptance(),
-                "same_as_plain": runs[-1].token_ids == plain_runs[-1].token_ids,
-            })
+        seed = args.seed + index
+        params = {m: greedy if temp is None else SamplingParams(temperature=temp, seed=seed) for m, temp in modes.items()}
+        runs = {(m, d): [] for m in modes for d in ("plain", *drafters)}
+        for _ in range(args.repeats):  # alternating: plain, then each draft, per mode
+            for mode, p in params.items():
+                runs[mode, "plain"].append(generate(model, prompt, args.max_tokens, p, [], max_context))
+                for label, drafter in drafters.items():
+                    runs[mode, label].append(generate_speculative(
+                        model, drafter, prompt, args.max_tokens, p, [], max_context, block_size=gamma,
+                        scheduler=make_scheduler("fixed")))
+        for mode, p in params.items():
+            plain = runs[mode, "plain"]
+            plain_tok_s = statistics.median(r.decode_tok_s for r in plain)
+            base = {"prompt": index, "mode": mode, "seed": None if p.greedy else seed}
+            rows.append({**base, "draft": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0,
+                         "generated": len(plain[-1].token_ids)})
+            for label in drafters:
+                row = {**base, "draft": label, **spec_row(runs[mode, label], plain_tok_s)}
+                if p.greedy:
+                    row["same_as_plain"] = runs[mode, label][-1].token_ids == plain[-1].token_ids
+                rows.append(row)
+        # matched prefix (untimed): reference = the target's plain greedy continuation
+        seq = prompt + runs["greedy", "plain"][-1].token_ids
+        features = {}
+        for label, drafter in drafters.items():
+            taps = tuple(drafter.taps)
+            if taps not in features:
+                features[taps] = tap_features(model, list(taps), seq, max_context)
+            counts = matched_prefix(drafter, seq, len(prompt), gamma, max_context, features[taps])
+            rows.append({"prompt": index, "mode": "matched_prefix", "draft": label, "anchors": len(counts),
+                         "matched_prefix": float(np.mean(counts)) if counts else None, "counts": counts})
+        log(f"prompt {index + 1}/{len(prompts)} done ({time.time() - t:.0f}s)")
 
-    print(f"{args.prompts} held-out prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated, gamma {gamma}, "
-          f"greedy, target {args.target}, {args.dtype} (tok/s: medians of {args.repeats} alternating runs)")
-    print(f"{'prompt':>6} {'mode':>6} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'acc/prop':>10} {'same':>5}")
-    for r in rows:
-        plain = r["mode"] == "plain"
-        print(f"{r['prompt']:>6} {r['mode']:>6} {r['decode_tok_s']:8.1f} {r['speedup']:8.2f} "
-              f"{'' if plain else format(r['acceptance_length'], '.2f'):>6} "
-              f"{'' if plain else str(r['accepted']) + '/' + str(r['proposed']):>10} "
-              f"{'' if plain else str(r['same_as_plain']):>5}")
-    summary = {}
-    for mode in ("plain", *drafters):
-        mine = [r for r in rows if r["mode"] == mode]
-        summary[mode] = {"decode_tok_s": float(np.median([r["decode_tok_s"] for r in mine])),
-                         "speedup": float(np.median([r["speedup"] for r in mine]))}
-        if mode != "plain":
-            rounds = sum(r["rounds"] for r in mine)
-            summary[mode]["tau"] = (sum(r["accepted"] for r in mine) + rounds) / rounds  # pooled over rounds
-            summary[mode]["same_as_plain"] = all(r["same_as_plain"] for r in mine)
-            pos = [r["per_position_acceptance"] for r in mine]
-            summary[mode]["per_position_acceptance"] = [
-                float(np.mean([p[k] for p in pos if k < len(p) and p[k] is not None] or [np.nan]))
-                for k in range(gamma)]
-    summary["nvfp4_over_bf16_tau"] = summary["nvfp4"]["tau"] / summary["bf16"]["tau"]
-    for mode in drafters:
-        print(f"{mode}: tau {summary[mode]['tau']:.3f}, median speedup {summary[mode]['speedup']:.2f}, "
-              f"per-position {[round(x, 3) for x in summary[mode]['per_position_acceptance']]}")
-    print(f"plain {summary['plain']['decode_tok_s']:.1f} tok/s; NVFP4/BF16 draft tau ratio "
-          f"{summary['nvfp4_over_bf16_tau']:.3f}")
-    report = {"machine": platform.platform(), "mlx": mx.__version__, "dtype": args.dtype, "pair": str(args.pair),
-              "target": args.target, "gamma": gamma, "prompt_tokens": args.prompt_tokens,
-              "max_tokens": args.max_tokens, "rows": rows, "summary": summary}
+    # ------------------------------------------------------------- summary
+    summary: dict = {}
+    for mode in modes:
+        for label in ("plain", *drafters):
+            mine = [r for r in rows if r["mode"] == mode and r["draft"] == label]
+            entry = {"decode_tok_s": float(np.median([r["decode_tok_s"] for r in mine])),
+                     "speedup": float(np.median([r["speedup"] for r in mine]))}
+            if label != "plain":
+                rounds = sum(r["rounds"] for r in mine)
+                entry["tau"] = (sum(r["accepted"] for r in mine) + rounds) / rounds  # pooled over rounds
+                entry["rounds"] = rounds
+                entry["per_position_acceptance"] = pooled_positions(mine, gamma)
+                if mode == "greedy":
+                    entry["same_as_plain"] = all(r["same_as_plain"] for r in mine)
+                    counts = [c for r in rows if r["mode"] == "matched_prefix" and r["draft"] == label
+                              for c in r["counts"]]
+                    entry["matched_prefix"] = float(np.mean(counts)) if counts else None
+                    entry["matched_prefix_anchors"] = len(counts)
+                    entry["matched_prefix_per_position"] = matched_positions(counts, gamma)
+            summary[f"{mode}/{label}"] = entry
+    have_bf16 = "bf16" in drafters
+
+    def ratio(key: str, mode: str = "greedy"):
+        if not have_bf16:
+            return None
+        bf16, nvfp4 = summary[f"{mode}/bf16"][key], summary[f"{mode}/nvfp4"][key]
+        return nvfp4 / bf16 if bf16 else None
+
+    summary["nvfp4_over_bf16_matched_prefix"] = ratio("matched_prefix")
+    for mode in modes:
+        summary[f"nvfp4_over_bf16_tau_{mode}"] = ratio("tau", mode)
+    served = summary["greedy/nvfp4"]
+    goals = [
+        {"goal": f"tau >= {GOAL_TAU} at gamma {GOAL_GAMMA}, greedy, held-out prompts (NVFP4 draft)",
+         "value": served["tau"], "met": served["tau"] >= GOAL_TAU and gamma == GOAL_GAMMA,
+         "note": None if gamma == GOAL_GAMMA else f"measured at gamma {gamma}, not {GOAL_GAMMA}"},
+        {"goal": f"NVFP4 draft keeps >= {GOAL_RATIO:.0%} of the BF16 draft's matched-prefix acceptance",
+         "value": summary["nvfp4_over_bf16_matched_prefix"],
+         "met": None if summary["nvfp4_over_bf16_matched_prefix"] is None
+         else summary["nvfp4_over_bf16_matched_prefix"] >= GOAL_RATIO,
+         "note": None if have_bf16 else "not measured: no BF16 draft"},
+        {"goal": f"speculative >= {GOAL_SPEEDUP}x plain tok/s (greedy, NVFP4 draft, median over prompts)",
+         "value": served["speedup"], "met": served["speedup"] >= GOAL_SPEEDUP, "note": None},
+    ]
+    summary["goals"] = goals
+
+    # ------------------------------------------------------------- print
+    print(f"pair {info['pair']} ({info['kind']}), target {args.target}, compute dtype {model.dtype}; "
+          f"{args.prompts} held-out prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated, gamma {gamma}")
+    print(f"prompts: {held_source}; tok/s: medians of {args.repeats} alternating runs; sampled runs of prompt i "
+          f"use seed {args.seed} + i")
+    print(f"\n{'prompt':>6} {'mode':>7} {'draft':>6} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'acc/prop':>9} "
+          f"{'same':>5} {'matched':>8}")
+    for index in range(args.prompts):
+        mp = {r["draft"]: r for r in rows if r["prompt"] == index and r["mode"] == "matched_prefix"}
+        for r in rows:
+            if r["prompt"] != index or r["mode"] == "matched_prefix":
+                continue
+            spec = r["draft"] != "plain"
+            match = mp[r["draft"]]["matched_prefix"] if spec and r["mode"] == "greedy" else None
+            print(f"{index:>6} {r['mode']:>7} {r['draft']:>6} {r['decode_tok_s']:8.1f} {r['speedup']:8.2f} "
+                  f"{fmt(r.get('tau'), '.2f', 6)} "
+                  f"{(str(r['accepted']) + '/' + str(r['proposed'])) if spec else '-':>9} "
+                  f"{str(r['same_as_plain']) if 'same_as_plain' in r else '-':>5} {fmt(match, '.2f', 8)}")
+    print(f"\nsummary (tau and per-position acceptance pooled over all rounds; tok/s and speedup: medians over "
+          f"prompts; matched prefix: mean over {summary['greedy/nvfp4']['matched_prefix_anchors']} anchors, "
+          f"greedy proposals, out of {gamma})")
+    print(f"{'mode':>7} {'draft':>6} {'tau':>6} {'tok/s':>7} {'speedup':>7} {'matched':>9} {'same':>5}  "
+          f"per-position acceptance 1..{gamma}")
+    for mode in modes:
+        for label in ("plain", *drafters):
+            s = summary[f"{mode}/{label}"]
+            pos = positions(s["per_position_acceptance"]) if "per_position_acceptance" in s else ""
+            matched = f"{s['matched_prefix']:.2f}/{gamma}" if s.get("matched_prefix") is not None else "-"
+            print(f"{mode:>7} {label:>6} {fmt(s.get('tau'), '.3f', 6)} {s['decode_tok_s']:7.1f} {s['speedup']:7.2f} "
+                  f"{matched:>9} {str(s['same_as_plain']) if 'same_as_plain' in s else '-':>5}  {pos}")
+        if mode == "greedy":
+            for label in drafters:
+                s = summary[f"greedy/{label}"]
+                print(f"{'':>7} {label:>6} matched-prefix per position (of anchors matching all before): "
+                      f"{positions(s['matched_prefix_per_position'])}")
+    if have_bf16:
+        taus = ", ".join(f"tau {mode} {summary[f'nvfp4_over_bf16_tau_{mode}']:.3f}" for mode in modes)
+        print(f"NVFP4/BF16 draft: matched prefix {summary['nvfp4_over_bf16_matched_prefix']:.3f}, {taus}")
+    else:
+        print(f"NVFP4/BF16 draft: not measured ({info['bf16_note']})")
+    print("\ngoals:")
+    for g in goals:
+        verdict = "n/a" if g["met"] is None else "met" if g["met"] else "NOT met"
+        value = "-" if g["value"] is None else f"{g['value']:.3f}"
+        extra = []
+        if g is goals[0] and have_bf16:
+            extra.append(f"BF16 draft {summary['greedy/bf16']['tau']:.3f}")
+        if g is goals[2]:
+            extra += [f"BF16 draft {summary['greedy/bf16']['speedup']:.2f}x"] if have_bf16 else []
+            extra += [f"{m} NVFP4 {summary[f'{m}/nvfp4']['speedup']:.2f}x" for m in modes if m != "greedy"]
+        if g["note"]:
+            extra.append(g["note"])
+        print(f"  [{verdict:>7}] {g['goal']}: {value}" + (f" ({'; '.join(extra)})" if extra else ""))
+
+    report = {"machine": platform.platform(), "mlx": mx.__version__, "dtype": str(model.dtype),
+              "pair": str(info["pair"]), "pair_kind": info["kind"], "target": args.target,
+              "drafts": {"nvfp4": str(info["draft"]),
+                         "bf16": None if info["draft_bf16"] is None else str(info["draft_bf16"])},
+              "bf16_note": info["bf16_note"], "prompts_source": held_source, "gamma": gamma,
+              "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "modes": {m: (0.0 if t is None else t) for m, t in modes.items()},
+              "seed": args.seed, "summary": summary, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.json}", file=sys.stderr)
+    log(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
