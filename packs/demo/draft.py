@@ -6,8 +6,9 @@ style: every matrix W4A16 NVFP4, Markov W1 kept BF16).
         python packs/demo/draft.py --out build/demo [--generations 400] [--steps 1800]
 
 Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
-  1. generate -> OUT/generations.npz: greedy continuations of training-corpus prompts by
-     our runtime (the served target, F32 compute), prompt + continuation per row.
+  1. generate -> OUT/generations.npz: continuations of training-corpus prompts by our
+     runtime (the served target, F32 compute), prompt + continuation per row; every other
+     one greedy, the rest sampled with the target's generation_config (what serve uses).
   2. draft    -> OUT/draft_train.npz, OUT/draft_log.json
   3. export   -> OUT/draft-bf16/ (deepspec) and OUT/draft/ (deepspec-nvfp4)
 
@@ -16,7 +17,10 @@ rows < p, block [s_p, mask x (B-1)] at positions p.., queries attend to all cont
 < p and their whole block (no mask inside the block), slot k predicts s_{p+k+1} with
 logits lm_head(norm(h_k)) + W2 W1[s_{p+k}] (teacher-forced Markov prev), frozen embedding
 and lm_head copied from the target, confidence head trained (BCE, detached inputs) on
-whether slot k's argmax is right.
+whether slot k's argmax is right. The slot loss is distillation: cross-entropy against the
+target's own next-token distribution at that row (its top TOPK probabilities,
+renormalized), so the draft's argmax follows the target's (greedy acceptance) and its
+distribution follows the target's (acceptance when sampling).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ GEN_LEN = 192
 BLOCKS_PER_SEQ = 24
 BATCH_SEQS = 4
 EPS = 1e-6
+TOPK = 32  # target probabilities kept per row for distillation
 
 
 def log(*a):
@@ -64,12 +69,15 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
     from monolith.runtime.sampling import SamplingParams
 
     model = load_model(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    config = json.loads((out / "target-bf16" / "generation_config.json").read_text())
     rng = np.random.default_rng(seed + 1)
-    params = SamplingParams(temperature=0.0)
     seqs, t0, gen_tokens = [], time.time(), 0
     while len(seqs) < count:
         s = int(rng.integers(0, train_ids.size - PROMPT_LEN))
         prompt = train_ids[s:s + PROMPT_LEN].tolist()
+        params = SamplingParams(temperature=0.0) if len(seqs) % 2 == 0 else SamplingParams(
+            config.get("temperature", 1.0), config.get("top_p", 1.0), config.get("top_k", 0), 0.0,
+            seed=seed * 100_000 + len(seqs))
         r = generate(model, prompt, GEN_LEN, params, [], PROMPT_LEN + GEN_LEN + 16)
         ids = (prompt + list(r.token_ids))[:PROMPT_LEN + GEN_LEN]
         if len(ids) < PROMPT_LEN + GEN_LEN:  # stopped early (EOS): pad by repeating nothing: skip
@@ -169,11 +177,14 @@ def draft_forward(P, frozen, feats, x_tokens, pos, mask, s: DraftSizes, rope_the
     return mx.fast.rms_norm(x, P["norm.weight"], EPS)
 
 
-def draft_loss(P, frozen, feats, x_tokens, prev, labels, pos, mask, weights, s, rope_theta):
+def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, mask, weights, s, rope_theta):
+    """Distillation CE against the target's top-TOPK distribution (soft_ids, soft_p) per slot;
+    accuracy and the confidence head's target: argmax == the target's argmax (labels)."""
     h = draft_forward(P, frozen, feats, x_tokens, pos, mask, s, rope_theta)
     e = P["markov_head.markov_w1.weight"][prev]
     logits = h @ frozen["lm_head.weight"].T + e @ P["markov_head.markov_w2.weight"].T
-    ce = mx.logsumexp(logits, -1) - mx.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    logq = logits - mx.logsumexp(logits, -1, keepdims=True)
+    ce = -(soft_p * mx.take_along_axis(logq, soft_ids, -1)).sum(-1)
     loss = (ce * weights).sum() / weights.sum()
     correct = mx.stop_gradient((mx.argmax(logits, -1) == labels).astype(mx.float32))
     conf_in = mx.stop_gradient(mx.concatenate([h, e], axis=-1))
@@ -199,14 +210,19 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
 
     # target tap features of every sequence (one batched forward per 8 sequences)
     t0 = time.time()
-    feats = []
+    feats, soft_ids, soft_p, greedy = [], [], [], []
     for i in range(0, len(seqs), 8):
-        _, taps, _ = M.forward(Pt, mx.array(seqs[i:i + 8]), p, taps=s.target_layer_ids)
+        logits, taps, _ = M.forward(Pt, mx.array(seqs[i:i + 8]), p, taps=s.target_layer_ids)
         f = mx.concatenate([taps[j] for j in s.target_layer_ids], axis=-1)
-        mx.eval(f)
+        ids = mx.argpartition(-logits, TOPK - 1, axis=-1)[..., :TOPK]
+        probs = mx.take_along_axis(mx.softmax(logits, axis=-1), ids, -1)
+        mx.eval(f, ids, probs)
         feats.append(np.array(f))
-    feats = np.concatenate(feats)
-    log(f"draft: features {feats.shape} in {time.time() - t0:.0f}s")
+        soft_ids.append(np.array(ids).astype(np.int32))
+        soft_p.append(np.array(probs / probs.sum(-1, keepdims=True)))
+        greedy.append(np.array(mx.argmax(logits, -1)).astype(np.int32))
+    feats, soft_ids, soft_p, greedy = (np.concatenate(a) for a in (feats, soft_ids, soft_p, greedy))
+    log(f"draft: features {feats.shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
     n_val = max(4, len(seqs) // 10)
     L = seqs.shape[1]
     # anchors inside the generated part only (the draft serves generations)
@@ -219,9 +235,10 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
         x_tokens = np.full((len(idx), anchors.size, bsz), mask_id, np.int32)
         x_tokens[:, :, 0] = sq[:, anchors]
         prev = sq[:, pos]
-        labels = sq[:, np.minimum(pos + 1, L - 1)]
-        return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev), mx.array(labels),
-                mx.array(pos), mx.array(mask))
+        rows = np.ix_(idx, pos)  # the target's distribution at row p predicts token p + 1
+        return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev),
+                mx.array(greedy[rows]), mx.array(soft_ids[rows]), mx.array(soft_p[rows]), mx.array(pos),
+                mx.array(mask))
 
     wts = mx.array(np.tile(np.exp(-np.arange(bsz) / bsz), BLOCKS_PER_SEQ).astype(np.float32))
     lf = lambda P, *b: draft_loss(P, frozen, *b, wts, s, p.rope_theta)  # noqa: E731
