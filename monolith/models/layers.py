@@ -126,9 +126,13 @@ class Experts(_PackMatrix):
 
     def __init__(self, weight, precision, scales=None, tensor_scale=None, shape=None, dtype=mx.float32):
         super().__init__(weight, precision, scales, tensor_scale, shape, dtype, gather=True)
-        if self.mode is None:  # on the CPU an F32 copy (see _PackMatrix), not kept twice
-            self.weight = cast(weight, self.kernel_dtype)
-            self.weight_t = self.weight.swapaxes(-1, -2)
+        if self.mode is None and mx.default_device() == mx.cpu:
+            # an F32 copy (see _PackMatrix) laid out [E, K, N]: the CPU gather_mm is ~5x
+            # slower on the transposed view at 8 rows (0.35 vs 0.07 ms at 8 x 256 x 256)
+            self.weight_t = mx.contiguous(cast(weight, self.kernel_dtype).swapaxes(-1, -2))
+            self.weight = self.weight_t.swapaxes(-1, -2)
+        elif self.mode is None:
+            self.weight_t = weight.swapaxes(-1, -2)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """x [..., 1, K] broadcast against indices [...] -> [..., 1, N]."""
