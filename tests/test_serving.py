@@ -442,6 +442,24 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(pair):
         assert r2.choices[0].text == expected(model, tok, longer, 8)[1]
 
 
+def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pay(pair):
+    from monolith.runtime.scheduler import Fallback
+
+    target_pack, draft, cache = pair
+    model = load_model(target_pack, dtype="float32")
+    tok = load_tokenizer(target_pack)
+    drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
+    backend = SpeculativeBackend(model, drafter, MAX_CONTEXT, fallback=True)
+    assert backend.break_even > 1  # a round costs more than one plain step
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=backend)) as s:
+        client = s.wait_ready().client()
+        messages = [{"role": "user", "content": "Hello there"}]
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0)
+        assert r.choices[0].message.content == expected(model, tok, tok.encode_chat(messages), 40)[1]
+        # the synthetic draft accepts next to nothing: after the first round only probes draft
+        assert 1 <= s.metric("spec_decode_num_drafts_total") <= 2 + 40 // Fallback.PROBE_EVERY
+
+
 # ------------------------------------------------------------------ metrics, concurrency, cancellation
 
 

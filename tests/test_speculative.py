@@ -28,6 +28,7 @@ from monolith.runtime.drafter import Drafter, DraftModelDrafter, Proposal
 from monolith.runtime.sampling import SamplingParams, filtered_probs
 from monolith.runtime.scheduler import (
     CostScheduler,
+    Fallback,
     FixedScheduler,
     ThresholdScheduler,
     make_scheduler,
@@ -541,6 +542,59 @@ def test_schedulers_in_the_loop_keep_greedy_output(model):
         result = generate_speculative(model, oracle, PROMPT, 24, GREEDY, [], 128, scheduler=scheduler)
         assert_same_greedy(model, PROMPT, result.token_ids, reference)
         assert max(result.speculative.proposed_per_round) < GAMMA  # the scheduler cut the block
+
+
+def test_fallback_drafts_until_rounds_stop_paying_and_probes():
+    fallback = Fallback(3.0)
+    assert fallback.speculate()  # no round seen yet
+    fallback.update(8)
+    assert fallback.speculate()
+    for _ in range(6):  # rounds of one token pull the average below 3 tokens per round
+        fallback.update(1)
+    assert fallback.tokens_per_round < 3.0
+    choices = [fallback.speculate() for _ in range(2 * (Fallback.PROBE_EVERY + 1))]
+    assert choices == ([False] * Fallback.PROBE_EVERY + [True]) * 2  # a probe round after every PROBE_EVERY
+    for _ in range(8):  # probes that emit 8 tokens bring drafting back
+        fallback.update(8)
+    assert fallback.speculate() and fallback.speculate()
+    with pytest.raises(ValueError, match="break-even"):
+        Fallback(0.0)
+
+
+def test_fallback_break_even_from_measured_costs():
+    # a round (draft + verify of gamma + 1 rows) costs 3 one-row verifies
+    assert Fallback.from_costs(0.5, [1.0, 1.5, 2.0, 2.5], 3).break_even == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("error_at", [0, 3])
+def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_at):
+    reference = plain_greedy(model, PROMPT, 40)
+    oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at)
+    fallback = Fallback(100.0)  # drafting never pays: plain rounds with probes
+    rounds = []
+
+    def on_round(result, decoder):
+        rounds.append(result.proposed)
+        assert len(oracle.committed) == decoder.cache.offset  # the drafter observed every committed row
+
+    result = generate_speculative(model, oracle, PROMPT, 40, GREEDY, [], 128, on_round=on_round,
+                                  fallback=fallback)
+    assert_same_greedy(model, PROMPT, result.token_ids, reference)
+    stats = result.speculative
+    assert stats.plain_rounds > 0 and stats.rounds + stats.plain_rounds == len(rounds)
+    drafted = [l for l in stats.proposed_per_round if l]  # stats keep the drafted rounds (and a last one-row one)
+    assert rounds[0] == GAMMA and 1 <= len(drafted) <= 1 + len(rounds) // Fallback.PROBE_EVERY
+    assert stats.as_json()["plain_rounds"] == stats.plain_rounds
+
+
+def test_fallback_keeps_sampled_output_reproducible(model):
+    outs = []
+    for _ in range(2):
+        params = SamplingParams(temperature=0.8, seed=7)
+        result = generate_speculative(model, ConstantDrafter(), PROMPT, 30, params, [], 128, fallback=Fallback(100.0))
+        assert result.speculative.plain_rounds > 0
+        outs.append(result.token_ids)
+    assert outs[0] == outs[1]
 
 
 class ConstantDrafter:

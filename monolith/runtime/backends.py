@@ -13,6 +13,7 @@ import mlx.core as mx
 from .decode import check_prompt
 from .events import Outcome, SpecCounters, TokenLogprob
 from .sampling import SamplingParams, key_chain, sample
+from .scheduler import CostScheduler, Fallback, measure_costs
 
 MAX_RESTORE_POINTS = 6  # besides the empty cache; each holds references to the recurrent states
 
@@ -177,13 +178,14 @@ class SpeculativeBackend:
     Session's cache, so a prompt that extends the session prefills only its new tokens
     here too. The drafter's context (draft K/V of the committed rows, rewindable by
     offset) is kept with the session; a drafter without one prefills every prompt
-    whole. No logprobs: the round does not keep the target's rows."""
+    whole. No logprobs: the round does not keep the target's rows. With `fallback`,
+    each request gets a scheduler.Fallback (break-even measured once here): rounds
+    become plain steps while drafting does not pay for that request."""
 
     logprobs = False
 
     def __init__(self, model, drafter, max_context: int, prefill_chunk_size: int = 512,
-                 block_size: int | None = None, scheduler=None):
-        from .scheduler import CostScheduler, measure_costs
+                 block_size: int | None = None, scheduler=None, fallback: bool = False):
         from .speculative import check_block_size
 
         self.model = model
@@ -192,8 +194,12 @@ class SpeculativeBackend:
         self.prefill_chunk_size = prefill_chunk_size
         self.block_size = check_block_size(block_size, drafter.max_proposals)
         self.scheduler = scheduler  # kept across requests: adaptive schedulers learn
-        if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:  # once, not per request
-            scheduler.set_costs(*measure_costs(model, drafter, self.block_size, SamplingParams()))
+        costs = None
+        if fallback or (isinstance(scheduler, CostScheduler) and not scheduler.calibrated):  # once, not per request
+            costs = measure_costs(model, drafter, self.block_size, SamplingParams())
+        if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:
+            scheduler.set_costs(*costs)
+        self.break_even = Fallback.from_costs(*costs, self.block_size).break_even if fallback else None
         self.resumable = hasattr(drafter, "context") and hasattr(getattr(drafter, "draft", None), "rewind_context")
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
@@ -210,7 +216,9 @@ class SpeculativeBackend:
         stops = frozenset(stop_ids)
 
         start = time.perf_counter()
-        decoder = SpeculativeDecoder(model, self.drafter, params, max_context, self.block_size, self.scheduler)
+        fallback = None if self.break_even is None else Fallback(self.break_even)
+        decoder = SpeculativeDecoder(model, self.drafter, params, max_context, self.block_size, self.scheduler,
+                                     fallback=fallback)
         if not self.resumable:
             session.reset()
         cache, cached, _ = session.resume(model, prompt, max_context, new_tokens=1)

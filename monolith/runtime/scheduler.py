@@ -29,6 +29,12 @@ lock the scheduler at l = 0 for good; one extra verify row is cheap.
 `choose` reads the confidences on the host, which costs one more host sync per round
 (the verify's shape depends on them); `fixed`, and the others without a confidence
 head, add none.
+
+`Fallback` decides before a round whether to draft at all: while the recent rounds'
+tokens per round stay below the break-even (a round's cost in plain steps, measured
+once by `measure_costs`), rounds are plain one-row steps, with a speculative probe
+every PROBE_EVERY rounds to notice when drafting pays again. The decision depends only
+on past rounds, so outputs keep their distribution (greedy: equal to plain).
 """
 
 from __future__ import annotations
@@ -160,6 +166,40 @@ class CostScheduler(SurvivalScheduler):
                 break  # the first non-improvement ends the scan
             best_l, best = l, value
         return max(best_l, self._floor(gamma))
+
+
+class Fallback:
+    """Plain rounds while speculation does not pay (module docstring)."""
+
+    PROBE_EVERY = 8  # a speculative round after this many plain ones
+    DECAY = 0.7  # weight of the past in the tokens-per-round average (~3 rounds)
+
+    def __init__(self, break_even: float):
+        if not break_even > 0:
+            raise ValueError(f"the break-even tokens per round must be positive, got {break_even}")
+        self.break_even = float(break_even)
+        self.tokens_per_round: float | None = None  # running average over speculative rounds
+        self.plain_in_a_row = 0
+
+    @classmethod
+    def from_costs(cls, draft_seconds: float, verify_seconds, gamma: int) -> Fallback:
+        """Break-even from `measure_costs`: (T_draft + T_verify(gamma + 1)) / T_verify(1)."""
+        return cls((draft_seconds + verify_seconds[min(gamma, len(verify_seconds) - 1)]) / verify_seconds[0])
+
+    def speculate(self) -> bool:
+        """Draft this round?"""
+        if self.tokens_per_round is None or self.tokens_per_round >= self.break_even:
+            return True
+        self.plain_in_a_row += 1
+        if self.plain_in_a_row > self.PROBE_EVERY:
+            self.plain_in_a_row = 0
+            return True
+        return False
+
+    def update(self, emitted: int) -> None:
+        """After a speculative round that emitted `emitted` tokens (accepted + 1)."""
+        past = self.tokens_per_round
+        self.tokens_per_round = emitted if past is None else self.DECAY * past + (1 - self.DECAY) * emitted
 
 
 def make_scheduler(name: str, max_positions: int = 16, threshold: float | None = None) -> Scheduler:

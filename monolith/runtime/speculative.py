@@ -9,6 +9,10 @@ the gated DeltaNet states are replayed from the pre-verify snapshot over exactly
 rows (`HybridCache.commit`), and the drafter observes their tap features. The bonus is
 the next anchor.
 
+A `Fallback` may make a round a plain one-row step (no draft; the drafter still
+observes the committed row) while the recent rounds emit fewer tokens than a round
+costs in plain steps (scheduler.Fallback).
+
 Limits: a round never emits more tokens than max_tokens or the context allow (the
 sequence, prompt + output, stays within max_context, as in plain decoding), so the
 block shrinks near the end and committed rows never pass max_context - 1; a stop token
@@ -36,7 +40,7 @@ from .cache import Snapshot
 from .decode import GenerationResult, check_request
 from .drafter import Drafter, Proposal
 from .sampling import SamplingParams, filtered_probs, key_chain, sample
-from .scheduler import CostScheduler, FixedScheduler, Scheduler, measure_costs
+from .scheduler import CostScheduler, Fallback, FixedScheduler, Scheduler, measure_costs
 from .stats import SpecStats
 
 DEFAULT_BLOCK_SIZE = 7  # proposals per round: 8 verify rows
@@ -81,6 +85,7 @@ class Block:
     accept_key: mx.array | None
     snapshot: Snapshot | None = None  # the GDN states before the verify
     features: mx.array | None = None  # tap features of the l + 1 verified rows
+    plain: bool = False  # a Fallback chose a one-row round: no draft
 
     @property
     def size(self) -> int:
@@ -103,11 +108,13 @@ class SpeculativeDecoder:
     once, then `round` until done. `generate_speculative` is the loop around it."""
 
     def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int,
-                 block_size: int | None = None, scheduler: Scheduler | None = None, profile: bool = False):
+                 block_size: int | None = None, scheduler: Scheduler | None = None, profile: bool = False,
+                 fallback: Fallback | None = None):
         self.model, self.drafter, self.params = model, drafter, params
         self.max_context = max_context
         self.gamma = check_block_size(block_size, drafter.max_proposals)
         self.scheduler = scheduler or FixedScheduler()
+        self.fallback = fallback
         self.profile = profile
         self.keys = None if params.greedy else key_chain(params.seed)
         self.cache = model.make_cache(max_context)
@@ -154,8 +161,11 @@ class SpeculativeDecoder:
         else:  # the commit runs while the host hands out the tokens and builds the next draft
             mx.async_eval(self.cache.arrays(), self.drafter.arrays())
         committed = time.perf_counter()
-        self.stats.record(result.proposed, result.accepted,
-                          (drafted - started, verified - drafted, committed - verified) if self.profile else None)
+        if block.plain:
+            self.stats.plain_rounds += 1
+        else:
+            self.stats.record(result.proposed, result.accepted,
+                              (drafted - started, verified - drafted, committed - verified) if self.profile else None)
         return result
 
     # The round's stages, separately (the benchmarks time and count each one).
@@ -173,6 +183,8 @@ class SpeculativeDecoder:
         draft_key, accept_key = self._key(), self._key()
         if gamma == 0:  # one row left: a plain decode step
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key)
+        if self.fallback is not None and not self.fallback.speculate():
+            return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         proposal = self.drafter.propose(self.anchor, gamma, self.params, draft_key)
         confidence = None
         if self.scheduler.uses_confidence and proposal.confidence is not None:
@@ -205,7 +217,10 @@ class SpeculativeDecoder:
             self.cache.commit(block.snapshot, accepted + 1)
         self.drafter.observe(block.features[:accepted + 1])
         self.anchor = bonus
-        self.scheduler.update(l, accepted, block.confidence)
+        if block.proposal is not None:
+            self.scheduler.update(l, accepted, block.confidence)
+            if self.fallback is not None:
+                self.fallback.update(accepted + 1)
         return RoundResult([int(t) for t in read[:accepted]] + [bonus], l, accepted)
 
 
@@ -233,11 +248,13 @@ def generate_speculative(
     on_token: Callable[[int], None] | None = None,
     on_round: Callable[[RoundResult, SpeculativeDecoder], None] | None = None,
     profile: bool = False,
+    fallback: Fallback | None = None,
 ) -> GenerationResult:
     """`decode.generate` with a drafter: the same arguments, limits, stop handling and
     result, plus `result.speculative` (rounds, acceptance, stage seconds when profiled).
     A cost scheduler without timings is calibrated first (`measure_costs`, not timed).
-    `on_round(result, decoder)` sees each round after its commit."""
+    `on_round(result, decoder)` sees each round after its commit; a `fallback` turns
+    rounds into plain one-row steps while drafting does not pay (scheduler.Fallback)."""
     prompt = check_request(prompt_ids, model.args.vocab_size, max_tokens, max_context, prefill_chunk_size)
     gamma = check_block_size(block_size, drafter.max_proposals)
     stops = frozenset(int(t) for t in stop_ids)
@@ -245,7 +262,7 @@ def generate_speculative(
         scheduler.set_costs(*measure_costs(model, drafter, gamma, params))
 
     start = time.perf_counter()
-    decoder = SpeculativeDecoder(model, drafter, params, max_context, gamma, scheduler, profile)
+    decoder = SpeculativeDecoder(model, drafter, params, max_context, gamma, scheduler, profile, fallback)
     pending = [decoder.prefill(prompt, prefill_chunk_size)]
     first_at = time.perf_counter()
     out: list[int] = []

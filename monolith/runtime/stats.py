@@ -35,6 +35,7 @@ class SpecStats:
     draft_seconds: float | None = None
     verify_seconds: float | None = None
     commit_seconds: float | None = None
+    plain_rounds: int = 0  # one-row rounds a Fallback chose instead of drafting (not in the above)
 
     def record(self, proposed: int, accepted: int, seconds: tuple[float, float, float] | None = None) -> None:
         if not 0 <= accepted <= proposed <= self.block_size:
@@ -95,5 +96,6 @@ class SpecStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "commit_seconds": self.commit_seconds,
+            "plain_rounds": self.plain_rounds,
             "counters": self.prometheus(),
         }

@@ -28,7 +28,9 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"), help="with a draft (default auto)")
     ap.add_argument("--draft-block-size", type=int, help="with a draft: 1..the checkpoint's block size "
                                                          "(default min(7, block))")
-    ap.add_argument("--spec-sched", choices=("fixed", "threshold", "cost"), help="with a draft (default fixed)")
+    ap.add_argument("--spec-sched", choices=("fixed", "threshold", "cost"),
+                    help="with a draft: proposals verified per round (default: fixed, with plain steps while "
+                         "drafting does not pay; naming a scheduler always drafts)")
     ap.add_argument("--max-context", type=int, default=32768, help="prompt + generated tokens, at most")
     ap.add_argument("--pack", help="the target's pack directory: used as is if it holds a pack, "
                                    "else built there from --model (default: the pack cache)")
@@ -158,7 +160,8 @@ def _speculative_backend(args, model, draft, log):
     try:
         backend = SpeculativeBackend(model, drafter, args.max_context, args.prefill_chunk_size,
                                      args.draft_block_size, make_scheduler(args.spec_sched or "fixed",
-                                                                           max_positions=drafter.max_proposals))
+                                                                           max_positions=drafter.max_proposals),
+                                     fallback=args.spec_sched is None)
     except ValueError as e:  # a block size the draft cannot do
         raise SetupError(f"--draft-block-size: {e}") from None
     return backend, str(draft or args.draft_pack)
