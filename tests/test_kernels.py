@@ -391,7 +391,7 @@ def test_bodies_ship_in_the_wheel_and_load_from_an_install(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("monolith", "metal"):
+    for name in ("monolith", "metal", "packs"):  # packs: the bundled demo pair ships as data files too
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",

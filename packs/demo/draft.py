@@ -3,13 +3,15 @@ tap features as context, then export it as DeepSpec BF16 and DeepSpec NVFP4 (Lit
 style: every matrix W4A16 NVFP4, Markov W1 kept BF16).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/draft.py --out build/demo [--generations 400] [--steps 1800]
+        python packs/demo/draft.py --out build/demo [--generations 400] [--corpus-windows 1200] [--steps 3000]
 
 Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
   1. generate -> OUT/generations.npz: continuations of training-corpus prompts by our
      runtime (the served target, F32 compute), prompt + continuation per row; every other
      one greedy, the rest sampled with the target's generation_config (what serve uses).
-  2. draft    -> OUT/draft_train.npz, OUT/draft_log.json
+  2. draft    -> OUT/draft_train.npz, OUT/draft_log.json: trained on the generations and on
+     random 256-token windows of the training corpus (more contexts than the
+     generations alone: the slot loss distills the target, so any context teaches it)
   3. export   -> OUT/draft-bf16/ (deepspec) and OUT/draft/ (deepspec-nvfp4)
 
 Training mirrors monolith.models.dspark exactly: context C = hidden_norm(fc(taps)) of
@@ -196,36 +198,48 @@ def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, 
 # ---------------------------------------------------------------- stage 2: training
 
 
-def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, force: bool):
+def served_target_rows(out: Path, seqs: np.ndarray, taps) -> tuple[np.ndarray, ...]:
+    """What the served target gives every row of every sequence, through monolith's own
+    runtime on the NVFP4 checkpoint (the one the bundle ships, F32 compute): tap features
+    [N, L, len(taps) * H], its top-TOPK next-token ids and renormalized probabilities
+    [N, L, TOPK], and its argmax [N, L]. The draft learns the quantized target it will
+    serve with, not the BF16 one it was exported from."""
+    from monolith.models import load_model
+
+    model = load_model(out / "target", dtype="float32", cache_dir=out / "packs")
+    feats, ids, probs, greedy = [], [], [], []
+    for seq in seqs:
+        logits, f = model.forward(mx.array(seq), model.make_cache(seq.size), taps=list(taps))
+        top = mx.argpartition(-logits, TOPK - 1, axis=-1)[:, :TOPK]
+        p = mx.take_along_axis(mx.softmax(logits, axis=-1), top, -1)
+        mx.eval(f, top, p)
+        feats.append(np.array(f))
+        ids.append(np.array(top).astype(np.int32))
+        probs.append(np.array(p / p.sum(-1, keepdims=True)))
+        greedy.append(np.array(mx.argmax(logits, -1)).astype(np.int32))
+    return tuple(np.stack(a) for a in (feats, ids, probs, greedy))
+
+
+def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, force: bool,
+                windows: np.ndarray | None = None):
     path = out / "draft_train.npz"
     if path.exists() and not force:
         z = np.load(path)
         return {k: mx.array(z[k]) for k in z.files}
     p, s = T.PRESET, SIZES
     bsz = s.block_size
+    n_generations = len(seqs)
+    if windows is not None:
+        seqs = np.concatenate([seqs, windows])
     mask_id = json.loads((out / "tokenizer.json").read_text())
     mask_id = {t["content"]: t["id"] for t in mask_id["added_tokens"]}["<|mask|>"]
     P, frozen = init_draft(p.hidden_size, p.vocab_size, s, seed, target_P)
-    Pt = {k: v.astype(mx.bfloat16).astype(mx.float32) for k, v in target_P.items()}  # served weights
-
-    # target tap features of every sequence (one batched forward per 8 sequences)
     t0 = time.time()
-    feats, soft_ids, soft_p, greedy = [], [], [], []
-    for i in range(0, len(seqs), 8):
-        logits, taps, _ = M.forward(Pt, mx.array(seqs[i:i + 8]), p, taps=s.target_layer_ids)
-        f = mx.concatenate([taps[j] for j in s.target_layer_ids], axis=-1)
-        ids = mx.argpartition(-logits, TOPK - 1, axis=-1)[..., :TOPK]
-        probs = mx.take_along_axis(mx.softmax(logits, axis=-1), ids, -1)
-        mx.eval(f, ids, probs)
-        feats.append(np.array(f))
-        soft_ids.append(np.array(ids).astype(np.int32))
-        soft_p.append(np.array(probs / probs.sum(-1, keepdims=True)))
-        greedy.append(np.array(mx.argmax(logits, -1)).astype(np.int32))
-    feats, soft_ids, soft_p, greedy = (np.concatenate(a) for a in (feats, soft_ids, soft_p, greedy))
+    feats, soft_ids, soft_p, greedy = served_target_rows(out, seqs, s.target_layer_ids)
     log(f"draft: features {feats.shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
-    n_val = max(4, len(seqs) // 10)
+    n_val = max(4, n_generations // 10)  # validation: the first generations (never trained on)
     L = seqs.shape[1]
-    # anchors inside the generated part only (the draft serves generations)
+    # anchors after the first PROMPT_LEN rows (a generation's prompt, a window's first rows: context only)
     lo, hi = PROMPT_LEN, L - bsz
 
     def make_batch(rng, idx):
@@ -325,14 +339,18 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--generations", type=int, default=400, help="target generations to train on")
-    ap.add_argument("--steps", type=int, default=1800, help="draft training steps")
+    ap.add_argument("--corpus-windows", type=int, default=1200,
+                    help="random training-corpus windows trained on beside the generations")
+    ap.add_argument("--steps", type=int, default=3000, help="draft training steps")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     z = np.load(args.out / "tokens.npz")
     tP = np.load(args.out / "target_train.npz")
     target_P = {k: mx.array(tP[k]) for k in tP.files}
     seqs = stage_generate(args.out, z["train"], args.generations, args.seed, args.force)
-    P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force)
+    starts = np.random.default_rng(args.seed + 4).integers(0, z["train"].size - seqs.shape[1], args.corpus_windows)
+    windows = np.stack([z["train"][i:i + seqs.shape[1]] for i in starts]).astype(np.int32)
+    P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force, windows)
     for fmt in ("deepspec", "deepspec-nvfp4"):
         d = export_draft(P, args.out, fmt)
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))

@@ -1,15 +1,17 @@
 #!/bin/sh
-# The demo pair in one command (fixed seeds and step counts; about 45 min on 2 CPU cores):
-#   packs/demo/recipe.sh OUT        then   python packs/demo/bundle.py OUT
+# The demo pair in one command (fixed seeds and step counts; about 50 min on 2 CPU cores):
+#   sh packs/demo/recipe.sh OUT        then   python packs/demo/bundle.py OUT
 # tokenizer + target (train.py), the target's generations + DSpark draft (draft.py), then
 # tau / speedup on held-out prompts (bench/acceptance.py -> OUT/acceptance.json).
-# Uses Debian's OpenBLAS for fast F32 GEMMs on MLX's CPU backend when it is installed
-# (apt-get install libopenblas0-pthread).
+# Logs: OUT/train.log, OUT/draft.log, OUT/acceptance.log. Uses Debian's OpenBLAS for
+# fast F32 GEMMs on MLX's CPU backend when it is installed (apt-get install libopenblas0-pthread).
 set -e
 OUT=${1:?usage: recipe.sh OUT}
 HERE=$(dirname "$0")
 BLAS=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 [ -e "$BLAS" ] && export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}"
-python "$HERE/train.py" --out "$OUT" --steps 1200 --seed 0
-python "$HERE/draft.py" --out "$OUT" --generations 400 --steps 1800 --seed 0
-python "$HERE/../../bench/acceptance.py" --pair "$OUT" --json "$OUT/acceptance.json"
+mkdir -p "$OUT"
+python "$HERE/train.py" --out "$OUT" --steps 1200 --seed 0 > "$OUT/train.log" 2>&1
+python "$HERE/draft.py" --out "$OUT" --generations 400 --corpus-windows 1200 --steps 3000 --seed 0 > "$OUT/draft.log" 2>&1
+python "$HERE/../../bench/acceptance.py" --pair "$OUT" --json "$OUT/acceptance.json" > "$OUT/acceptance.log" 2>&1
+tail -n 8 "$OUT/acceptance.log"
