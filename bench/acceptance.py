@@ -28,6 +28,9 @@ Measures (shared/docs/dspark.md 5), gamma = --block-size (7):
   (rounds that accepted position j / rounds that verified j after accepting all before).
   Greedy speculative output must equal plain greedy output (same_as_plain); sampled
   outputs differ from plain ones by construction (same distribution, other draws).
+- "served": what serve and chat run by default, the NVFP4 draft with a
+  scheduler.Fallback (plain one-row rounds while drafting does not pay; break-even from
+  measure_costs): tok/s, speedup, drafted and plain rounds.
 - matched prefix (untimed, greedy proposals): the reference continuation of a prompt is
   the target's plain greedy output. One target forward over prompt + reference gives
   every row's tap features; at every anchor position p of the reference (p = len(prompt)
@@ -250,7 +253,7 @@ def main() -> None:
 
     from monolith.runtime.decode import generate
     from monolith.runtime.sampling import SamplingParams
-    from monolith.runtime.scheduler import make_scheduler
+    from monolith.runtime.scheduler import Fallback, make_scheduler, measure_costs
     from monolith.runtime.speculative import generate_speculative
 
     info = locate_pair(args)
@@ -268,12 +271,15 @@ def main() -> None:
     if args.temperature > 0:
         modes[f"t{args.temperature:g}"] = args.temperature
     greedy = SamplingParams(temperature=0.0)
+    # what serve and chat run by default: the NVFP4 draft with a Fallback to plain steps
+    break_even = Fallback.from_costs(*measure_costs(model, drafters["nvfp4"], gamma, greedy), gamma).break_even
+    log(f"serve's fallback break-even: {break_even:.2f} tokens per round")
 
-    rows = []
+    rows, served_rows = [], []
     for index, prompt in enumerate(prompts):
         seed = args.seed + index
         params = {m: greedy if temp is None else SamplingParams(temperature=temp, seed=seed) for m, temp in modes.items()}
-        runs = {(m, d): [] for m in modes for d in ("plain", *drafters)}
+        runs = {(m, d): [] for m in modes for d in ("plain", *drafters, "served")}
         for _ in range(args.repeats):  # alternating: plain, then each draft, per mode
             for mode, p in params.items():
                 runs[mode, "plain"].append(generate(model, prompt, args.max_tokens, p, [], max_context))
@@ -281,12 +287,20 @@ def main() -> None:
                     runs[mode, label].append(generate_speculative(
                         model, drafter, prompt, args.max_tokens, p, [], max_context, block_size=gamma,
                         scheduler=make_scheduler("fixed")))
+                runs[mode, "served"].append(generate_speculative(
+                    model, drafters["nvfp4"], prompt, args.max_tokens, p, [], max_context, block_size=gamma,
+                    scheduler=make_scheduler("fixed"), fallback=Fallback(break_even)))
         for mode, p in params.items():
             plain = runs[mode, "plain"]
             plain_tok_s = statistics.median(r.decode_tok_s for r in plain)
             base = {"prompt": index, "mode": mode, "seed": None if p.greedy else seed}
             rows.append({**base, "draft": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0,
                          "generated": len(plain[-1].token_ids)})
+            served = runs[mode, "served"]
+            tok_s = statistics.median(r.decode_tok_s for r in served)
+            served_rows.append({**base, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+                                "drafted_rounds": served[-1].speculative.rounds,
+                                "plain_rounds": served[-1].speculative.plain_rounds})
             for label in drafters:
                 row = {**base, "draft": label, **spec_row(runs[mode, label], plain_tok_s)}
                 if p.greedy:
@@ -349,6 +363,13 @@ def main() -> None:
          "value": served["speedup"], "met": served["speedup"] >= GOAL_SPEEDUP, "note": None},
     ]
     summary["goals"] = goals
+    for mode in modes:
+        mine = [r for r in served_rows if r["mode"] == mode]
+        summary[f"{mode}/served"] = {"decode_tok_s": float(np.median([r["decode_tok_s"] for r in mine])),
+                                     "speedup": float(np.median([r["speedup"] for r in mine])),
+                                     "drafted_rounds": sum(r["drafted_rounds"] for r in mine),
+                                     "plain_rounds": sum(r["plain_rounds"] for r in mine),
+                                     "break_even": break_even}
 
     # ------------------------------------------------------------- print
     print(f"pair {info['pair']} ({info['kind']}), target {args.target}, compute dtype {model.dtype}; "
@@ -385,6 +406,11 @@ def main() -> None:
                 s = summary[f"greedy/{label}"]
                 print(f"{'':>7} {label:>6} matched-prefix per position (of anchors matching all before): "
                       f"{positions(s['matched_prefix_per_position'])}")
+    for mode in modes:
+        s = summary[f"{mode}/served"]
+        print(f"{mode:>7} served: NVFP4 draft with serve's fallback (break-even {break_even:.2f} tokens/round): "
+              f"{s['decode_tok_s']:.1f} tok/s, {s['speedup']:.2f}x plain, {s['drafted_rounds']} drafted and "
+              f"{s['plain_rounds']} plain rounds")
     if have_bf16:
         taus = ", ".join(f"tau {mode} {summary[f'nvfp4_over_bf16_tau_{mode}']:.3f}" for mode in modes)
         print(f"NVFP4/BF16 draft: matched prefix {summary['nvfp4_over_bf16_matched_prefix']:.3f}, {taus}")
@@ -411,7 +437,7 @@ def main() -> None:
               "bf16_note": info["bf16_note"], "prompts_source": held_source, "gamma": gamma,
               "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "modes": {m: (0.0 if t is None else t) for m, t in modes.items()},
-              "seed": args.seed, "summary": summary, "rows": rows}
+              "seed": args.seed, "summary": summary, "rows": rows, "served_rows": served_rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     log(f"wrote {args.json}")
