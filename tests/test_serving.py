@@ -17,13 +17,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import mlx.core as mx
+import numpy as np
 import openai
 import pytest
 import uvicorn
 
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime.backends import SpeculativeBackend
+from monolith.runtime.backends import Session, SpeculativeBackend
 from monolith.runtime.decode import generate
 from monolith.runtime.drafter import load_drafter
 from monolith.runtime.engine import Engine
@@ -458,6 +460,24 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
         assert r.choices[0].message.content == expected(model, tok, tok.encode_chat(messages), 40)[1]
         # the synthetic draft accepts next to nothing: after the first round only probes draft
         assert 1 <= s.metric("spec_decode_num_drafts_total") <= 2 + 40 // Fallback.PROBE_EVERY
+    # a session kept after fallback rounds: the draft context caught up with every committed
+    # row, so the next turn, which extends prompt + output, resumes with the draft in step
+    session, prompt, out = Session(), tok.encode_chat(messages), []
+    backend(session, prompt, 25, SamplingParams(), [], lambda t, _: out.append(t) or True)  # ends on plain rounds
+    assert session.draft_context.offset == session.cache.offset == len(prompt) + 24
+    # ... in order: its K/V equal a context that observed all those rows at once
+    committed = prompt + out[:-1]
+    _, features = model.forward(mx.array(committed), model.make_cache(MAX_CONTEXT), taps=drafter.taps)
+    reference = drafter.draft.make_context(MAX_CONTEXT)
+    drafter.draft.append_context(reference, features)
+    for ours, ref in zip(session.draft_context.layers, reference.layers):
+        for a, b in zip(ours.arrays(), ref.arrays()):
+            a, b = np.array(a[:, :, :len(committed)]), np.array(b[:, :, :len(committed)])
+            assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    longer, again = prompt + out + tok.encode(" and more"), []
+    outcome = backend(session, longer, 12, SamplingParams(), [], lambda t, _: again.append(t) or True)
+    assert outcome.cached_tokens == len(prompt) + 24
+    assert again == generate(model, longer, 12, SamplingParams(), [], MAX_CONTEXT).token_ids
 
 
 # ------------------------------------------------------------------ metrics, concurrency, cancellation

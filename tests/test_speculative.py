@@ -573,13 +573,19 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
     fallback = Fallback(100.0)  # drafting never pays: plain rounds with probes
     rounds = []
 
+    decoders = []
+
     def on_round(result, decoder):
         rounds.append(result.proposed)
-        assert len(oracle.committed) == decoder.cache.offset  # the drafter observed every committed row
+        decoders.append(decoder)
+        # plain rounds' rows wait in `unobserved` until the drafter next drafts
+        assert len(oracle.committed) + sum(f.shape[0] for f in decoder.unobserved) == decoder.cache.offset
 
     result = generate_speculative(model, oracle, PROMPT, 40, GREEDY, [], 128, on_round=on_round,
                                   fallback=fallback)
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
+    decoders[-1].sync_drafter()
+    assert len(oracle.committed) == decoders[-1].cache.offset and not decoders[-1].unobserved
     stats = result.speculative
     assert stats.plain_rounds > 0 and stats.rounds + stats.plain_rounds == len(rounds)
     drafted = [l for l in stats.proposed_per_round if l]  # stats keep the drafted rounds (and a last one-row one)

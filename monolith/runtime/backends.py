@@ -257,6 +257,7 @@ class SpeculativeBackend:
                 break
         finally:
             # the cache holds the prompt and every emitted token but the last (the next anchor)
+            decoder.sync_drafter()
             if self.resumable and cache.offset == len(prompt) + len(emitted) - 1:
                 session.mark(prompt + emitted[:-1])
                 session.draft_context = self.drafter.context

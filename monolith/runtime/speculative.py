@@ -9,9 +9,9 @@ the gated DeltaNet states are replayed from the pre-verify snapshot over exactly
 rows (`HybridCache.commit`), and the drafter observes their tap features. The bonus is
 the next anchor.
 
-A `Fallback` may make a round a plain one-row step (no draft; the drafter still
-observes the committed row) while the recent rounds emit fewer tokens than a round
-costs in plain steps (scheduler.Fallback).
+A `Fallback` may make a round a plain one-row step (no draft; the drafter observes the
+rows such rounds commit in one batch before it next drafts, `sync_drafter`) while the
+recent rounds emit fewer tokens than a round costs in plain steps (scheduler.Fallback).
 
 Limits: a round never emits more tokens than max_tokens or the context allow (the
 sequence, prompt + output, stays within max_context, as in plain decoding), so the
@@ -115,6 +115,7 @@ class SpeculativeDecoder:
         self.gamma = check_block_size(block_size, drafter.max_proposals)
         self.scheduler = scheduler or FixedScheduler()
         self.fallback = fallback
+        self.unobserved: list[mx.array] = []  # tap features of rows plain rounds committed
         self.profile = profile
         self.keys = None if params.greedy else key_chain(params.seed)
         self.cache = model.make_cache(max_context)
@@ -159,7 +160,7 @@ class SpeculativeDecoder:
         if self.profile:
             mx.eval(self.cache.arrays())
         else:  # the commit runs while the host hands out the tokens and builds the next draft
-            mx.async_eval(self.cache.arrays(), self.drafter.arrays())
+            mx.async_eval(self.cache.arrays(), self.drafter.arrays(), self.unobserved)
         committed = time.perf_counter()
         if block.plain:
             self.stats.plain_rounds += 1
@@ -185,6 +186,7 @@ class SpeculativeDecoder:
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key)
         if self.fallback is not None and not self.fallback.speculate():
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
+        self.sync_drafter()
         proposal = self.drafter.propose(self.anchor, gamma, self.params, draft_key)
         confidence = None
         if self.scheduler.uses_confidence and proposal.confidence is not None:
@@ -215,13 +217,24 @@ class SpeculativeDecoder:
         accepted, bonus = int(read[l]), int(read[l + 1])
         if accepted < l:  # else the forward's own states are those after all l + 1 rows
             self.cache.commit(block.snapshot, accepted + 1)
-        self.drafter.observe(block.features[:accepted + 1])
+        if block.plain:  # the drafter catches up before it next drafts (sync_drafter)
+            self.unobserved.append(block.features)
+        else:
+            self.sync_drafter()  # rows in order
+            self.drafter.observe(block.features[:accepted + 1])
         self.anchor = bonus
         if block.proposal is not None:
             self.scheduler.update(l, accepted, block.confidence)
             if self.fallback is not None:
                 self.fallback.update(accepted + 1)
         return RoundResult([int(t) for t in read[:accepted]] + [bonus], l, accepted)
+
+    def sync_drafter(self) -> None:
+        """Hand the drafter the rows that plain (fallback) rounds committed, in one
+        observe: before a drafted round, and before the drafter's context is kept."""
+        if self.unobserved:
+            rows, self.unobserved = self.unobserved, []
+            self.drafter.observe(rows[0] if len(rows) == 1 else mx.concatenate(rows))
 
 
 def check_block_size(block_size: int | None, max_proposals: int) -> int:
