@@ -552,8 +552,11 @@ def test_fallback_drafts_until_rounds_stop_paying_and_probes():
     for _ in range(6):  # rounds of one token pull the average below 3 tokens per round
         fallback.update(1)
     assert fallback.tokens_per_round < 3.0
-    choices = [fallback.speculate() for _ in range(2 * (Fallback.PROBE_EVERY + 1))]
-    assert choices == ([False] * Fallback.PROBE_EVERY + [True]) * 2  # a probe round after every PROBE_EVERY
+    choices = [fallback.speculate() for _ in range(Fallback.PROBE_EVERY + 1)]
+    assert choices == [False] * Fallback.PROBE_EVERY + [True]  # a probe round after PROBE_EVERY plain ones
+    fallback.update(1)  # the probe did not pay: the next one waits twice as long
+    choices = [fallback.speculate() for _ in range(2 * Fallback.PROBE_EVERY + 1)]
+    assert choices == [False] * 2 * Fallback.PROBE_EVERY + [True]
     for _ in range(8):  # probes that emit 8 tokens bring drafting back
         fallback.update(8)
     assert fallback.speculate() and fallback.speculate()

@@ -33,7 +33,8 @@ head, add none.
 `Fallback` decides before a round whether to draft at all: while the recent rounds'
 tokens per round stay below the break-even (a round's cost in plain steps, measured
 once by `measure_costs`), rounds are plain one-row steps, with a speculative probe
-every PROBE_EVERY rounds to notice when drafting pays again. The decision depends only
+after PROBE_EVERY of them (waits doubling while probes fail) to notice when drafting
+pays again. The decision depends only
 on past rounds, so outputs keep their distribution (greedy: equal to plain).
 """
 
@@ -169,9 +170,12 @@ class CostScheduler(SurvivalScheduler):
 
 
 class Fallback:
-    """Plain rounds while speculation does not pay (module docstring)."""
+    """Plain rounds while speculation does not pay (module docstring). A probe that does
+    not lift the average above the break-even doubles the wait before the next one (up
+    to MAX_PROBE_EVERY), so a draft that does not fit the text costs ever less."""
 
-    PROBE_EVERY = 8  # a speculative round after this many plain ones
+    PROBE_EVERY = 8  # plain rounds before the first probe
+    MAX_PROBE_EVERY = 64
     DECAY = 0.7  # weight of the past in the tokens-per-round average (~3 rounds)
 
     def __init__(self, break_even: float):
@@ -180,6 +184,8 @@ class Fallback:
         self.break_even = float(break_even)
         self.tokens_per_round: float | None = None  # running average over speculative rounds
         self.plain_in_a_row = 0
+        self.probe_every = self.PROBE_EVERY
+        self.probing = False
 
     @classmethod
     def from_costs(cls, draft_seconds: float, verify_seconds, gamma: int) -> Fallback:
@@ -189,10 +195,11 @@ class Fallback:
     def speculate(self) -> bool:
         """Draft this round?"""
         if self.tokens_per_round is None or self.tokens_per_round >= self.break_even:
+            self.probe_every = self.PROBE_EVERY
             return True
         self.plain_in_a_row += 1
-        if self.plain_in_a_row > self.PROBE_EVERY:
-            self.plain_in_a_row = 0
+        if self.plain_in_a_row > self.probe_every:
+            self.plain_in_a_row, self.probing = 0, True
             return True
         return False
 
@@ -200,6 +207,9 @@ class Fallback:
         """After a speculative round that emitted `emitted` tokens (accepted + 1)."""
         past = self.tokens_per_round
         self.tokens_per_round = emitted if past is None else self.DECAY * past + (1 - self.DECAY) * emitted
+        if self.probing and self.tokens_per_round < self.break_even:
+            self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
+        self.probing = False
 
 
 def make_scheduler(name: str, max_positions: int = 16, threshold: float | None = None) -> Scheduler:
