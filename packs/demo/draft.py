@@ -3,7 +3,7 @@ tap features as context, then export it as DeepSpec BF16 and DeepSpec NVFP4 (Lit
 style: every matrix W4A16 NVFP4, Markov W1 kept BF16).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/draft.py --out build/demo [--generations 400] [--corpus-windows 1200] [--steps 3000]
+        python packs/demo/draft.py --out build/demo [--generations 400] [--corpus-windows 2400] [--steps 6000]
 
 Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
   1. generate -> OUT/generations.npz: continuations of training-corpus prompts by our
@@ -339,9 +339,9 @@ def main():
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--generations", type=int, default=400, help="target generations to train on")
-    ap.add_argument("--corpus-windows", type=int, default=1200,
+    ap.add_argument("--corpus-windows", type=int, default=2400,
                     help="random training-corpus windows trained on beside the generations")
-    ap.add_argument("--steps", type=int, default=3000, help="draft training steps")
+    ap.add_argument("--steps", type=int, default=6000, help="draft training steps")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     z = np.load(args.out / "tokens.npz")
