@@ -34,8 +34,8 @@ head, add none.
 tokens per round stay below the break-even (a round's cost in plain steps, measured
 once by `measure_costs`), rounds are plain one-row steps, with a speculative probe
 after PROBE_EVERY of them (waits doubling while probes fail) to notice when drafting
-pays again. The decision depends only
-on past rounds, so outputs keep their distribution (greedy: equal to plain).
+pays again. The decision depends only on past rounds, so outputs keep their
+distribution (greedy: equal to plain).
 """
 
 from __future__ import annotations
