@@ -203,6 +203,15 @@ class Fallback:
             return True
         return False
 
+    def plain_run(self) -> int:
+        """After speculate() said no: the plain rounds left before the next probe, this
+        one included."""
+        return self.probe_every - self.plain_in_a_row + 1
+
+    def skip(self, rounds: int) -> None:
+        """Count `rounds` more plain rounds (run together with the one speculate() chose)."""
+        self.plain_in_a_row += rounds
+
     def update(self, emitted: int) -> None:
         """After a speculative round that emitted `emitted` tokens (accepted + 1)."""
         past = self.tokens_per_round

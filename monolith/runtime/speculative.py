@@ -44,6 +44,7 @@ from .scheduler import CostScheduler, Fallback, FixedScheduler, Scheduler, measu
 from .stats import SpecStats
 
 DEFAULT_BLOCK_SIZE = 7  # proposals per round: 8 verify rows
+PLAIN_RUN = 8  # plain steps a fallback round runs at most (tokens reach the caller per round)
 
 
 def accept_greedy(proposed: mx.array, logits: mx.array) -> mx.array:
@@ -142,13 +143,14 @@ class SpeculativeDecoder:
             if not last:
                 mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph, as model.prefill does
         self.anchor = int(sample(logits[-1], self.params, self._key()).item())
-        cache.record = True
         return self.anchor
 
     def round(self, max_new: int) -> RoundResult:
         """One round emitting at most `max_new` tokens (and never past max_context)."""
         started = time.perf_counter()
         block = self.draft(max_new)
+        if block.plain:
+            return self.plain_steps(max_new)
         if self.profile:
             mx.eval(block.arrays())
         else:
@@ -162,12 +164,37 @@ class SpeculativeDecoder:
         else:  # the commit runs while the host hands out the tokens and builds the next draft
             mx.async_eval(self.cache.arrays(), self.drafter.arrays(), self.unobserved)
         committed = time.perf_counter()
-        if block.plain:
-            self.stats.plain_rounds += 1
-        else:
-            self.stats.record(result.proposed, result.accepted,
-                              (drafted - started, verified - drafted, committed - verified) if self.profile else None)
+        self.stats.record(result.proposed, result.accepted,
+                          (drafted - started, verified - drafted, committed - verified) if self.profile else None)
         return result
+
+    def plain_steps(self, max_new: int) -> RoundResult:
+        """The plain rounds a Fallback chose, up to its next probe (at most PLAIN_RUN, and
+        within max_new and the context): one-row steps pipelined as decode.generate (the
+        next step is queued before the current token is read), no tapes; their tap
+        features wait in `unobserved` for the drafter. Reported as one result."""
+        room = min(max_new, self.max_context - self.cache.offset - 1, PLAIN_RUN)
+        n = max(1, min(room, self.fallback.plain_run()))
+        self.fallback.skip(n - 1)
+        cache, taps = self.cache, self.drafter.taps
+        cache.record = False
+
+        def step(token: mx.array):
+            logits, features = self.model.forward(token, cache, taps=taps)
+            token = sample(logits[-1], self.params, self._key()).reshape(1).astype(mx.int32)
+            mx.async_eval(token, features)
+            return token, features
+
+        pending, tokens = step(mx.array([self.anchor], dtype=mx.int32)), []
+        for i in range(n):
+            token, features = pending
+            if i + 1 < n:
+                pending = step(token)
+            tokens.append(int(token.item()))
+            self.unobserved.append(features)
+        self.anchor = tokens[-1]
+        self.stats.plain_rounds += n
+        return RoundResult(tokens, 0, 0)
 
     # The round's stages, separately (the benchmarks time and count each one).
 
@@ -196,10 +223,12 @@ class SpeculativeDecoder:
         return Block(proposal, confidence, proposed, accept_key)
 
     def verify(self, block: Block) -> mx.array:
-        """One target forward over [anchor, x_1..x_l] (GDN tapes recorded, taps
-        captured) and the acceptance test: [x_1..x_l, a, bonus] int32 (lazy)."""
+        """One target forward over [anchor, x_1..x_l] (GDN tapes recorded when there are
+        proposals to reject, taps captured) and the acceptance test: [x_1..x_l, a, bonus]
+        int32 (lazy)."""
         cache, l = self.cache, block.size
         cache.check(1 + l)
+        cache.record = l > 0  # a one-row round keeps its row: no replay (tapes cost ~0.5 ms a step on the CPU)
         block.snapshot = cache.snapshot()
         rows = mx.concatenate([mx.array([self.anchor], dtype=mx.int32), block.proposed])
         logits, block.features = self.model.forward(rows, cache, taps=self.drafter.taps)
@@ -217,11 +246,8 @@ class SpeculativeDecoder:
         accepted, bonus = int(read[l]), int(read[l + 1])
         if accepted < l:  # else the forward's own states are those after all l + 1 rows
             self.cache.commit(block.snapshot, accepted + 1)
-        if block.plain:  # the drafter catches up before it next drafts (sync_drafter)
-            self.unobserved.append(block.features)
-        else:
-            self.sync_drafter()  # rows in order
-            self.drafter.observe(block.features[:accepted + 1])
+        self.sync_drafter()  # rows in order
+        self.drafter.observe(block.features[:accepted + 1])
         self.anchor = bonus
         if block.proposal is not None:
             self.scheduler.update(l, accepted, block.confidence)
