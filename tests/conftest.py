@@ -19,6 +19,14 @@ def packed_weights_by_default():
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def report_measured(request):
+    """After a module's tests, print what it recorded in its MEASURED dict (pytest -s)."""
+    yield
+    for label, value in sorted(getattr(request.module, "MEASURED", {}).items()):
+        print(f"{label}: {value}")
+
+
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory):
     """synth_dir(kind, format, **kw) -> path of a synthetic checkpoint, cached per session."""

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from dspark_reference import ReferenceDraft
+from numeric import rel
 from reference.speculators_dspark_heads import ConfidenceHead as TorchConfidenceHead
 from reference.speculators_dspark_heads import MarkovHead as TorchMarkovHead
 
@@ -51,17 +52,6 @@ DRAFTS = {
     # a reduced vocabulary reaching target id 459
     "speculators-460": ("speculators", "none", "vanilla", {"draft_vocab_size": 460}),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_measured():
-    yield
-    for label, value in sorted(MEASURED.items()):
-        print(f"{label}: {value}")
-
-
-def rel(ours, ref) -> float:
-    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 def np32(a: mx.array) -> np.ndarray:

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from metal_emulator import requires_emulator, run_kernel
+from numeric import rel
 
 from monolith.kernels import kernel as kernel_module
 from monolith.models import load_model
@@ -58,11 +59,6 @@ def emulated(monkeypatch):
     monkeypatch.setattr(kernel_module, "backend", lambda: "metal")
     monkeypatch.setattr(kernel_module.MetalKernel, "__call__", call)
     return calls
-
-
-def rel(a, b) -> float:
-    a, b = np.array(a, np.float64), np.array(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def run_pair(target, draft) -> dict[str, mx.array]:

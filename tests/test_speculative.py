@@ -17,6 +17,7 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from numeric import rel
 from scipy import stats as scipy_stats
 
 from monolith.generate import main
@@ -93,11 +94,6 @@ def assert_same_greedy(model, prompt, got, want):
         i, margin = parting
         assert margin < NEAR_TIE, f"speculative output parts from plain at token {i} with margin {margin:.4g}"
         pytest.skip(f"outputs part at a near-tie (token {i}, margin {margin:.3g}): not a bug")
-
-
-def rel(a, b) -> float:
-    b = np.asarray(b, np.float64)
-    return float(np.abs(np.asarray(a, np.float64) - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 # ------------------------------------------------------------------ oracle drafters

@@ -11,6 +11,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from numeric import rel
 
 from monolith import formats
 from monolith.models import load_model
@@ -39,17 +40,6 @@ CONFIGS = {
     "dense-all-attention": (Preset(num_hidden_layers=2, full_attention_interval=1), True),
 }
 MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest -s
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report_measured():
-    yield
-    for label, value in sorted(MEASURED.items()):
-        print(f"{label}: {value}")
-
-
-def rel(ours, ref) -> float:
-    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")

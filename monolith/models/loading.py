@@ -15,6 +15,7 @@ On a GPU weights stay in pack precision.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -119,19 +120,12 @@ def use_dense(manifest: dict) -> bool:
     """Dense F32 weights: on the CPU, when they fit in DENSE_MEMORY_SHARE of memory."""
     if mx.default_device() != mx.cpu:
         return False
-    elements = sum(_elements(e["shape"]) for e in manifest["entries"].values() if e["kind"] in ("linear", "experts"))
+    elements = sum(math.prod(e["shape"]) for e in manifest["entries"].values() if e["kind"] in ("linear", "experts"))
     return 4 * elements <= DENSE_MEMORY_SHARE * physical_memory()
 
 
 def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _elements(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _read_json(path: Path, required: bool) -> dict | None:

@@ -13,7 +13,8 @@ from .runner import EmulatorError, OutOfBounds, emulation_unit, run
 # ucontext fibers, Linux mmap flags and ELF symbol tables (nm): Linux only. On a Mac,
 # tests/test_metal_real.py runs the real kernels instead.
 requires_emulator = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                       reason="the Metal emulator runs on Linux only")
+                                       reason="the Metal emulator needs Linux (ucontext fibers, mmap, ELF); "
+                                              "on a Mac tests/test_metal_real.py runs the real kernels")
 
 
 def run_kernel(kernel, launch, **options):
