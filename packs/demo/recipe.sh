@@ -12,6 +12,6 @@ BLAS=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 [ -e "$BLAS" ] && export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}"
 mkdir -p "$OUT"
 python "$HERE/train.py" --out "$OUT" --steps 1200 --seed 0 > "$OUT/train.log" 2>&1
-python "$HERE/draft.py" --out "$OUT" --generations 400 --corpus-windows 2400 --steps 6000 --seed 0 > "$OUT/draft.log" 2>&1
+python "$HERE/draft.py" --out "$OUT" --generations 800 --corpus-windows 2400 --steps 7000 --qat-steps 1500 --seed 0 > "$OUT/draft.log" 2>&1
 python "$HERE/../../bench/acceptance.py" --pair "$OUT" --json "$OUT/acceptance.json" > "$OUT/acceptance.log" 2>&1
 tail -n 8 "$OUT/acceptance.log"

@@ -1,0 +1,87 @@
+"""Pieces of the demo pair's recipe (packs/demo/draft.py) that the bundle depends on:
+quantization-aware training sees exactly what the NVFP4 export decodes to, and a larger
+--generations extends an earlier run exactly as one run would."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from monolith.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from monolith.synth import write_target
+
+DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
+RECIPE_MODULES = ("draft", "model", "train", "corpus", "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    """packs/demo/draft.py, imported as the recipe runs it (its directory on sys.path),
+    then its top-level module names taken back out of sys.modules."""
+    saved = {name: sys.modules.pop(name) for name in RECIPE_MODULES if name in sys.modules}
+    sys.path.insert(0, str(DEMO))
+    try:
+        module = importlib.import_module("draft")
+    finally:
+        sys.path.remove(str(DEMO))
+        for name in RECIPE_MODULES:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+    return module
+
+
+def bf16_values(a: np.ndarray) -> np.ndarray:
+    return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
+
+
+@pytest.mark.parametrize("magnitude", [0.02, 1.0, 30.0])
+def test_fake_nvfp4_is_what_the_export_decodes(recipe, magnitude):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((48, 64)).astype(np.float32) * magnitude
+    w[3, :16] = 0.0  # an all-zero block
+    w[7, 20:36] *= 1e-3  # blocks far below the tensor's amax (small E4M3 scales)
+    w = bf16_values(w)
+    q = quantize_nvfp4(w)
+    reference = dequantize_nvfp4(q.packed, q.scales, q.tensor_scale)
+    got = np.array(recipe.fake_nvfp4(mx.array(w)))
+    np.testing.assert_allclose(got, reference, rtol=1e-6, atol=0)
+    assert not np.array_equal(got, w)  # it did quantize
+
+
+def test_fake_nvfp4_of_a_zero_matrix_is_zero_and_passes_gradients_straight_through(recipe):
+    zeros = mx.zeros((4, 32))
+    assert not mx.any(recipe.fake_nvfp4(zeros)).item()
+    w = mx.array(np.random.default_rng(2).standard_normal((8, 32)).astype(np.float32))
+    upstream = mx.array(np.random.default_rng(3).standard_normal((8, 32)).astype(np.float32))
+    grad = mx.grad(lambda x: (recipe.fake_nvfp4(x) * upstream).sum())(w)
+    np.testing.assert_array_equal(np.array(grad), np.array(upstream))
+
+
+def test_quantized_names_are_the_nvfp4_export_matrices(recipe):
+    assert recipe.quantized("layers.0.self_attn.q_proj.weight")
+    assert recipe.quantized("layers.1.mlp.down_proj.weight")
+    assert recipe.quantized("fc.weight") and recipe.quantized("markov_head.markov_w2.weight")
+    for kept in ("markov_head.markov_w1.weight", "confidence_head.proj.weight", "hidden_norm.weight",
+                 "layers.0.self_attn.q_norm.weight", "layers.0.input_layernorm.weight"):
+        assert not recipe.quantized(kept)
+
+
+def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path):
+    target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
+    stream = np.random.default_rng(4).integers(0, 200, 4096).astype(np.int32)
+    one_run, extended = tmp_path / "one", tmp_path / "extended"
+    for out in (one_run, extended):
+        out.mkdir()
+        (out / "target-bf16").symlink_to(target, target_is_directory=True)
+    first = recipe.stage_generate(extended, stream, 2, seed=0, force=False)
+    direct = recipe.stage_generate(one_run, stream, 4, seed=0, force=False)
+    grown = recipe.stage_generate(extended, stream, 4, seed=0, force=False)
+    assert first.shape == (2, recipe.PROMPT_LEN + recipe.GEN_LEN)
+    np.testing.assert_array_equal(grown, direct)
+    np.testing.assert_array_equal(grown[:2], first)
+    np.testing.assert_array_equal(recipe.stage_generate(one_run, stream, 3, seed=0, force=False), direct[:3])
