@@ -4,6 +4,7 @@ quantization-aware training sees exactly what the NVFP4 export decodes to, and a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from monolith.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+from monolith.runtime import decode
 from monolith.synth import write_target
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
@@ -71,8 +73,19 @@ def test_quantized_names_are_the_nvfp4_export_matrices(recipe):
         assert not recipe.quantized(kept)
 
 
-def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path):
+def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path, monkeypatch):
     target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
+    real = decode.generate
+    stopped = []
+
+    def generate(model, prompt, *args):  # every third prompt stops early (EOS): skipped, not kept
+        result = real(model, prompt, *args)
+        if sum(prompt) % 3 == 0:
+            stopped.append(prompt)
+            return dataclasses.replace(result, token_ids=result.token_ids[:5], finish_reason="stop")
+        return result
+
+    monkeypatch.setattr(decode, "generate", generate)
     stream = np.random.default_rng(4).integers(0, 200, 4096).astype(np.int32)
     one_run, extended = tmp_path / "one", tmp_path / "extended"
     for out in (one_run, extended):
@@ -85,3 +98,4 @@ def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path):
     np.testing.assert_array_equal(grown, direct)
     np.testing.assert_array_equal(grown[:2], first)
     np.testing.assert_array_equal(recipe.stage_generate(one_run, stream, 3, seed=0, force=False), direct[:3])
+    assert stopped and all(sum(row[:recipe.PROMPT_LEN]) % 3 for row in grown)  # the skips were replayed
