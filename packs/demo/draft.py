@@ -4,7 +4,7 @@ every draft matrix W4A16 NVFP4, Markov W1 kept BF16). Neither export carries an 
 or an lm_head: the runtime binds the target's (dspark.md 1), the ones the draft trained with.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/draft.py --out build/demo [--generations 800] [--corpus-windows 2400] \
+        python packs/demo/draft.py --out build/demo [--generations 1200] [--corpus-windows 2400] \
             [--steps 7000] [--qat-steps 1500]
 
 Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
@@ -49,7 +49,7 @@ import train as T  # noqa: E402
 
 from monolith.synth.draft import DraftSizes  # noqa: E402
 
-SIZES = DraftSizes(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
+SIZES = DraftSizes(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
                    target_layer_ids=(1, 2, 3), markov_rank=32, draft_vocab_size=2048, sliding_window=4096,
                    block_size=8)
 PROMPT_LEN = 64
@@ -380,7 +380,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--generations", type=int, default=800, help="target generations to train on")
+    ap.add_argument("--generations", type=int, default=1200, help="target generations to train on")
     ap.add_argument("--corpus-windows", type=int, default=2400,
                     help="random training-corpus windows trained on beside the generations")
     ap.add_argument("--steps", type=int, default=7000, help="draft training steps")

@@ -1,5 +1,5 @@
 #!/bin/sh
-# The demo pair in one command (fixed seeds and step counts; about 65 min on 2 CPU cores, 6 of them the benchmark):
+# The demo pair in one command (fixed seeds and step counts; about 90 min on 2 CPU cores, 4 of them the benchmark):
 #   sh packs/demo/recipe.sh OUT        then   python packs/demo/bundle.py OUT
 # tokenizer + target (train.py), the target's generations + DSpark draft (draft.py), then
 # tau / speedup on held-out prompts (bench/acceptance.py -> OUT/acceptance.json).
@@ -12,6 +12,6 @@ BLAS=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 [ -e "$BLAS" ] && export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}"
 mkdir -p "$OUT"
 python "$HERE/train.py" --out "$OUT" --steps 1200 --seed 0 > "$OUT/train.log" 2>&1
-python "$HERE/draft.py" --out "$OUT" --generations 800 --corpus-windows 2400 --steps 7000 --qat-steps 1500 --seed 0 > "$OUT/draft.log" 2>&1
+python "$HERE/draft.py" --out "$OUT" --generations 1200 --corpus-windows 2400 --steps 7000 --qat-steps 1500 --seed 0 > "$OUT/draft.log" 2>&1
 python "$HERE/../../bench/acceptance.py" --pair "$OUT" --json "$OUT/acceptance.json" > "$OUT/acceptance.log" 2>&1
 tail -n 8 "$OUT/acceptance.log"
