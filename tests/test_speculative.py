@@ -571,9 +571,7 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
     reference = plain_greedy(model, PROMPT, 40)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at)
     fallback = Fallback(100.0)  # drafting never pays: plain rounds with probes
-    rounds = []
-
-    decoders = []
+    rounds, decoders = [], []
 
     def on_round(result, decoder):
         rounds.append(result.proposed)

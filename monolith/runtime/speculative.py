@@ -22,9 +22,9 @@ Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The draft and the c
 are queued with mx.async_eval as soon as their graphs exist, so the GPU works while the
 host builds the next stage (as plain decoding overlaps its steps; on MLX's CPU stream
 async_eval returns only once the queue is nearly drained, so there little overlaps).
-The threshold and cost schedulers add one when the drafter has a confidence head (the verify's row count
-depends on the confidences), and `profile=True` evaluates each stage before the next
-(to time draft, verify and commit separately) at the price of two more.
+The threshold and cost schedulers add one when the drafter has a confidence head (the
+verify's row count depends on the confidences), and `profile=True` evaluates each stage
+before the next (to time draft, verify and commit separately) at the price of two more.
 """
 
 from __future__ import annotations

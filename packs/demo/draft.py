@@ -47,6 +47,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 
+from monolith.formats.codecs import (  # noqa: E402
+    E2M1_MAGNITUDES,
+    E2M1_MAX,
+    E4M3_MAX,
+    E4M3_MIN_SUBNORMAL,
+)
+from monolith.formats.nvfp4 import BLOCK  # noqa: E402
 from monolith.synth.draft import DraftSizes  # noqa: E402
 
 SIZES = DraftSizes(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
@@ -207,13 +214,13 @@ def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, 
     return loss + 0.1 * bce, (ce.mean(), correct.mean(), bce)
 
 
-E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the grid 0 .5 1 1.5 2 3 4 6
-E2M1_GRID = mx.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_GRID = mx.array(E2M1_MAGNITUDES)
+E2M1_MIDPOINTS = [float(m) for m in (E2M1_MAGNITUDES[:-1] + E2M1_MAGNITUDES[1:]) / 2]  # exact in float32
 
 
 def quantized(name: str) -> bool:
-    """The trainable matrices the NVFP4 export quantizes (Markov W1, norms and the
-    confidence head stay BF16; embedding and lm_head are the target's)."""
+    """The trainable matrices the NVFP4 export quantizes and QAT trains through (Markov
+    W1, norms and the confidence head stay BF16; embedding and lm_head are the target's)."""
     return name.endswith("_proj.weight") or name in ("fc.weight", "markov_head.markov_w2.weight")
 
 
@@ -222,12 +229,12 @@ def fake_nvfp4(w: mx.array) -> mx.array:
     tensor scale amax / (6 * 448), E4M3 block scales per 16 columns, E2M1 codes rounded
     half to even), with a straight-through gradient: quantization-aware training."""
     n, k = w.shape
-    tensor_scale = mx.max(mx.abs(w)) / (6.0 * 448.0)
-    blocks = w.reshape(n, k // 16, 16)
+    tensor_scale = mx.max(mx.abs(w)) / (E2M1_MAX * E4M3_MAX)
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
     amax = mx.max(mx.abs(blocks), axis=-1, keepdims=True)
-    scale = mx.clip(mx.where(amax == 0, 1.0, amax / (6.0 * tensor_scale)), 2.0**-9, 448.0)
+    scale = mx.clip(mx.where(amax == 0, 1.0, amax / (E2M1_MAX * tensor_scale)), E4M3_MIN_SUBNORMAL, E4M3_MAX)
     divisor = mx.from_fp8(mx.to_fp8(scale), mx.float32) * tensor_scale
-    x = mx.clip(mx.where(divisor == 0, 0.0, blocks / divisor), -6.0, 6.0)  # an all-zero matrix stays zero
+    x = mx.clip(mx.where(divisor == 0, 0.0, blocks / divisor), -E2M1_MAX, E2M1_MAX)  # an all-zero matrix stays zero
     mag = mx.abs(x)
     index = sum(((mag >= m) if i % 2 else (mag > m)).astype(mx.int32) for i, m in enumerate(E2M1_MIDPOINTS))
     q = (mx.where(x < 0, -1.0, 1.0) * E2M1_GRID[index] * divisor).reshape(n, k)
@@ -357,12 +364,7 @@ def export_draft(P, out: Path, fmt: str) -> Path:
     config = sd.deepspec_config(tc, s, "vanilla", ids["<|mask|>"])
     quantize = fmt == "deepspec-nvfp4"
 
-    def scheme_of(prm):
-        if not quantize or prm.init in ("norm1", "bias", "markov") or prm.name.startswith("confidence_head"):
-            return "bf16"
-        return "w4a16"
-
-    units = [Unit((prm,), scheme_of(prm)) for prm in params]
+    units = [Unit((prm,), "w4a16" if quantize and quantized(prm.name) else "bf16") for prm in params]
     if quantize:
         hf_quant, lithos = sd.nvfp4_export_config(units, ["markov_w1"])
         config["lithos_quantization"] = lithos
