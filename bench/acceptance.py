@@ -30,7 +30,7 @@ Measures (shared/docs/dspark.md 5), gamma = --block-size (7):
   outputs differ from plain ones by construction (same distribution, other draws).
 - "served": what serve and chat run by default, the NVFP4 draft with a
   scheduler.Fallback (plain one-row rounds while drafting does not pay; break-even from
-  measure_costs): tok/s, speedup, drafted and plain rounds.
+  speculative.measure_break_even): tok/s, speedup, drafted and plain rounds.
 - matched prefix (untimed, greedy proposals): the reference continuation of a prompt is
   the target's plain greedy output. One target forward over prompt + reference gives
   every row's tap features; at every anchor position p of the reference (p = len(prompt)
@@ -255,8 +255,8 @@ def main() -> None:
 
     from monolith.runtime.decode import generate
     from monolith.runtime.sampling import SamplingParams
-    from monolith.runtime.scheduler import Fallback, make_scheduler, measure_costs
-    from monolith.runtime.speculative import generate_speculative
+    from monolith.runtime.scheduler import Fallback, make_scheduler
+    from monolith.runtime.speculative import generate_speculative, measure_break_even
 
     info = locate_pair(args)
     t = time.time()
@@ -274,7 +274,7 @@ def main() -> None:
         modes[f"t{args.temperature:g}"] = args.temperature
     greedy = SamplingParams(temperature=0.0)
     # what serve and chat run by default: the NVFP4 draft with a Fallback to plain steps
-    break_even = Fallback.from_costs(*measure_costs(model, drafters["nvfp4"], gamma, greedy), gamma).break_even
+    break_even = measure_break_even(model, drafters["nvfp4"], gamma, greedy)
     log(f"serve's fallback break-even: {break_even:.2f} tokens per round")
 
     rows, served_rows = [], []

@@ -41,6 +41,7 @@ from monolith.runtime.speculative import (
     accept_greedy,
     accept_sampled,
     generate_speculative,
+    measure_break_even,
 )
 from monolith.runtime.stats import SpecStats
 
@@ -561,9 +562,24 @@ def test_fallback_drafts_until_rounds_stop_paying_and_probes():
         Fallback(0.0)
 
 
-def test_fallback_break_even_from_measured_costs():
-    # a round (draft + verify of gamma + 1 rows) costs 3 one-row verifies
-    assert Fallback.from_costs(0.5, [1.0, 1.5, 2.0, 2.5], 3).break_even == pytest.approx(3.0)
+def test_fallback_tells_ahead_whether_the_next_round_is_plain():
+    fallback = Fallback(3.0)
+    assert not fallback.plain_next()  # no round seen yet: the next one drafts
+    fallback.update(1)
+    for _ in range(2 * Fallback.PROBE_EVERY + 2):
+        expected = fallback.plain_next()
+        assert fallback.plain_next() == expected  # asking changes nothing
+        assert fallback.speculate() == (not expected)
+    fallback.update(8)
+    assert not fallback.plain_next()
+
+
+def test_measure_break_even_times_rounds_against_pipelined_plain_steps(model):
+    drafter = ConstantDrafter()
+    break_even = measure_break_even(model, drafter, 3, GREEDY, context=16, repeats=2)
+    assert break_even > 1  # a round (a draft and a 4-row verify) costs more than a plain step
+    # the scratch decoder's rows: the context, warm-up + 2 rounds of 1 token, 3 runs of PLAIN_RUN
+    assert drafter.rows == 16 + 3 + 3 * PLAIN_RUN
 
 
 @pytest.mark.parametrize("error_at", [0, 3])
@@ -578,7 +594,11 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
         decoders.append(decoder)
         assert len(result.tokens) <= PLAIN_RUN or result.proposed > 0
         # plain rounds' rows wait in `unobserved` until the drafter next drafts
-        assert len(oracle.committed) + sum(f.shape[0] for f in decoder.unobserved) == decoder.cache.offset
+        assert len(oracle.committed) + sum(f.shape[0] for f in decoder.unobserved) == decoder.committed
+        # a plain round followed by another leaves that round's first step queued (its row in the cache)
+        queued = result.proposed == 0 and fallback.plain_next()
+        assert (decoder.queued is not None) == queued
+        assert decoder.cache.offset == decoder.committed + queued
 
     result = generate_speculative(model, oracle, PROMPT, 40, GREEDY, [], 128, on_round=on_round,
                                   fallback=fallback)
@@ -591,6 +611,29 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
     drafted = [l for l in stats.proposed_per_round if l]  # stats keep the drafted rounds (and a last one-row one)
     assert rounds[0] == GAMMA and 1 <= len(drafted) <= 1 + 39 // Fallback.PROBE_EVERY
     assert stats.as_json()["plain_rounds"] == stats.plain_rounds
+
+
+def test_queued_plain_steps_stop_at_the_context_and_leave_when_a_round_drafts(model):
+    # plain rounds up to a full context: the queued step never takes a row past it
+    reference = plain_greedy(model, PROMPT, 40, max_context=len(PROMPT) + 40)
+    result = generate_speculative(model, ConstantDrafter(), PROMPT, 100, GREEDY, [], len(PROMPT) + 40,
+                                  fallback=Fallback(100.0))
+    assert result.token_ids == reference and result.finish_reason == "length"
+    # a probe after queued plain rounds: the queued row is dropped before the draft, and the
+    # drafter observes exactly the committed rows
+    reference = plain_greedy(model, PROMPT, 60)
+    oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=0)
+    fallback = Fallback(100.0)
+    probes = []
+
+    def on_round(result, decoder):
+        if result.proposed:
+            probes.append(decoder.cache.offset)
+            assert decoder.queued is None and len(oracle.committed) == decoder.cache.offset
+
+    result = generate_speculative(model, oracle, PROMPT, 60, GREEDY, [], 128, on_round=on_round, fallback=fallback)
+    assert_same_greedy(model, PROMPT, result.token_ids, reference)
+    assert len(probes) >= 3  # the first round and probes after runs of queued plain rounds
 
 
 def test_fallback_keeps_sampled_output_reproducible(model):

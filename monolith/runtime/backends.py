@@ -186,7 +186,7 @@ class SpeculativeBackend:
 
     def __init__(self, model, drafter, max_context: int, prefill_chunk_size: int = 512,
                  block_size: int | None = None, scheduler=None, fallback: bool = False):
-        from .speculative import check_block_size
+        from .speculative import check_block_size, measure_break_even
 
         self.model = model
         self.drafter = drafter
@@ -194,12 +194,9 @@ class SpeculativeBackend:
         self.prefill_chunk_size = prefill_chunk_size
         self.block_size = check_block_size(block_size, drafter.max_proposals)
         self.scheduler = scheduler  # kept across requests: adaptive schedulers learn
-        costs = None
-        if fallback or (isinstance(scheduler, CostScheduler) and not scheduler.calibrated):  # once, not per request
-            costs = measure_costs(model, drafter, self.block_size, SamplingParams())
-        if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:
-            scheduler.set_costs(*costs)
-        self.break_even = Fallback.from_costs(*costs, self.block_size).break_even if fallback else None
+        if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:  # once, not per request
+            scheduler.set_costs(*measure_costs(model, drafter, self.block_size, SamplingParams()))
+        self.break_even = measure_break_even(model, drafter, self.block_size, SamplingParams()) if fallback else None
         self.resumable = hasattr(drafter, "context") and hasattr(getattr(drafter, "draft", None), "rewind_context")
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,

@@ -32,7 +32,7 @@ head, add none.
 
 `Fallback` decides before a round whether to draft at all: while the recent rounds'
 tokens per round stay below the break-even (a round's cost in plain steps, measured
-once by `measure_costs`), rounds are plain one-row steps, with a speculative probe
+once by speculative.measure_break_even), rounds are plain one-row steps, with a speculative probe
 after PROBE_EVERY of them (waits doubling while probes fail) to notice when drafting
 pays again. The decision depends only on past rounds, so outputs keep their
 distribution (greedy: equal to plain).
@@ -187,11 +187,6 @@ class Fallback:
         self.probe_every = self.PROBE_EVERY
         self.probing = False
 
-    @classmethod
-    def from_costs(cls, draft_seconds: float, verify_seconds, gamma: int) -> Fallback:
-        """Break-even from `measure_costs`: (T_draft + T_verify(gamma + 1)) / T_verify(1)."""
-        return cls((draft_seconds + verify_seconds[min(gamma, len(verify_seconds) - 1)]) / verify_seconds[0])
-
     def speculate(self) -> bool:
         """Draft this round?"""
         if self.tokens_per_round is None or self.tokens_per_round >= self.break_even:
@@ -202,6 +197,11 @@ class Fallback:
             self.plain_in_a_row, self.probing = 0, True
             return True
         return False
+
+    def plain_next(self) -> bool:
+        """Will the next speculate() say no? (Asking changes nothing.)"""
+        return (self.tokens_per_round is not None and self.tokens_per_round < self.break_even
+                and self.plain_in_a_row + 1 <= self.probe_every)
 
     def plain_run(self) -> int:
         """After speculate() said no: the plain rounds left before the next probe, this

@@ -11,7 +11,10 @@ the next anchor.
 
 A `Fallback` may make a round a plain one-row step (no draft; the drafter observes the
 rows such rounds commit in one batch before it next drafts, `sync_drafter`) while the
-recent rounds emit fewer tokens than a round costs in plain steps (scheduler.Fallback).
+recent rounds emit fewer tokens than a round costs in plain steps (scheduler.Fallback;
+the break-even is `measure_break_even`). Plain steps are pipelined as in decode.generate,
+and across rounds too: when the next round will be plain as well, the run ends with the
+next step already queued (`Queued`; dropped, and its row rewound, if no round takes it).
 
 Limits: a round never emits more tokens than max_tokens or the context allow (the
 sequence, prompt + output, stays within max_context, as in plain decoding), so the
@@ -98,6 +101,17 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Queued:
+    """A plain step in flight past a run of plain rounds: the anchor's row is in the
+    cache (`snapshot`: the GDN states without it), its tap features and the sampled
+    next token are lazy."""
+
+    token: mx.array  # int32 [1]
+    features: mx.array
+    snapshot: Snapshot
+
+
+@dataclass(frozen=True)
 class RoundResult:
     tokens: list[int]  # emitted: the accepted proposals then the bonus (accepted + 1 tokens)
     proposed: int  # l, proposals verified
@@ -117,6 +131,7 @@ class SpeculativeDecoder:
         self.scheduler = scheduler or FixedScheduler()
         self.fallback = fallback
         self.unobserved: list[mx.array] = []  # tap features of rows plain rounds committed
+        self.queued: Queued | None = None  # a plain step queued for the next plain round
         self.profile = profile
         self.keys = None if params.greedy else key_chain(params.seed)
         self.cache = model.make_cache(max_context)
@@ -168,30 +183,44 @@ class SpeculativeDecoder:
                           (drafted - started, verified - drafted, committed - verified) if self.profile else None)
         return result
 
+    @property
+    def committed(self) -> int:
+        """Rows committed to the cache (a queued step's row is not)."""
+        return self.cache.offset - (self.queued is not None)
+
     def plain_steps(self, max_new: int) -> RoundResult:
         """The plain rounds a Fallback chose, up to its next probe (at most PLAIN_RUN, and
-        within max_new and the context): one-row steps pipelined as decode.generate (the
-        next step is queued before the current token is read), no tapes; their tap
-        features wait in `unobserved` for the drafter. Reported as one result."""
-        room = min(max_new, self.max_context - self.cache.offset - 1, PLAIN_RUN)
-        n = max(1, min(room, self.fallback.plain_run()))
+        within max_new and the context), as one result: `run_plain`, queueing the next
+        step when the Fallback says the next round is plain too."""
+        n = max(1, min(max_new, self.max_context - self.committed - 1, PLAIN_RUN, self.fallback.plain_run()))
         self.fallback.skip(n - 1)
+        return self.run_plain(n, self.fallback.plain_next())
+
+    def run_plain(self, n: int, queue_next: bool) -> RoundResult:
+        """n one-row steps pipelined as decode.generate (the next step is queued before the
+        current token is read), no tapes; their tap features wait in `unobserved` for the
+        drafter. Starts from a queued step if there is one; `queue_next` leaves the step
+        after the last one queued (when the context has room for its row)."""
         cache, taps = self.cache, self.drafter.taps
         cache.record = False
 
-        def step(token: mx.array):
+        def step(token: mx.array) -> Queued:
+            snapshot = cache.snapshot()
             logits, features = self.model.forward(token, cache, taps=taps)
             token = sample(logits[-1], self.params, self._key()).reshape(1).astype(mx.int32)
             mx.async_eval(token, features)
-            return token, features
+            return Queued(token, features, snapshot)
 
-        pending, tokens = step(mx.array([self.anchor], dtype=mx.int32)), []
+        pending = self.queued or step(mx.array([self.anchor], dtype=mx.int32))
+        self.queued, tokens = None, []
         for i in range(n):
-            token, features = pending
+            current = pending
             if i + 1 < n:
-                pending = step(token)
-            tokens.append(int(token.item()))
-            self.unobserved.append(features)
+                pending = step(current.token)
+            elif queue_next and cache.offset + 1 < self.max_context:
+                self.queued = step(current.token)
+            tokens.append(int(current.token.item()))
+            self.unobserved.append(current.features)
         self.anchor = tokens[-1]
         self.stats.plain_rounds += n
         return RoundResult(tokens, 0, 0)
@@ -203,17 +232,17 @@ class SpeculativeDecoder:
         scheduler reads)."""
         if self.anchor is None:
             raise RuntimeError("prefill before the first round")
-        room = min(max_new, self.max_context - self.cache.offset - 1)
+        room = min(max_new, self.max_context - self.committed - 1)
         if room < 1:
-            raise ValueError(f"no room for a round: max_new={max_new}, {self.cache.offset} rows committed "
+            raise ValueError(f"no room for a round: max_new={max_new}, {self.committed} rows committed "
                              f"of max_context={self.max_context}")
         gamma = min(self.gamma, room - 1)  # the bonus is always emitted
         draft_key, accept_key = self._key(), self._key()
+        if gamma and self.fallback is not None and not self.fallback.speculate():
+            return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
+        self.sync_drafter()  # drops a queued plain step
         if gamma == 0:  # one row left: a plain decode step
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key)
-        if self.fallback is not None and not self.fallback.speculate():
-            return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
-        self.sync_drafter()
         proposal = self.drafter.propose(self.anchor, gamma, self.params, draft_key)
         confidence = None
         if self.scheduler.uses_confidence and proposal.confidence is not None:
@@ -256,11 +285,42 @@ class SpeculativeDecoder:
         return RoundResult([int(t) for t in read[:accepted]] + [bonus], l, accepted)
 
     def sync_drafter(self) -> None:
-        """Hand the drafter the rows that plain (fallback) rounds committed, in one
-        observe: before a drafted round, and before the drafter's context is kept."""
+        """Drop a queued plain step (its row leaves the cache) and hand the drafter the
+        rows that plain (fallback) rounds committed, in one observe: before a drafted
+        round, and before the cache and the drafter's context are kept."""
+        if self.queued is not None:
+            self.cache.restore(self.queued.snapshot)
+            self.queued = None
         if self.unobserved:
             rows, self.unobserved = self.unobserved, []
             self.drafter.observe(rows[0] if len(rows) == 1 else mx.concatenate(rows))
+
+
+def measure_break_even(model, drafter: Drafter, gamma: int, params: SamplingParams, context: int = 64,
+                       repeats: int = 6) -> float:
+    """A drafted round's cost in plain steps, as the decoder runs both (scheduler.Fallback's
+    break-even): the time of `repeats` consecutive rounds (draft, verify of gamma + 1
+    rows, commit) per round over the time of `repeats` chained runs of PLAIN_RUN pipelined
+    plain steps per step, each after a warm-up, on a scratch decoder holding `context`
+    random rows. Restarts the drafter: call it before the sequence's `drafter.start`."""
+    prompt = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(0)).tolist()
+    decoder = SpeculativeDecoder(model, drafter, params, context + (repeats + 1) * (gamma + 1 + PLAIN_RUN) + 2,
+                                 gamma, FixedScheduler())
+    decoder.prefill(prompt)
+
+    def seconds(run) -> float:
+        run()  # warm-up
+        mx.eval(decoder.cache.arrays())
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        mx.eval(decoder.cache.arrays(), decoder.unobserved)
+        return time.perf_counter() - start
+
+    round_seconds = seconds(lambda: decoder.round(gamma + 1)) / repeats
+    step_seconds = seconds(lambda: decoder.run_plain(PLAIN_RUN, queue_next=True)) / (repeats * PLAIN_RUN)
+    decoder.sync_drafter()
+    return round_seconds / step_seconds
 
 
 def check_block_size(block_size: int | None, max_proposals: int) -> int:

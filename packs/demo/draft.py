@@ -198,14 +198,18 @@ def draft_forward(P, frozen, feats, x_tokens, pos, mask, s: DraftSizes, rope_the
     return mx.fast.rms_norm(x, P["norm.weight"], EPS)
 
 
-def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, mask, weights, s, rope_theta):
-    """Distillation CE against the target's top-TOPK distribution (soft_ids, soft_p) per slot;
-    accuracy and the confidence head's target: argmax == the target's argmax (labels)."""
+def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, mask, weights, s, rope_theta,
+               hard: float = 0.0):
+    """Distillation CE against the target's top-TOPK distribution (soft_ids, soft_p) per slot,
+    plus `hard` x CE against the target's argmax (labels: what greedy acceptance asks for);
+    accuracy and the confidence head's target: argmax == labels."""
     h = draft_forward(P, frozen, feats, x_tokens, pos, mask, s, rope_theta)
     e = P["markov_head.markov_w1.weight"][prev]
     logits = h @ frozen["lm_head.weight"].T + e @ P["markov_head.markov_w2.weight"].T
     logq = logits - mx.logsumexp(logits, -1, keepdims=True)
     ce = -(soft_p * mx.take_along_axis(logq, soft_ids, -1)).sum(-1)
+    if hard:
+        ce = ce - hard * mx.take_along_axis(logq, labels[..., None], -1)[..., 0]
     loss = (ce * weights).sum() / weights.sum()
     correct = mx.stop_gradient((mx.argmax(logits, -1) == labels).astype(mx.float32))
     conf_in = mx.stop_gradient(mx.concatenate([h, e], axis=-1))
@@ -267,7 +271,7 @@ def served_target_rows(out: Path, seqs: np.ndarray, taps) -> tuple[np.ndarray, .
 
 
 def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, force: bool,
-                windows: np.ndarray | None = None, qat_steps: int = 0):
+                windows: np.ndarray | None = None, qat_steps: int = 0, hard: float = 0.0):
     path = out / "draft_train.npz"
     if path.exists() and not force:
         z = np.load(path)
@@ -301,7 +305,7 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
                 mx.array(mask))
 
     wts = mx.array(np.tile(np.exp(-np.arange(bsz) / bsz), BLOCKS_PER_SEQ).astype(np.float32))
-    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, s, p.rope_theta)  # noqa: E731
+    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, s, p.rope_theta, hard)  # noqa: E731
 
     def lf_qat(P, *b):  # the last qat_steps: the forward sees the NVFP4 export's values
         return lf({k: fake_nvfp4(v) if quantized(k) else v for k, v in P.items()}, *b)
@@ -388,6 +392,8 @@ def main():
     ap.add_argument("--steps", type=int, default=7000, help="draft training steps")
     ap.add_argument("--qat-steps", type=int, default=1500,
                     help="the last steps train through the NVFP4 export's values (quantization-aware)")
+    ap.add_argument("--hard-weight", type=float, default=0.0,
+                    help="weight of a cross-entropy on the target's argmax beside the distillation")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     z = np.load(args.out / "tokens.npz")
@@ -396,7 +402,7 @@ def main():
     seqs = stage_generate(args.out, z["train"], args.generations, args.seed, args.force)
     starts = np.random.default_rng(args.seed + 4).integers(0, z["train"].size - seqs.shape[1], args.corpus_windows)
     windows = np.stack([z["train"][i:i + seqs.shape[1]] for i in starts]).astype(np.int32)
-    P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force, windows, args.qat_steps)
+    P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force, windows, args.qat_steps, args.hard_weight)
     for fmt in ("deepspec", "deepspec-nvfp4"):
         d = export_draft(P, args.out, fmt)
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
