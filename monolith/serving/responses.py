@@ -1,0 +1,242 @@
+"""The bodies the HTTP app sends: chat.completion(.chunk) and text_completion objects
+(non-streamed and as Server-Sent Events), usage, and the exact token bytes that
+logprobs report (serving.md)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from ..runtime.events import Delta, Finished
+from .tools import ToolCallParser, parse_tool_calls
+
+NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage_of(finished: Finished) -> dict:
+    u = finished.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def reason_of(finished: Finished) -> str:
+    return "abort" if finished.finish_reason == "cancelled" else finished.finish_reason
+
+
+# ------------------------------------------------------------------ response formats
+
+
+class ChatFormat:
+    """chat.completion and chat.completion.chunk bodies."""
+
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None):
+        self.id = "chatcmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.tools = tools
+        self.parser = ToolCallParser(tools) if tools else None
+        self.texts: list[str] = []
+        self.entries: list[dict] = []  # logprobs not yet sent (streaming) / all of them
+        self.calls_sent = 0
+
+    def collect(self, delta: Delta) -> None:
+        self.texts.append(delta.text)
+        self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
+
+    def response(self, finished: Finished) -> dict:
+        text = "".join(self.texts)
+        calls = []
+        if self.tools:
+            content, calls = parse_tool_calls(text, self.tools)
+        else:
+            content = text
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        reason = "tool_calls" if calls and finished.finish_reason == "stop" else reason_of(finished)
+        choice = {"index": 0, "message": message,
+                  "logprobs": {"content": self.entries} if self.logprobs else None, "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage_of(finished)}
+
+    def _chunk(self, delta: dict, finish_reason=None, include_usage=False, with_logprobs=True) -> dict:
+        logprobs = None
+        if self.logprobs and with_logprobs:
+            logprobs, self.entries = {"content": self.entries}, []
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def stream_start(self, include_usage: bool) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""}, include_usage=include_usage, with_logprobs=False)]
+
+    def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
+        self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
+        if self.parser is None:
+            content, calls = delta.text, []
+        else:
+            content, calls = self.parser.feed(delta.text)
+        return self._pieces(content, calls, include_usage)
+
+    def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
+        chunks = []
+        if self.parser is not None:
+            content, calls = self.parser.finish()
+            if self.parser.calls and not content.strip():
+                content = ""  # whitespace after the calls
+            chunks = self._pieces(content, calls, include_usage)
+        reason = "tool_calls" if self.parser and self.parser.calls and finished.finish_reason == "stop" \
+            else reason_of(finished)
+        chunks.append(self._chunk({}, reason, include_usage))
+        if include_usage:
+            chunks.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model, "choices": [], "usage": usage_of(finished)})
+        return chunks
+
+    def _pieces(self, content: str, calls, include_usage: bool) -> list[dict]:
+        chunks = []
+        if content:
+            chunks.append(self._chunk({"content": content}, include_usage=include_usage))
+        for call in calls:
+            entry = {"index": self.calls_sent, **call.openai()}
+            self.calls_sent += 1
+            chunks.append(self._chunk({"tool_calls": [entry]}, include_usage=include_usage))
+        return chunks
+
+
+class CompletionFormat:
+    """text_completion bodies (the legacy completions API)."""
+
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool):
+        self.id = "cmpl-" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.token_text = token_text
+        self.logprobs = logprobs
+        self.texts: list[str] = []
+        self.lps: list = []
+        self.offset = 0  # text_offset of the next token
+
+    def collect(self, delta: Delta) -> None:
+        self.texts.append(delta.text)
+        self.lps += delta.logprobs
+
+    def _logprobs(self, lps) -> dict | None:
+        if not self.logprobs:
+            return None
+        tt = self.token_text
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            token = tt.text(lp.token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_finite(lp.logprob))
+            out["top_logprobs"].append({tt.text(t): _finite(v) for t, v in lp.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+    def _body(self, text: str, lps, finish_reason, include_usage=False) -> dict:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": self._logprobs(lps),
+                             "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def response(self, finished: Finished) -> dict:
+        body = self._body("".join(self.texts), self.lps, reason_of(finished))
+        body["usage"] = usage_of(finished)
+        return body
+
+    def stream_start(self, include_usage: bool) -> list[dict]:
+        return []
+
+    def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
+        return [self._body(delta.text, delta.logprobs, None, include_usage)]
+
+    def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
+        chunks = [self._body("", (), reason_of(finished), include_usage)]
+        if include_usage:
+            chunks.append({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                           "choices": [], "usage": usage_of(finished)})
+        return chunks
+
+
+# ------------------------------------------------------------------ token text for logprobs
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable character table (byte-level BPE vocabularies)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class TokenText:
+    """The exact bytes of single tokens (a token may hold part of a UTF-8 character),
+    for the `bytes` and `token` fields of logprobs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        data = read_json(tokenizer.path / "tokenizer.json")
+        vocab = (data.get("model") or {}).get("vocab")
+        self.pieces = {i: t for t, i in vocab.items()} if isinstance(vocab, dict) else {}
+        self.added = {t["id"]: t["content"] for t in data.get("added_tokens") or ()}
+        decoder = data.get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+        self.byte_level = "ByteLevel" in kinds
+        self._cache: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        if token_id not in self._cache:
+            self._cache[token_id] = self._bytes(token_id)
+        return self._cache[token_id]
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self.added:
+            return self.added[token_id].encode()
+        piece = self.pieces.get(token_id)
+        if piece is not None and self.byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+    def chat_entry(self, lp) -> dict:
+        def one(token_id, logprob):
+            b = self.bytes(token_id)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": _finite(logprob), "bytes": list(b)}
+
+        entry = one(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [one(t, v) for t, v in lp.top]
+        return entry
+
+
+def _finite(value: float) -> float:
+    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def read_json(path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
