@@ -202,7 +202,7 @@ class SpeculativeBackend:
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False) -> Outcome:
-        from .speculative import SpeculativeDecoder
+        from .speculative import SpeculativeDecoder, run_rounds
 
         if logprobs is not None:
             raise ValueError("logprobs are not available with speculative decoding")
@@ -231,27 +231,9 @@ class SpeculativeBackend:
         if self.resumable:
             session.mark(prompt)
         first_at = time.perf_counter()
-        out: list[int] = []
-        pending, read, stop_token = emitted[:], 0, False
         try:
-            while True:
-                for token_id in pending:
-                    read += 1
-                    if token_id in stops:
-                        finish, stop_token = "stop", True
-                        break
-                    out.append(token_id)
-                    if not on_token(token_id, None) or cancelled():
-                        finish = "abort"
-                        break
-                else:
-                    max_new = min(max_tokens - len(out), room - len(out))
-                    if max_new > 0:
-                        pending = decoder.round(max_new).tokens
-                        emitted += pending
-                        continue
-                    finish = "length"
-                break
+            out, finish, read = run_rounds(decoder, emitted, max_tokens, stops,
+                                           lambda token_id: on_token(token_id, None) and not cancelled())
         finally:
             # the cache holds the prompt and every emitted token but the last (the next anchor)
             decoder.sync_drafter()
@@ -261,7 +243,7 @@ class SpeculativeBackend:
             else:
                 session.reset()
         end = time.perf_counter()
-        return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, stop_token,
+        return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, finish == "stop",
                        spec_counters(decoder.stats))
 
 

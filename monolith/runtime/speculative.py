@@ -362,28 +362,41 @@ def generate_speculative(
 
     start = time.perf_counter()
     decoder = SpeculativeDecoder(model, drafter, params, max_context, gamma, scheduler, profile, fallback)
-    pending = [decoder.prefill(prompt, prefill_chunk_size)]
+    emitted = [decoder.prefill(prompt, prefill_chunk_size)]
     first_at = time.perf_counter()
+
+    def emit(token: int) -> bool:
+        if on_token is not None:
+            on_token(token)
+        return True
+
+    out, finish, read = run_rounds(decoder, emitted, min(max_tokens, max_context - len(prompt)), stops, emit,
+                                   on_round)
+    end = time.perf_counter()
+    return GenerationResult(out, finish, len(prompt), first_at - start, end - first_at, read - 1, decoder.stats)
+
+
+def run_rounds(decoder: SpeculativeDecoder, emitted: list[int], budget: int, stops: frozenset[int],
+               on_token: Callable[[int], bool],
+               on_round: Callable[[RoundResult, SpeculativeDecoder], None] | None = None) -> tuple[list[int], str, int]:
+    """Hand out the tokens in `emitted` (the prefill's first one), then those of rounds,
+    which `emitted` collects, each to `on_token`, until a stop token (not output: "stop"),
+    `budget` output tokens ("length") or `on_token` returning False ("abort"). Returns
+    (output, finish reason, tokens read, a stop token included)."""
     out: list[int] = []
-    read = 0  # tokens read, the stop token included
+    pending, read = list(emitted), 0
     while True:
         for token in pending:
             read += 1
             if token in stops:
-                finish = "stop"
-                break
+                return out, "stop", read
             out.append(token)
-            if on_token is not None:
-                on_token(token)
-        else:
-            max_new = min(max_tokens - len(out), max_context - len(prompt) - len(out))
-            if max_new > 0:
-                result = decoder.round(max_new)
-                if on_round is not None:
-                    on_round(result, decoder)
-                pending = result.tokens
-                continue
-            finish = "length"
-        break
-    end = time.perf_counter()
-    return GenerationResult(out, finish, len(prompt), first_at - start, end - first_at, read - 1, decoder.stats)
+            if not on_token(token):
+                return out, "abort", read
+        if len(out) >= budget:
+            return out, "length", read
+        result = decoder.round(budget - len(out))
+        if on_round is not None:
+            on_round(result, decoder)
+        pending = result.tokens
+        emitted += pending
