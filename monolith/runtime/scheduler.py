@@ -32,10 +32,10 @@ head, add none.
 
 `Fallback` decides before a round whether to draft at all: while the recent rounds'
 tokens per round stay below the break-even (a round's cost in plain steps, measured
-once by speculative.measure_break_even), rounds are plain one-row steps, with a speculative probe
-after PROBE_EVERY of them (waits doubling while probes fail) to notice when drafting
-pays again. The decision depends only on past rounds, so outputs keep their
-distribution (greedy: equal to plain).
+once by speculative.measure_break_even), rounds are plain one-row steps, with a
+speculative probe after PROBE_EVERY of them (waits doubling while probes fail) to
+notice when drafting pays again. The decision depends only on past rounds, so outputs
+keep their distribution (greedy: equal to plain).
 """
 
 from __future__ import annotations
