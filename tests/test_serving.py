@@ -830,6 +830,7 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
     assert "built the demo target pack" in logs[0] and "built the demo draft pack" in logs[0]
     assert "built the demo" not in logs[1]
     assert "loaded the target" in logs[0] and "loading the draft" in logs[0] and "with draft" in logs[0]
+    assert re.search(r"a drafted round costs \d+\.\d plain steps here", logs[0])  # serve's fallback, measured
     assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
 
 

@@ -164,4 +164,7 @@ def _speculative_backend(args, model, draft, log):
                                      fallback=args.spec_sched is None)
     except ValueError as e:  # a block size the draft cannot do
         raise SetupError(f"--draft-block-size: {e}") from None
+    if backend.break_even is not None:
+        log(f"a drafted round costs {backend.break_even:.1f} plain steps here: a request drafts while its "
+            "rounds emit at least that many tokens, and takes plain steps otherwise")
     return backend, str(draft or args.draft_pack)
