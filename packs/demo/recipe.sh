@@ -1,5 +1,5 @@
 #!/bin/sh
-# The demo pair in one command (fixed seeds and step counts; about 90 min on 2 CPU cores, 4 of them the benchmark):
+# The demo pair in one command (fixed seeds and step counts; about 96 min on 2 CPU cores, 9.5 of them the benchmark):
 #   sh packs/demo/recipe.sh OUT        then   python packs/demo/bundle.py OUT
 # tokenizer + target (train.py), the target's generations + DSpark draft (draft.py), then
 # tau / speedup on held-out prompts (bench/acceptance.py -> OUT/acceptance.json).
