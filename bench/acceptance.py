@@ -285,7 +285,9 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0)
     # what serve and chat run by default: the NVFP4 draft with a Fallback to plain steps
     break_even = measure_break_even(model, drafters["nvfp4"], gamma, greedy)
-    log(f"serve's fallback break-even: {break_even:.2f} tokens per round")
+    served_plainly = break_even > gamma + 1  # a round cannot pay: serve decodes plainly (serving.loading)
+    log(f"serve's fallback break-even: {break_even:.2f} tokens per round"
+        + (" (more than a round can emit: serve decodes plainly)" if served_plainly else ""))
 
     rows, served_rows = [], []
     for index, prompt in enumerate(prompts):
@@ -299,7 +301,8 @@ def main() -> None:
                     runs[mode, label].append(generate_speculative(
                         model, drafter, prompt, args.max_tokens, p, [], max_context, block_size=gamma,
                         scheduler=make_scheduler("fixed")))
-                runs[mode, "served"].append(generate_speculative(
+                runs[mode, "served"].append(generate(model, prompt, args.max_tokens, p, [], max_context)
+                                            if served_plainly else generate_speculative(
                     model, drafters["nvfp4"], prompt, args.max_tokens, p, [], max_context, block_size=gamma,
                     scheduler=make_scheduler("fixed"), fallback=Fallback(break_even)))
         for mode, p in params.items():
@@ -310,9 +313,10 @@ def main() -> None:
                          "generated": len(plain[-1].token_ids)})
             served = runs[mode, "served"]
             tok_s = statistics.median(r.decode_tok_s for r in served)
+            spec = served[-1].speculative
             served_rows.append({**base, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
-                                "drafted_rounds": served[-1].speculative.rounds,
-                                "plain_rounds": served[-1].speculative.plain_rounds})
+                                "drafted_rounds": spec.rounds if spec else 0,
+                                "plain_rounds": spec.plain_rounds if spec else served[-1].decode_steps + 1})
             for label in drafters:
                 row = {**base, "draft": label, **spec_row(runs[mode, label], plain_tok_s)}
                 if p.greedy:

@@ -5,6 +5,7 @@ speculative counters, slow prefills and full queues."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -812,9 +813,11 @@ def _stop(proc) -> str:
 def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
     env = {**os.environ, "MONOLITH_CACHE": str(tmp_path / "cache")}
     logs = []
-    for _ in range(2):
+    # the default start (serve's fallback decides from the measured round cost), then one
+    # that drafts whatever the cost (an explicit scheduler has no fallback)
+    for extra in ((), ("--spec-sched", "fixed")):
         port = _free_port()
-        proc = _serve("--port", str(port), "--dtype", "float32", env=env)
+        proc = _serve("--port", str(port), "--dtype", "float32", *extra, env=env)
         try:
             _wait_health(port, proc)
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
@@ -823,15 +826,40 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
                                                max_tokens=3)
             assert r.usage.completion_tokens == 3
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            assert re.search(r"^spec_decode_num_drafts_total [1-9]", metrics, re.M)  # the demo draft is in use
         finally:
             logs.append(_stop(proc))
+    assert re.search(r"^spec_decode_num_drafts_total [1-9]", metrics, re.M)  # the demo draft is in use
     # the first start builds and checks the bundled pair's packs, the second finds them
     assert "built the demo target pack" in logs[0] and "built the demo draft pack" in logs[0]
     assert "built the demo" not in logs[1]
-    assert "loaded the target" in logs[0] and "loading the draft" in logs[0] and "with draft" in logs[0]
-    assert re.search(r"a drafted round costs \d+\.\d plain steps here", logs[0])  # serve's fallback, measured
+    assert "loaded the target" in logs[0] and "loading the draft" in logs[0]
+    # serve's fallback, measured: the draft is used unless a round costs more plain steps
+    # than the 8 tokens it can emit (MLX's Linux CPU wheel without an optimized BLAS)
+    cost = float(re.search(r"a drafted round costs (\d+\.\d) plain steps here", logs[0]).group(1))
+    assert ("with draft" in logs[0]) == (cost <= 8) and ("(plain decoding)" in logs[0]) == (cost > 8)
+    assert "with draft" in logs[1] and "a drafted round costs" not in logs[1]
     assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
+
+
+def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pair):
+    from monolith.runtime import speculative
+    from monolith.serving.loading import _speculative_backend
+
+    target_pack, draft, cache = pair
+    model = load_model(target_pack, dtype="float32")
+    args = argparse.Namespace(draft_quantization="none", draft_pack=None, draft_revision=None, local_files_only=True,
+                              dtype="float32", max_context=MAX_CONTEXT, prefill_chunk_size=512,
+                              draft_block_size=None, spec_sched=None)
+    logs = []
+    for cost, drafts in ((8.0, True), (8.5, False)):  # 7 proposals: a round emits at most 8 tokens
+        monkeypatch.setattr(speculative, "measure_break_even", lambda *a, c=cost, **k: c)
+        backend, name = _speculative_backend(args, model, draft, logs.append)
+        if drafts:
+            assert backend.break_even == cost and name == str(draft)
+        else:
+            assert (backend, name) == (None, None)
+    assert sum("a request drafts while its rounds emit at least that many tokens" in m for m in logs) == 1
+    assert "more than the 8 tokens it can emit: serving with plain decoding" in logs[-1]
 
 
 def test_cli_flags(tmp_path, pack):

@@ -135,7 +135,11 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
 
 
 def _speculative_backend(args, model, draft, log):
-    """The drafter and the engine backend that runs speculative rounds with it."""
+    """The engine backend that runs speculative rounds with the draft, and the draft's
+    name; (None, None) when serve's fallback measures that a drafted round costs more
+    plain steps than the tokens it can emit (drafting can never pay on this machine:
+    e.g. MLX's Linux CPU wheel without an optimized BLAS, where an 8-row verify costs
+    ~13 one-row steps)."""
     if not speculative_available():
         raise SetupError("speculative decoding is not available yet: "
                          f"{' and '.join(SPECULATIVE_MODULES)} are not built")
@@ -164,6 +168,11 @@ def _speculative_backend(args, model, draft, log):
                                      fallback=args.spec_sched is None)
     except ValueError as e:  # a block size the draft cannot do
         raise SetupError(f"--draft-block-size: {e}") from None
+    if backend.break_even is not None and backend.break_even > backend.block_size + 1:
+        log(f"a drafted round costs {backend.break_even:.1f} plain steps here, more than the "
+            f"{backend.block_size + 1} tokens it can emit: serving with plain decoding (--spec-sched fixed "
+            "drafts anyway)")
+        return None, None
     if backend.break_even is not None:
         log(f"a drafted round costs {backend.break_even:.1f} plain steps here: a request drafts while its "
             "rounds emit at least that many tokens, and takes plain steps otherwise")
