@@ -224,9 +224,9 @@ def tau_interval(rows: list[dict], resamples: int = 4000, seed: int = 0) -> list
     return [float(v) for v in np.percentile(taus, [2.5, 97.5])]
 
 
-def matched_positions(counts: list[int], gamma: int) -> list[float | None]:
+def matched_positions(histogram: list[int], gamma: int) -> list[float | None]:
     """Conditional match rate by position: anchors matching j + 1 of those matching j."""
-    at_least = [sum(1 for c in counts if c >= j) for j in range(gamma + 1)]
+    at_least = [sum(histogram[j:]) for j in range(gamma + 1)]
     return [at_least[j + 1] / at_least[j] if at_least[j] else None for j in range(gamma)]
 
 
@@ -331,7 +331,8 @@ def main() -> None:
                 features[taps] = tap_features(model, list(taps), seq, max_context)
             counts = matched_prefix(drafter, seq, len(prompt), gamma, max_context, features[taps])
             rows.append({"prompt": index, "mode": "matched_prefix", "draft": label, "anchors": len(counts),
-                         "matched_prefix": float(np.mean(counts)) if counts else None, "counts": counts})
+                         "matched_prefix": float(np.mean(counts)) if counts else None,
+                         "histogram": np.bincount(counts, minlength=gamma + 1).tolist()})  # anchors matching 0..gamma
         log(f"prompt {index + 1}/{len(prompts)} done ({time.time() - t:.0f}s)")
 
     # ------------------------------------------------------------- summary
@@ -349,11 +350,12 @@ def main() -> None:
                 entry["per_position_acceptance"] = pooled_positions(mine, gamma)
                 if mode == "greedy":
                     entry["same_as_plain"] = all(r["same_as_plain"] for r in mine)
-                    counts = [c for r in rows if r["mode"] == "matched_prefix" and r["draft"] == label
-                              for c in r["counts"]]
-                    entry["matched_prefix"] = float(np.mean(counts)) if counts else None
-                    entry["matched_prefix_anchors"] = len(counts)
-                    entry["matched_prefix_per_position"] = matched_positions(counts, gamma)
+                    histogram = np.sum([r["histogram"] for r in rows
+                                        if r["mode"] == "matched_prefix" and r["draft"] == label], axis=0)
+                    anchors = int(histogram.sum())
+                    entry["matched_prefix"] = float(histogram @ np.arange(gamma + 1)) / anchors if anchors else None
+                    entry["matched_prefix_anchors"] = anchors
+                    entry["matched_prefix_per_position"] = matched_positions(histogram.tolist(), gamma)
             summary[f"{mode}/{label}"] = entry
     have_bf16 = "bf16" in drafters
 
@@ -459,8 +461,16 @@ def main() -> None:
               "repeats": args.repeats, "modes": {m: (0.0 if t is None else t) for m, t in modes.items()},
               "seed": args.seed, "summary": summary, "rows": rows, "served_rows": served_rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    args.json.write_text(report_json(report, ("rows", "served_rows")))
     log(f"wrote {args.json}")
+
+
+def report_json(report: dict, tables: tuple[str, ...]) -> str:
+    """The report as indented JSON, except the lists in `tables`: one line per row."""
+    text = json.dumps({k: v for k, v in report.items() if k not in tables}, indent=1)[:-2]
+    for key in tables:
+        text += f',\n "{key}": [\n' + ",\n".join("  " + json.dumps(row) for row in report[key]) + "\n ]"
+    return text + "\n}\n"
 
 
 if __name__ == "__main__":
