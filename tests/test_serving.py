@@ -475,10 +475,19 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
         for a, b in zip(ours.arrays(), ref.arrays()):
             a, b = np.array(a[:, :, :len(committed)]), np.array(b[:, :, :len(committed)])
             assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+    # the next turn goes on with the fallback's state: drafting did not pay, so with a long
+    # wait before the next probe its rounds are all plain (a new fallback drafts the first)
+    kept = session.fallback
+    assert kept is not None and kept.plain_next()
+    kept.probe_every, kept.plain_in_a_row = Fallback.MAX_PROBE_EVERY, 0
     longer, again = prompt + out + tok.encode(" and more"), []
     outcome = backend(session, longer, 12, SamplingParams(), [], lambda t, _: again.append(t) or True)
     assert outcome.cached_tokens == len(prompt) + 24
     assert again == generate(model, longer, 12, SamplingParams(), [], MAX_CONTEXT).token_ids
+    assert session.fallback is kept and outcome.spec.drafts == 0
+    # a prompt that does not extend the session starts afresh
+    outcome = backend(session, tok.encode("Another topic"), 12, SamplingParams(), [], lambda t, _: True)
+    assert outcome.cached_tokens == 0 and outcome.spec.drafts >= 1 and session.fallback is not kept
 
 
 # ------------------------------------------------------------------ metrics, concurrency, cancellation

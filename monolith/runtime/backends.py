@@ -37,6 +37,7 @@ class Session:
         self.tokens: list[int] = []
         self._points: list[_Point] = []
         self.draft_context = None  # a speculative backend's drafter context, in step with the cache
+        self.fallback = None  # and its scheduler.Fallback: a conversation that goes on keeps it
 
     def resume(self, model, prompt: Sequence[int], max_context: int, new_tokens: int = 0):
         """Put the cache at the longest restore point `prompt` extends that leaves at
@@ -76,7 +77,7 @@ class Session:
         if self._points:
             self._points = self._points[:1]
         self.tokens = []
-        self.draft_context = None
+        self.draft_context = self.fallback = None
 
     @property
     def restore_points(self) -> list[int]:
@@ -179,8 +180,9 @@ class SpeculativeBackend:
     here too. The drafter's context (draft K/V of the committed rows, rewindable by
     offset) is kept with the session; a drafter without one prefills every prompt
     whole. No logprobs: the round does not keep the target's rows. With `fallback`,
-    each request gets a scheduler.Fallback (break-even measured once here): rounds
-    become plain steps while drafting does not pay for that request."""
+    each conversation gets a scheduler.Fallback (break-even measured once here): rounds
+    become plain steps while drafting does not pay; a prompt that extends the session
+    (the next turn) goes on with the state the last request left, others start afresh."""
 
     logprobs = False
 
@@ -213,9 +215,7 @@ class SpeculativeBackend:
         stops = frozenset(stop_ids)
 
         start = time.perf_counter()
-        fallback = None if self.break_even is None else Fallback(self.break_even)
-        decoder = SpeculativeDecoder(model, self.drafter, params, max_context, self.block_size, self.scheduler,
-                                     fallback=fallback)
+        decoder = SpeculativeDecoder(model, self.drafter, params, max_context, self.block_size, self.scheduler)
         if not self.resumable:
             session.reset()
         cache, cached, _ = session.resume(model, prompt, max_context, new_tokens=1)
@@ -227,6 +227,9 @@ class SpeculativeBackend:
             session.reset()
             cache, cached, _ = session.resume(model, prompt, max_context, new_tokens=1)
         decoder.cache = cache
+        if self.break_even is not None:  # a prompt that extends the session goes on with its fallback's state
+            kept = session.fallback if cached else None
+            decoder.fallback = kept if kept is not None else Fallback(self.break_even)
         emitted = [decoder.prefill(prompt[cached:], self.prefill_chunk_size)]
         if self.resumable:
             session.mark(prompt)
@@ -239,7 +242,7 @@ class SpeculativeBackend:
             decoder.sync_drafter()
             if self.resumable and cache.offset == len(prompt) + len(emitted) - 1:
                 session.mark(prompt + emitted[:-1])
-                session.draft_context = self.drafter.context
+                session.draft_context, session.fallback = self.drafter.context, decoder.fallback
             else:
                 session.reset()
         end = time.perf_counter()
