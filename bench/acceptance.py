@@ -24,8 +24,9 @@ Measures (shared/docs/dspark.md 5), gamma = --block-size (7):
   --temperature (seed --seed + prompt index, the same for plain and every draft);
   tok/s = decode tok/s, medians over repeats; speedup = draft tok/s / plain tok/s of
   the same prompt and mode, median over prompts. tau = accepted + 1 per round, pooled
-  over the rounds of all prompts (95% interval: prompts resampled); per-position conditional acceptance pooled likewise
-  (rounds that accepted position j / rounds that verified j after accepting all before).
+  over the rounds of all prompts (95% interval: prompts resampled); per-position
+  conditional acceptance pooled likewise (rounds that accepted position j / rounds that
+  verified j after accepting all before).
   Greedy speculative output must equal plain greedy output (same_as_plain); sampled
   outputs differ from plain ones by construction (same distribution, other draws).
 - "served": what serve and chat run by default, the NVFP4 draft with a
