@@ -266,7 +266,7 @@ def main() -> None:
 
     from monolith.runtime.decode import generate
     from monolith.runtime.sampling import SamplingParams
-    from monolith.runtime.scheduler import Fallback, make_scheduler
+    from monolith.runtime.scheduler import Fallback, make_scheduler, round_can_pay
     from monolith.runtime.speculative import generate_speculative, measure_break_even
 
     info = locate_pair(args)
@@ -286,7 +286,7 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0)
     # what serve and chat run by default: the NVFP4 draft with a Fallback to plain steps
     break_even = measure_break_even(model, drafters["nvfp4"], gamma, greedy)
-    served_plainly = break_even > gamma + 1  # a round cannot pay: serve decodes plainly (serving.loading)
+    served_plainly = not round_can_pay(break_even, gamma)  # serve then decodes plainly (serving.loading)
     log(f"serve's fallback break-even: {break_even:.2f} tokens per round"
         + (" (more than a round can emit: serve decodes plainly)" if served_plainly else ""))
 

@@ -221,6 +221,12 @@ class Fallback:
         self.probing = False
 
 
+def round_can_pay(break_even: float, gamma: int) -> bool:
+    """Can a drafted round of gamma proposals ever pay? It emits at most gamma + 1 tokens,
+    so not when it costs more plain steps than that (then decode plainly)."""
+    return break_even <= gamma + 1
+
+
 def make_scheduler(name: str, max_positions: int = 16, threshold: float | None = None) -> Scheduler:
     if name == "fixed":
         return FixedScheduler()

@@ -108,7 +108,7 @@ class Queued:
 
     token: mx.array  # int32 [1]
     features: mx.array
-    snapshot: Snapshot
+    snapshot: Snapshot | None  # taken only for the step queued past a run
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,7 @@ class SpeculativeDecoder:
         cache, taps = self.cache, self.drafter.taps
         cache.record = False
 
-        def step(token: mx.array) -> Queued:
-            snapshot = cache.snapshot()
+        def step(token: mx.array, snapshot: Snapshot | None = None) -> Queued:
             logits, features = self.model.forward(token, cache, taps=taps)
             token = sample(logits[-1], self.params, self._key()).reshape(1).astype(mx.int32)
             mx.async_eval(token, features)
@@ -218,7 +217,7 @@ class SpeculativeDecoder:
             if i + 1 < n:
                 pending = step(current.token)
             elif queue_next and cache.offset + 1 < self.max_context:
-                self.queued = step(current.token)
+                self.queued = step(current.token, cache.snapshot())
             tokens.append(int(current.token.item()))
             self.unobserved.append(current.features)
         self.anchor = tokens[-1]

@@ -146,7 +146,7 @@ def _speculative_backend(args, model, draft, log):
     from ..pack import build_pack, is_pack
     from ..runtime.backends import SpeculativeBackend
     from ..runtime.drafter import load_drafter
-    from ..runtime.scheduler import make_scheduler
+    from ..runtime.scheduler import make_scheduler, round_can_pay
 
     quantization = args.draft_quantization or "auto"
     source = draft
@@ -168,7 +168,7 @@ def _speculative_backend(args, model, draft, log):
                                      fallback=args.spec_sched is None)
     except ValueError as e:  # a block size the draft cannot do
         raise SetupError(f"--draft-block-size: {e}") from None
-    if backend.break_even is not None and backend.break_even > backend.block_size + 1:
+    if backend.break_even is not None and not round_can_pay(backend.break_even, backend.block_size):
         log(f"a drafted round costs {backend.break_even:.1f} plain steps here, more than the "
             f"{backend.block_size + 1} tokens it can emit: serving with plain decoding (--spec-sched fixed "
             "drafts anyway)")
