@@ -16,6 +16,7 @@ import pytest
 from monolith.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from monolith.runtime import decode
 from monolith.synth import write_target
+from monolith.synth.values import as_bf16
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
 RECIPE_MODULES = ("draft", "model", "train", "corpus", "tokenizer")
@@ -37,17 +38,13 @@ def recipe():
     return module
 
 
-def bf16_values(a: np.ndarray) -> np.ndarray:
-    return np.array(mx.array(a).astype(mx.bfloat16).astype(mx.float32))
-
-
 @pytest.mark.parametrize("magnitude", [0.02, 1.0, 30.0])
 def test_fake_nvfp4_is_what_the_export_decodes(recipe, magnitude):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((48, 64)).astype(np.float32) * magnitude
     w[3, :16] = 0.0  # an all-zero block
     w[7, 20:36] *= 1e-3  # blocks far below the tensor's amax (small E4M3 scales)
-    w = bf16_values(w)
+    w = as_bf16(w)
     q = quantize_nvfp4(w)
     reference = dequantize_nvfp4(q.packed, q.scales, q.tensor_scale)
     got = np.array(recipe.fake_nvfp4(mx.array(w)))
