@@ -93,7 +93,9 @@ class ShapeWeights:
 
     def __init__(self, dtype):
         self.dtype = dtype
-        self.dense = False  # a Mac keeps pack precision
+
+    def dense_summary(self) -> str:
+        return "pack-precision"  # a Mac keeps pack precision
 
     def _nvfp4(self, name, shape, cls):
         *lead, n, k = shape

@@ -4,6 +4,8 @@ picks dense only on the CPU and only when the dense copy fits its memory share."
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -65,13 +67,35 @@ def test_dense_draft_proposes_what_the_packed_draft_proposes(synth_dir, tmp_path
     assert np.abs(np.array(p.q) - np.array(d.q)).max() <= 1e-5
 
 
-def test_auto_is_dense_on_the_cpu_only_when_it_fits(synth_dir, tmp_path, monkeypatch):
+def test_auto_is_dense_on_the_cpu_only_where_it_fits(synth_dir, tmp_path, monkeypatch):
     manifest = read_manifest(build_pack(synth_dir("target", "modelopt-nvfp4"), tmp_path / "pack", role="target"))
+    entries = manifest["entries"]
+    matrices = {n for n, e in entries.items() if e["kind"] in ("linear", "experts")}
+    embeddings = {n for n in matrices if n.endswith("embed_tokens")}
     monkeypatch.setattr(loading, "DENSE_MEMORY_SHARE", 0.25)
     monkeypatch.setattr(loading, "physical_memory", lambda: 24 << 30)
-    assert loading.use_dense(manifest) == (mx.default_device() == mx.cpu)
-    monkeypatch.setattr(loading, "physical_memory", lambda: 1 << 10)  # too small for the dense copy
-    assert not loading.use_dense(manifest)
+    on_cpu = mx.default_device() == mx.cpu
+    # a small pack is dense whole, except its embedding (a row gather gains nothing from F32)
+    assert loading.dense_entries(manifest) == (matrices - embeddings if on_cpu else set())
+    assert embeddings
+
+    # where the copies do not fit, they stay within the budget: linears first, smaller first
+    def added(name):
+        stored = sum(math.prod(t["shape"]) * {"U32": 4, "U8": 1, "F32": 4, "BF16": 2}[t["dtype"]]
+                     for n, t in manifest["tensors"].items() if n.rsplit(".", 1)[0] == name)
+        return 4 * math.prod(entries[name]["shape"]) - stored
+
+    budget = sorted(added(n) for n in matrices - embeddings if entries[n]["kind"] == "linear")[5]
+    monkeypatch.setattr(loading, "DENSE_FLOOR", budget)
+    monkeypatch.setattr(loading, "DENSE_PACK_SHARE", 0.0)
+    chosen = loading.dense_entries(manifest)
+    if on_cpu:
+        assert chosen and sum(added(n) for n in chosen) <= budget
+        assert all(entries[n]["kind"] == "linear" for n in chosen)
+        smallest_left = min(added(n) for n in matrices - embeddings - chosen if entries[n]["kind"] == "linear")
+        assert smallest_left + sum(added(n) for n in chosen) > budget  # nothing else would have fit
+    monkeypatch.setattr(loading, "physical_memory", lambda: 1 << 10)  # a quarter of it, 256 bytes, is the bound
+    assert sum(added(n) for n in loading.dense_entries(manifest)) <= 256
     monkeypatch.setattr(loading, "physical_memory", lambda: 24 << 30)
     monkeypatch.setattr(loading.mx, "default_device", lambda: mx.gpu)  # a Mac: weights stay packed
-    assert not loading.use_dense(manifest)
+    assert not loading.dense_entries(manifest)

@@ -5,11 +5,16 @@ stored and every entry is read in the layout its kernels consume.
 
 Dense weights on the CPU: MLX's CPU quantized matmuls are scalar loops (an NVFP4
 256x768 product costs ~90 us per row, so an 8-row verify pays 8x a decode step) and
-BF16 matmuls have no BLAS (~7x F32), while F32 matmuls run on BLAS. So on the CPU, when
-the dense F32 weights fit in a quarter of physical memory, every matrix is dequantized
-(and its tensor scale applied) into F32 once at load: the same values, computed with
-F32 accumulation as the CPU quantized kernels already do. `dense=True/False` forces it.
-On a GPU weights stay in pack precision.
+BF16 matmuls have no BLAS (~7x F32), while F32 matmuls run on BLAS. So on the CPU some
+matrices are dequantized (and their tensor scale applied) into F32 once at load: the
+same values, computed with F32 accumulation as the CPU quantized kernels already do.
+Which ones (`dense_entries`): only where a copy pays, in matmuls (an embedding is a row
+gather, never copied), linears before stacked experts (a linear runs on every row of a
+verify or draft block, an expert on the few rows routed to it), smaller before larger;
+and only while it fits: the copies may add at most DENSE_PACK_SHARE of the pack's bytes
+(at least DENSE_FLOOR, so a small pack is dense whole) and DENSE_MEMORY_SHARE of
+physical memory. `dense=True/False` forces every matrix or none. On a GPU weights stay
+in pack precision.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import os
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
+from ..formats.stfile import STORAGE_DTYPES
 from ..kernels import check_kernels
 from ..pack import PackError, read_manifest, resolve_pack
 from .layers import QUANT_MODES, Experts, FusedLinear, Linear
@@ -28,7 +35,10 @@ from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 
 MODELS = {"qwen3_5": Qwen3_5, "qwen3_5_moe": Qwen3_5Moe}
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-DENSE_MEMORY_SHARE = 0.25  # dense CPU weights may take at most this share of physical memory
+DENSE_MEMORY_SHARE = 0.25  # dense CPU copies may take at most this share of physical memory
+DENSE_PACK_SHARE = 0.25  # ... and add at most this share of the pack's bytes
+DENSE_FLOOR = 256 << 20  # ... or this many bytes, whichever is larger
+MATRIX_TENSORS = ("weight", "scales", "tensor_scale")
 # entries a target pack may carry that the text runtime does not read
 UNUSED_PREFIXES = ("mtp.",)
 
@@ -42,7 +52,12 @@ class PackWeights:
         self.manifest = read_manifest(self.path)
         self.entries: dict = self.manifest["entries"]
         self.dtype = dtype
-        self.dense = use_dense(self.manifest) if dense is None else bool(dense)
+        matrices = [n for n, e in self.entries.items() if e["kind"] in ("linear", "experts")]
+        if dense is None:
+            self.dense_names = dense_entries(self.manifest)
+        else:
+            self.dense_names = set(matrices) if dense else set()
+        self.matrices = matrices
         self.config = _read_json(self.path / "config.json", required=True)
         self.generation_config = _read_json(self.path / "generation_config.json", required=False)
         self.arrays: dict[str, mx.array] = {}
@@ -68,13 +83,14 @@ class PackWeights:
 
     def _matrix(self, name: str, precision: str) -> tuple[mx.array, str, dict]:
         """(weight, precision, keyword arguments) of a linear or experts entry: as stored,
-        or dense F32 (precision "f32") when self.dense."""
+        or dense F32 (precision "f32") when it is one of self.dense_names."""
         weight = self._array(name + ".weight")
         mode = QUANT_MODES.get(precision)
+        dense = name in self.dense_names
         if mode is None:
-            return (weight.astype(mx.float32), "f32", {}) if self.dense else (weight, precision, {"dtype": self.dtype})
+            return (weight.astype(mx.float32), "f32", {}) if dense else (weight, precision, {"dtype": self.dtype})
         scales, tensor_scale = self._array(name + ".scales"), self._array(name + ".tensor_scale")
-        if not self.dense:
+        if not dense:
             return weight, precision, {"scales": scales, "tensor_scale": tensor_scale, "dtype": self.dtype}
         mode, group_size, bits = mode
         rows = mx.dequantize(weight, scales, group_size=group_size, bits=bits, mode=mode, dtype=mx.float32)
@@ -112,16 +128,42 @@ class PackWeights:
                             f"its entry says {entry['shape']}")
         return array if dtype is None or array.dtype == dtype else array.astype(dtype)
 
+    def dense_summary(self) -> str:
+        if not self.dense_names:
+            return "pack-precision"
+        if len(self.dense_names) == len(self.matrices):
+            return "dense F32"
+        return f"dense F32 for {len(self.dense_names)} of {len(self.matrices)} matrices, the rest pack-precision"
+
     def unused(self) -> list[str]:
         return sorted(n for n in self.arrays if n not in self.used and not n.startswith(UNUSED_PREFIXES))
 
 
-def use_dense(manifest: dict) -> bool:
-    """Dense F32 weights: on the CPU, when they fit in DENSE_MEMORY_SHARE of memory."""
+def dense_entries(manifest: dict) -> set[str]:
+    """The matrix entries to hold as dense F32 copies (see the module docstring): none
+    on a GPU; on the CPU, linears then experts, smaller first, while the added bytes fit."""
     if mx.default_device() != mx.cpu:
-        return False
-    elements = sum(math.prod(e["shape"]) for e in manifest["entries"].values() if e["kind"] in ("linear", "experts"))
-    return 4 * elements <= DENSE_MEMORY_SHARE * physical_memory()
+        return set()
+    tensors = manifest["tensors"]
+
+    def nbytes(names) -> int:
+        return sum(math.prod(tensors[n]["shape"]) * np.dtype(STORAGE_DTYPES[tensors[n]["dtype"]]).itemsize
+                   for n in names)
+
+    candidates = []
+    for name, e in manifest["entries"].items():
+        if e["kind"] not in ("linear", "experts") or name.rsplit(".", 1)[-1] == "embed_tokens":
+            continue
+        added = 4 * math.prod(e["shape"]) - nbytes(f"{name}.{t}" for t in MATRIX_TENSORS if f"{name}.{t}" in tensors)
+        candidates.append((e["kind"] != "linear", added, name))
+    budget = min(max(DENSE_PACK_SHARE * nbytes(tensors), DENSE_FLOOR), DENSE_MEMORY_SHARE * physical_memory())
+    chosen, used = set(), 0
+    for _, added, name in sorted(candidates):
+        if used + added > budget:
+            continue
+        chosen.add(name)
+        used += added
+    return chosen
 
 
 def physical_memory() -> int:

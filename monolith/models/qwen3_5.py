@@ -271,7 +271,7 @@ class Qwen3_5:
     def __init__(self, args: ModelArgs, weights):
         self.args = args
         self.dtype = weights.dtype
-        self.dense = weights.dense  # dense F32 matrices (the CPU), else pack precision
+        self.dense_summary = weights.dense_summary()  # which matrices are dense F32 copies (the CPU)
         h = args.hidden_size
         self.embed_tokens = Embedding(weights.linear("model.embed_tokens", (args.vocab_size, h)), self.dtype)
         self.layers = [DecoderLayer(args, weights, i, self.make_mlp(weights, f"model.layers.{i}.mlp."))

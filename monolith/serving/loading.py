@@ -114,7 +114,7 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
         log(f"resolving the target {target}")
         pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only)
     model = load_model(pack, dtype=args.dtype)
-    log(f"loaded the target from {pack} ({model.dtype}, {'dense F32' if model.dense else 'pack-precision'} weights)")
+    log(f"loaded the target from {pack} ({model.dtype}, {model.dense_summary} weights)")
     tokenizer = load_tokenizer(pack)
     backend, draft_name = None, None
     if draft is not None:
