@@ -507,8 +507,10 @@ Q = f"{L1}.self_attn.q_proj"
 
 
 def assert_error(path, *needles):
+    """Opening (files, headers, configs) or checking every module (done when a recipe
+    asks for each one) raises a CheckpointError naming all of `needles`."""
     with pytest.raises(CheckpointError) as info:
-        open_checkpoint(path)
+        open_checkpoint(path).modules()
     assert isinstance(info.value, FormatError)
     for needle in needles:
         assert str(needle) in str(info.value), (needle, str(info.value))

@@ -361,19 +361,17 @@ def test_unknown_quant_algo_and_architecture_are_refused(synth_dir, tmp_path):
     assert_cli_error(run_cli("build", src, "--out", tmp_path / "o2"), "config.json", "qwen3_5_moe")
 
 
-def test_k_not_multiple_of_16_is_refused(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5",
-                                                 "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
-                                                                         "group_size": 16, "exclude_modules": []}}))
-    codes = np.zeros((4, 12), np.uint8)  # K = 24
-    write_safetensors(src / "model.safetensors", {
-        "model.layers.0.mlp.down_proj.weight": ("U8", codes),
-        "model.layers.0.mlp.down_proj.weight_scale": ("F8_E4M3", np.zeros((4, 1), np.uint8)),
-        "model.layers.0.mlp.down_proj.weight_scale_2": ("F32", np.array(1.0, np.float32)),
-    })
-    assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), "down_proj", "16")
+def test_k_not_multiple_of_16_is_refused(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "modelopt-nvfp4", shards=1), tmp_path / "src")
+    path = src / "model.safetensors"
+    st = SafetensorsFile(path)
+    tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+    victim = "model.language_model.layers.0.linear_attn.out_proj"
+    n = tensors[victim + ".weight"][1].shape[0]
+    tensors[victim + ".weight"] = ("U8", np.zeros((n, 12), np.uint8))  # K = 24
+    tensors[victim + ".weight_scale"] = ("F8_E4M3", np.zeros((n, 1), np.uint8))
+    write_safetensors(path, tensors)
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), victim, "K=24", "16")
 
 
 def test_unexpected_tensor_is_refused(synth_dir, tmp_path):
@@ -530,3 +528,78 @@ def test_missing_config_field_is_named(synth_dir, tmp_path):
     del cfg["text_config"]["num_hidden_layers"], cfg["text_config"]["layer_types"]
     (src / "config.json").write_text(json.dumps(cfg))
     assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), "config.json", "num_hidden_layers")
+
+
+# ------------------------------------------------------------------ modules the recipe drops
+def move_tensors(src: Path, prefix: str, file: str, listed: bool) -> list[str]:
+    """Move every tensor starting with `prefix` into `file` (as unsloth stores its MTP head
+    in model_mtp.safetensors) and write an index that lists it, or leaves it out."""
+    weight_map, moved = {}, {}
+    for path in sorted(src.glob("*.safetensors")):
+        st = SafetensorsFile(path)
+        kept = {}
+        for n in st.names():
+            (moved if n.startswith(prefix) else kept)[n] = (st.dtype(n), np.array(st.read(n)))
+        st.close()
+        write_safetensors(path, kept)
+        weight_map.update({n: path.name for n in kept})
+    write_safetensors(src / file, moved)
+    if listed:
+        weight_map.update({n: file for n in moved})
+    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    return sorted(moved)
+
+
+def unsloth_27b_layout(synth_dir, dest: Path, listed: bool) -> tuple[Path, list[str]]:
+    """unsloth Qwen3.6-27B Dynamic NVFP4: no ignore entry covers mtp.*, so its MLP and
+    attention rules match the BF16 mtp.layers.0 linears, stored in model_mtp.safetensors."""
+    src = copy_checkpoint(synth_dir("target", "compressed-tensors-mixed"), dest)
+    cfg = json.loads((src / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    qc["ignore"] = [e for e in qc["ignore"] if "mtp" not in e]
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src, move_tensors(src, "mtp.", "model_mtp.safetensors", listed)
+
+
+@pytest.mark.parametrize("listed", [True, False], ids=["index-lists-mtp", "mtp-file-not-in-index"])
+def test_dropped_mtp_modules_are_not_checked_against_the_quantization_rules(synth_dir, tmp_path, listed):
+    src, mtp = unsloth_27b_layout(synth_dir, tmp_path / "src", listed)
+    assert len(mtp) == 15
+    pack = build_pack(src, tmp_path / "p")
+    skipped = json.loads((pack / "conversion.json").read_text())["skipped"]
+    for name in mtp:
+        assert "MTP head" in skipped[name], name
+        assert ("model_mtp.safetensors" in skipped[name]) == (not listed), skipped[name]
+    # a module the runtime uses is still checked strictly
+    ckpt = open_checkpoint(str(src))
+    assert ckpt.has_module("mtp.layers.0.mlp.gate_proj")
+    with pytest.raises(CheckpointError, match="mtp.layers.0.mlp.gate_proj.*weight_packed is missing"):
+        ckpt.module("mtp.layers.0.mlp.gate_proj")
+
+
+def test_a_used_tensor_only_in_a_file_the_index_does_not_list_is_refused(synth_dir, tmp_path):
+    src, _ = unsloth_27b_layout(synth_dir, tmp_path / "src", listed=True)
+    move_tensors(src, "model.language_model.norm.weight", "extra.safetensors", listed=False)
+    assert_cli_error(run_cli("build", src, "--out", tmp_path / "out"), "extra.safetensors",
+                     "model.language_model.norm.weight", "index")
+
+
+def add_quantized_layer(src: Path, module: str, algo: str) -> None:
+    for name in ("config.json", "hf_quant_config.json"):
+        cfg = json.loads((src / name).read_text())
+        block = cfg.get("quantization_config") or cfg["quantization"]
+        block["quantized_layers"][module] = {"quant_algo": algo, "group_size": 16}
+        (src / name).write_text(json.dumps(cfg))
+
+
+def test_unsupported_quant_algo_on_a_dropped_module_does_not_refuse_the_checkpoint(synth_dir, tmp_path):
+    src = copy_checkpoint(synth_dir("target", "modelopt-mixed"), tmp_path / "src")
+    add_quantized_layer(src, "mtp.layers.0.mlp.experts", "NVFP4_AWQ")
+    add_quantized_layer(src, "model.visual.blocks.0.mlp.linear_fc1", "SOMETHING_NEW")
+    assert verify_pack(build_pack(src, tmp_path / "p"))
+    # the same entry on a module the runtime uses is refused, naming entry and algo
+    used = copy_checkpoint(synth_dir("target", "modelopt-mixed"), tmp_path / "used")
+    add_quantized_layer(used, "model.language_model.layers.0.mlp.gate", "NVFP4_AWQ")
+    assert_cli_error(run_cli("build", used, "--out", tmp_path / "o"), "NVFP4_AWQ",
+                     "quantized_layers['model.language_model.layers.0.mlp.gate']")

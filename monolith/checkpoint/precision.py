@@ -61,7 +61,10 @@ class ModelOptRules:
     the pattern names a parent module) are BF16; the rest are NVFP4 or, when the
     tensors say so, unquantized (embeddings, norms, anything ModelOpt left alone).
     MIXED_PRECISION: a module listed in `quantized_layers`, or under a listed
-    container such as `...mlp.experts`, has that entry's algo; unlisted is BF16."""
+    container such as `...mlp.experts`, has that entry's algo; unlisted is BF16.
+    An entry this loader cannot read (unknown algo, other group size) refuses only
+    the modules it covers, when they are asked for: a recipe that drops them
+    (vision tower, MTP head) never sees it."""
 
     def __init__(self, block: dict, quant_format: str, where: str):
         self.subject = f"the quantization config ({where})"
@@ -69,28 +72,44 @@ class ModelOptRules:
         if self.mixed:
             layers = block.get("quantized_layers")
             if not isinstance(layers, dict):
-                raise CheckpointError(f"{where}.quantized_layers: missing (MIXED_PRECISION needs it)")
-            self.layers = {}
+                raise CheckpointError(
+                    f"{where}.quantized_layers: missing (MIXED_PRECISION needs it; ModelOpt writes it to "
+                    "hf_quant_config.json, and recent exports mirror it into config.json)"
+                )
+            self.layers: dict[str, str] = {}
+            self.unreadable: dict[str, str] = {}  # entry -> why it cannot be used
             for module, entry in layers.items():
                 algo = str((entry or {}).get("quant_algo")).upper()
+                self.layers[module] = algo
                 if algo not in MIXED_ALGOS:
-                    raise CheckpointError(
+                    self.unreadable[module] = (
                         f"{where}.quantized_layers[{module!r}].quant_algo {algo!r} is not supported "
                         f"(supported: {', '.join(MIXED_ALGOS)})"
                     )
-                if MIXED_ALGOS[algo] == "nvfp4":
-                    _check_group_size(entry, f"{where}.quantized_layers[{module!r}]")
-                self.layers[module] = algo
+                elif MIXED_ALGOS[algo] == "nvfp4" and (entry or {}).get("group_size") not in (None, BLOCK):
+                    self.unreadable[module] = (
+                        f"{where}.quantized_layers[{module!r}].group_size is {entry['group_size']}; NVFP4 needs {BLOCK}"
+                    )
         else:
             _check_group_size(block, where)
             self.exclude = list(block.get("exclude_modules") or block.get("ignore") or [])
 
+    def _covering(self, name: str) -> str | None:
+        """The longest quantized_layers entry that is `name` or one of its parents."""
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            entry = ".".join(parts[:end])
+            if entry in self.layers:
+                return entry
+        return None
+
     def expect(self, name: str) -> Expectation:
         if self.mixed:
-            covering = [k for k in self.layers if name == k or name.startswith(k + ".")]
-            if not covering:
+            entry = self._covering(name)
+            if entry is None:
                 return Expectation(PLAIN_ONLY, "does not list it in quantized_layers (so BF16)")
-            entry = max(covering, key=len)
+            if entry in self.unreadable:
+                raise CheckpointError(f"{self.unreadable[entry]}; it covers module {name}")
             algo = self.layers[entry]
             return Expectation(
                 frozenset({MIXED_ALGOS[algo]}), f"lists it in quantized_layers as {algo} (entry {entry!r})"
@@ -109,7 +128,9 @@ class CompressedTensorsRules:
     then regex, then class (ties: the smaller target string, as the package sorts).
     A name match fixes the group's scheme; a class match allows the scheme or
     unquantized (a tensor file does not say which class a module had); ignored or
-    untargeted modules are unquantized. Class names in `ignore` are not checked."""
+    untargeted modules are unquantized. Class names in `ignore` are not checked.
+    A group this loader cannot read refuses only the modules it wins, when they are
+    asked for."""
 
     def __init__(self, qc: dict, where: str):
         self.subject = f"the quantization config ({where})"
@@ -122,8 +143,12 @@ class CompressedTensorsRules:
         if not isinstance(groups, dict) or not groups:
             raise CheckpointError(f"{where}.config_groups: missing or empty")
         self.targets: dict[str, tuple[str, str]] = {}  # target -> (group, scheme); later groups win
+        self.unreadable: dict[str, str] = {}  # group -> why it cannot be used
         for group, g in groups.items():
-            scheme = _ct_group_scheme(g, top, f"{where}.config_groups[{group!r}]")
+            try:
+                scheme = _ct_group_scheme(g, top, f"{where}.config_groups[{group!r}]")
+            except CheckpointError as e:
+                scheme, self.unreadable[group] = "", str(e)
             for target in g.get("targets") or []:
                 self.targets[target] = (group, scheme)
         self.ignore = [e for e in qc.get("ignore") or [] if not _is_class_name(e)]
@@ -142,6 +167,8 @@ class CompressedTensorsRules:
             return Expectation(PLAIN_ONLY, "targets it in no config group")
         rank, target = min(ranked)
         group, scheme = self.targets[target]
+        if group in self.unreadable:
+            raise CheckpointError(f"{self.unreadable[group]}; it targets module {name} ({target!r})")
         allowed = {scheme, "plain"} if rank == 2 else {scheme}
         return Expectation(frozenset(allowed), f"targets it in config group {group!r} ({target!r}) as {scheme}")
 

@@ -1,8 +1,14 @@
 """The Checkpoint: one directory of config + safetensors, read lazily.
 
-Opening reads config.json, the quantization config and every safetensors header,
-and checks every module's tensors against the config (header-only work). Tensor
-data is memory-mapped on demand.
+Opening reads config.json, the quantization config and every safetensors header.
+A module's tensors are checked against the quantization config when the module is
+first asked for (header-only work), so modules a recipe drops (vision tower, MTP
+head) never refuse a checkpoint. Tensor data is memory-mapped on demand.
+
+With an index, the files it lists make the checkpoint. A *.safetensors file beside
+them that the index does not list (transformers and vLLM read only listed files) is
+still opened, so its tensors are accounted for: a recipe may drop them, but one it
+uses is refused (see Checkpoint.unlisted_file).
 """
 
 from __future__ import annotations
@@ -51,14 +57,16 @@ class Checkpoint:
         self._rules = rules_for(self.quant_format, self.quant_config, where)
         self._hashes: dict[Path, str] = {}
         self._index: dict[str, str] = {}  # weight_map of the index, when there is one
+        self.unlisted_files: list[Path] = []  # beside an index that does not list them
         self.files = self._list_files()
         self._where = self._open_files()
-        self._modules = self._read_modules()
+        self._module_names = self._find_modules()
+        self._specs: dict[str, ModuleSpec] = {}  # checked on first use
 
     def __repr__(self) -> str:
         return (
             f"Checkpoint({str(self.path)!r}, {self.architecture}, {self.role}, {self.quant_format}, "
-            f"{len(self.files)} files, {len(self._modules)} modules)"
+            f"{len(self.files)} files, {len(self._module_names)} modules)"
         )
 
     # ---- files and tensors --------------------------------------------------------
@@ -82,7 +90,8 @@ class Checkpoint:
             if not (self.path / name).is_file():
                 raise CheckpointError(f"{index}: lists {name} (holding {tensor}) but {self.path / name} does not exist")
         self._index = weight_map
-        return [self.path / name for name in sorted(holder)]
+        self.unlisted_files = sorted(p for p in self.path.glob("*.safetensors") if p.name not in holder)
+        return [self.path / name for name in sorted(holder)] + self.unlisted_files
 
     def _open_files(self) -> dict[str, SafetensorsFile]:
         where: dict[str, SafetensorsFile] = {}
@@ -125,6 +134,11 @@ class Checkpoint:
     def file_of(self, name: str) -> Path:
         return self._file(name).path
 
+    def unlisted_file(self, name: str) -> Path | None:
+        """The file holding tensor `name` when the index does not list that file."""
+        path = self.file_of(name)
+        return path if path in self.unlisted_files else None
+
     def release(self) -> None:
         """Unmap every file (pages read so far stop counting as resident memory);
         later reads map them again."""
@@ -149,22 +163,37 @@ class Checkpoint:
 
     # ---- modules ------------------------------------------------------------------
 
-    def _read_modules(self) -> dict[str, ModuleSpec]:
+    def _find_modules(self) -> frozenset[str]:
+        """Names of the linear modules (a tensor prefix with `.weight` or `.weight_packed`)."""
         names = set()
         for tensor in self._where:
             for suffix in (".weight", ".weight_packed"):
                 if tensor.endswith(suffix):
                     names.add(tensor[: -len(suffix)])
-        return {name: module_spec(self, name, self._rules) for name in sorted(names)}
+        return frozenset(names)
 
-    def modules(self) -> dict[str, ModuleSpec]:
-        return dict(self._modules)
+    def module_names(self) -> list[str]:
+        return sorted(self._module_names)
+
+    def has_module(self, name: str) -> bool:
+        """Whether the headers hold module `name` (nothing is checked)."""
+        return name in self._module_names
 
     def module(self, name: str) -> ModuleSpec:
-        try:
-            return self._modules[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path}: no module named {name}") from None
+        """The checked ModuleSpec of a linear module; the quantization rules are
+        applied here, on first use."""
+        spec = self._specs.get(name)
+        if spec is None:
+            if name in self._module_names:
+                spec = module_spec(self, name, self._rules)
+            else:
+                raise CheckpointError(f"{self.path}: no module named {name}")
+            self._specs[name] = spec
+        return spec
+
+    def modules(self) -> dict[str, ModuleSpec]:
+        """Every linear module, each checked (the first bad one raises)."""
+        return {name: self.module(name) for name in self.module_names()}
 
     def _spec(self, module: str | ModuleSpec, precision: str | None = None) -> ModuleSpec:
         spec = self.module(module.name if isinstance(module, ModuleSpec) else module)

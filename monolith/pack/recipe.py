@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint import Checkpoint, CheckpointError
+from ..checkpoint import Checkpoint, CheckpointError, ModuleSpec
+from ..checkpoint.reader import INDEX_FILE
 from ..formats import BLOCK
 from ..formats.mlx_layout import MXFP8_GROUP
 
@@ -109,27 +110,42 @@ def wants_quantization(quantization: str, role: str) -> bool:
 
 # ---------------------------------------------------------------- planning helpers
 class Planner:
+    """Plans entries from a checkpoint. Modules are looked up (and checked against the
+    quantization config) only when a recipe asks for them."""
+
     def __init__(self, ckpt: Checkpoint, role: str, quantization: str):
         self.ckpt = ckpt
         self.role = role
         self.quantize = wants_quantization(quantization, role)
-        self.modules = ckpt.modules()
         self.used: set[str] = set()  # source tensor names consumed
 
+    def spec(self, module: str) -> ModuleSpec:
+        return self.ckpt.module(module)
+
+    def _use(self, tensor: str) -> None:
+        unlisted = self.ckpt.unlisted_file(tensor)
+        if unlisted is not None:
+            raise PackError(
+                f"{unlisted}: tensor {tensor} is needed, but {INDEX_FILE} does not list {unlisted.name} "
+                "(transformers and vLLM read only the files the index lists); add its tensors to the "
+                "index's weight_map, or remove the file"
+            )
+        self.used.add(tensor)
+
     def _use_module(self, module: str) -> None:
-        for tensor in self.modules[module].tensors.values():
-            self.used.add(tensor)
+        for tensor in self.spec(module).tensors.values():
+            self._use(tensor)
 
     def has_module(self, module: str) -> bool:
-        return module in self.modules
+        return self.ckpt.has_module(module)
 
     def require(self, module: str) -> None:
-        if module not in self.modules:
+        if not self.ckpt.has_module(module):
             raise PackError(f"{self.ckpt.path}: missing weight for module {module}")
 
     def output_precision(self, module: str) -> tuple[str, str]:
         """(output precision, reason) for one source linear."""
-        spec = self.modules[module]
+        spec = self.spec(module)
         k = spec.shape[-1]
         if spec.precision == "nvfp4":
             return "nvfp4", "already NVFP4: repacked without arithmetic"
@@ -153,7 +169,7 @@ class Planner:
         for s in sources:
             self.require(s)
             precision, reason = self.output_precision(s)
-            key = [precision, self.modules[s].precision, reason]
+            key = [precision, self.spec(s).precision, reason]
             if runs and runs[-1][:3] == key and self._same_k(runs[-1][3][0], s):
                 runs[-1][3].append(s)
             else:
@@ -161,11 +177,11 @@ class Planner:
         for index, (precision, source_precision, reason, members) in enumerate(runs):
             parts, row = [], 0
             for s in members:
-                n = self.modules[s].shape[0]
+                n = self.spec(s).shape[0]
                 parts.append(Part(s, row, row + n))
                 row += n
                 self._use_module(s)
-            k = self.modules[members[0]].shape[-1]
+            k = self.spec(members[0]).shape[-1]
             entry_name = name if len(runs) == 1 else f"{name}.{index}"
             plan.entries.append(Entry(entry_name, "linear", precision, source_precision, (row, k), parts, reason=reason))
 
@@ -178,16 +194,16 @@ class Planner:
             for s in sources:
                 self.require(s)
                 precision, reason = self.output_precision(s)
-                key = (precision, self.modules[s].precision, self.modules[s].shape[-1])
+                key = (precision, self.spec(s).precision, self.spec(s).shape[-1])
                 if first is None:
                     first = key + (reason,)
                 elif key != first[:3]:
                     raise PackError(
-                        f"{self.ckpt.file_of(self.modules[s].tensors['weight' if 'weight' in self.modules[s].tensors else 'weight_packed'])}: "
-                        f"expert module {s} is {self.modules[s].precision} but other experts of {name} are {first[1]}; "
+                        f"{self.ckpt.file_of(self.spec(s).tensors['weight' if 'weight' in self.spec(s).tensors else 'weight_packed'])}: "
+                        f"expert module {s} is {self.spec(s).precision} but other experts of {name} are {first[1]}; "
                         "stacked experts need one precision"
                     )
-                n = self.modules[s].shape[0]
+                n = self.spec(s).shape[0]
                 parts.append(Part(s, row, row + n, e))
                 row += n
                 self._use_module(s)
@@ -198,7 +214,7 @@ class Planner:
         plan.entries.append(Entry(name, "experts", precision, source_precision, (len(per_expert), rows, k), parts, reason=reason))
 
     def _same_k(self, a: str, b: str) -> bool:
-        return self.modules[a].shape[-1] == self.modules[b].shape[-1]
+        return self.spec(a).shape[-1] == self.spec(b).shape[-1]
 
     def tensor(self, name: str, source: str, plan: Plan, transform: str | None = None, reason: str = "") -> None:
         if not self.ckpt.has(source):
@@ -207,7 +223,7 @@ class Planner:
         precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}.get(dtype, dtype.lower())
         out = "f32" if transform else precision
         shape = self.ckpt.shape(source)
-        self.used.add(source)
+        self._use(source)
         plan.entries.append(Entry(name, "tensor", out, precision, tuple(shape), [Part(source, 0, shape[0] if shape else 1)],
                                   transform=transform, reason=reason))
 
@@ -224,6 +240,9 @@ class Planner:
                     f"{self.ckpt.file_of(t)}: tensor {t} is not part of the {plan.architecture} "
                     "recipe (unexpected tensor; refusing to guess what it means)"
                 )
+            unlisted = self.ckpt.unlisted_file(t)
+            if unlisted is not None:
+                why += f" (in {unlisted.name}, which {INDEX_FILE} does not list)"
             plan.skipped[t] = why
         return plan
     def fused_experts(self, name: str, tensor: str, halves: int, plan: Plan) -> None:
@@ -241,6 +260,6 @@ class Planner:
             precision, reason = source_precision, "kept in source precision (quantization not requested)"
         step = n // halves
         parts = [Part(tensor, h * step, (h + 1) * step, ex) for ex in range(e) for h in range(halves)]
-        self.used.add(tensor)
+        self._use(tensor)
         plan.entries.append(Entry(name, "experts", precision, source_precision, (e, n, k), parts, reason=reason,
                                   stacked_source=True))
