@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -603,3 +604,124 @@ def test_unsupported_quant_algo_on_a_dropped_module_does_not_refuse_the_checkpoi
     add_quantized_layer(used, "model.language_model.layers.0.mlp.gate", "NVFP4_AWQ")
     assert_cli_error(run_cli("build", used, "--out", tmp_path / "o"), "NVFP4_AWQ",
                      "quantized_layers['model.language_model.layers.0.mlp.gate']")
+
+
+# ------------------------------------------------------------------ fused (3-D) quantized experts
+EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(\w+)$")
+
+
+def fuse_experts(src: Path) -> None:
+    """Rewrite the single shard of `src` with every layer's experts fused, named and
+    merged as transformers 5 does (MergeModulelist(dim=0) + Concatenate(dim=1)): the
+    group name plus the serialized name without `weight` (`gate_up_proj_packed`,
+    `_scale`, `_global_scale`, `_scale_2`, `_input_scale`...); scalars become [E, 2] / [E, 1]."""
+    path = src / "model.safetensors"
+    st = SafetensorsFile(path)
+    out, groups = {}, {}
+    for n in st.names():
+        m = EXPERT.match(n)
+        data = np.array(st.read(n))
+        if m is None:
+            out[n] = (st.dtype(n), data)
+            continue
+        container, e, proj, role = m.groups()
+        if data.ndim == 0:
+            data = data.reshape(1)
+        groups.setdefault((container, role), {}).setdefault(int(e), {})[proj] = (st.dtype(n), data)
+    st.close()
+    for (container, role), experts in groups.items():
+        suffix = role[len("weight"):] if role.startswith("weight") else "_" + role
+        dtype = experts[0]["gate"][0]
+        gate_up = [np.concatenate([experts[e]["gate"][1], experts[e]["up"][1]]) for e in sorted(experts)]
+        down = [experts[e]["down"][1] for e in sorted(experts)]
+        out[f"{container}.gate_up_proj{suffix}"] = (dtype, np.stack(gate_up))
+        out[f"{container}.down_proj{suffix}"] = (dtype, np.stack(down))
+    write_safetensors(path, out)
+
+
+def fp8_experts(src: Path, exporter: str) -> None:
+    """Turn a BF16 per-expert checkpoint's experts into FP8: compressed-tensors per
+    channel with BF16 [N, 1] scales, or ModelOpt MIXED_PRECISION per tensor."""
+    path = src / "model.safetensors"
+    st = SafetensorsFile(path)
+    out, containers = {}, set()
+    for n in st.names():
+        m = EXPERT.match(n)
+        if m is None:
+            out[n] = (st.dtype(n), np.array(st.read(n)))
+            continue
+        containers.add(m.group(1))
+        codes, scale = formats.quantize_fp8(formats.bf16_bits_to_f32(st.read(n)), per_channel=exporter == "ct")
+        out[n] = ("F8_E4M3", codes)
+        scale_name = n.rsplit(".", 1)[0] + ".weight_scale"
+        out[scale_name] = ("BF16", formats.f32_to_bf16_bits(scale)) if exporter == "ct" else ("F32", scale)
+    st.close()
+    write_safetensors(path, out)
+    cfg = json.loads((src / "config.json").read_text())
+    if exporter == "ct":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": [],
+            "config_groups": {"group_0": {"targets": [r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                                          "weights": weights, "format": "float-quantized"}}}
+    else:
+        block = {"quant_algo": "MIXED_PRECISION", "quantized_layers": {c: {"quant_algo": "FP8"} for c in sorted(containers)}}
+        (src / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": block}))
+        cfg["quantization_config"] = {"quant_method": "modelopt", **block}
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def expert_sources(synth_dir, tmp_path: Path, fmt: str) -> tuple[Path, Path]:
+    """(per-expert, fused) checkpoints holding the same quantized experts."""
+    if fmt.endswith("fp8"):
+        per = copy_checkpoint(synth_dir("target", "bf16", expert_layout="per-expert", shards=1), tmp_path / "per")
+        fp8_experts(per, fmt.split("-")[0])
+    else:
+        per = copy_checkpoint(synth_dir("target", fmt, shards=1), tmp_path / "per")
+    fused = copy_checkpoint(per, tmp_path / "fused")
+    fuse_experts(fused)
+    return per, fused
+
+
+FUSED_FORMATS = ["compressed-tensors", "modelopt-nvfp4", "ct-fp8", "modelopt-fp8"]
+
+
+@pytest.mark.parametrize("fmt", FUSED_FORMATS)
+def test_fused_quantized_experts_pack_like_per_expert_ones(synth_dir, tmp_path, monkeypatch, fmt):
+    per, fused = expert_sources(synth_dir, tmp_path, fmt)
+    a, b = open_checkpoint(str(per)), open_checkpoint(str(fused))
+    group = "model.language_model.layers.0.mlp.experts"
+    assert not b.has_module(f"{group}.0.gate_proj") and b.has_fused_experts(f"{group}.gate_up_proj")
+    for e in (0, 5):  # reading: the same values as the per-expert modules
+        want = np.concatenate([a.dequantize(f"{group}.{e}.gate_proj"), a.dequantize(f"{group}.{e}.up_proj")])
+        np.testing.assert_array_equal(b.dequantize(f"{group}.gate_up_proj", e), want)
+        np.testing.assert_array_equal(b.dequantize(f"{group}.down_proj", e), a.dequantize(f"{group}.{e}.down_proj"))
+
+    def forbidden(*args, **kw):
+        raise AssertionError("quantizer called while packing an already-quantized source")
+
+    monkeypatch.setattr(formats, "quantize_nvfp4", forbidden)
+    pack_per, pack_fused = build_pack(per, tmp_path / "pp"), build_pack(fused, tmp_path / "pf")
+    mp, mf_ = read_manifest(pack_per), read_manifest(pack_fused)
+    assert mp["pack_sha256"] == mf_["pack_sha256"]  # byte-identical tensors
+    precision = "fp8" if fmt.endswith("fp8") else "nvfp4"
+    for name in ("model.layers.0.mlp.experts.gate_up", "model.layers.0.mlp.experts.down"):
+        assert mf_["entries"][name]["precision"] == precision and mf_["entries"][name]["stacked_source"]
+    vp, vf = (json.loads((p / "validation.json").read_text())["round_trip"] for p in (pack_per, pack_fused))
+    assert vf == vp and vf["quantized_parts_byte_identical"] > 16
+    skipped = json.loads((pack_fused / "conversion.json").read_text())["skipped"]
+    assert all("activation" in why for t, why in skipped.items() if t.startswith("model.") and ".experts." in t)
+    rebuilt = build_pack(unpack_pack(pack_fused, tmp_path / "u"), tmp_path / "p2")
+    assert read_manifest(rebuilt)["pack_sha256"] == mp["pack_sha256"]
+
+
+def test_fused_expert_scale_of_the_wrong_shape_is_named(synth_dir, tmp_path):
+    _, fused = expert_sources(synth_dir, tmp_path, "compressed-tensors")
+    path = fused / "model.safetensors"
+    st = SafetensorsFile(path)
+    tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+    st.close()
+    victim = "model.language_model.layers.3.mlp.experts.down_proj_scale"
+    tensors[victim] = ("F8_E4M3", tensors[victim][1][:, :, :-1].copy())
+    write_safetensors(path, tensors)
+    assert_cli_error(run_cli("build", fused, "--out", tmp_path / "o"), victim, "expected")

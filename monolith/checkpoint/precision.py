@@ -227,7 +227,13 @@ def module_spec(ck, name: str, rules) -> ModuleSpec:
     scheme, tensors, shape = _stored(ck, name)
     if ck.has(f"{name}.bias"):
         tensors["bias"] = f"{name}.bias"
-    expect = rules.expect(name)
+    return checked_spec(ck, name, scheme, tensors, shape, rules.expect(name), rules, (f"{name}.weight_packed", f"{name}.weight_scale"))
+
+
+def checked_spec(ck, name, scheme, tensors, shape, expect: Expectation, rules, missing: tuple[str, str]) -> ModuleSpec:
+    """The ModuleSpec, once the stored scheme is one the config allows. `missing`
+    names the tensor a compressed-tensors NVFP4 / any other quantized module would
+    have, for the message when a matrix the config quantizes is stored plain."""
     main = tensors.get("weight_packed", tensors.get("weight"))
     where = f"{ck.file_of(main)}: module {name}"
     if scheme not in expect.allowed:
@@ -235,11 +241,11 @@ def module_spec(ck, name: str, rules) -> ModuleSpec:
             raise CheckpointError(
                 f"{where} is stored as {scheme} ({main} is {ck.dtype(main)}) but {rules.subject} {expect.reason}"
             )
-        if len(shape) == 2:  # a matrix the config says is quantized, stored plain
+        if len(shape) == 2 or name == main:  # a matrix (or fused experts) the config quantizes, stored plain
             compressed = isinstance(rules, CompressedTensorsRules) and "nvfp4" in expect.allowed
-            missing = f"{name}.weight_packed" if compressed else f"{name}.weight_scale"
             raise CheckpointError(
-                f"{where}: {rules.subject} {expect.reason}, but {missing} is missing and {main} is {ck.dtype(main)}"
+                f"{where}: {rules.subject} {expect.reason}, but {missing[0] if compressed else missing[1]} is "
+                f"missing and {main} is {ck.dtype(main)}"
             )
     precision = PLAIN_DTYPES[ck.dtype(main)] if scheme == "plain" else scheme
     return ModuleSpec(name, precision, tensors, shape)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..checkpoint import Checkpoint, CheckpointError, ModuleSpec
+from ..checkpoint.experts import halves_of
 from ..checkpoint.reader import INDEX_FILE
 from ..formats import BLOCK
 from ..formats.mlx_layout import MXFP8_GROUP
@@ -91,6 +92,15 @@ RUNTIME_UNUSED_SCALES = ("input_scale", "input_global_scale", "k_scale", "v_scal
 TARGET_EMBEDDING_REASON = "target embedding kept in source precision (gathered, not multiplied)"
 
 
+def is_activation_scale(tensor: str) -> bool:
+    """`<module>.input_scale` and the like, or fused experts' `<group>_input_scale`."""
+    base, _, leaf = tensor.rpartition(".")
+    if leaf in RUNTIME_UNUSED_SCALES:
+        return True
+    group, _, suffix = leaf.partition("_proj_")
+    return base.endswith(".experts") and group in ("gate_up", "down") and suffix in RUNTIME_UNUSED_SCALES
+
+
 def keep_reason(module: str, role: str) -> str | None:
     for pattern, reason in KEEP_RULES:
         if pattern.search(module):
@@ -159,7 +169,7 @@ class Planner:
         if not self.quantize:
             return spec.precision, "kept in source precision (quantization not requested)"
         if k % BLOCK or len(spec.shape) != 2:
-            return spec.precision, f"K={k} is not a multiple of {BLOCK}: kept in source precision"
+            return spec.precision, f"K={k} is not a multiple of {BLOCK} (or not a matrix): kept in source precision"
         return "nvfp4", "quantized to NVFP4 at pack time (ModelOpt-exact quantizer)"
 
     def linear(self, name: str, sources: list[str], plan: Plan) -> None:
@@ -233,7 +243,7 @@ class Planner:
             if t in self.used:
                 continue
             why = next((reason for prefix, reason in skip if t.startswith(prefix)), None)
-            if why is None and t.rsplit(".", 1)[-1] in RUNTIME_UNUSED_SCALES:
+            if why is None and is_activation_scale(t):
                 why = "activation / KV-cache scale: the runtime is weight-only and keeps KV in BF16"
             if why is None:
                 raise PackError(
@@ -245,21 +255,21 @@ class Planner:
                 why += f" (in {unlisted.name}, which {INDEX_FILE} does not list)"
             plan.skipped[t] = why
         return plan
-    def fused_experts(self, name: str, tensor: str, halves: int, plan: Plan) -> None:
-        """Experts already stacked in the source as one float tensor [E, N, K]
-        (official BF16 layout); `halves` = 2 when rows are gate then up."""
-        if not self.ckpt.has(tensor):
-            raise PackError(f"{self.ckpt.path}: missing tensor {tensor}")
-        e, n, k = self.ckpt.shape(tensor)
-        source_precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}[self.ckpt.dtype(tensor)]
-        if self.quantize and k % BLOCK == 0:
+
+    def fused_experts(self, name: str, source: str, plan: Plan) -> None:
+        """Experts stored stacked in the source, [E, N, K] in any precision (see
+        checkpoint/experts.py); gate_up rows are gate then up, each expert's halves
+        become separate parts (own tensor scale, own pack-time quantization)."""
+        if not self.ckpt.has_fused_experts(source):
+            raise PackError(f"{self.ckpt.path}: missing fused experts {source}")
+        spec = self.spec(source)
+        e, n, k = spec.shape
+        if spec.precision in FLOAT_PRECISIONS and self.quantize and k % BLOCK == 0:
             precision, reason = "nvfp4", "quantized to NVFP4 at pack time, each expert's gate and up separately"
-        elif self.quantize:
-            precision, reason = source_precision, f"K={k} is not a multiple of {BLOCK}: kept in source precision"
         else:
-            precision, reason = source_precision, "kept in source precision (quantization not requested)"
-        step = n // halves
-        parts = [Part(tensor, h * step, (h + 1) * step, ex) for ex in range(e) for h in range(halves)]
-        self._use(tensor)
-        plan.entries.append(Entry(name, "experts", precision, source_precision, (e, n, k), parts, reason=reason,
+            precision, reason = self.output_precision(source)
+        step = n // halves_of(source)
+        parts = [Part(source, a, a + step, ex) for ex in range(e) for a in range(0, n, step)]
+        self._use_module(source)
+        plan.entries.append(Entry(name, "experts", precision, spec.precision, (e, n, k), parts, reason=reason,
                                   stacked_source=True))
