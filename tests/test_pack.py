@@ -725,3 +725,82 @@ def test_fused_expert_scale_of_the_wrong_shape_is_named(synth_dir, tmp_path):
     tensors[victim] = ("F8_E4M3", tensors[victim][1][:, :, :-1].copy())
     write_safetensors(path, tensors)
     assert_cli_error(run_cli("build", fused, "--out", tmp_path / "o"), victim, "expected")
+
+
+# ------------------------------------------------------------------ unsloth's FP8 per-channel groups
+UNSLOTH_FP8 = re.compile(r".*(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.(q|k|v|o)_proj)$|^lm_head$")
+
+
+def unsloth_fp8_map(synth_dir, dest: Path) -> Path:
+    """The unsloth 27B map: FP8 per channel with BF16 [N, 1] weight scales for the GDN
+    and attention projections and lm_head, NVFP4 MLPs (with input_global_scale), BF16
+    self_attn.k_scale / v_scale, no ignore entry for mtp.*."""
+    src = copy_checkpoint(synth_dir("target", "compressed-tensors-mixed", shards=1), dest)
+    ckpt = open_checkpoint(str(src))
+    st = SafetensorsFile(src / "model.safetensors")
+    out = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+    st.close()
+    for module in ckpt.module_names():
+        if UNSLOTH_FP8.match(module) and not module.startswith("mtp."):
+            w = ckpt.dequantize(module)
+            for suffix in ("weight", "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"):
+                out.pop(f"{module}.{suffix}", None)
+            codes, scale = formats.quantize_fp8(w, per_channel=True)
+            out[module + ".weight"] = ("F8_E4M3", codes)
+            out[module + ".weight_scale"] = ("BF16", formats.f32_to_bf16_bits(scale))
+            if module.endswith(("self_attn.k_proj", "self_attn.v_proj")):
+                out[module.rsplit("_", 1)[0] + "_scale"] = ("BF16", formats.f32_to_bf16_bits(np.array(0.05, np.float32)))
+        elif ckpt.has(module + ".weight_packed"):  # static NVFP4 activations: a calibrated input scale
+            out[module + ".input_global_scale"] = ("F32", np.array([448.0 * 6 / 3.5], np.float32))
+    write_safetensors(src / "model.safetensors", out)
+    cfg = json.loads((src / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    nvfp4 = qc["config_groups"]["group_0"]
+    nvfp4["targets"] = [r"re:.*mlp\.(gate|up|down)_proj$"]
+    nvfp4["input_activations"]["dynamic"] = False
+    fp8 = {"format": "float-quantized", "targets": [r"re:.*linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$",
+                                                    r"re:.*self_attn\.(q|k|v|o)_proj$", "lm_head"],
+           "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False,
+                       "group_size": None, "observer": "minmax", "actorder": None, "block_structure": None,
+                       "observer_kwargs": {}},
+           "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}
+    qc["config_groups"] = {"group_0": fp8, "group_1": nvfp4}
+    qc["ignore"] = [e for e in qc["ignore"] if "mtp" not in e and e != "lm_head"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def test_unsloth_fp8_channel_map_packs_exactly(synth_dir, tmp_path):
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    src = unsloth_fp8_map(synth_dir, tmp_path / "src")
+    ckpt = open_checkpoint(str(src))
+    pack = build_pack(src, tmp_path / "p")
+    manifest = read_manifest(pack)
+    args = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
+    checked = 0
+    for name, entry in manifest["entries"].items():
+        if entry["precision"] != "fp8":
+            continue
+        words, ts = pack_tensor(pack, name + ".weight"), pack_tensor(pack, name + ".tensor_scale")
+        codes = formats.words_to_bytes(words)
+        for part in entry["parts"]:
+            a, b = part["rows"]
+            spec = ckpt.module(part["source"])
+            assert ckpt.dtype(spec.tensors["weight_scale"]) == "BF16" and ckpt.shape(spec.tensors["weight_scale"])[1] == 1
+            source_codes = ckpt.read(spec.tensors["weight"])
+            assert codes[a:b].tobytes() == source_codes.tobytes(), part["source"]
+            reference = dequantize(  # compressed-tensors' own FP8 dequantization, in float32
+                x_q=torch.from_numpy(np.array(source_codes)).view(torch.float8_e4m3fn),
+                scale=torch.from_numpy(ckpt.read_float(spec.tensors["weight_scale"])), args=args,
+                dtype=torch.float32).numpy()
+            ours = formats.e4m3_decode(codes[a:b]) * ts[a:b, None]
+            np.testing.assert_array_equal(ours, reference, err_msg=part["source"])
+            checked += 1
+    assert checked >= 10 and "lm_head" in manifest["entries"] and manifest["entries"]["lm_head"]["precision"] == "fp8"
+    skipped = json.loads((pack / "conversion.json").read_text())["skipped"]
+    kv = [t for t in skipped if t.endswith(("self_attn.k_scale", "self_attn.v_scale"))]
+    assert kv and all("KV-cache" in skipped[t] for t in kv)
+    assert any(t.endswith("input_global_scale") for t in skipped)

@@ -92,6 +92,10 @@ class ModelOptRules:
                     )
         else:
             _check_group_size(block, where)
+            for group, g in (block.get("config_groups") or {}).items():  # the config.json mirror
+                weights = (g or {}).get("weights") or {}
+                if (weights.get("num_bits"), weights.get("type")) == (4, "float"):
+                    _check_group_size(weights, f"{where}.config_groups[{group!r}].weights")
             self.exclude = list(block.get("exclude_modules") or block.get("ignore") or [])
 
     def _covering(self, name: str) -> str | None:

@@ -162,7 +162,7 @@ class Planner:
         if spec.precision == "fp8":
             if k % MXFP8_GROUP:
                 return "bf16", f"FP8 with K={k} not a multiple of {MXFP8_GROUP}: dequantized to BF16"
-            return "fp8", "per-tensor FP8 kept 8-bit (mxfp8 words, unit group scales)"
+            return "fp8", "FP8 kept 8-bit (mxfp8 words, unit group scales, its per-tensor or per-channel scale per row)"
         reason = keep_reason(module, self.role)
         if reason:
             return spec.precision, reason
