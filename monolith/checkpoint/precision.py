@@ -15,10 +15,10 @@ The quantization config then says which of those it allows for the module
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from .errors import CheckpointError
 
@@ -239,8 +239,8 @@ def checked_spec(ck, name, scheme, tensors, shape, expect: Expectation, rules, m
     names the tensor a compressed-tensors NVFP4 / any other quantized module would
     have, for the message when a matrix the config quantizes is stored plain."""
     main = tensors.get("weight_packed", tensors.get("weight"))
-    where = f"{ck.file_of(main)}: module {name}"
     if scheme not in expect.allowed:
+        where = f"{ck.file_of(main)}: module {name}"
         if scheme != "plain":
             raise CheckpointError(
                 f"{where} is stored as {scheme} ({main} is {ck.dtype(main)}) but {rules.subject} {expect.reason}"
@@ -319,7 +319,7 @@ def _check_scale(ck, scale: str, sizes: tuple[int, ...]) -> None:
     if ck.dtype(scale) not in SCALE_DTYPES:
         _fail(ck, scale, f"dtype {ck.dtype(scale)}, scales must be one of {', '.join(SCALE_DTYPES)}")
     shape = tuple(ck.shape(scale))
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
     if size not in sizes or (size > 1 and shape not in ((size,), (size, 1))):
         per_row = f" or one per output row ([{sizes[1]}, 1])" if len(sizes) > 1 else ""
         _fail(ck, scale, f"shape {list(shape)}, expected one value{per_row}")

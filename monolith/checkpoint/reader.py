@@ -59,6 +59,7 @@ class Checkpoint:
         self._hashes: dict[Path, str] = {}
         self._index: dict[str, str] = {}  # weight_map of the index, when there is one
         self.unlisted_files: list[Path] = []  # beside an index that does not list them
+        self._unlisted: set[SafetensorsFile] = set()
         self.files = self._list_files()
         self._where = self._open_files()
         self._module_names = self._find_modules()
@@ -84,9 +85,10 @@ class Checkpoint:
             raise CheckpointError(f"{index}: missing or empty 'weight_map'")
         holder: dict[str, str] = {}  # file -> a tensor the index puts there
         for tensor, name in weight_map.items():
-            if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
-                raise CheckpointError(f"{index}: weight_map[{tensor!r}] = {name!r} is not a file in the checkpoint")
-            holder.setdefault(name, tensor)
+            if name not in holder:
+                if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+                    raise CheckpointError(f"{index}: weight_map[{tensor!r}] = {name!r} is not a file in the checkpoint")
+                holder[name] = tensor
         for name, tensor in holder.items():
             if not (self.path / name).is_file():
                 raise CheckpointError(f"{index}: lists {name} (holding {tensor}) but {self.path / name} does not exist")
@@ -96,6 +98,7 @@ class Checkpoint:
 
     def _open_files(self) -> dict[str, SafetensorsFile]:
         where: dict[str, SafetensorsFile] = {}
+        by_name: dict[str, SafetensorsFile] = {}
         for path in self.files:
             try:
                 st = SafetensorsFile(path)
@@ -107,8 +110,11 @@ class Checkpoint:
                 if name in where:
                     raise CheckpointError(f"tensor {name} is in both {where[name].path} and {path}")
                 where[name] = st
+            by_name[path.relative_to(self.path).as_posix()] = st
+            if path in self.unlisted_files:
+                self._unlisted.add(st)
         for tensor, name in self._index.items():
-            if tensor not in where or where[tensor].path != self.path / name:
+            if where.get(tensor) is not (by_name.get(name) or by_name.get(Path(name).as_posix())):
                 raise CheckpointError(
                     f"{self.path / INDEX_FILE}: weight_map puts {tensor} in {name}, which has no such tensor"
                 )
@@ -137,8 +143,8 @@ class Checkpoint:
 
     def unlisted_file(self, name: str) -> Path | None:
         """The file holding tensor `name` when the index does not list that file."""
-        path = self.file_of(name)
-        return path if path in self.unlisted_files else None
+        st = self._file(name)
+        return st.path if st in self._unlisted else None
 
     def release(self) -> None:
         """Unmap every file (pages read so far stop counting as resident memory);

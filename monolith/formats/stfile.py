@@ -8,6 +8,7 @@ Writing is deterministic: sorted names, no timestamps, header padded to 8 bytes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -32,6 +33,7 @@ STORAGE_DTYPES = {
     "F64": np.float64,
     "F8_E4M3": np.uint8,
 }
+ITEMSIZE = {dtype: np.dtype(storage).itemsize for dtype, storage in STORAGE_DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -74,7 +76,7 @@ class SafetensorsFile:
             raise FormatError(f"{self.path}: tensor {name}: malformed shape {list(shape)} or data_offsets {[begin, end]}")
         if dtype not in STORAGE_DTYPES:
             raise FormatError(f"{self.path}: tensor {name}: unsupported dtype {dtype}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPES[dtype]).itemsize
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if end - begin != nbytes or begin < 0:
             raise FormatError(
                 f"{self.path}: tensor {name}: {dtype}{list(shape)} needs {nbytes} bytes, "

@@ -7,6 +7,7 @@ tensor (norms, conv, gates' parameters). The recipe only plans; build.py convert
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -119,15 +120,37 @@ def wants_quantization(quantization: str, role: str) -> bool:
 
 
 # ---------------------------------------------------------------- planning helpers
+def collected(plan_step):
+    """A Planner step that, when the planner collects problems (a dry run), records
+    its error and goes on instead of raising; the sources it names are then not
+    reported again as unexpected tensors."""
+
+    @functools.wraps(plan_step)
+    def step(self, name, sources, *args, **kwargs):
+        try:
+            return plan_step(self, name, sources, *args, **kwargs)
+        except CheckpointError as e:
+            if self.problems is None:
+                raise
+            self.problems.append(str(e))
+            flat = [sources] if isinstance(sources, str) else [s for g in sources for s in ([g] if isinstance(g, str) else g)]
+            self.failed.update(flat)
+
+    return step
+
+
 class Planner:
     """Plans entries from a checkpoint. Modules are looked up (and checked against the
-    quantization config) only when a recipe asks for them."""
+    quantization config) only when a recipe asks for them. With a `problems` list,
+    every failing step is recorded there and planning goes on (dry run)."""
 
-    def __init__(self, ckpt: Checkpoint, role: str, quantization: str):
+    def __init__(self, ckpt: Checkpoint, role: str, quantization: str, problems: list[str] | None = None):
         self.ckpt = ckpt
         self.role = role
         self.quantize = wants_quantization(quantization, role)
         self.used: set[str] = set()  # source tensor names consumed
+        self.problems = problems
+        self.failed: set[str] = set()  # sources of steps that failed (dry run)
 
     def spec(self, module: str) -> ModuleSpec:
         return self.ckpt.module(module)
@@ -172,12 +195,14 @@ class Planner:
             return spec.precision, f"K={k} is not a multiple of {BLOCK} (or not a matrix): kept in source precision"
         return "nvfp4", "quantized to NVFP4 at pack time (ModelOpt-exact quantizer)"
 
+    @collected
     def linear(self, name: str, sources: list[str], plan: Plan) -> None:
         """Fuse `sources` along output rows; consecutive members of one precision share
         an entry (named `name`, or `name.0`, `name.1`... when precisions differ)."""
+        if not self._all_present(sources):
+            return
         runs: list[list] = []  # [precision, source precision, reason, members]
         for s in sources:
-            self.require(s)
             precision, reason = self.output_precision(s)
             key = [precision, self.spec(s).precision, reason]
             if runs and runs[-1][:3] == key and self._same_k(runs[-1][3][0], s):
@@ -195,25 +220,28 @@ class Planner:
             entry_name = name if len(runs) == 1 else f"{name}.{index}"
             plan.entries.append(Entry(entry_name, "linear", precision, source_precision, (row, k), parts, reason=reason))
 
+    @collected
     def experts(self, name: str, per_expert: list[list[str]], plan: Plan) -> None:
         """Stack experts [E, N, K]; expert e fuses the modules per_expert[e] along rows."""
+        if not self._all_present(s for sources in per_expert for s in sources):
+            return
         first = None
         parts, rows = [], 0
         for e, sources in enumerate(per_expert):
             row = 0
             for s in sources:
-                self.require(s)
+                spec = self.spec(s)
                 precision, reason = self.output_precision(s)
-                key = (precision, self.spec(s).precision, self.spec(s).shape[-1])
+                key = (precision, spec.precision, spec.shape[-1])
                 if first is None:
                     first = key + (reason,)
                 elif key != first[:3]:
+                    main = spec.tensors.get("weight", spec.tensors.get("weight_packed"))
                     raise PackError(
-                        f"{self.ckpt.file_of(self.spec(s).tensors['weight' if 'weight' in self.spec(s).tensors else 'weight_packed'])}: "
-                        f"expert module {s} is {self.spec(s).precision} but other experts of {name} are {first[1]}; "
-                        "stacked experts need one precision"
+                        f"{self.ckpt.file_of(main)}: expert module {s} is {spec.precision} but other experts of "
+                        f"{name} are {first[1]}; stacked experts need one precision"
                     )
-                n = self.spec(s).shape[0]
+                n = spec.shape[0]
                 parts.append(Part(s, row, row + n, e))
                 row += n
                 self._use_module(s)
@@ -223,9 +251,29 @@ class Planner:
         precision, source_precision, k, reason = first
         plan.entries.append(Entry(name, "experts", precision, source_precision, (len(per_expert), rows, k), parts, reason=reason))
 
+    def _all_present(self, sources) -> bool:
+        """Every source module is there and passes its checks. Collecting (dry run),
+        each failing one is recorded and False returned (the step's other sources are
+        then not reported as unexpected tensors); otherwise the first raises."""
+        ok = True
+        sources = list(sources)
+        for s in sources:
+            try:
+                self.require(s)
+                self.spec(s)
+            except CheckpointError as e:
+                if self.problems is None:
+                    raise
+                self.problems.append(str(e))
+                ok = False
+        if not ok:
+            self.failed.update(sources)
+        return ok
+
     def _same_k(self, a: str, b: str) -> bool:
         return self.spec(a).shape[-1] == self.spec(b).shape[-1]
 
+    @collected
     def tensor(self, name: str, source: str, plan: Plan, transform: str | None = None, reason: str = "") -> None:
         if not self.ckpt.has(source):
             raise PackError(f"{self.ckpt.path}: missing tensor {source}")
@@ -245,17 +293,30 @@ class Planner:
             why = next((reason for prefix, reason in skip if t.startswith(prefix)), None)
             if why is None and is_activation_scale(t):
                 why = "activation / KV-cache scale: the runtime is weight-only and keeps KV in BF16"
+            if why is None and self._failed_source(t):
+                continue  # its step's problem is reported already
             if why is None:
-                raise PackError(
+                error = PackError(
                     f"{self.ckpt.file_of(t)}: tensor {t} is not part of the {plan.architecture} "
                     "recipe (unexpected tensor; refusing to guess what it means)"
                 )
+                if self.problems is None:
+                    raise error
+                self.problems.append(str(error))
+                continue
             unlisted = self.ckpt.unlisted_file(t)
             if unlisted is not None:
                 why += f" (in {unlisted.name}, which {INDEX_FILE} does not list)"
             plan.skipped[t] = why
         return plan
 
+    def _failed_source(self, tensor: str) -> bool:
+        """Is `tensor` a failed step's source, or one of a failed module's tensors?"""
+        base, _, leaf = tensor.rpartition(".")
+        fused = [f"{base}.{g}" for g in ("gate_up_proj", "down_proj") if leaf.startswith(g + "_")]
+        return any(name in self.failed for name in [tensor, base, *fused])
+
+    @collected
     def fused_experts(self, name: str, source: str, plan: Plan) -> None:
         """Experts stored stacked in the source, [E, N, K] in any precision (see
         checkpoint/experts.py); gate_up rows are gate then up, each expert's halves

@@ -37,9 +37,9 @@ def config_field(ckpt: Checkpoint, name: str):
     return ckpt.text_config[name]
 
 
-def plan_target(ckpt: Checkpoint, quantization: str) -> Plan:
+def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None = None) -> Plan:
     cfg = ckpt.text_config
-    p = Planner(ckpt, "target", quantization)
+    p = Planner(ckpt, "target", quantization, problems)
     plan = Plan("qwen3_5-hybrid", "target", ckpt.architecture, quantization)
     src = source_prefix(ckpt)
     moe = ckpt.architecture == "qwen3_5_moe"
