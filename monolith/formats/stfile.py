@@ -37,8 +37,9 @@ ITEMSIZE = {dtype: np.dtype(storage).itemsize for dtype, storage in STORAGE_DTYP
 MAX_HEADER = 100 * 1024 * 1024
 
 
-def _natural(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _naturals(values) -> bool:
+    """All plain ints >= 0 (not bools); one pass, as headers hold 10^5 entries."""
+    return all(type(v) is int for v in values) and (not values or min(values) >= 0)
 
 
 class SafetensorsFile:
@@ -72,7 +73,7 @@ class SafetensorsFile:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{self.path}: tensor {name}: malformed header entry") from None
-        if not all(_natural(d) for d in shape) or not (_natural(begin) and _natural(end) and begin <= end):
+        if not _naturals(shape) or not (_naturals((begin, end)) and begin <= end):
             raise FormatError(f"{self.path}: tensor {name}: malformed shape {list(shape)} or data_offsets {[begin, end]}")
         if dtype not in STORAGE_DTYPES:
             raise FormatError(f"{self.path}: tensor {name}: unsupported dtype {dtype}")

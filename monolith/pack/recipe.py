@@ -133,10 +133,16 @@ def collected(plan_step):
             if self.problems is None:
                 raise
             self.problems.append(str(e))
-            flat = [sources] if isinstance(sources, str) else [s for g in sources for s in ([g] if isinstance(g, str) else g)]
-            self.failed.update(flat)
+            self.failed.update(_names(sources))
 
     return step
+
+
+def _names(sources) -> list[str]:
+    """A step's source names: one, a list, or a list of lists (experts)."""
+    if isinstance(sources, str):
+        return [sources]
+    return [name for group in sources for name in ([group] if isinstance(group, str) else group)]
 
 
 class Planner:
