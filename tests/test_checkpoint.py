@@ -912,3 +912,27 @@ def test_pack_builds_from_a_hub_id_offline(synth_dir, tmp_path, monkeypatch, no_
     assert conversion["source"] == {"repo": REPO, "revision": COMMIT}
     cached = resolve_pack(REPO, cache_dir=tmp_path / "cache", local_files_only=True)
     assert read_manifest(cached)["pack_sha256"] == read_manifest(pack)["pack_sha256"]
+
+
+def test_unreadable_rules_refuse_only_the_modules_they_cover(tmp_path):
+    """A compressed-tensors group or a ModelOpt quantized_layers entry this loader cannot
+    read does not refuse the checkpoint: only the modules it covers, when asked for."""
+    shapes = {"lm_head": (V, H), "mtp.fc": (H, 2 * H), Q: (64, H)}
+    groups = {"g0": {"targets": ["re:mtp.*"], "weights": {"num_bits": 4, "type": "int", "group_size": 128}},
+              "g1": {"targets": [Q], "weights": CT_NVFP4_WEIGHTS, "format": "nvfp4-pack-quantized"}}
+    config = ct_config("mixed-precision", groups, [])
+    write_checkpoint(tmp_path / "ct", lambda n, s: "ct-nvfp4" if n == Q else "bf16", config=config, shapes=shapes)
+    ck = open_checkpoint(tmp_path / "ct")
+    assert ck.module(Q).precision == "nvfp4" and ck.module("lm_head").precision == "bf16"
+    with pytest.raises(CheckpointError, match=r"config_groups\['g0'\].*4-bit int.*module mtp.fc"):
+        ck.module("mtp.fc")
+    layers = {"mtp": {"quant_algo": "NVFP4_AWQ", "group_size": 128}, Q: {"quant_algo": "NVFP4", "group_size": 16},
+              "lm_head": {"quant_algo": "NVFP4", "group_size": 32}}
+    hf_quant = {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+    write_checkpoint(tmp_path / "mo", lambda n, s: "nvfp4" if n == Q else "bf16", hf_quant=hf_quant, shapes=shapes)
+    ck = open_checkpoint(tmp_path / "mo")
+    assert ck.module(Q).precision == "nvfp4"
+    with pytest.raises(CheckpointError, match=r"quantized_layers\['mtp'\].quant_algo 'NVFP4_AWQ'.*module mtp.fc"):
+        ck.module("mtp.fc")
+    with pytest.raises(CheckpointError, match=r"quantized_layers\['lm_head'\].group_size is 32"):
+        ck.module("lm_head")
