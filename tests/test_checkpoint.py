@@ -247,6 +247,108 @@ def test_modelopt_mixed_precision_containers_fp8_sharded(tmp_path):
     assert names == sorted(names) and len({ck.file_of(n) for n in names}) == 3
 
 
+def modelopt_mirror(hf_quant: dict) -> dict:
+    """config.json quantization_config as recent ModelOpt exports write it (from the rules
+    of modelopt/torch/export/convert_hf_config.py, convert_hf_quant_config_format): a
+    compressed-tensors-shaped block; MIXED_PRECISION keeps quantized_layers and adds one
+    config group per distinct layer config; exclude_modules becomes ignore;
+    kv_cache_quant_algo becomes kv_cache_scheme (so the FP8 KV setting is only in
+    hf_quant_config.json)."""
+    q = hf_quant["quantization"]
+    mirror: dict = {}
+    if q["quant_algo"] == "NVFP4":
+        g = q.get("group_size", 16)
+        weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": g}
+        mirror["config_groups"] = {"group_0": {"input_activations": dict(weights), "weights": weights,
+                                               "targets": ["Linear"]}}
+    elif q["quant_algo"] == "MIXED_PRECISION":
+        by_config: dict = {}
+        for layer, cfg in q["quantized_layers"].items():
+            by_config.setdefault(tuple(sorted(cfg.items())), []).append(layer)
+        groups = {}
+        for i, (key, layers) in enumerate(by_config.items()):
+            cfg = dict(key)
+            bits = 8 if cfg["quant_algo"] == "FP8" else 4
+            weights = {"dynamic": False, "num_bits": bits, "type": "float"}
+            if bits == 4:
+                weights["group_size"] = cfg.get("group_size", 16)
+            groups[f"group_{i}"] = {"weights": weights, "targets": sorted(layers)}
+        mirror["config_groups"] = groups
+        mirror["quantized_layers"] = q["quantized_layers"]
+    mirror["ignore"] = q.get("exclude_modules") or []
+    mirror["quant_algo"] = q["quant_algo"]
+    if q.get("kv_cache_quant_algo") == "FP8":
+        mirror["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
+    mirror["producer"] = hf_quant["producer"]
+    mirror["quant_method"] = "modelopt"
+    return mirror
+
+
+def write_modelopt(path: Path, fmt_of, hf_quant: dict, keep_hf_quant: bool, mirror: dict | None = None):
+    expected, original = write_checkpoint(path, fmt_of, hf_quant=hf_quant)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = mirror or modelopt_mirror(hf_quant)
+    (path / "config.json").write_text(json.dumps(config))
+    if not keep_hf_quant:
+        (path / "hf_quant_config.json").unlink()
+    return expected, original
+
+
+MIXED_HF_QUANT = {
+    "producer": {"name": "modelopt", "version": "0.44.0"},
+    "quantization": {
+        "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
+        "exclude_modules": ["*.mlp.gate", "*shared_expert_gate*", "model.visual*", "mtp*"],
+        "quantized_layers": {**{m: {"quant_algo": "W4A16_NVFP4", "group_size": 16} for m in MIXED_NVFP4},
+                             **{m: {"quant_algo": "FP8"} for m in MIXED_FP8}},
+    },
+}
+
+
+@pytest.mark.parametrize("keep_hf_quant", [True, False], ids=["with-hf_quant_config", "mirror-only"])
+def test_modelopt_config_json_mirror_as_recent_exports_write_it(tmp_path, keep_hf_quant):
+    expected, original = write_modelopt(tmp_path, mixed_fmt, MIXED_HF_QUANT, keep_hf_quant)
+    ck = open_checkpoint(tmp_path)
+    assert ck.quant_format == "modelopt-mixed"
+    assert ("kv_cache_quant_algo" in ck.quant_config) == keep_hf_quant  # the FP8 KV setting: hf_quant only
+    want = {n: {"fp8": "fp8", "nvfp4": "nvfp4"}.get(mixed_fmt(n, s), "bf16") for n, s in moe_shapes().items()}
+    assert precisions(ck) == want
+    assert_dequantized(ck, expected, original, NVFP4_REL)
+
+
+def test_modelopt_nvfp4_mirror_ignore_globs_and_group_size(tmp_path):
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.44.0"},
+                "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": "FP8",
+                                 "exclude_modules": MODELOPT_EXCLUDES}}
+    expected, original = write_modelopt(tmp_path / "a", modelopt_nvfp4_fmt, hf_quant, keep_hf_quant=False)
+    ck = open_checkpoint(tmp_path / "a")
+    assert ck.quant_format == "modelopt-nvfp4" and "exclude_modules" not in ck.quant_config
+    assert precisions(ck) == {n: "nvfp4" if modelopt_nvfp4_fmt(n, s) == "nvfp4" else "bf16" for n, s in moe_shapes().items()}
+    assert_dequantized(ck, expected, original, NVFP4_REL)
+    # the mirror's only group size is in its config group: it is checked there
+    mirror = modelopt_mirror({**hf_quant, "quantization": {**hf_quant["quantization"], "group_size": 32}})
+    write_modelopt(tmp_path / "b", modelopt_nvfp4_fmt, hf_quant, keep_hf_quant=False, mirror=mirror)
+    assert_error(tmp_path / "b", "config.json", "config_groups['group_0'].weights.group_size", "32")
+
+
+def test_modelopt_mirror_that_disagrees_with_hf_quant_config_is_refused(tmp_path):
+    mirror = modelopt_mirror(MIXED_HF_QUANT)
+    mirror["quant_algo"] = "NVFP4"
+    write_modelopt(tmp_path, mixed_fmt, MIXED_HF_QUANT, keep_hf_quant=True, mirror=mirror)
+    assert_error(tmp_path, "hf_quant_config.json", "config.json", "MIXED_PRECISION", "NVFP4")
+
+
+def test_old_modelopt_mirror_without_quantized_layers_needs_hf_quant_config(tmp_path):
+    """ModelOpt before MIXED_PRECISION mirrors wrote `quant_library` and no per-layer
+    detail: without hf_quant_config.json the per-layer schemes are unknown."""
+    mirror = {"ignore": [], "quant_algo": "MIXED_PRECISION", "producer": {"name": "modelopt"},
+              "quant_library": "modelopt"}
+    write_modelopt(tmp_path, mixed_fmt, MIXED_HF_QUANT, keep_hf_quant=True, mirror=mirror)
+    assert open_checkpoint(tmp_path).quant_format == "modelopt-mixed"
+    (tmp_path / "hf_quant_config.json").unlink()
+    assert_error(tmp_path, "config.json", "quantized_layers", "hf_quant_config.json")
+
+
 CT_NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
                     "strategy": "tensor_group", "dynamic": False}
 
@@ -507,8 +609,10 @@ Q = f"{L1}.self_attn.q_proj"
 
 
 def assert_error(path, *needles):
+    """Opening (files, headers, configs) or checking every module (done when a recipe
+    asks for each one) raises a CheckpointError naming all of `needles`."""
     with pytest.raises(CheckpointError) as info:
-        open_checkpoint(path)
+        open_checkpoint(path).modules()
     assert isinstance(info.value, FormatError)
     for needle in needles:
         assert str(needle) in str(info.value), (needle, str(info.value))
@@ -808,3 +912,27 @@ def test_pack_builds_from_a_hub_id_offline(synth_dir, tmp_path, monkeypatch, no_
     assert conversion["source"] == {"repo": REPO, "revision": COMMIT}
     cached = resolve_pack(REPO, cache_dir=tmp_path / "cache", local_files_only=True)
     assert read_manifest(cached)["pack_sha256"] == read_manifest(pack)["pack_sha256"]
+
+
+def test_unreadable_rules_refuse_only_the_modules_they_cover(tmp_path):
+    """A compressed-tensors group or a ModelOpt quantized_layers entry this loader cannot
+    read does not refuse the checkpoint: only the modules it covers, when asked for."""
+    shapes = {"lm_head": (V, H), "mtp.fc": (H, 2 * H), Q: (64, H)}
+    groups = {"g0": {"targets": ["re:mtp.*"], "weights": {"num_bits": 4, "type": "int", "group_size": 128}},
+              "g1": {"targets": [Q], "weights": CT_NVFP4_WEIGHTS, "format": "nvfp4-pack-quantized"}}
+    config = ct_config("mixed-precision", groups, [])
+    write_checkpoint(tmp_path / "ct", lambda n, s: "ct-nvfp4" if n == Q else "bf16", config=config, shapes=shapes)
+    ck = open_checkpoint(tmp_path / "ct")
+    assert ck.module(Q).precision == "nvfp4" and ck.module("lm_head").precision == "bf16"
+    with pytest.raises(CheckpointError, match=r"config_groups\['g0'\].*4-bit int.*module mtp.fc"):
+        ck.module("mtp.fc")
+    layers = {"mtp": {"quant_algo": "NVFP4_AWQ", "group_size": 128}, Q: {"quant_algo": "NVFP4", "group_size": 16},
+              "lm_head": {"quant_algo": "NVFP4", "group_size": 32}}
+    hf_quant = {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers}}
+    write_checkpoint(tmp_path / "mo", lambda n, s: "nvfp4" if n == Q else "bf16", hf_quant=hf_quant, shapes=shapes)
+    ck = open_checkpoint(tmp_path / "mo")
+    assert ck.module(Q).precision == "nvfp4"
+    with pytest.raises(CheckpointError, match=r"quantized_layers\['mtp'\].quant_algo 'NVFP4_AWQ'.*module mtp.fc"):
+        ck.module("mtp.fc")
+    with pytest.raises(CheckpointError, match=r"quantized_layers\['lm_head'\].group_size is 32"):
+        ck.module("lm_head")

@@ -99,22 +99,36 @@ def read_quant_config(path: Path, config: dict) -> tuple[str, dict | None, str]:
     config.json "quantization_config" (ModelOpt mirror or compressed-tensors),
     config.json "lithos_quantization" with format nvfp4 (treated as ModelOpt NVFP4
     without exclusions). `where` names the file and field for error messages.
+
+    ModelOpt mirrors hf_quant_config.json into config.json. Recent exports write the
+    mirror compressed-tensors-shaped (modelopt/torch/export/convert_hf_config.py):
+    `config_groups`, `ignore` (= exclude_modules), `quantized_layers` (MIXED_PRECISION),
+    `quant_algo`, `kv_cache_scheme`, `producer`, `quant_method: "modelopt"`; older ones
+    `quant_library: "modelopt"` and no per-layer detail. Both are read; when
+    hf_quant_config.json is there too, the two must name the same quant_algo.
     """
+    qc = config.get("quantization_config")
     hf_quant = path / HF_QUANT_FILE
     if hf_quant.is_file():
         block = load_json(hf_quant).get("quantization")
         where = f"{hf_quant}: quantization"
         if not isinstance(block, dict):
             raise CheckpointError(f"{hf_quant}: missing the 'quantization' object")
-        return _modelopt_format(block, where), block, where
+        quant_format = _modelopt_format(block, where)
+        if isinstance(qc, dict) and _is_modelopt(qc) and "quant_algo" in qc:
+            if str(qc["quant_algo"]).upper() != str(block.get("quant_algo")).upper():
+                raise CheckpointError(
+                    f"{where}.quant_algo is {block.get('quant_algo')!r} but {path / CONFIG_FILE}: "
+                    f"quantization_config.quant_algo is {qc['quant_algo']!r}; the two must agree"
+                )
+        return quant_format, block, where
 
-    qc = config.get("quantization_config")
     if isinstance(qc, dict):
         where = f"{path / CONFIG_FILE}: quantization_config"
         method = qc.get("quant_method")
         if method == "compressed-tensors":
             return "compressed-tensors", qc, where
-        if method == "modelopt" or (method is None and "quant_algo" in qc):
+        if _is_modelopt(qc):
             return _modelopt_format(qc, where), qc, where
         raise CheckpointError(
             f"{where}.quant_method {method!r} is not supported (supported: {', '.join(QUANT_METHODS)})"
@@ -124,6 +138,11 @@ def read_quant_config(path: Path, config: dict) -> tuple[str, dict | None, str]:
     if isinstance(lithos, dict) and str(lithos.get("format", "")).lower() == "nvfp4":
         return "modelopt-nvfp4", lithos, f"{path / CONFIG_FILE}: lithos_quantization"
     return "unquantized", None, f"{path / CONFIG_FILE}"
+
+
+def _is_modelopt(qc: dict) -> bool:
+    method = qc.get("quant_method")
+    return method == "modelopt" or (method is None and ("quant_algo" in qc or qc.get("quant_library") == "modelopt"))
 
 
 def _modelopt_format(block: dict, where: str) -> str:

@@ -15,10 +15,10 @@ The quantization config then says which of those it allows for the module
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from .errors import CheckpointError
 
@@ -61,7 +61,10 @@ class ModelOptRules:
     the pattern names a parent module) are BF16; the rest are NVFP4 or, when the
     tensors say so, unquantized (embeddings, norms, anything ModelOpt left alone).
     MIXED_PRECISION: a module listed in `quantized_layers`, or under a listed
-    container such as `...mlp.experts`, has that entry's algo; unlisted is BF16."""
+    container such as `...mlp.experts`, has that entry's algo; unlisted is BF16.
+    An entry this loader cannot read (unknown algo, other group size) refuses only
+    the modules it covers, when they are asked for: a recipe that drops them
+    (vision tower, MTP head) never sees it."""
 
     def __init__(self, block: dict, quant_format: str, where: str):
         self.subject = f"the quantization config ({where})"
@@ -69,28 +72,48 @@ class ModelOptRules:
         if self.mixed:
             layers = block.get("quantized_layers")
             if not isinstance(layers, dict):
-                raise CheckpointError(f"{where}.quantized_layers: missing (MIXED_PRECISION needs it)")
-            self.layers = {}
+                raise CheckpointError(
+                    f"{where}.quantized_layers: missing (MIXED_PRECISION needs it; ModelOpt writes it to "
+                    "hf_quant_config.json, and recent exports mirror it into config.json)"
+                )
+            self.layers: dict[str, str] = {}
+            self.unreadable: dict[str, str] = {}  # entry -> why it cannot be used
             for module, entry in layers.items():
                 algo = str((entry or {}).get("quant_algo")).upper()
+                self.layers[module] = algo
                 if algo not in MIXED_ALGOS:
-                    raise CheckpointError(
+                    self.unreadable[module] = (
                         f"{where}.quantized_layers[{module!r}].quant_algo {algo!r} is not supported "
                         f"(supported: {', '.join(MIXED_ALGOS)})"
                     )
-                if MIXED_ALGOS[algo] == "nvfp4":
-                    _check_group_size(entry, f"{where}.quantized_layers[{module!r}]")
-                self.layers[module] = algo
+                elif MIXED_ALGOS[algo] == "nvfp4" and (entry or {}).get("group_size") not in (None, BLOCK):
+                    self.unreadable[module] = (
+                        f"{where}.quantized_layers[{module!r}].group_size is {entry['group_size']}; NVFP4 needs {BLOCK}"
+                    )
         else:
             _check_group_size(block, where)
+            for group, g in (block.get("config_groups") or {}).items():  # the config.json mirror
+                weights = (g or {}).get("weights") or {}
+                if (weights.get("num_bits"), weights.get("type")) == (4, "float"):
+                    _check_group_size(weights, f"{where}.config_groups[{group!r}].weights")
             self.exclude = list(block.get("exclude_modules") or block.get("ignore") or [])
+
+    def _covering(self, name: str) -> str | None:
+        """The longest quantized_layers entry that is `name` or one of its parents."""
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            entry = ".".join(parts[:end])
+            if entry in self.layers:
+                return entry
+        return None
 
     def expect(self, name: str) -> Expectation:
         if self.mixed:
-            covering = [k for k in self.layers if name == k or name.startswith(k + ".")]
-            if not covering:
+            entry = self._covering(name)
+            if entry is None:
                 return Expectation(PLAIN_ONLY, "does not list it in quantized_layers (so BF16)")
-            entry = max(covering, key=len)
+            if entry in self.unreadable:
+                raise CheckpointError(f"{self.unreadable[entry]}; it covers module {name}")
             algo = self.layers[entry]
             return Expectation(
                 frozenset({MIXED_ALGOS[algo]}), f"lists it in quantized_layers as {algo} (entry {entry!r})"
@@ -109,7 +132,9 @@ class CompressedTensorsRules:
     then regex, then class (ties: the smaller target string, as the package sorts).
     A name match fixes the group's scheme; a class match allows the scheme or
     unquantized (a tensor file does not say which class a module had); ignored or
-    untargeted modules are unquantized. Class names in `ignore` are not checked."""
+    untargeted modules are unquantized. Class names in `ignore` are not checked.
+    A group this loader cannot read refuses only the modules it wins, when they are
+    asked for."""
 
     def __init__(self, qc: dict, where: str):
         self.subject = f"the quantization config ({where})"
@@ -122,8 +147,12 @@ class CompressedTensorsRules:
         if not isinstance(groups, dict) or not groups:
             raise CheckpointError(f"{where}.config_groups: missing or empty")
         self.targets: dict[str, tuple[str, str]] = {}  # target -> (group, scheme); later groups win
+        self.unreadable: dict[str, str] = {}  # group -> why it cannot be used
         for group, g in groups.items():
-            scheme = _ct_group_scheme(g, top, f"{where}.config_groups[{group!r}]")
+            try:
+                scheme = _ct_group_scheme(g, top, f"{where}.config_groups[{group!r}]")
+            except CheckpointError as e:
+                scheme, self.unreadable[group] = "", str(e)
             for target in g.get("targets") or []:
                 self.targets[target] = (group, scheme)
         self.ignore = [e for e in qc.get("ignore") or [] if not _is_class_name(e)]
@@ -142,6 +171,8 @@ class CompressedTensorsRules:
             return Expectation(PLAIN_ONLY, "targets it in no config group")
         rank, target = min(ranked)
         group, scheme = self.targets[target]
+        if group in self.unreadable:
+            raise CheckpointError(f"{self.unreadable[group]}; it targets module {name} ({target!r})")
         allowed = {scheme, "plain"} if rank == 2 else {scheme}
         return Expectation(frozenset(allowed), f"targets it in config group {group!r} ({target!r}) as {scheme}")
 
@@ -200,19 +231,25 @@ def module_spec(ck, name: str, rules) -> ModuleSpec:
     scheme, tensors, shape = _stored(ck, name)
     if ck.has(f"{name}.bias"):
         tensors["bias"] = f"{name}.bias"
-    expect = rules.expect(name)
+    return checked_spec(ck, name, scheme, tensors, shape, rules.expect(name), rules, (f"{name}.weight_packed", f"{name}.weight_scale"))
+
+
+def checked_spec(ck, name, scheme, tensors, shape, expect: Expectation, rules, missing: tuple[str, str]) -> ModuleSpec:
+    """The ModuleSpec, once the stored scheme is one the config allows. `missing`
+    names the tensor a compressed-tensors NVFP4 / any other quantized module would
+    have, for the message when a matrix the config quantizes is stored plain."""
     main = tensors.get("weight_packed", tensors.get("weight"))
-    where = f"{ck.file_of(main)}: module {name}"
     if scheme not in expect.allowed:
+        where = f"{ck.file_of(main)}: module {name}"
         if scheme != "plain":
             raise CheckpointError(
                 f"{where} is stored as {scheme} ({main} is {ck.dtype(main)}) but {rules.subject} {expect.reason}"
             )
-        if len(shape) == 2:  # a matrix the config says is quantized, stored plain
+        if len(shape) == 2 or name == main:  # a matrix (or fused experts) the config quantizes, stored plain
             compressed = isinstance(rules, CompressedTensorsRules) and "nvfp4" in expect.allowed
-            missing = f"{name}.weight_packed" if compressed else f"{name}.weight_scale"
             raise CheckpointError(
-                f"{where}: {rules.subject} {expect.reason}, but {missing} is missing and {main} is {ck.dtype(main)}"
+                f"{where}: {rules.subject} {expect.reason}, but {missing[0] if compressed else missing[1]} is "
+                f"missing and {main} is {ck.dtype(main)}"
             )
     precision = PLAIN_DTYPES[ck.dtype(main)] if scheme == "plain" else scheme
     return ModuleSpec(name, precision, tensors, shape)
@@ -282,7 +319,7 @@ def _check_scale(ck, scale: str, sizes: tuple[int, ...]) -> None:
     if ck.dtype(scale) not in SCALE_DTYPES:
         _fail(ck, scale, f"dtype {ck.dtype(scale)}, scales must be one of {', '.join(SCALE_DTYPES)}")
     shape = tuple(ck.shape(scale))
-    size = int(np.prod(shape, dtype=np.int64))
+    size = math.prod(shape)
     if size not in sizes or (size > 1 and shape not in ((size,), (size, 1))):
         per_row = f" or one per output row ([{sizes[1]}, 1])" if len(sizes) > 1 else ""
         _fail(ck, scale, f"shape {list(shape)}, expected one value{per_row}")

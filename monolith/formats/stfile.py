@@ -8,6 +8,7 @@ Writing is deterministic: sorted names, no timestamps, header padded to 8 bytes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -32,11 +33,13 @@ STORAGE_DTYPES = {
     "F64": np.float64,
     "F8_E4M3": np.uint8,
 }
+ITEMSIZE = {dtype: np.dtype(storage).itemsize for dtype, storage in STORAGE_DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
 
 
-def _natural(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _naturals(values) -> bool:
+    """All plain ints >= 0 (not bools); one pass, as headers hold 10^5 entries."""
+    return all(type(v) is int for v in values) and (not values or min(values) >= 0)
 
 
 class SafetensorsFile:
@@ -70,11 +73,11 @@ class SafetensorsFile:
             dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{self.path}: tensor {name}: malformed header entry") from None
-        if not all(_natural(d) for d in shape) or not (_natural(begin) and _natural(end) and begin <= end):
+        if not _naturals(shape) or not (_naturals((begin, end)) and begin <= end):
             raise FormatError(f"{self.path}: tensor {name}: malformed shape {list(shape)} or data_offsets {[begin, end]}")
         if dtype not in STORAGE_DTYPES:
             raise FormatError(f"{self.path}: tensor {name}: unsupported dtype {dtype}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPES[dtype]).itemsize
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if end - begin != nbytes or begin < 0:
             raise FormatError(
                 f"{self.path}: tensor {name}: {dtype}{list(shape)} needs {nbytes} bytes, "

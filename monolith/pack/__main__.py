@@ -1,4 +1,7 @@
-"""python -m monolith.pack build|verify|unpack|inspect (architecture.md contract)."""
+"""python -m monolith.pack build|verify|unpack|inspect (architecture.md contract).
+
+`build SRC --dry-run` reads only configs and safetensors headers and prints what a
+build would do with every tensor, the pack's size and every problem (exit 1 if any)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from ..checkpoint import CheckpointError
 from ..cli import ArgumentParser
 from ..formats import FormatError
 from .build import DEFAULT_SHARD_BYTES, build_pack
+from .dry_run import dry_run, format_dry_run
 from .inspect import format_inspection, inspect_pack
 from .recipe import QUANTIZATION_CHOICES
 from .unpack import unpack_pack
@@ -21,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build a chip-layout pack from a checkpoint (dir or hub id)")
     b.add_argument("source")
-    b.add_argument("--out", required=True)
+    b.add_argument("--out", help="the pack directory (required unless --dry-run)")
+    b.add_argument("--dry-run", action="store_true",
+                   help="write nothing: print what the build would do per tensor, the pack size and every problem")
     b.add_argument("--role", choices=("target", "draft"))
     b.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default="auto",
                    help="auto: drafts to NVFP4, targets as stored; nvfp4: quantize float linears; none: never quantize")
@@ -42,11 +48,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.command == "build" and not args.out and not args.dry_run:
+        ap.error("build: --out is required (unless --dry-run)")
     try:
         if args.command == "build":
             if args.shard_size_mb < 1:
                 raise FormatError("--shard-size-mb must be at least 1")
+            if args.dry_run:
+                report = dry_run(args.source, args.out, role=args.role, quantization=args.quantization,
+                                 revision=args.revision, local_files_only=args.local_files_only,
+                                 shard_bytes=args.shard_size_mb << 20, force=args.force)
+                print(format_dry_run(report))
+                return 1 if report.problems else 0
             out = build_pack(args.source, args.out, role=args.role, quantization=args.quantization,
                              revision=args.revision, local_files_only=args.local_files_only,
                              shard_bytes=args.shard_size_mb << 20, force=args.force)

@@ -44,38 +44,34 @@ def entry_nbytes(entry: Entry) -> int:
     )
 
 
-def _read_float_rows(ckpt: Checkpoint, entry: Entry, part) -> np.ndarray:
-    """float32 values of a part (a module's whole weight, or rows of a stacked tensor)."""
-    if entry.stacked_source:
-        bits = np.asarray(ckpt.read(part.source)[part.expert, part.start : part.stop])
-        if ckpt.dtype(part.source) == "BF16":
-            return formats.bf16_bits_to_f32(bits)
-        return bits.astype(np.float32)
-    return ckpt.dequantize(part.source)
+def _selection(entry: Entry, part) -> tuple:
+    """Checkpoint read arguments of a part: (expert, rows) of a stacked source, else none."""
+    return (part.expert, (part.start, part.stop)) if entry.stacked_source else ()
 
 
 def _source_float_bits(ckpt: Checkpoint, entry: Entry, part) -> np.ndarray:
-    """Stored bits of a float part, unchanged (no rounding)."""
-    if entry.stacked_source:
-        return np.asarray(ckpt.read(part.source)[part.expert, part.start : part.stop])
+    """Stored bits of a float part, unchanged (no rounding); FP8 that cannot stay
+    8-bit comes back dequantized to BF16."""
     spec = ckpt.module(part.source)
-    if spec.precision == "fp8":  # FP8 that cannot stay 8-bit: dequantize to BF16
-        return formats.f32_to_bf16_bits(ckpt.dequantize(part.source))
-    return np.asarray(ckpt.read(spec.tensors["weight"]))
+    if spec.precision == "fp8":
+        return formats.f32_to_bf16_bits(ckpt.dequantize(part.source, *_selection(entry, part)))
+    bits = ckpt.read(spec.tensors["weight"])
+    return np.asarray(bits[part.expert, part.start : part.stop] if entry.stacked_source else bits)
 
 
 def _quantized_part(ckpt: Checkpoint, entry: Entry, part):
     """(codes-or-fp8 bytes U8 [n, ...], block scales U8, per-row F32 tensor scale [n])."""
     n = part.stop - part.start
+    sel = _selection(entry, part)
     if entry.precision == "fp8":
-        codes, scale = ckpt.read_fp8(part.source)
+        codes, scale = ckpt.read_fp8(part.source, *sel)
         rows = np.broadcast_to(np.asarray(scale, np.float32).reshape(-1), (n,))
         k = codes.shape[-1]
         return np.asarray(codes), formats.mxfp8_unit_scales(n, k), rows
     if entry.source_precision == "nvfp4":
-        q = ckpt.read_nvfp4(part.source)
+        q = ckpt.read_nvfp4(part.source, *sel)
     else:
-        q = formats.quantize_nvfp4(_read_float_rows(ckpt, entry, part), name=part.source)
+        q = formats.quantize_nvfp4(ckpt.dequantize(part.source, *sel), name=part.source)
     return np.asarray(q.packed), np.asarray(q.scales), np.full((n,), q.tensor_scale, np.float32)
 
 

@@ -7,10 +7,13 @@ tensor (norms, conv, gates' parameters). The recipe only plans; build.py convert
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint import Checkpoint, CheckpointError
+from ..checkpoint import Checkpoint, CheckpointError, ModuleSpec
+from ..checkpoint.experts import halves_of
+from ..checkpoint.reader import INDEX_FILE
 from ..formats import BLOCK
 from ..formats.mlx_layout import MXFP8_GROUP
 
@@ -90,6 +93,15 @@ RUNTIME_UNUSED_SCALES = ("input_scale", "input_global_scale", "k_scale", "v_scal
 TARGET_EMBEDDING_REASON = "target embedding kept in source precision (gathered, not multiplied)"
 
 
+def is_activation_scale(tensor: str) -> bool:
+    """`<module>.input_scale` and the like, or fused experts' `<group>_input_scale`."""
+    base, _, leaf = tensor.rpartition(".")
+    if leaf in RUNTIME_UNUSED_SCALES:
+        return True
+    group, _, suffix = leaf.partition("_proj_")
+    return base.endswith(".experts") and group in ("gate_up", "down") and suffix in RUNTIME_UNUSED_SCALES
+
+
 def keep_reason(module: str, role: str) -> str | None:
     for pattern, reason in KEEP_RULES:
         if pattern.search(module):
@@ -108,52 +120,97 @@ def wants_quantization(quantization: str, role: str) -> bool:
 
 
 # ---------------------------------------------------------------- planning helpers
+def collected(plan_step):
+    """A Planner step that, when the planner collects problems (a dry run), records
+    its error and goes on instead of raising; the sources it names are then not
+    reported again as unexpected tensors."""
+
+    @functools.wraps(plan_step)
+    def step(self, name, sources, *args, **kwargs):
+        try:
+            return plan_step(self, name, sources, *args, **kwargs)
+        except CheckpointError as e:
+            if self.problems is None:
+                raise
+            self.problems.append(str(e))
+            self.failed.update(_names(sources))
+
+    return step
+
+
+def _names(sources) -> list[str]:
+    """A step's source names: one, a list, or a list of lists (experts)."""
+    if isinstance(sources, str):
+        return [sources]
+    return [name for group in sources for name in ([group] if isinstance(group, str) else group)]
+
+
 class Planner:
-    def __init__(self, ckpt: Checkpoint, role: str, quantization: str):
+    """Plans entries from a checkpoint. Modules are looked up (and checked against the
+    quantization config) only when a recipe asks for them. With a `problems` list,
+    every failing step is recorded there and planning goes on (dry run)."""
+
+    def __init__(self, ckpt: Checkpoint, role: str, quantization: str, problems: list[str] | None = None):
         self.ckpt = ckpt
         self.role = role
         self.quantize = wants_quantization(quantization, role)
-        self.modules = ckpt.modules()
         self.used: set[str] = set()  # source tensor names consumed
+        self.problems = problems
+        self.failed: set[str] = set()  # sources of steps that failed (dry run)
+
+    def spec(self, module: str) -> ModuleSpec:
+        return self.ckpt.module(module)
+
+    def _use(self, tensor: str) -> None:
+        unlisted = self.ckpt.unlisted_file(tensor)
+        if unlisted is not None:
+            raise PackError(
+                f"{unlisted}: tensor {tensor} is needed, but {INDEX_FILE} does not list {unlisted.name} "
+                "(transformers and vLLM read only the files the index lists); add its tensors to the "
+                "index's weight_map, or remove the file"
+            )
+        self.used.add(tensor)
 
     def _use_module(self, module: str) -> None:
-        for tensor in self.modules[module].tensors.values():
-            self.used.add(tensor)
+        for tensor in self.spec(module).tensors.values():
+            self._use(tensor)
 
     def has_module(self, module: str) -> bool:
-        return module in self.modules
+        return self.ckpt.has_module(module)
 
     def require(self, module: str) -> None:
-        if module not in self.modules:
+        if not self.ckpt.has_module(module):
             raise PackError(f"{self.ckpt.path}: missing weight for module {module}")
 
     def output_precision(self, module: str) -> tuple[str, str]:
         """(output precision, reason) for one source linear."""
-        spec = self.modules[module]
+        spec = self.spec(module)
         k = spec.shape[-1]
         if spec.precision == "nvfp4":
             return "nvfp4", "already NVFP4: repacked without arithmetic"
         if spec.precision == "fp8":
             if k % MXFP8_GROUP:
                 return "bf16", f"FP8 with K={k} not a multiple of {MXFP8_GROUP}: dequantized to BF16"
-            return "fp8", "per-tensor FP8 kept 8-bit (mxfp8 words, unit group scales)"
+            return "fp8", "FP8 kept 8-bit (mxfp8 words, unit group scales, its per-tensor or per-channel scale per row)"
         reason = keep_reason(module, self.role)
         if reason:
             return spec.precision, reason
         if not self.quantize:
             return spec.precision, "kept in source precision (quantization not requested)"
         if k % BLOCK or len(spec.shape) != 2:
-            return spec.precision, f"K={k} is not a multiple of {BLOCK}: kept in source precision"
+            return spec.precision, f"K={k} is not a multiple of {BLOCK} (or not a matrix): kept in source precision"
         return "nvfp4", "quantized to NVFP4 at pack time (ModelOpt-exact quantizer)"
 
+    @collected
     def linear(self, name: str, sources: list[str], plan: Plan) -> None:
         """Fuse `sources` along output rows; consecutive members of one precision share
         an entry (named `name`, or `name.0`, `name.1`... when precisions differ)."""
+        if not self._all_present(sources):
+            return
         runs: list[list] = []  # [precision, source precision, reason, members]
         for s in sources:
-            self.require(s)
             precision, reason = self.output_precision(s)
-            key = [precision, self.modules[s].precision, reason]
+            key = [precision, self.spec(s).precision, reason]
             if runs and runs[-1][:3] == key and self._same_k(runs[-1][3][0], s):
                 runs[-1][3].append(s)
             else:
@@ -161,33 +218,36 @@ class Planner:
         for index, (precision, source_precision, reason, members) in enumerate(runs):
             parts, row = [], 0
             for s in members:
-                n = self.modules[s].shape[0]
+                n = self.spec(s).shape[0]
                 parts.append(Part(s, row, row + n))
                 row += n
                 self._use_module(s)
-            k = self.modules[members[0]].shape[-1]
+            k = self.spec(members[0]).shape[-1]
             entry_name = name if len(runs) == 1 else f"{name}.{index}"
             plan.entries.append(Entry(entry_name, "linear", precision, source_precision, (row, k), parts, reason=reason))
 
+    @collected
     def experts(self, name: str, per_expert: list[list[str]], plan: Plan) -> None:
         """Stack experts [E, N, K]; expert e fuses the modules per_expert[e] along rows."""
+        if not self._all_present(s for sources in per_expert for s in sources):
+            return
         first = None
         parts, rows = [], 0
         for e, sources in enumerate(per_expert):
             row = 0
             for s in sources:
-                self.require(s)
+                spec = self.spec(s)
                 precision, reason = self.output_precision(s)
-                key = (precision, self.modules[s].precision, self.modules[s].shape[-1])
+                key = (precision, spec.precision, spec.shape[-1])
                 if first is None:
                     first = key + (reason,)
                 elif key != first[:3]:
+                    main = spec.tensors.get("weight", spec.tensors.get("weight_packed"))
                     raise PackError(
-                        f"{self.ckpt.file_of(self.modules[s].tensors['weight' if 'weight' in self.modules[s].tensors else 'weight_packed'])}: "
-                        f"expert module {s} is {self.modules[s].precision} but other experts of {name} are {first[1]}; "
-                        "stacked experts need one precision"
+                        f"{self.ckpt.file_of(main)}: expert module {s} is {spec.precision} but other experts of "
+                        f"{name} are {first[1]}; stacked experts need one precision"
                     )
-                n = self.modules[s].shape[0]
+                n = spec.shape[0]
                 parts.append(Part(s, row, row + n, e))
                 row += n
                 self._use_module(s)
@@ -197,9 +257,29 @@ class Planner:
         precision, source_precision, k, reason = first
         plan.entries.append(Entry(name, "experts", precision, source_precision, (len(per_expert), rows, k), parts, reason=reason))
 
-    def _same_k(self, a: str, b: str) -> bool:
-        return self.modules[a].shape[-1] == self.modules[b].shape[-1]
+    def _all_present(self, sources) -> bool:
+        """Every source module is there and passes its checks. Collecting (dry run),
+        each failing one is recorded and False returned (the step's other sources are
+        then not reported as unexpected tensors); otherwise the first raises."""
+        ok = True
+        sources = list(sources)
+        for s in sources:
+            try:
+                self.require(s)
+                self.spec(s)
+            except CheckpointError as e:
+                if self.problems is None:
+                    raise
+                self.problems.append(str(e))
+                ok = False
+        if not ok:
+            self.failed.update(sources)
+        return ok
 
+    def _same_k(self, a: str, b: str) -> bool:
+        return self.spec(a).shape[-1] == self.spec(b).shape[-1]
+
+    @collected
     def tensor(self, name: str, source: str, plan: Plan, transform: str | None = None, reason: str = "") -> None:
         if not self.ckpt.has(source):
             raise PackError(f"{self.ckpt.path}: missing tensor {source}")
@@ -207,7 +287,7 @@ class Planner:
         precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}.get(dtype, dtype.lower())
         out = "f32" if transform else precision
         shape = self.ckpt.shape(source)
-        self.used.add(source)
+        self._use(source)
         plan.entries.append(Entry(name, "tensor", out, precision, tuple(shape), [Part(source, 0, shape[0] if shape else 1)],
                                   transform=transform, reason=reason))
 
@@ -217,30 +297,46 @@ class Planner:
             if t in self.used:
                 continue
             why = next((reason for prefix, reason in skip if t.startswith(prefix)), None)
-            if why is None and t.rsplit(".", 1)[-1] in RUNTIME_UNUSED_SCALES:
+            if why is None and is_activation_scale(t):
                 why = "activation / KV-cache scale: the runtime is weight-only and keeps KV in BF16"
+            if why is None and self._failed_source(t):
+                continue  # its step's problem is reported already
             if why is None:
-                raise PackError(
+                error = PackError(
                     f"{self.ckpt.file_of(t)}: tensor {t} is not part of the {plan.architecture} "
                     "recipe (unexpected tensor; refusing to guess what it means)"
                 )
+                if self.problems is None:
+                    raise error
+                self.problems.append(str(error))
+                continue
+            unlisted = self.ckpt.unlisted_file(t)
+            if unlisted is not None:
+                why += f" (in {unlisted.name}, which {INDEX_FILE} does not list)"
             plan.skipped[t] = why
         return plan
-    def fused_experts(self, name: str, tensor: str, halves: int, plan: Plan) -> None:
-        """Experts already stacked in the source as one float tensor [E, N, K]
-        (official BF16 layout); `halves` = 2 when rows are gate then up."""
-        if not self.ckpt.has(tensor):
-            raise PackError(f"{self.ckpt.path}: missing tensor {tensor}")
-        e, n, k = self.ckpt.shape(tensor)
-        source_precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}[self.ckpt.dtype(tensor)]
-        if self.quantize and k % BLOCK == 0:
+
+    def _failed_source(self, tensor: str) -> bool:
+        """Is `tensor` a failed step's source, or one of a failed module's tensors?"""
+        base, _, leaf = tensor.rpartition(".")
+        fused = [f"{base}.{g}" for g in ("gate_up_proj", "down_proj") if leaf.startswith(g + "_")]
+        return any(name in self.failed for name in [tensor, base, *fused])
+
+    @collected
+    def fused_experts(self, name: str, source: str, plan: Plan) -> None:
+        """Experts stored stacked in the source, [E, N, K] in any precision (see
+        checkpoint/experts.py); gate_up rows are gate then up, each expert's halves
+        become separate parts (own tensor scale, own pack-time quantization)."""
+        if not self.ckpt.has_fused_experts(source):
+            raise PackError(f"{self.ckpt.path}: missing fused experts {source}")
+        spec = self.spec(source)
+        e, n, k = spec.shape
+        if spec.precision in FLOAT_PRECISIONS and self.quantize and k % BLOCK == 0:
             precision, reason = "nvfp4", "quantized to NVFP4 at pack time, each expert's gate and up separately"
-        elif self.quantize:
-            precision, reason = source_precision, f"K={k} is not a multiple of {BLOCK}: kept in source precision"
         else:
-            precision, reason = source_precision, "kept in source precision (quantization not requested)"
-        step = n // halves
-        parts = [Part(tensor, h * step, (h + 1) * step, ex) for ex in range(e) for h in range(halves)]
-        self.used.add(tensor)
-        plan.entries.append(Entry(name, "experts", precision, source_precision, (e, n, k), parts, reason=reason,
+            precision, reason = self.output_precision(source)
+        step = n // halves_of(source)
+        parts = [Part(source, a, a + step, ex) for ex in range(e) for a in range(0, n, step)]
+        self._use_module(source)
+        plan.entries.append(Entry(name, "experts", precision, spec.precision, (e, n, k), parts, reason=reason,
                                   stacked_source=True))

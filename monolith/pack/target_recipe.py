@@ -37,9 +37,9 @@ def config_field(ckpt: Checkpoint, name: str):
     return ckpt.text_config[name]
 
 
-def plan_target(ckpt: Checkpoint, quantization: str) -> Plan:
+def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None = None) -> Plan:
     cfg = ckpt.text_config
-    p = Planner(ckpt, "target", quantization)
+    p = Planner(ckpt, "target", quantization, problems)
     plan = Plan("qwen3_5-hybrid", "target", ckpt.architecture, quantization)
     src = source_prefix(ckpt)
     moe = ckpt.architecture == "qwen3_5_moe"
@@ -73,9 +73,9 @@ def plan_target(ckpt: Checkpoint, quantization: str) -> Plan:
             p.linear(n + "shared_expert_gate", [m + "shared_expert_gate"], plan)
             p.linear(n + "shared_expert.gate_up", [m + "shared_expert.gate_proj", m + "shared_expert.up_proj"], plan)
             p.linear(n + "shared_expert.down_proj", [m + "shared_expert.down_proj"], plan)
-            if ckpt.has(m + "experts.gate_up_proj"):
-                p.fused_experts(n + "experts.gate_up", m + "experts.gate_up_proj", 2, plan)
-                p.fused_experts(n + "experts.down", m + "experts.down_proj", 1, plan)
+            if ckpt.has_fused_experts(m + "experts.gate_up_proj"):
+                p.fused_experts(n + "experts.gate_up", m + "experts.gate_up_proj", plan)
+                p.fused_experts(n + "experts.down", m + "experts.down_proj", plan)
             else:
                 count = config_field(ckpt, "num_experts")
                 p.experts(n + "experts.gate_up",

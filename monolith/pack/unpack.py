@@ -2,8 +2,9 @@
 
 Quantized tensors come back byte-identical to the source's (codes, E4M3 scales, F32
 tensor scales; compressed-tensors sources come back in ModelOpt naming with
-weight_scale_2 = 1 / weight_global_scale). Float tensors come back in their source
-dtype, parameter transforms undone.
+weight_scale_2 = 1 / weight_global_scale; quantized experts stored fused in the source
+come back per expert, `experts.{e}.{gate,up,down}_proj`). Float tensors come back in
+their source dtype, parameter transforms undone.
 """
 
 from __future__ import annotations

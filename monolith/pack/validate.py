@@ -41,12 +41,13 @@ def _round_trip(ckpt: Checkpoint, plan: Plan, reader: PackTensors) -> dict:
             sel = (part.expert,) if entry.kind == "experts" else ()
             rows = slice(part.start, part.stop)
             codes, ts = formats.words_to_bytes(words[sel][rows]), tscale[sel][rows]
+            source = (part.expert, (part.start, part.stop)) if entry.stacked_source else ()
             if entry.precision == "nvfp4":
-                q = ckpt.read_nvfp4(part.source)
+                q = ckpt.read_nvfp4(part.source, *source)
                 same = np.array_equal(codes, q.packed) and np.array_equal(scales[sel][rows], q.scales)
                 same = same and np.all(ts == q.tensor_scale)
             else:
-                src_codes, src_scale = ckpt.read_fp8(part.source)
+                src_codes, src_scale = ckpt.read_fp8(part.source, *source)
                 same = np.array_equal(codes, src_codes)
                 same = same and np.all(ts == np.asarray(src_scale, np.float32).reshape(-1))
             if not same:
