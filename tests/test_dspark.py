@@ -1,6 +1,7 @@
-"""The DSpark / DFlash draft (monolith.models.dspark): Markov and confidence heads against
-the vendored speculators 0.9.0 heads (torch), the whole draft against a numpy reference
-written from dspark.md (tests/dspark_reference.py), YaRN against transformers, the
+"""The DSpark / DFlash draft (monolith.models.dspark): speculators-format heads against
+goldens computed by speculators 0.9.0 itself (tests/reference/speculators_goldens.py),
+the whole draft against a numpy reference written from dspark.md
+(tests/dspark_reference.py), YaRN against transformers, the
 layer-id conventions of speculators vs DeepSpec twins, the context cache, sampling, and
 the load-time checks against the target."""
 
@@ -9,15 +10,13 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from dspark_reference import ReferenceDraft
 from numeric import rel
-from reference.speculators_dspark_heads import ConfidenceHead as TorchConfidenceHead
-from reference.speculators_dspark_heads import MarkovHead as TorchMarkovHead
 
 from monolith.checkpoint import open_checkpoint
 from monolith.models import load_model
@@ -38,7 +37,7 @@ WINDOW = 16
 GREEDY = SamplingParams()
 MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest -s
 
-# name -> (format, pack quantization, markov head type, DraftSizes overrides)
+# name -> (format, pack quantization, markov head type, DraftSizes overrides[, config.json edits])
 DRAFTS = {
     "deepspec-bf16": ("deepspec", "none", "vanilla", {}),
     "deepspec-nvfp4-export": ("deepspec-nvfp4", "auto", "vanilla", {}),
@@ -48,10 +47,25 @@ DRAFTS = {
     "dflash-nvfp4": ("dflash", "auto", "vanilla", {}),
     # the layer-id convention twins: same seed, same sizes, BF16 so the picked rows are exact
     "twin-deepspec": ("deepspec", "none", "vanilla", {"sliding_window": WINDOW}),
-    "twin-speculators": ("speculators", "none", "vanilla", {"sliding_window": WINDOW}),
+    # a bidirectional block, as the DeepSpec twin's
+    "twin-speculators": ("speculators", "none", "vanilla", {"sliding_window": WINDOW},
+                         {"sliding_window_non_causal": True}),
+    # dflash_config.causal: every layer's block is causal
+    "dflash-causal": ("dflash", "auto", "vanilla", {}, {"dflash_config": {"causal": True}}),
+    # the block's input embeddings scaled; is_causal false written out
+    "dflash-scaled": ("dflash", "none", "vanilla", {}, {"dflash_config": {"input_embedding_scale": 2.5},
+                                                        "is_causal": False}),
     # a reduced vocabulary reaching target id 459
     "speculators-460": ("speculators", "none", "vanilla", {"draft_vocab_size": 460}),
 }
+
+
+def edit_config(src, edits: dict) -> None:
+    """Set config.json fields (a dict value updates that block)."""
+    config = json.loads((src / "config.json").read_text())
+    for key, value in edits.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    (src / "config.json").write_text(json.dumps(config))
 
 
 def np32(a: mx.array) -> np.ndarray:
@@ -71,10 +85,12 @@ def world(tmp_path_factory):
 
     def draft(name):
         if name not in made:
-            fmt, quantization, head_type, overrides = DRAFTS[name]
+            fmt, quantization, head_type, overrides, *edits = DRAFTS[name]
             sizes = replace(draft_sizes(json.loads((target_dir / "config.json").read_text())["text_config"]),
                             **overrides)
             src = write_draft(root / name, target_dir, format=fmt, seed=3, markov_head_type=head_type, sizes=sizes)
+            if edits:
+                edit_config(src, edits[0])
             pack = build_pack(src, root / (name + ".pack"), role="draft", quantization=quantization)
             made[name] = (load_draft(pack, target, "float32"), pack)
         return made[name]
@@ -101,45 +117,116 @@ def context_of(draft, features, max_context=64):
     return ctx
 
 
-# ------------------------------------------------------------------ heads vs speculators
+# ------------------------------------------------------------------ speculators' own goldens
 
 
-@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
-def test_markov_and_confidence_heads_match_speculators(world, head_type):
-    draft, _ = world["draft"](f"deepspec-{head_type}" if head_type != "vanilla" else "deepspec-bf16")
-    w = world["reference"](f"deepspec-{head_type}" if head_type != "vanilla" else "deepspec-bf16").w
-    vocab, h_size, rank = world["target"].args.vocab_size, draft.args.hidden_size, draft.args.markov_rank
-    torch_head = TorchMarkovHead(verifier_vocab_size=vocab, draft_vocab_size=vocab, markov_rank=rank,
-                                 hidden_size=h_size, head_type=head_type)
-    state = {"markov_w1.weight": w["markov_head.markov_w1"], "markov_w2.weight": w["markov_head.markov_w2"]}
-    proj = {"gated": "gate_proj", "rnn": "joint_proj"}.get(head_type)
-    if proj:
-        state |= {f"{proj}.weight": w[f"markov_head.{proj}"], f"{proj}.bias": w[f"markov_head.{proj}.bias"]}
-    torch_head.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in state.items()})
-    confidence = TorchConfidenceHead(h_size + rank)
-    confidence.load_state_dict({"proj.weight": torch.tensor(w["confidence_head.proj"], dtype=torch.float32),
-                                "proj.bias": torch.tensor(w["confidence_head.proj.bias"], dtype=torch.float32)})
+SPECULATORS_DATA = Path(__file__).parent / "data" / "speculators"  # tests/reference/speculators_goldens.py
+GOLDEN_CASES = ("causal-window", "noncausal-window", "bonus-anchor", "reduced-vocab")
+GOLDEN_TOL = 1e-5  # max |ours - speculators| / max |speculators|: both F32 on the same bf16 weights (measured <= 7e-7)
 
-    rng = np.random.default_rng(11)
-    block = 8
-    prev = rng.integers(0, vocab, block)
-    hidden = rng.standard_normal((block, h_size)).astype(np.float32)
-    with torch.no_grad():
-        t_prev, t_hidden = torch.tensor(prev)[None], torch.tensor(hidden)[None]
-        want = torch_head.block_bias(prev_token_ids=t_prev, hidden_states=t_hidden)[0].numpy()
-        features = torch.cat([t_hidden, torch_head.prev_embeddings(t_prev)], dim=-1)
-        want_conf = confidence(features)[0].numpy()
-    got = np32(draft.markov.block_bias(mx.array(prev, mx.int32), mx.array(hidden)))
-    got_conf = np32(draft.confidence_head.logits(mx.array(hidden), draft.markov.w1(mx.array(prev, mx.int32))))
-    MEASURED[f"heads {head_type} vs speculators (rel)"] = (rel(got, want), rel(got_conf, want_conf))
-    assert rel(got, want) < 1e-5 and rel(got_conf, want_conf) < 1e-5
+
+@pytest.fixture(scope="module")
+def golden_world(tmp_path_factory):
+    """The synthetic tiny target (hidden 64, vocab 512) with the goldens' verifier embedding
+    and lm_head put in, and the speculators checkpoints packed and loaded against it."""
+    from monolith.formats import SafetensorsFile
+    from monolith.formats.stfile import write_safetensors
+
+    root = tmp_path_factory.mktemp("goldens")
+    target_dir = write_target(root / "target", format="bf16", seed=0)
+    verifier = SafetensorsFile(SPECULATORS_DATA / "verifier.safetensors")
+    ckpt = open_checkpoint(target_dir)
+    swaps = {"model.language_model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+    for path in {ckpt.file_of(name) for name in swaps}:
+        st = SafetensorsFile(path)
+        tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+        for name, source in swaps.items():
+            if name in tensors:
+                assert tensors[name][0] == verifier.dtype(source) and tensors[name][1].shape == verifier.shape(source)
+                tensors[name] = (verifier.dtype(source), np.array(verifier.read(source)))
+        del st
+        write_safetensors(path, tensors)
+    target = load_model(target_dir, "float32", cache_dir=root / "cache")
+    drafts = {}
+    for case in GOLDEN_CASES:
+        pack = build_pack(SPECULATORS_DATA / case, root / case, role="draft", quantization="none")
+        drafts[case] = load_draft(pack, target, "float32")
+    return target, drafts
+
+
+def golden(case: str) -> dict:
+    with np.load(SPECULATORS_DATA / f"{case}.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def golden_errors(draft, want: dict) -> dict:
+    """Our draft on the goldens' context and anchor, teacher-forced on their block tokens
+    (the previous token of proposal j is block token j: the anchor, then x_1, ...), vs
+    speculators' final-normed hidden states, corrected logits and confidence logits of
+    the proposing slots."""
+    ctx = context_of(draft, mx.array(want["features"]))
+    tokens = want["block_tokens"]
+    h = draft.forward(ctx, int(tokens[0]))
+    first, gamma = (0 if draft.args.sample_from_anchor else 1), draft.max_proposals
+    slots = h[first:first + gamma]
+    prev = mx.array(tokens[:gamma].astype(np.int32))
+    logits = draft.lm_head(slots).astype(mx.float32) + draft.markov.block_bias(prev, slots)
+    confidence = draft.confidence_head.logits(slots, draft.markov.w1(prev))
+    return {"h": rel(np32(h), want["hidden"]), "logits": rel(np32(logits), want["logits"][first:]),
+            "confidence": rel(np32(confidence), want["confidence_logits"][first:])}
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_draft_matches_speculators_goldens(golden_world, case):
+    """Packed from speculators' own save_pretrained checkpoints, our draft matches
+    speculators' own forward (its anchor-block mask, decoder layers, Markov and
+    confidence heads): a causal window with a full-attention layer, a non-causal
+    window, sample_from_anchor false, a reduced vocabulary."""
+    target, drafts = golden_world
+    draft, want = drafts[case], golden(case)
+    assert draft.args.sliding_windows[0] == 6 and len(want["features"]) == 16  # context longer than the window
+    errs = golden_errors(draft, want)
+    MEASURED[f"{case} vs speculators goldens (rel)"] = {k: f"{v:.1e}" for k, v in errs.items()}
+    assert max(errs.values()) < GOLDEN_TOL, errs
+    # propose itself: its first proposal conditions on the anchor only, as the golden's first slot
+    first = 0 if draft.args.sample_from_anchor else 1
+    p = draft.propose(context_of(draft, mx.array(want["features"])), int(want["block_tokens"][0]), 2, GREEDY)
+    ids = np.arange(want["logits"].shape[1]) if draft.draft_to_target is None else np.array(draft.draft_to_target)
+    assert int(np.array(p.tokens)[0]) == ids[int(np.argmax(want["logits"][first]))]
+    assert abs(float(np.array(p.confidence)[0]) - 1 / (1 + np.exp(-want["confidence_logits"][first]))) < 1e-5
+
+
+def test_speculators_goldens_see_the_mask_window_and_layout(golden_world):
+    """The comparison above would notice a bidirectional block where speculators' is
+    causal (and the reverse), a missing window, and the wrong slot layout."""
+    _, drafts = golden_world
+    causal, bidirectional, bonus = drafts["causal-window"], drafts["noncausal-window"], drafts["bonus-anchor"]
+    assert causal.args.block_causal == (True, False)  # the full-attention layer is never causal
+    assert bidirectional.args.block_causal == (False, False)
+    assert causal.args.sample_from_anchor and not bonus.args.sample_from_anchor and bonus.max_proposals == 4
+    flips = [(causal, "causal-window", lambda d: setattr(d.layers[0], "mask", None)),
+             (bidirectional, "noncausal-window", lambda d: setattr(d.layers[0], "mask", "causal")),
+             (causal, "causal-window", lambda d: setattr(d.layers[0], "window", None))]
+    for draft, case, flip in flips:
+        layer = draft.layers[0]
+        saved = (layer.mask, layer.window)
+        flip(draft)
+        try:
+            assert golden_errors(draft, golden(case))["logits"] > 100 * GOLDEN_TOL
+        finally:
+            layer.mask, layer.window = saved
+    wrong = golden("bonus-anchor")
+    wrong["logits"], wrong["confidence_logits"] = wrong["logits"][:-1], wrong["confidence_logits"][:-1]
+    wrong["logits"] = np.concatenate([wrong["logits"][:1], wrong["logits"]])  # slot k against slot k - 1
+    wrong["confidence_logits"] = np.concatenate([wrong["confidence_logits"][:1], wrong["confidence_logits"]])
+    assert golden_errors(bonus, wrong)["logits"] > 100 * GOLDEN_TOL
 
 
 # ------------------------------------------------------------------ whole draft vs the numpy reference
 
 
 @pytest.mark.parametrize("name", ["deepspec-bf16", "deepspec-nvfp4-export", "deepspec-gated", "deepspec-rnn",
-                                  "speculators-nvfp4", "dflash-nvfp4"])
+                                  "speculators-nvfp4", "dflash-nvfp4", "dflash-causal", "dflash-scaled"])
 def test_draft_matches_reference(world, name):
     draft, _ = world["draft"](name)
     ref = world["reference"](name)
@@ -192,7 +279,7 @@ def test_sliding_window_matters_in_the_comparison(world):
     feats = np.array(world["features"](draft.taps), np.float64)
     anchor = world["tokens"][CONTEXT]
     h = np32(draft.forward(context_of(draft, mx.array(feats.astype(np.float32))), anchor))
-    ref.window = None
+    ref.windows = [None] * draft.args.num_layers
     assert rel(h, ref.hidden(feats, anchor)) > 100 * TOL
 
 
