@@ -241,6 +241,12 @@ def draft_settings(ckpt: Checkpoint) -> dict:
     hidden = layer_cfg.get("hidden_size")
     if hidden is None:
         raise PackError(f"{where}: draft config has no hidden_size")
+    layers = 0
+    while ckpt.has(f"layers.{layers}.input_layernorm.weight"):
+        layers += 1
+    if layers == 0:
+        raise PackError(f"{ckpt.path}: draft has no decoder layers (layers.0.input_layernorm.weight)")
+    windows, causal = _layer_attention(ckpt, cfg, layer_cfg, layers)
     return {
         "target_layer_ids": [int(t) for t in taps],
         **settings,
@@ -250,6 +256,10 @@ def draft_settings(ckpt: Checkpoint) -> dict:
         "input_embedding_scale": _input_embedding_scale(ckpt, cfg),
         "hidden_size": hidden,
         "num_hidden_layers": layer_cfg.get("num_hidden_layers"),
+        "vocab_size": layer_cfg.get("vocab_size"),
+        "num_layers": layers,
+        "sliding_windows": windows,
+        "block_causal": causal,
     }
 
 
@@ -265,8 +275,7 @@ def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
     for name in ("hidden_norm", "norm", "verifier_norm"):
         if ckpt.has(name + ".weight"):
             p.tensor(name, name + ".weight", plan, "f32", PLAIN_NORM)
-    layer = 0
-    while ckpt.has(f"layers.{layer}.input_layernorm.weight"):
+    for layer in range(settings["num_layers"]):
         s = f"layers.{layer}."
         p.linear(s + "self_attn.qkv", [s + "self_attn.q_proj", s + "self_attn.k_proj", s + "self_attn.v_proj"], plan)
         p.linear(s + "self_attn.o_proj", [s + "self_attn.o_proj"], plan)
@@ -274,9 +283,6 @@ def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
         p.linear(s + "mlp.down_proj", [s + "mlp.down_proj"], plan)
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
             p.tensor(s + norm, s + norm + ".weight", plan, "f32", PLAIN_NORM)
-        layer += 1
-    if layer == 0:
-        raise PackError(f"{ckpt.path}: draft has no decoder layers (layers.0.input_layernorm.weight)")
     for name in ("markov_head.markov_w1", "markov_head.markov_w2", "markov_head.gate_proj",
                  "markov_head.joint_proj", "confidence_head.proj"):
         if p.has_module(name):
@@ -286,14 +292,10 @@ def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
     for name in ("d2t", "t2d"):
         if ckpt.has(name):
             p.tensor(name, name, plan, reason="draft-to-target vocabulary map, stored as is")
-    layer_cfg = ckpt.config.get("transformer_layer_config") or {} if ckpt.architecture == "dspark-speculators" \
-        else ckpt.config
     reduced = settings["draft_vocab_size"]
-    if reduced and reduced != layer_cfg.get("vocab_size") and not ckpt.has("d2t"):  # speculators' use_draft_vocab
+    if reduced and reduced != settings["vocab_size"] and not ckpt.has("d2t"):  # speculators' use_draft_vocab
         raise PackError(f"{ckpt.path}: reduced draft vocabulary (draft_vocab_size {reduced}, vocab_size "
-                        f"{layer_cfg.get('vocab_size')}) without a d2t tensor")
-    settings["sliding_windows"], settings["block_causal"] = _layer_attention(ckpt, ckpt.config, layer_cfg, layer)
-    settings["num_layers"] = layer
+                        f"{settings['vocab_size']}) without a d2t tensor")
     settings["has_embedding"] = p.has_module("embed_tokens")
     settings["has_lm_head"] = p.has_module("lm_head")
     plan.layout = {
