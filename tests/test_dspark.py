@@ -204,17 +204,17 @@ def test_speculators_goldens_see_the_mask_window_and_layout(golden_world):
     assert causal.args.block_causal == (True, False)  # the full-attention layer is never causal
     assert bidirectional.args.block_causal == (False, False)
     assert causal.args.sample_from_anchor and not bonus.args.sample_from_anchor and bonus.max_proposals == 4
-    flips = [(causal, "causal-window", lambda d: setattr(d.layers[0], "mask", None)),
-             (bidirectional, "noncausal-window", lambda d: setattr(d.layers[0], "mask", "causal")),
+    flips = [(causal, "causal-window", lambda d: setattr(d.layers[0], "block_mask", None)),
+             (bidirectional, "noncausal-window", lambda d: setattr(d.layers[0], "block_mask", "causal")),
              (causal, "causal-window", lambda d: setattr(d.layers[0], "window", None))]
     for draft, case, flip in flips:
         layer = draft.layers[0]
-        saved = (layer.mask, layer.window)
+        saved = (layer.block_mask, layer.window)
         flip(draft)
         try:
             assert golden_errors(draft, golden(case))["logits"] > 100 * GOLDEN_TOL
         finally:
-            layer.mask, layer.window = saved
+            layer.block_mask, layer.window = saved
     wrong = golden("bonus-anchor")
     wrong["logits"], wrong["confidence_logits"] = wrong["logits"][:-1], wrong["confidence_logits"][:-1]
     wrong["logits"] = np.concatenate([wrong["logits"][:1], wrong["logits"]])  # slot k against slot k - 1
@@ -607,7 +607,8 @@ def test_block_mask_settings(world, tmp_path, source, edits, drop, windows, caus
     # speculators_config: block_size 5 - speculative_tokens 4 = 1, the anchor is the bonus token
     ("bonus-anchor", {}, ("sample_from_anchor",), False),
     ("causal-window", {}, ("sample_from_anchor",), True),
-    ("bonus-anchor", {"sample_from_anchor": True}, (), "sample_from_anchor True and block_size 5 - speculative_tokens 4"),
+    ("bonus-anchor", {"sample_from_anchor": True}, (),
+     "sample_from_anchor True and block_size 5 - speculative_tokens 4"),
     ("bonus-anchor", {}, ("sample_from_anchor", "speculators_config"), "neither sample_from_anchor nor"),
     ("bonus-anchor", {"speculators_config": {"proposal_methods": [{"proposal_type": "greedy",
                                                                    "speculative_tokens": 2}]}}, (), "differ by"),

@@ -259,7 +259,7 @@ class DraftLayer:
         self.eps = args.rms_norm_eps
         self.scale = self.head_dim ** -0.5 * args.rope_attention_factor ** 2
         self.window = args.sliding_windows[index]
-        self.mask = "causal" if args.block_causal[index] else None
+        self.block_mask = "causal" if args.block_causal[index] else None
         self.rope = rope
 
     def _keys_values(self, kv: mx.array, offset: int) -> tuple[mx.array, mx.array]:
@@ -284,7 +284,7 @@ class DraftLayer:
         keys, values = cache.update(*self._keys_values(qkv[..., self.q_rows:], offset), offset)
         if self.window is not None and offset > self.window:
             keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.mask)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.block_mask)
         x = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
 

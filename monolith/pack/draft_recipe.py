@@ -98,6 +98,8 @@ def _layer_attention(ckpt: Checkpoint, cfg: dict, layer_cfg: dict, layers: int) 
     if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise PackError(f"{where}: layer_types {types} must name full_attention or sliding_attention for each "
                         f"of the draft's {layers} layers")
+    if layer_cfg.get("use_sliding_window") and "sliding_window" not in layer_cfg:
+        raise PackError(f"{where}: use_sliding_window without sliding_window (Qwen3Config would default it)")
     window = layer_cfg.get("sliding_window") if layer_cfg.get("use_sliding_window") else None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise PackError(f"{where}: sliding_window {window!r} must be a positive integer")
@@ -117,7 +119,8 @@ def _layer_attention(ckpt: Checkpoint, cfg: dict, layer_cfg: dict, layers: int) 
                         "block mask with is_causal or dflash_config.causal")
     if any(s and w is None for s, w in zip(sliding, windows)):
         raise PackError(f"{where}: sliding_attention layers without a window (sliding_window "
-                        f"{layer_cfg.get('sliding_window')!r}, use_sliding_window {layer_cfg.get('use_sliding_window')!r})")
+                        f"{layer_cfg.get('sliding_window')!r}, use_sliding_window "
+                        f"{layer_cfg.get('use_sliding_window')!r})")
     causal = cfg.get("is_causal")
     field = "is_causal"
     if causal is None:
