@@ -92,6 +92,7 @@ class ReferenceDraft:
         self.block_size = settings["block_size"]
         self.mask = settings["mask_token_id"]
         self.sample_from_anchor = settings.get("sample_from_anchor", "dflash_config" not in cfg)
+        self.embedding_scale = (cfg.get("dflash_config") or {}).get("input_embedding_scale", 1.0)
         self.rank = settings.get("markov_rank", 0) or 0
         self.head_type = settings.get("markov_head_type", "vanilla")
         self.confidence = bool(settings.get("enable_confidence_head"))
@@ -101,8 +102,18 @@ class ReferenceDraft:
         self.head_dim = layer_cfg["head_dim"]
         self.eps = layer_cfg.get("rms_norm_eps", 1e-6)
         self.layers = layer_cfg["num_hidden_layers"]
-        types = layer_cfg.get("layer_types") or []
-        self.window = layer_cfg["sliding_window"] if "sliding_attention" in types else None
+        # the block mask, dspark.md section 3: a sliding layer sees the last sliding_window
+        # context rows (Qwen3Config keeps the window only with use_sliding_window); its block
+        # is causal in speculators unless sliding_window_non_causal; elsewhere is_causal /
+        # dflash_config.causal decide, else the sliding layers are the causal ones
+        types = layer_cfg.get("layer_types") or ["full_attention"] * self.layers
+        window = layer_cfg.get("sliding_window") if layer_cfg.get("use_sliding_window") else None
+        self.windows = [window if t == "sliding_attention" else None for t in types]
+        if cfg.get("speculators_model_type"):
+            self.causal = [w is not None and not cfg.get("sliding_window_non_causal", False) for w in self.windows]
+        else:
+            flag = cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal"))
+            self.causal = [t == "sliding_attention" if flag is None else flag for t in types]
         self.inv_freq, self.rope_scaling = rope_frequencies(layer_cfg, self.head_dim)
         self.embed = self.w.get("embed_tokens", target_embed)
         self.lm_head = self.w.get("lm_head", target_lm_head)
@@ -117,12 +128,16 @@ class ReferenceDraft:
         """Final-normed hidden states [B, H] of the block after len(features) context rows."""
         n, b = features.shape[0], self.block_size
         c = self.context(features.astype(np.float64))
-        x = self.embed[[anchor] + [self.mask] * (b - 1)]
+        x = self.embed[[anchor] + [self.mask] * (b - 1)] * self.embedding_scale
         ctx_pos, blk_pos = np.arange(n), n + np.arange(b)
-        first = max(0, n - self.window) if self.window is not None else 0  # the last `window` context rows
         group = self.heads // self.kv_heads
         for i in range(self.layers):
             p = f"layers.{i}."
+            window = self.windows[i]
+            first = max(0, n - window) if window is not None else 0  # the last `window` context rows
+            visible = np.ones((b, n - first + b), bool)
+            if self.causal[i]:  # slot q sees block slots <= q
+                visible[:, n - first:] = np.tril(np.ones((b, b), bool))
             h = rms_norm(x, self.w[p + "input_layernorm"], self.eps)
 
             def proj(name, inp, heads, p=p):
@@ -140,7 +155,8 @@ class ReferenceDraft:
             out = np.zeros((b, self.heads, self.head_dim))
             for head in range(self.heads):
                 kv = head // group
-                scores = q[:, head] @ k[:, kv].T / np.sqrt(self.head_dim)  # no mask
+                scores = q[:, head] @ k[:, kv].T / np.sqrt(self.head_dim)
+                scores = np.where(visible, scores, -np.inf)
                 out[:, head] = softmax(scores) @ v[:, kv]
             x = x + out.reshape(b, -1) @ self.w[p + "self_attn.o_proj"].T
             h = rms_norm(x, self.w[p + "post_attention_layernorm"], self.eps)

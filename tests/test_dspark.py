@@ -1,6 +1,7 @@
-"""The DSpark / DFlash draft (monolith.models.dspark): Markov and confidence heads against
-the vendored speculators 0.9.0 heads (torch), the whole draft against a numpy reference
-written from dspark.md (tests/dspark_reference.py), YaRN against transformers, the
+"""The DSpark / DFlash draft (monolith.models.dspark): speculators-format heads against
+goldens computed by speculators 0.9.0 itself (tests/reference/speculators_goldens.py),
+the whole draft against a numpy reference written from dspark.md
+(tests/dspark_reference.py), YaRN against transformers, the
 layer-id conventions of speculators vs DeepSpec twins, the context cache, sampling, and
 the load-time checks against the target."""
 
@@ -9,15 +10,13 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from dspark_reference import ReferenceDraft
 from numeric import rel
-from reference.speculators_dspark_heads import ConfidenceHead as TorchConfidenceHead
-from reference.speculators_dspark_heads import MarkovHead as TorchMarkovHead
 
 from monolith.checkpoint import open_checkpoint
 from monolith.models import load_model
@@ -28,7 +27,7 @@ from monolith.models.dspark import (
     load_draft,
     yarn_parameters,
 )
-from monolith.pack import build_pack, unpack_pack
+from monolith.pack import PackError, build_pack, unpack_pack
 from monolith.runtime.sampling import SamplingParams, filtered_probs
 from monolith.synth import Preset, draft_sizes, write_draft, write_target
 
@@ -38,7 +37,7 @@ WINDOW = 16
 GREEDY = SamplingParams()
 MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest -s
 
-# name -> (format, pack quantization, markov head type, DraftSizes overrides)
+# name -> (format, pack quantization, markov head type, DraftSizes overrides[, config.json edits])
 DRAFTS = {
     "deepspec-bf16": ("deepspec", "none", "vanilla", {}),
     "deepspec-nvfp4-export": ("deepspec-nvfp4", "auto", "vanilla", {}),
@@ -48,10 +47,25 @@ DRAFTS = {
     "dflash-nvfp4": ("dflash", "auto", "vanilla", {}),
     # the layer-id convention twins: same seed, same sizes, BF16 so the picked rows are exact
     "twin-deepspec": ("deepspec", "none", "vanilla", {"sliding_window": WINDOW}),
-    "twin-speculators": ("speculators", "none", "vanilla", {"sliding_window": WINDOW}),
+    # a bidirectional block, as the DeepSpec twin's
+    "twin-speculators": ("speculators", "none", "vanilla", {"sliding_window": WINDOW},
+                         {"sliding_window_non_causal": True}),
+    # dflash_config.causal: every layer's block is causal
+    "dflash-causal": ("dflash", "auto", "vanilla", {}, {"dflash_config": {"causal": True}}),
+    # the block's input embeddings scaled; is_causal false written out
+    "dflash-scaled": ("dflash", "none", "vanilla", {}, {"dflash_config": {"input_embedding_scale": 2.5},
+                                                        "is_causal": False}),
     # a reduced vocabulary reaching target id 459
     "speculators-460": ("speculators", "none", "vanilla", {"draft_vocab_size": 460}),
 }
+
+
+def edit_config(src, edits: dict) -> None:
+    """Set config.json fields (a dict value updates that block)."""
+    config = json.loads((src / "config.json").read_text())
+    for key, value in edits.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    (src / "config.json").write_text(json.dumps(config))
 
 
 def np32(a: mx.array) -> np.ndarray:
@@ -71,10 +85,12 @@ def world(tmp_path_factory):
 
     def draft(name):
         if name not in made:
-            fmt, quantization, head_type, overrides = DRAFTS[name]
+            fmt, quantization, head_type, overrides, *edits = DRAFTS[name]
             sizes = replace(draft_sizes(json.loads((target_dir / "config.json").read_text())["text_config"]),
                             **overrides)
             src = write_draft(root / name, target_dir, format=fmt, seed=3, markov_head_type=head_type, sizes=sizes)
+            if edits:
+                edit_config(src, edits[0])
             pack = build_pack(src, root / (name + ".pack"), role="draft", quantization=quantization)
             made[name] = (load_draft(pack, target, "float32"), pack)
         return made[name]
@@ -101,45 +117,116 @@ def context_of(draft, features, max_context=64):
     return ctx
 
 
-# ------------------------------------------------------------------ heads vs speculators
+# ------------------------------------------------------------------ speculators' own goldens
 
 
-@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
-def test_markov_and_confidence_heads_match_speculators(world, head_type):
-    draft, _ = world["draft"](f"deepspec-{head_type}" if head_type != "vanilla" else "deepspec-bf16")
-    w = world["reference"](f"deepspec-{head_type}" if head_type != "vanilla" else "deepspec-bf16").w
-    vocab, h_size, rank = world["target"].args.vocab_size, draft.args.hidden_size, draft.args.markov_rank
-    torch_head = TorchMarkovHead(verifier_vocab_size=vocab, draft_vocab_size=vocab, markov_rank=rank,
-                                 hidden_size=h_size, head_type=head_type)
-    state = {"markov_w1.weight": w["markov_head.markov_w1"], "markov_w2.weight": w["markov_head.markov_w2"]}
-    proj = {"gated": "gate_proj", "rnn": "joint_proj"}.get(head_type)
-    if proj:
-        state |= {f"{proj}.weight": w[f"markov_head.{proj}"], f"{proj}.bias": w[f"markov_head.{proj}.bias"]}
-    torch_head.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in state.items()})
-    confidence = TorchConfidenceHead(h_size + rank)
-    confidence.load_state_dict({"proj.weight": torch.tensor(w["confidence_head.proj"], dtype=torch.float32),
-                                "proj.bias": torch.tensor(w["confidence_head.proj.bias"], dtype=torch.float32)})
+SPECULATORS_DATA = Path(__file__).parent / "data" / "speculators"  # tests/reference/speculators_goldens.py
+GOLDEN_CASES = ("causal-window", "noncausal-window", "bonus-anchor", "reduced-vocab")
+GOLDEN_TOL = 1e-5  # max |ours - speculators| / max |speculators|: both F32 on the same bf16 weights (measured <= 7e-7)
 
-    rng = np.random.default_rng(11)
-    block = 8
-    prev = rng.integers(0, vocab, block)
-    hidden = rng.standard_normal((block, h_size)).astype(np.float32)
-    with torch.no_grad():
-        t_prev, t_hidden = torch.tensor(prev)[None], torch.tensor(hidden)[None]
-        want = torch_head.block_bias(prev_token_ids=t_prev, hidden_states=t_hidden)[0].numpy()
-        features = torch.cat([t_hidden, torch_head.prev_embeddings(t_prev)], dim=-1)
-        want_conf = confidence(features)[0].numpy()
-    got = np32(draft.markov.block_bias(mx.array(prev, mx.int32), mx.array(hidden)))
-    got_conf = np32(draft.confidence_head.logits(mx.array(hidden), draft.markov.w1(mx.array(prev, mx.int32))))
-    MEASURED[f"heads {head_type} vs speculators (rel)"] = (rel(got, want), rel(got_conf, want_conf))
-    assert rel(got, want) < 1e-5 and rel(got_conf, want_conf) < 1e-5
+
+@pytest.fixture(scope="module")
+def golden_world(tmp_path_factory):
+    """The synthetic tiny target (hidden 64, vocab 512) with the goldens' verifier embedding
+    and lm_head put in, and the speculators checkpoints packed and loaded against it."""
+    from monolith.formats import SafetensorsFile
+    from monolith.formats.stfile import write_safetensors
+
+    root = tmp_path_factory.mktemp("goldens")
+    target_dir = write_target(root / "target", format="bf16", seed=0)
+    verifier = SafetensorsFile(SPECULATORS_DATA / "verifier.safetensors")
+    ckpt = open_checkpoint(target_dir)
+    swaps = {"model.language_model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+    for path in {ckpt.file_of(name) for name in swaps}:
+        st = SafetensorsFile(path)
+        tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+        for name, source in swaps.items():
+            if name in tensors:
+                assert tensors[name][0] == verifier.dtype(source) and tensors[name][1].shape == verifier.shape(source)
+                tensors[name] = (verifier.dtype(source), np.array(verifier.read(source)))
+        del st
+        write_safetensors(path, tensors)
+    target = load_model(target_dir, "float32", cache_dir=root / "cache")
+    drafts = {}
+    for case in GOLDEN_CASES:
+        pack = build_pack(SPECULATORS_DATA / case, root / case, role="draft", quantization="none")
+        drafts[case] = load_draft(pack, target, "float32")
+    return target, drafts
+
+
+def golden(case: str) -> dict:
+    with np.load(SPECULATORS_DATA / f"{case}.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def golden_errors(draft, want: dict) -> dict:
+    """Our draft on the goldens' context and anchor, teacher-forced on their block tokens
+    (the previous token of proposal j is block token j: the anchor, then x_1, ...), vs
+    speculators' final-normed hidden states, corrected logits and confidence logits of
+    the proposing slots."""
+    ctx = context_of(draft, mx.array(want["features"]))
+    tokens = want["block_tokens"]
+    h = draft.forward(ctx, int(tokens[0]))
+    first, gamma = (0 if draft.args.sample_from_anchor else 1), draft.max_proposals
+    slots = h[first:first + gamma]
+    prev = mx.array(tokens[:gamma].astype(np.int32))
+    logits = draft.lm_head(slots).astype(mx.float32) + draft.markov.block_bias(prev, slots)
+    confidence = draft.confidence_head.logits(slots, draft.markov.w1(prev))
+    return {"h": rel(np32(h), want["hidden"]), "logits": rel(np32(logits), want["logits"][first:]),
+            "confidence": rel(np32(confidence), want["confidence_logits"][first:])}
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_draft_matches_speculators_goldens(golden_world, case):
+    """Packed from speculators' own save_pretrained checkpoints, our draft matches
+    speculators' own forward (its anchor-block mask, decoder layers, Markov and
+    confidence heads): a causal window with a full-attention layer, a non-causal
+    window, sample_from_anchor false, a reduced vocabulary."""
+    target, drafts = golden_world
+    draft, want = drafts[case], golden(case)
+    assert draft.args.sliding_windows[0] == 6 and len(want["features"]) == 16  # context longer than the window
+    errs = golden_errors(draft, want)
+    MEASURED[f"{case} vs speculators goldens (rel)"] = {k: f"{v:.1e}" for k, v in errs.items()}
+    assert max(errs.values()) < GOLDEN_TOL, errs
+    # propose itself: its first proposal conditions on the anchor only, as the golden's first slot
+    first = 0 if draft.args.sample_from_anchor else 1
+    p = draft.propose(context_of(draft, mx.array(want["features"])), int(want["block_tokens"][0]), 2, GREEDY)
+    ids = np.arange(want["logits"].shape[1]) if draft.draft_to_target is None else np.array(draft.draft_to_target)
+    assert int(np.array(p.tokens)[0]) == ids[int(np.argmax(want["logits"][first]))]
+    assert abs(float(np.array(p.confidence)[0]) - 1 / (1 + np.exp(-want["confidence_logits"][first]))) < 1e-5
+
+
+def test_speculators_goldens_see_the_mask_window_and_layout(golden_world):
+    """The comparison above would notice a bidirectional block where speculators' is
+    causal (and the reverse), a missing window, and the wrong slot layout."""
+    _, drafts = golden_world
+    causal, bidirectional, bonus = drafts["causal-window"], drafts["noncausal-window"], drafts["bonus-anchor"]
+    assert causal.args.block_causal == (True, False)  # the full-attention layer is never causal
+    assert bidirectional.args.block_causal == (False, False)
+    assert causal.args.sample_from_anchor and not bonus.args.sample_from_anchor and bonus.max_proposals == 4
+    flips = [(causal, "causal-window", lambda d: setattr(d.layers[0], "block_mask", None)),
+             (bidirectional, "noncausal-window", lambda d: setattr(d.layers[0], "block_mask", "causal")),
+             (causal, "causal-window", lambda d: setattr(d.layers[0], "window", None))]
+    for draft, case, flip in flips:
+        layer = draft.layers[0]
+        saved = (layer.block_mask, layer.window)
+        flip(draft)
+        try:
+            assert golden_errors(draft, golden(case))["logits"] > 100 * GOLDEN_TOL
+        finally:
+            layer.block_mask, layer.window = saved
+    wrong = golden("bonus-anchor")
+    wrong["logits"], wrong["confidence_logits"] = wrong["logits"][:-1], wrong["confidence_logits"][:-1]
+    wrong["logits"] = np.concatenate([wrong["logits"][:1], wrong["logits"]])  # slot k against slot k - 1
+    wrong["confidence_logits"] = np.concatenate([wrong["confidence_logits"][:1], wrong["confidence_logits"]])
+    assert golden_errors(bonus, wrong)["logits"] > 100 * GOLDEN_TOL
 
 
 # ------------------------------------------------------------------ whole draft vs the numpy reference
 
 
 @pytest.mark.parametrize("name", ["deepspec-bf16", "deepspec-nvfp4-export", "deepspec-gated", "deepspec-rnn",
-                                  "speculators-nvfp4", "dflash-nvfp4"])
+                                  "speculators-nvfp4", "dflash-nvfp4", "dflash-causal", "dflash-scaled"])
 def test_draft_matches_reference(world, name):
     draft, _ = world["draft"](name)
     ref = world["reference"](name)
@@ -192,7 +279,7 @@ def test_sliding_window_matters_in_the_comparison(world):
     feats = np.array(world["features"](draft.taps), np.float64)
     anchor = world["tokens"][CONTEXT]
     h = np32(draft.forward(context_of(draft, mx.array(feats.astype(np.float32))), anchor))
-    ref.window = None
+    ref.windows = [None] * draft.args.num_layers
     assert rel(h, ref.hidden(feats, anchor)) > 100 * TOL
 
 
@@ -451,3 +538,156 @@ def test_reduced_vocabulary_without_d2t_and_missing_settings(world, tmp_path):
     for field in ("mask_token_id", "block_size"):
         with pytest.raises(DraftError, match=field):
             DraftArgs.from_pack(config, {**settings, field: None}, "dspark-speculators", "config.json")
+
+
+# ------------------------------------------------------------------ what the pack reads from a draft's config
+
+
+def settings_of(src, tmp_path, edits=None, drop=()):
+    """draft_settings of a copy of the checkpoint `src` with config.json fields set
+    (edit_config) and top-level fields dropped."""
+    from monolith.pack.draft_recipe import draft_settings
+
+    out = tmp_path / f"edited-{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(src, out)
+    edit_config(out, edits or {})
+    config = json.loads((out / "config.json").read_text())
+    for key in drop:
+        del config[key]
+    (out / "config.json").write_text(json.dumps(config))
+    return draft_settings(open_checkpoint(out))
+
+
+SLIDING_FULL = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
+                "sliding_window": 8}
+
+
+@pytest.mark.parametrize("source, edits, drop, windows, causal", [
+    # speculators: non_causal = sliding_window is None or sliding_window_non_causal, per layer
+    ("causal-window", {}, (), [6, None], [True, False]),
+    ("causal-window", {}, ("sliding_window_non_causal",), [6, None], [True, False]),  # its default: false
+    ("causal-window", {"sliding_window_non_causal": True}, (), [6, None], [False, False]),
+    ("causal-window", {"transformer_layer_config": {"use_sliding_window": False}}, (), [None, None], [False, False]),
+    ("causal-window", {"is_causal": True}, (), "is_causal", None),
+    ("causal-window", {"dflash_config": {"causal": True}}, (), "dflash_config", None),
+    ("causal-window", {"sliding_window_non_causal": "no"}, (), "sliding_window_non_causal", None),
+    # elsewhere (vLLM's _dflash_layer_causal): is_causal, else dflash_config.causal, else the sliding layers
+    ("dflash", {}, (), [None, None], [False, False]),
+    ("dflash", SLIDING_FULL, (), [8, None], [True, False]),
+    ("dflash", {**SLIDING_FULL, "dflash_config": {"causal": False}}, (), [8, None], [False, False]),
+    ("dflash", {**SLIDING_FULL, "dflash_config": {"causal": False}, "is_causal": True}, (), [8, None], [True, True]),
+    ("dflash", {"dflash_config": {"causal": True}}, (), [None, None], [True, True]),
+    ("dflash", {"sliding_window_non_causal": False}, (), "sliding_window_non_causal", None),
+    ("dflash", {**SLIDING_FULL, "use_sliding_window": False}, (), "without a window", None),
+    ("dflash", {"layer_types": ["full_attention"]}, (), "layer_types", None),
+    ("dflash", {"dflash_config": {"causal": 1}}, (), "dflash_config.causal", None),
+    ("dflash", {"dflash_config": {"use_swa": True}}, (), "dflash_config.use_swa", None),
+    ("dflash", {"dflash_config": {"swa_window_size": 8}}, (), "dflash_config.swa_window_size", None),
+    ("dflash", {"dflash_config": {"use_aux_hidden_state": False}}, (), "use_aux_hidden_state", None),
+])
+def test_block_mask_settings(world, tmp_path, source, edits, drop, windows, causal):
+    """Per layer, the window and whether the block is causal, as speculators' mask
+    function (speculators drafts) or vLLM's DFlash loader (the others) reads them; a
+    field that would change the mask in one of them and is not read is refused."""
+    if source == "dflash":
+        world["draft"]("dflash-nvfp4")
+        src = world["root"] / "dflash-nvfp4"
+    else:
+        src = SPECULATORS_DATA / source
+    if causal is None:
+        with pytest.raises(PackError, match=windows):
+            settings_of(src, tmp_path, edits, drop)
+        return
+    settings = settings_of(src, tmp_path, edits, drop)
+    assert (settings["sliding_windows"], settings["block_causal"]) == (windows, causal)
+
+
+@pytest.mark.parametrize("source, edits, drop, want", [
+    ("bonus-anchor", {}, (), False),
+    # speculators_config: block_size 5 - speculative_tokens 4 = 1, the anchor is the bonus token
+    ("bonus-anchor", {}, ("sample_from_anchor",), False),
+    ("causal-window", {}, ("sample_from_anchor",), True),
+    ("bonus-anchor", {"sample_from_anchor": True}, (),
+     "sample_from_anchor True and block_size 5 - speculative_tokens 4"),
+    ("bonus-anchor", {}, ("sample_from_anchor", "speculators_config"), "neither sample_from_anchor nor"),
+    ("bonus-anchor", {"speculators_config": {"proposal_methods": [{"proposal_type": "greedy",
+                                                                   "speculative_tokens": 2}]}}, (), "differ by"),
+    ("bonus-anchor", {"speculators_config": {"default_proposal_method": "tree"}}, (), "default_proposal_method"),
+    ("dflash", {}, (), False),
+    ("dflash", {"dflash_config": {"sample_from_anchor": True}}, (), True),
+    ("dflash", {"dspark_bonus_anchor": False}, (), True),
+    ("dflash", {"dspark_bonus_anchor": True, "sample_from_anchor": True}, (), "contradict"),
+    ("deepspec", {}, (), True),
+    ("deepspec", {"dspark_bonus_anchor": True}, (), False),
+])
+def test_sample_from_anchor_settings(world, tmp_path, source, edits, drop, want):
+    """Whether slot 0 predicts: every field that states it must agree (a speculators
+    draft's block_size minus its default proposal method's speculative_tokens among
+    them); unstated, DeepSpec's convention is true and DFlash's false, and a speculators
+    draft must state it (speculators reads a missing field as true, vLLM as false)."""
+    if source in ("dflash", "deepspec"):
+        name = "dflash-nvfp4" if source == "dflash" else "deepspec-bf16"
+        world["draft"](name)
+        src = world["root"] / name
+    else:
+        src = SPECULATORS_DATA / source
+    if isinstance(want, str):
+        with pytest.raises(PackError, match=want):
+            settings_of(src, tmp_path, edits, drop)
+        return
+    assert settings_of(src, tmp_path, edits, drop)["sample_from_anchor"] is want
+
+
+def test_input_embedding_scale_settings(world, tmp_path):
+    world["draft"]("dflash-nvfp4")
+    src = world["root"] / "dflash-nvfp4"
+    assert settings_of(src, tmp_path)["input_embedding_scale"] == 1.0
+    assert settings_of(src, tmp_path, {"dflash_config": {"input_embedding_scale": 0.5}})["input_embedding_scale"] == 0.5
+    for bad in (0, -1.0, float("nan"), "2", True):
+        with pytest.raises(PackError, match="input_embedding_scale"):
+            settings_of(src, tmp_path, {"dflash_config": {"input_embedding_scale": bad}})
+
+
+def test_dflash_labelled_draft_with_markov_heads_runs_them(world, tmp_path):
+    """A DSpark head whose config says DFlashDraftModel / dflash_config and omits the
+    Markov fields (as a Qwen3.6-27B head does) gets its heads from its tensors: it
+    proposes exactly what the same weights as a DeepSpec draft propose."""
+    deep, _ = world["draft"]("deepspec-bf16")
+    src = world["root"] / "deepspec-bf16"
+    config = json.loads((src / "config.json").read_text())
+    relabelled = tmp_path / "relabelled"
+    shutil.copytree(src, relabelled)
+    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "block_size", "mask_token_id", "target_layer_ids"):
+        del config[key]
+    config |= {"architectures": ["DFlashDraftModel"],
+               "dflash_config": {"block_size": deep.block_size, "mask_token_id": deep.args.mask_token_id,
+                                 "target_layer_ids": deep.taps, "sample_from_anchor": True}}
+    (relabelled / "config.json").write_text(json.dumps(config))
+    pack = build_pack(relabelled, tmp_path / "pack", role="draft", quantization="none")
+    draft = load_draft(pack, world["target"], "float32")
+    assert draft.args.architecture == "dflash" and draft.args.markov_rank == deep.args.markov_rank
+    assert draft.args.confidence_head and draft.args.confidence_with_markov
+    feats, anchor = world["features"](draft.taps), world["tokens"][CONTEXT]
+    a = draft.propose(context_of(draft, feats), anchor, draft.max_proposals, GREEDY)
+    b = deep.propose(context_of(deep, feats), anchor, deep.max_proposals, GREEDY)
+    assert np.array_equal(np.array(a.tokens), np.array(b.tokens))
+    assert np.array_equal(np.array(a.confidence), np.array(b.confidence))
+    # the heads' fields, when stated, must agree with the tensors
+    for edits, field in (({"markov_rank": 0}, "markov_rank 0"), ({"markov_rank": 4}, "markov_rank 4"),
+                         ({"markov_head_type": "gated"}, "markov_head.gate_proj"),
+                         ({"enable_confidence_head": False}, "enable_confidence_head"),
+                         ({"confidence_head_with_markov": False}, "confidence_head_with_markov")):
+        with pytest.raises(PackError, match=field):
+            settings_of(relabelled, tmp_path, {"dflash_config": edits})
+
+
+def test_detect_architecture_names_the_layout():
+    from monolith.checkpoint.config import detect_architecture
+
+    assert detect_architecture({"model_type": "qwen3", "dspark_config": {"block_size": 7}}, "c") == "dspark"
+    assert detect_architecture({"architectures": ["Qwen3DSparkModel"], "dflash_config": {}}, "c") == "dspark"
+    assert detect_architecture({"architectures": ["DFlashDraftModel"], "dflash_config": {"markov_rank": 8}},
+                               "c") == "dflash"
+    assert detect_architecture({"architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark"},
+                               "c") == "dspark-speculators"

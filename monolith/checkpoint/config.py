@@ -62,7 +62,11 @@ def text_config_of(config: dict) -> dict:
 
 def detect_architecture(config: dict, where: Path) -> str:
     """One of SUPPORTED_ARCHITECTURES. Drafts are checked first: a DeepSpec draft's
-    config is a copy of a Qwen config plus its own fields."""
+    config is a copy of a Qwen config plus its own fields. A draft's name here only says
+    where its config keeps its fields and the defaults it implies; what the draft computes
+    (its Markov and confidence heads, the block mask, sample_from_anchor) is decided in
+    pack.draft_recipe from the tensors present and every field that states it, since a
+    `DFlashDraftModel` label or a `dflash_config` block can sit on a DSpark head."""
     archs = config.get("architectures") or []
     if not isinstance(archs, list):
         archs = [archs]
@@ -74,7 +78,7 @@ def detect_architecture(config: dict, where: Path) -> str:
             f"{where}: speculators_model_type {spec_type!r} is not supported "
             f"(supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    if "Qwen3DSparkModel" in archs:
+    if "Qwen3DSparkModel" in archs or isinstance(config.get("dspark_config"), dict):
         return "dspark"
     if "DFlashDraftModel" in archs or isinstance(config.get("dflash_config"), dict):
         return "dflash"
@@ -87,7 +91,7 @@ def detect_architecture(config: dict, where: Path) -> str:
     raise CheckpointError(
         f"{where}: unsupported architecture (architectures={archs}, "
         f"model_type={config.get('model_type')!r}); supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-        f"(targets {', '.join(TARGET_CLASSES)}; drafts Qwen3DSparkModel, "
+        f"(targets {', '.join(TARGET_CLASSES)}; drafts Qwen3DSparkModel / dspark_config, "
         "speculators_model_type 'dspark', DFlashDraftModel / dflash_config)"
     )
 

@@ -4,8 +4,10 @@ NVFP4 export, speculators (reduced vocabulary, sliding window) and z-lab DFlash.
 The draft is a few Qwen3 decoder layers whose keys/values are [context ; block]. The
 context rows are `hidden_norm(fc(target features))`, the same for every layer, so their
 K/V are computed once, when the target commits them, and kept in a `DraftContext`. The
-block is [anchor, mask x (B-1)] at positions p..p+B-1 and only it makes queries; no
-attention mask (a sliding-window draft sees the last `window` context rows). Slot k
+block is [anchor, mask x (B-1)] (times the input embedding scale) at positions
+p..p+B-1 and only it makes queries. It sees every context row (a sliding-window layer:
+the last `window`) and, per layer, the whole block or (a causal layer: speculators'
+causal sliding window, vLLM's `causal`) only the block slots up to its own. Slot k
 gives U_k = lm_head(h_k); a Markov head adds a bias that depends on the token drawn
 before it, so proposals are drawn one after another, on the device (no host sync:
 `propose` returns lazy arrays); a confidence head predicts each proposal's survival.
@@ -104,6 +106,8 @@ class DraftArgs:
     rope_inv_freq: tuple[float, ...] | None  # YaRN; None = plain RoPE with rope_theta
     rope_attention_factor: float  # YaRN scales cos and sin by this
     sliding_windows: tuple[int | None, ...]  # per layer: context rows the block sees (None = all)
+    block_causal: tuple[bool, ...]  # per layer: slot k sees block slots <= k (else the whole block)
+    input_embedding_scale: float  # the block's input embeddings are multiplied by it
     taps: tuple[int, ...]  # DeepSpec convention: id i = output of target layer i
     block_size: int
     mask_token_id: int
@@ -128,6 +132,15 @@ class DraftArgs:
 
         for field in ("block_size", "mask_token_id"):
             need(field, settings)
+        layers = int(settings["num_layers"])
+        attention = [settings.get(f) for f in ("sliding_windows", "block_causal", "input_embedding_scale")]
+        if None in attention:
+            raise DraftError(f"{where}: the pack's draft settings have no per-layer block mask (sliding_windows, "
+                             "block_causal, input_embedding_scale): it was built by an older monolith; rebuild it")
+        windows, causal, embedding_scale = attention
+        if len(windows) != layers or len(causal) != layers:
+            raise DraftError(f"{where}: sliding_windows {windows} / block_causal {causal} do not cover the "
+                             f"draft's {layers} layers")
         head_dim = int(need("head_dim"))  # never hidden / heads (the 35B drafts: 32 x 128 != 2048)
         rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         theta = rope.get("rope_theta", cfg.get("rope_theta"))
@@ -141,7 +154,6 @@ class DraftArgs:
             inv_freq = tuple(float(f) for f in inv)
         elif kind != "default":
             raise DraftError(f"{where}: draft rope_type {kind!r} is not supported (default or yarn)")
-        layers = int(settings["num_layers"])
         if cfg.get("num_hidden_layers") not in (None, layers):
             raise DraftError(f"{where}: num_hidden_layers is {cfg['num_hidden_layers']} but the draft has "
                              f"{layers} layers")
@@ -167,7 +179,9 @@ class DraftArgs:
             rope_theta=float(theta),
             rope_inv_freq=inv_freq,
             rope_attention_factor=float(attention_factor),
-            sliding_windows=_sliding_windows(cfg, layers),
+            sliding_windows=tuple(None if w is None else int(w) for w in windows),
+            block_causal=tuple(bool(c) for c in causal),
+            input_embedding_scale=float(embedding_scale),
             taps=tuple(int(t) for t in settings["target_layer_ids"]),
             block_size=block_size,
             mask_token_id=int(settings["mask_token_id"]),
@@ -177,14 +191,6 @@ class DraftArgs:
             confidence_with_markov=with_markov,
             sample_from_anchor=sample_from_anchor,
         )
-
-
-def _sliding_windows(cfg: dict, layers: int) -> tuple[int | None, ...]:
-    """Per layer: a `layer_types` "sliding_attention" layer sees the last `sliding_window`
-    context rows (the rule the pack's draft settings use too)."""
-    types = cfg.get("layer_types") or []
-    return tuple(cfg.get("sliding_window") if i < len(types) and types[i] == "sliding_attention" else None
-                 for i in range(layers))
 
 
 # ----------------------------------------------------------------------- pieces
@@ -234,7 +240,9 @@ class Rope:
 
 class DraftLayer:
     """Qwen3 decoder layer with KV injection: queries from the block, keys/values from
-    [context ; block]."""
+    [context ; block] (the last `window` context rows of a sliding layer). A causal
+    layer's slot k sees the block's slots <= k: MLX's "causal" mask aligns the queries
+    with the last keys, which are the block's."""
 
     def __init__(self, args: DraftArgs, w: PackWeights, index: int, rope: Rope):
         p = f"layers.{index}."
@@ -251,6 +259,7 @@ class DraftLayer:
         self.eps = args.rms_norm_eps
         self.scale = self.head_dim ** -0.5 * args.rope_attention_factor ** 2
         self.window = args.sliding_windows[index]
+        self.block_mask = "causal" if args.block_causal[index] else None
         self.rope = rope
 
     def _keys_values(self, kv: mx.array, offset: int) -> tuple[mx.array, mx.array]:
@@ -275,7 +284,7 @@ class DraftLayer:
         keys, values = cache.update(*self._keys_values(qkv[..., self.q_rows:], offset), offset)
         if self.window is not None and offset > self.window:
             keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.block_mask)
         x = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
 
@@ -391,7 +400,13 @@ class Draft:
         if a.confidence_head:
             self.confidence_head = ConfidenceHead(w, h, a.markov_rank if a.confidence_with_markov else 0)
         masks = mx.full((a.block_size - 1,), a.mask_token_id, mx.int32)
-        self.mask_embeddings = cast(self.embed_tokens(masks), self.dtype)  # the same every round
+        self.mask_embeddings = self._block_input(masks)  # the same every round
+
+    def _block_input(self, ids: mx.array) -> mx.array:
+        x = self.embed_tokens(ids)
+        if self.args.input_embedding_scale != 1:
+            x = x.astype(mx.float32) * self.args.input_embedding_scale
+        return cast(x, self.dtype)
 
     @property
     def taps(self) -> list[int]:
@@ -445,7 +460,7 @@ class Draft:
             if not 0 <= int(anchor) < self.target_vocab:
                 raise ValueError(f"anchor must be a token id in [0, {self.target_vocab}), got {anchor}")
             anchor = mx.array([int(anchor)], mx.int32)
-        x = mx.concatenate([cast(self.embed_tokens(anchor), self.dtype), self.mask_embeddings])[None]
+        x = mx.concatenate([self._block_input(anchor), self.mask_embeddings])[None]
         for layer, cache in zip(self.layers, ctx.layers):
             x = layer(x, cache, ctx.offset)
         return rms_norm(x, self.norm, self.args.rms_norm_eps)[0]

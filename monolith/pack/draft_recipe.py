@@ -5,16 +5,29 @@ All three formats use the same flat names (`layers.{i}....`, `fc`, `hidden_norm`
 `d2t` / `t2d`). The pack fuses `self_attn.qkv` (q|k|v) and `mlp.gate_up` (gate|up);
 draft norms are plain weights, stored as F32. The manifest's `layout.draft` records
 the draft settings in one convention (DeepSpec layer ids: id i = output of target
-layer i), whatever the source format.
+layer i), whatever the source format, and every decision that needs the tensors:
+the heads (a Markov head is read from the `markov_head.*` tensors, whatever the
+config's label), per layer the sliding window and whether the block is causal,
+whether slot 0 predicts (`sample_from_anchor`) and the block input's scale.
 """
 
 from __future__ import annotations
+
+import math
 
 from ..checkpoint import Checkpoint
 from .recipe import PackError, Plan, Planner
 
 DRAFT_ARCHITECTURES = ("dspark", "dspark-speculators", "dflash")
 PLAIN_NORM = "draft RMSNorm weight (plain w) stored in F32"
+NESTS = ("dflash_config", "dspark_config")
+# the nested-block fields a draft may carry; any other one changes what the draft computes
+# in some engine (vLLM's use_swa, swa_window_size, attention_sink_bias, DFlash2's selector
+# and conv fields...) and is refused, never ignored
+NESTED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "causal", "input_embedding_scale",
+                 "use_aux_hidden_state", "markov_rank", "markov_head_type", "enable_confidence_head",
+                 "confidence_head_with_markov", "sample_from_anchor")
+HEAD_PROJECTIONS = {"gated": "markov_head.gate_proj", "rnn": "markov_head.joint_proj"}
 
 
 def _get(cfg: dict, key: str, *nests: str):
@@ -28,39 +41,229 @@ def _get(cfg: dict, key: str, *nests: str):
     return None
 
 
+def _where(ckpt: Checkpoint) -> str:
+    return f"{ckpt.path}/config.json"
+
+
+def _check_nested(ckpt: Checkpoint, cfg: dict) -> None:
+    for nest in NESTS:
+        block = cfg.get(nest)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise PackError(f"{_where(ckpt)}: {nest} is not an object")
+        unknown = sorted(k for k in block if k not in NESTED_FIELDS)
+        if unknown:
+            raise PackError(f"{_where(ckpt)}: {nest}.{unknown[0]} is not supported (supported {nest} fields: "
+                            f"{', '.join(NESTED_FIELDS)})")
+    if _get(cfg, "use_aux_hidden_state", *NESTS) is False:
+        raise PackError(f"{_where(ckpt)}: use_aux_hidden_state false (a draft without target features) "
+                        "is not supported")
+    if cfg.get("logit_scale") not in (None, 1, 1.0):
+        raise PackError(f"{_where(ckpt)}: logit_scale {cfg['logit_scale']} is not supported (only 1)")
+    if cfg.get("is_neox_style") is False:
+        raise PackError(f"{_where(ckpt)}: is_neox_style false (interleaved RoPE) is not supported")
+
+
+def _input_embedding_scale(ckpt: Checkpoint, cfg: dict) -> float:
+    """DFlash's `input_embedding_scale`: the block's input embeddings (anchor and mask
+    rows) are multiplied by it before the first layer (z-lab DFlash2 and vLLM's plugin
+    for it); 1 when absent."""
+    scale = _get(cfg, "input_embedding_scale", *NESTS)
+    if scale is None:
+        return 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise PackError(f"{_where(ckpt)}: input_embedding_scale {scale!r} must be a positive finite number")
+    return float(scale)
+
+
+def _layer_attention(ckpt: Checkpoint, cfg: dict, layer_cfg: dict, layers: int) -> tuple[list, list]:
+    """Per layer (context rows the block sees: an int window or None = all; whether the
+    block is causal: slot k sees block slots <= k).
+
+    The window: a `layer_types` "sliding_attention" layer, with `sliding_window` only when
+    `use_sliding_window` is true (transformers' Qwen3Config, which speculators, z-lab and
+    vLLM build the layer config with, drops the window otherwise).
+    Causality, speculators (create_anchor_block_mask_mod): `non_causal = sliding_window is
+    None or sliding_window_non_causal` per layer, the flag defaulting to false, so
+    full-attention layers are always bidirectional. Other formats (vLLM's
+    `_dflash_layer_causal`): top-level `is_causal`, else `dflash_config.causal`, else
+    causal exactly on the sliding_attention layers."""
+    where = _where(ckpt)
+    types = layer_cfg.get("layer_types")
+    if types is None:
+        if layer_cfg.get("use_sliding_window"):
+            raise PackError(f"{where}: use_sliding_window without layer_types (which layers slide is not stated)")
+        types = ["full_attention"] * layers
+    if len(types) != layers or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise PackError(f"{where}: layer_types {types} must name full_attention or sliding_attention for each "
+                        f"of the draft's {layers} layers")
+    if layer_cfg.get("use_sliding_window") and "sliding_window" not in layer_cfg:
+        raise PackError(f"{where}: use_sliding_window without sliding_window (Qwen3Config would default it)")
+    window = layer_cfg.get("sliding_window") if layer_cfg.get("use_sliding_window") else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise PackError(f"{where}: sliding_window {window!r} must be a positive integer")
+    sliding = [t == "sliding_attention" for t in types]
+    windows = [window if s else None for s in sliding]
+    if ckpt.architecture == "dspark-speculators":
+        for name, source in (("is_causal", cfg), ("is_causal", layer_cfg), ("dflash_config", cfg)):
+            if name in source:
+                raise PackError(f"{where}: {name} is not read by speculators (its block mask follows "
+                                "layer_types and sliding_window_non_causal); remove it")
+        flag = cfg.get("sliding_window_non_causal", False)
+        if not isinstance(flag, bool):
+            raise PackError(f"{where}: sliding_window_non_causal {flag!r} must be true or false")
+        return windows, [w is not None and not flag for w in windows]
+    if "sliding_window_non_causal" in cfg:
+        raise PackError(f"{where}: sliding_window_non_causal is a speculators field; this draft states its "
+                        "block mask with is_causal or dflash_config.causal")
+    if any(s and w is None for s, w in zip(sliding, windows)):
+        raise PackError(f"{where}: sliding_attention layers without a window (sliding_window "
+                        f"{layer_cfg.get('sliding_window')!r}, use_sliding_window "
+                        f"{layer_cfg.get('use_sliding_window')!r})")
+    causal = cfg.get("is_causal")
+    field = "is_causal"
+    if causal is None:
+        causal, field = (cfg.get("dflash_config") or {}).get("causal"), "dflash_config.causal"
+    if causal is None:
+        return windows, sliding
+    if not isinstance(causal, bool):
+        raise PackError(f"{where}: {field} {causal!r} must be true or false")
+    return windows, [causal] * layers
+
+
+def _speculative_tokens(ckpt: Checkpoint, spec: dict) -> int | None:
+    """speculative_tokens of the default proposal method of a speculators_config."""
+    methods = spec.get("proposal_methods") or []
+    default = spec.get("default_proposal_method")
+    chosen = [m for m in methods if isinstance(m, dict) and (default is None or m.get("proposal_type") == default)]
+    if not methods:
+        return None
+    if len(chosen) != 1:
+        raise PackError(f"{_where(ckpt)}: speculators_config.default_proposal_method {default!r} does not name "
+                        "exactly one of speculators_config.proposal_methods")
+    tokens = chosen[0].get("speculative_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
+        raise PackError(f"{_where(ckpt)}: speculators_config.proposal_methods[{default}].speculative_tokens "
+                        f"{tokens!r} is not an integer")
+    return tokens
+
+
+def _sample_from_anchor(ckpt: Checkpoint, cfg: dict, block_size: int) -> bool:
+    """Whether slot 0 predicts too (DSpark) or is dropped (DFlash: the anchor is the bonus
+    token). Read from every field that states it; they must agree: `sample_from_anchor`,
+    vLLM's `dspark_bonus_anchor` (its negation) and block_size minus the default proposal
+    method's speculative_tokens (0: true, 1: false). Unstated: true for a DeepSpec draft,
+    false for a DFlash one; a speculators draft must state it (speculators reads a missing
+    field as true, vLLM's translation as false)."""
+    where = _where(ckpt)
+    stated = {}
+    value = _get(cfg, "sample_from_anchor", *NESTS)
+    if value is not None:
+        stated[f"sample_from_anchor {value}"] = value
+    if cfg.get("dspark_bonus_anchor") is not None:
+        stated[f"dspark_bonus_anchor {cfg['dspark_bonus_anchor']}"] = not cfg["dspark_bonus_anchor"]
+    spec = cfg.get("speculators_config")
+    tokens = _speculative_tokens(ckpt, spec) if isinstance(spec, dict) else None
+    if tokens is not None:
+        if block_size - tokens not in (0, 1):
+            raise PackError(f"{where}: block_size {block_size} and speculators_config speculative_tokens {tokens} "
+                            "differ by neither 0 (sample_from_anchor) nor 1 (the anchor is the bonus token)")
+        stated[f"block_size {block_size} - speculative_tokens {tokens}"] = block_size == tokens
+    if any(not isinstance(v, bool) for v in stated.values()):
+        raise PackError(f"{where}: {', '.join(stated)}: must be true or false")
+    if len(set(stated.values())) > 1:
+        raise PackError(f"{where}: {' and '.join(stated)} contradict each other on whether slot 0 predicts "
+                        "(sample_from_anchor)")
+    if stated:
+        return next(iter(stated.values()))
+    if ckpt.architecture == "dspark-speculators":
+        raise PackError(f"{where}: neither sample_from_anchor nor speculators_config speculative_tokens is given "
+                        "(speculators reads a missing sample_from_anchor as true, vLLM as false)")
+    return ckpt.architecture == "dspark"
+
+
+def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
+    """Markov and confidence heads from the tensors present; a config field that says
+    otherwise is a contradiction (a DFlash-labelled config can carry DSpark heads)."""
+    where, modules = _where(ckpt), ckpt.modules()
+
+    def field(name):
+        return _get(cfg, name, *NESTS)
+
+    w1 = modules.get("markov_head.markov_w1")
+    rank = 0 if w1 is None else int(w1.shape[1])
+    stated = field("markov_rank")
+    if stated is not None and int(stated) != rank:
+        has = f"markov_head.markov_w1.weight has rank {rank}" if w1 else "there is no markov_head.markov_w1.weight"
+        raise PackError(f"{where}: markov_rank {stated} but {has}")
+    head_type = field("markov_head_type") or "vanilla"
+    for kind, module in HEAD_PROJECTIONS.items():
+        if (module in modules) != (rank > 0 and head_type == kind):
+            raise PackError(f"{where}: markov_head_type {head_type!r} (markov rank {rank}) contradicts "
+                            f"{module}.weight being {'present' if module in modules else 'absent'}")
+    proj = modules.get("confidence_head.proj")
+    enabled = field("enable_confidence_head")
+    if enabled is not None and bool(enabled) != (proj is not None):
+        raise PackError(f"{where}: enable_confidence_head {enabled} but confidence_head.proj.weight is "
+                        f"{'present' if proj else 'absent'}")
+    with_markov = False
+    if proj is not None:
+        width = int(proj.shape[1])
+        if width not in (hidden, hidden + rank):
+            raise PackError(f"{where}: confidence_head.proj.weight has {width} columns, neither hidden_size "
+                            f"{hidden} nor hidden_size + markov rank {hidden + rank}")
+        with_markov = rank > 0 and width == hidden + rank
+        stated = field("confidence_head_with_markov")
+        if stated is not None and bool(stated) != with_markov:
+            raise PackError(f"{where}: confidence_head_with_markov {stated} but confidence_head.proj.weight has "
+                            f"{width} columns (hidden_size {hidden}, markov rank {rank})")
+    return {"markov_rank": rank, "markov_head_type": head_type, "enable_confidence_head": proj is not None,
+            "confidence_head_with_markov": with_markov}
+
+
 def draft_settings(ckpt: Checkpoint) -> dict:
     """Draft settings normalised to the DeepSpec conventions (dspark.md section 3)."""
-    cfg = ckpt.config
-    nests = ("dflash_config", "dspark_config", "speculators_config")
+    cfg, where = ckpt.config, _where(ckpt)
+    _check_nested(ckpt, cfg)
     if ckpt.architecture == "dspark-speculators":
         aux = cfg.get("aux_hidden_state_layer_ids")
         if aux is None:
-            raise PackError(f"{ckpt.path}/config.json: speculators draft without aux_hidden_state_layer_ids")
+            raise PackError(f"{where}: speculators draft without aux_hidden_state_layer_ids")
         taps = [int(i) - 1 for i in aux]  # speculators counts the embedding as layer 0
         layer_cfg = cfg.get("transformer_layer_config") or {}
     else:
-        taps = _get(cfg, "target_layer_ids", *nests)
+        taps = _get(cfg, "target_layer_ids", *NESTS)
         layer_cfg = cfg
     if not taps:
-        raise PackError(f"{ckpt.path}/config.json: draft has no target_layer_ids")
-    settings = {
-        "target_layer_ids": [int(t) for t in taps],
-        "block_size": _get(cfg, "block_size", *nests),
-        "mask_token_id": _get(cfg, "mask_token_id", *nests),
-        "markov_rank": int(_get(cfg, "markov_rank", *nests) or 0),
-        "markov_head_type": _get(cfg, "markov_head_type", *nests) or "vanilla",
-        "enable_confidence_head": bool(_get(cfg, "enable_confidence_head", *nests)),
-        "confidence_head_with_markov": bool(_get(cfg, "confidence_head_with_markov", *nests)),
-        "draft_vocab_size": cfg.get("draft_vocab_size"),
-        "sample_from_anchor": ckpt.architecture != "dflash" if cfg.get("sample_from_anchor") is None else bool(cfg["sample_from_anchor"]),
-        "hidden_size": layer_cfg.get("hidden_size"),
-        "num_hidden_layers": layer_cfg.get("num_hidden_layers"),
-        "sliding_window": layer_cfg.get("sliding_window") if "sliding_attention" in (layer_cfg.get("layer_types") or []) else None,
-    }
+        raise PackError(f"{where}: draft has no target_layer_ids")
+    settings = {"block_size": _get(cfg, "block_size", *NESTS), "mask_token_id": _get(cfg, "mask_token_id", *NESTS)}
     for field in ("block_size", "mask_token_id"):
         if settings[field] is None:
-            raise PackError(f"{ckpt.path}/config.json: draft config has no {field} (top level or dflash_config)")
-    return settings
+            raise PackError(f"{where}: draft config has no {field} (top level or dflash_config)")
+    hidden = layer_cfg.get("hidden_size")
+    if hidden is None:
+        raise PackError(f"{where}: draft config has no hidden_size")
+    layers = 0
+    while ckpt.has(f"layers.{layers}.input_layernorm.weight"):
+        layers += 1
+    if layers == 0:
+        raise PackError(f"{ckpt.path}: draft has no decoder layers (layers.0.input_layernorm.weight)")
+    windows, causal = _layer_attention(ckpt, cfg, layer_cfg, layers)
+    return {
+        "target_layer_ids": [int(t) for t in taps],
+        **settings,
+        **_heads(ckpt, cfg, int(hidden)),
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "sample_from_anchor": _sample_from_anchor(ckpt, cfg, int(settings["block_size"])),
+        "input_embedding_scale": _input_embedding_scale(ckpt, cfg),
+        "hidden_size": hidden,
+        "num_hidden_layers": layer_cfg.get("num_hidden_layers"),
+        "vocab_size": layer_cfg.get("vocab_size"),
+        "num_layers": layers,
+        "sliding_windows": windows,
+        "block_causal": causal,
+    }
 
 
 def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
@@ -75,8 +278,7 @@ def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
     for name in ("hidden_norm", "norm", "verifier_norm"):
         if ckpt.has(name + ".weight"):
             p.tensor(name, name + ".weight", plan, "f32", PLAIN_NORM)
-    layer = 0
-    while ckpt.has(f"layers.{layer}.input_layernorm.weight"):
+    for layer in range(settings["num_layers"]):
         s = f"layers.{layer}."
         p.linear(s + "self_attn.qkv", [s + "self_attn.q_proj", s + "self_attn.k_proj", s + "self_attn.v_proj"], plan)
         p.linear(s + "self_attn.o_proj", [s + "self_attn.o_proj"], plan)
@@ -84,9 +286,6 @@ def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
         p.linear(s + "mlp.down_proj", [s + "mlp.down_proj"], plan)
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
             p.tensor(s + norm, s + norm + ".weight", plan, "f32", PLAIN_NORM)
-        layer += 1
-    if layer == 0:
-        raise PackError(f"{ckpt.path}: draft has no decoder layers (layers.0.input_layernorm.weight)")
     for name in ("markov_head.markov_w1", "markov_head.markov_w2", "markov_head.gate_proj",
                  "markov_head.joint_proj", "confidence_head.proj"):
         if p.has_module(name):
@@ -96,9 +295,10 @@ def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
     for name in ("d2t", "t2d"):
         if ckpt.has(name):
             p.tensor(name, name, plan, reason="draft-to-target vocabulary map, stored as is")
-    if settings["draft_vocab_size"] and not ckpt.has("d2t"):
-        raise PackError(f"{ckpt.path}: reduced draft vocabulary (draft_vocab_size) without a d2t tensor")
-    settings["num_layers"] = layer
+    reduced = settings["draft_vocab_size"]
+    if reduced and reduced != settings["vocab_size"] and not ckpt.has("d2t"):  # speculators' use_draft_vocab
+        raise PackError(f"{ckpt.path}: reduced draft vocabulary (draft_vocab_size {reduced}, vocab_size "
+                        f"{settings['vocab_size']}) without a d2t tensor")
     settings["has_embedding"] = p.has_module("embed_tokens")
     settings["has_lm_head"] = p.has_module("lm_head")
     plan.layout = {
