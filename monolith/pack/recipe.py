@@ -17,7 +17,7 @@ from ..checkpoint.reader import INDEX_FILE
 from ..formats import BLOCK
 from ..formats.mlx_layout import MXFP8_GROUP
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: per-layer block masks, input embedding scale and heads in layout.draft
 QUANTIZATION_CHOICES = ("auto", "none", "nvfp4")
 FLOAT_PRECISIONS = ("bf16", "f16", "f32")
 
