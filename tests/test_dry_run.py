@@ -112,6 +112,23 @@ def test_dry_run_lists_every_problem(synth_dir, tmp_path):
     assert len(problems) == 6
 
 
+def test_dry_run_lists_every_problem_of_a_draft(synth_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(synth_dir("draft", "deepspec-nvfp4"), src)
+    path = src / "model.safetensors"
+    st = SafetensorsFile(path)
+    tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+    st.close()
+    missing, wrong = "layers.0.mlp.down_proj.weight_scale", "layers.1.self_attn.o_proj.weight_scale"
+    del tensors[missing]
+    tensors[wrong] = ("U8", tensors[wrong][1])
+    write_safetensors(path, tensors)
+    result = run_cli("build", src, "--dry-run")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    problems = [line for line in result.stdout.splitlines() if line.startswith("  problem: ")]
+    assert len(problems) == 2 and any(missing in p for p in problems) and any(wrong in p for p in problems), problems
+
+
 # ------------------------------------------------------------------ full size, header only
 H, V, E, I_MOE, LAYERS = 2048, 248_320, 256, 512, 40  # nvidia/Qwen3.6-35B-A3B-NVFP4 (issue 13)
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256

@@ -186,7 +186,9 @@ def _sample_from_anchor(ckpt: Checkpoint, cfg: dict, block_size: int) -> bool:
 def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
     """Markov and confidence heads from the tensors present; a config field that says
     otherwise is a contradiction (a DFlash-labelled config can carry DSpark heads)."""
-    where, modules = _where(ckpt), ckpt.modules()
+    where = _where(ckpt)
+    heads = ["markov_head.markov_w1", "confidence_head.proj", *HEAD_PROJECTIONS.values()]
+    modules = {name: ckpt.module(name) for name in heads if ckpt.has_module(name)}  # only these are checked here
 
     def field(name):
         return _get(cfg, name, *NESTS)
@@ -266,9 +268,9 @@ def draft_settings(ckpt: Checkpoint) -> dict:
     }
 
 
-def plan_draft(ckpt: Checkpoint, quantization: str) -> Plan:
+def plan_draft(ckpt: Checkpoint, quantization: str, problems: list[str] | None = None) -> Plan:
     settings = draft_settings(ckpt)
-    p = Planner(ckpt, "draft", quantization)
+    p = Planner(ckpt, "draft", quantization, problems)
     plan = Plan("dspark-draft", "draft", ckpt.architecture, quantization)
     for name in ("embed_tokens", "lm_head", "fc"):
         if p.has_module(name):

@@ -9,8 +9,8 @@ Every source tensor gets one action:
              a parameter widened to F32, FP8 dequantized to BF16
   quantize   a float matrix quantized to NVFP4 at pack time
   drop       not in the pack (vision tower, MTP head, activation / KV-cache scales)
-with the reason the plan gives, plus the pack's size and every problem found (a
-target's failing modules are all listed; the first problem of a draft stops it).
+with the reason the plan gives, plus the pack's size and every problem found (every
+failing module is listed; a draft's config problem stops its plan).
 """
 
 from __future__ import annotations

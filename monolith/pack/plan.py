@@ -7,13 +7,14 @@ from .recipe import PackError, Plan
 
 
 def plan_pack(ckpt: Checkpoint, quantization: str = "auto", problems: list[str] | None = None) -> Plan:
-    """The plan. With `problems` (a dry run), a target's failing steps are recorded
-    there and planning goes on; a draft's first problem still raises."""
+    """The plan. With `problems` (a dry run), failing steps are recorded there and
+    planning goes on (a draft's config problems still raise: nothing can be planned
+    without its settings)."""
     from .draft_recipe import DRAFT_ARCHITECTURES, plan_draft
     from .target_recipe import plan_target
 
     if ckpt.architecture in ("qwen3_5_moe", "qwen3_5"):
         return plan_target(ckpt, quantization, problems)
     if ckpt.architecture in DRAFT_ARCHITECTURES:
-        return plan_draft(ckpt, quantization)
+        return plan_draft(ckpt, quantization, problems)
     raise PackError(f"{ckpt.path}/config.json: no pack recipe for architecture {ckpt.architecture}")
