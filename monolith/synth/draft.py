@@ -27,7 +27,7 @@ from monolith.formats import (
 )
 
 from . import tokenizer as tok
-from .quant import MODELOPT_PRODUCER
+from .quant import MODELOPT_PRODUCER, modelopt_mirror
 from .values import Param, as_bf16, check_seed, generate
 from .writers import Unit, write_checkpoint, write_json
 
@@ -45,10 +45,11 @@ class DraftSizes:
     intermediate_size: int
     target_layer_ids: tuple[int, ...]  # DeepSpec convention: output of decoder layer i
     markov_rank: int
-    draft_vocab_size: int  # speculators' reduced vocabulary
-    sliding_window: int  # speculators' sliding-window attention
+    draft_vocab_size: int  # speculators' vocabulary (the target's when equal: no d2t / t2d)
+    sliding_window: int | None  # speculators' sliding-window attention (None: full attention)
     block_size: int = 8
     dflash_block_size: int = 16
+    mask_token_id: int | None = None  # None: the synthetic tokenizer's <|mask|>
 
 
 def draft_sizes(text_config: dict) -> DraftSizes:
@@ -247,12 +248,13 @@ def deepspec_config(tc: dict, s: DraftSizes, head_type: str, mask_id: int) -> di
 
 
 def speculators_config(tc: dict, s: DraftSizes, head_type: str, mask_id: int, target_cfg: dict) -> dict:
+    sliding = s.sliding_window is not None
     layer = {
         **_qwen3_fields(tc, s),
-        "layer_types": ["sliding_attention"] * s.num_layers,
+        "layer_types": ["sliding_attention" if sliding else "full_attention"] * s.num_layers,
         "rope_parameters": {"rope_theta": tc["rope_parameters"]["rope_theta"], "rope_type": "default"},
         "sliding_window": s.sliding_window,
-        "use_sliding_window": True,
+        "use_sliding_window": sliding,
     }
     return {
         "architectures": ["Qwen3DSparkModel"],
@@ -331,10 +333,26 @@ def nvfp4_export_config(units: list[Unit], keep: list[str]) -> tuple[dict, dict]
 # ---------------------------------------------------------------------------- writing
 
 
-def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type="vanilla", sizes=None) -> Path:
+def write_draft(
+    out_dir,
+    target_dir,
+    format="deepspec",
+    seed=0,
+    markov_head_type="vanilla",
+    sizes=None,
+    config_overrides=None,
+    export="modelopt",
+    shards=1,
+    naming="of",
+    skeleton=False,
+) -> Path:
     """Write a draft for the target at target_dir (its config.json gives the sizes; its
     embedding and lm_head are copied when it has weights). `sizes` overrides the
-    derived DraftSizes."""
+    derived DraftSizes; `config_overrides` are set on config.json (a None value removes
+    the field). export (deepspec-nvfp4 only): "modelopt" writes hf_quant_config.json, its
+    config.json mirror and `lithos_quantization`; "lithos" only `lithos_quantization`
+    (LithosAI's published export). shards / naming: see writers.write_checkpoint.
+    skeleton: headers only, at full file size (no values; see write_checkpoint)."""
     if format not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft format {format!r} (known: {', '.join(DRAFT_FORMATS)})")
     if markov_head_type not in MARKOV_HEAD_TYPES:
@@ -350,7 +368,7 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
     h, vocab = tc["hidden_size"], tc["vocab_size"]
     if any(not 0 <= i < tc["num_hidden_layers"] for i in s.target_layer_ids):
         raise ValueError(f"draft taps {s.target_layer_ids} are not layers of the target")
-    mask_id = tok.special_token_ids()[tok.MASK_TOKEN]
+    mask_id = tok.special_token_ids()[tok.MASK_TOKEN] if s.mask_token_id is None else s.mask_token_id
     if mask_id >= vocab:
         raise ValueError(f"target vocab_size {vocab} does not cover the mask token id {mask_id}")
 
@@ -358,7 +376,7 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
     lm_head = Param("lm_head.weight", (vocab, h), "linear", module="lm_head")
     copies = {}
     for prm, module in ((embed, "model.language_model.embed_tokens"), (lm_head, "lm_head")):
-        w = read_target_matrix(target, module)
+        w = None if skeleton else read_target_matrix(target, module)
         if w is not None:
             if w.shape != prm.shape:
                 raise ValueError(f"{target}: {module} has shape {w.shape}, expected {prm.shape}")
@@ -366,7 +384,8 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
     backbone = backbone_params(h, s)
     heads = head_params(h, vocab, s, markov_head_type) if format != "dflash" else []
     rows = None
-    if format == "speculators":
+    full_vocab = s.draft_vocab_size == vocab
+    if format == "speculators" and not full_vocab:
         rows = draft_vocab(vocab, s.draft_vocab_size)
 
     def values_of(prm: Param) -> np.ndarray:
@@ -388,9 +407,10 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
     elif format == "speculators":
         params = backbone + [Param("lm_head.weight", (s.draft_vocab_size, h), "linear", module="lm_head")]
         params += [_draft_rows(p, s.draft_vocab_size) for p in heads]
-        t2d = np.zeros(vocab, dtype=np.bool_)
-        t2d[rows] = True
-        extra = {"d2t": ("I64", rows - np.arange(len(rows), dtype=np.int64)), "t2d": ("BOOL", t2d)}
+        if not full_vocab:
+            t2d = np.zeros(vocab, dtype=np.bool_)
+            t2d[rows] = True
+            extra = {"d2t": ("I64", rows - np.arange(len(rows), dtype=np.int64)), "t2d": ("BOOL", t2d)}
         config = speculators_config(tc, s, markov_head_type, mask_id, target_cfg)
     else:
         params = [embed, *backbone, lm_head, *heads]
@@ -409,18 +429,23 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
         return "w4a16"
 
     units = [Unit((prm,), scheme_of(prm)) for prm in params]
+    (out / "hf_quant_config.json").unlink(missing_ok=True)
     if quantize:
         hf_quant, lithos = nvfp4_export_config(units, keep)
-        config["lithos_quantization"] = lithos
-        config["quantization_config"] = {
-            **hf_quant["quantization"],
-            "producer": MODELOPT_PRODUCER,
-            "quant_method": "modelopt",
-        }
-        write_json(out / "hf_quant_config.json", hf_quant)
-    else:
-        (out / "hf_quant_config.json").unlink(missing_ok=True)
-    write_checkpoint(out, units, values_of, shards=1, extra=extra)
+        if export == "lithos":
+            config["lithos_quantization"] = {"block_size": 16, "format": "nvfp4", "keep": keep}
+        elif export == "modelopt":
+            config["lithos_quantization"] = lithos
+            config["quantization_config"] = modelopt_mirror(hf_quant)
+            write_json(out / "hf_quant_config.json", hf_quant)
+        else:
+            raise ValueError(f"unknown export {export!r} (known: modelopt, lithos)")
+    for key, value in (config_overrides or {}).items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    write_checkpoint(out, units, None if skeleton else values_of, shards=shards, extra=extra, naming=naming)
     write_json(out / "config.json", config)
     if format.startswith("deepspec"):
         tok.write_tokenizer(out)

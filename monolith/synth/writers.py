@@ -12,9 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
-from monolith.formats import quantize_compressed_nvfp4, quantize_fp8, quantize_nvfp4, write_safetensors
+from monolith.formats import (
+    e4m3_encode,
+    quantize_compressed_nvfp4,
+    quantize_fp8,
+    quantize_nvfp4,
+    write_safetensors,
+)
+from monolith.formats.stfile import header_bytes
 
-from .values import Param, bf16_bits
+from .values import Param, as_bf16, bf16_bits
 
 # scheme -> suffixes it writes for a linear module <m> (in this order)
 SCHEMES = {
@@ -24,7 +31,8 @@ SCHEMES = {
     "fp8": ("weight", "weight_scale", "input_scale"),  # ModelOpt per-tensor FP8
     "ct-nvfp4": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
     "ct-nvfp4-dynamic": ("weight_packed", "weight_scale", "weight_global_scale"),
-    "ct-fp8-channel": ("weight", "weight_scale"),  # scale [out, 1]
+    "ct-fp8-channel": ("weight", "weight_scale"),  # scale F32 [out, 1]
+    "ct-fp8-channel-bf16": ("weight", "weight_scale"),  # scale BF16 [out, 1] (llm-compressor's default)
     "ct-fp8-tensor": ("weight", "weight_scale"),  # scale [1]
 }
 MAX_SHARD_BYTES = 256 * 1024 * 1024  # default shard counts grow to keep shards below this
@@ -72,6 +80,8 @@ def stored_specs(unit: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
         }
         if unit.scheme == "ct-fp8-channel":
             shapes["weight_scale"] = ("F32", (n, 1))
+        elif unit.scheme == "ct-fp8-channel-bf16":
+            shapes["weight_scale"] = ("BF16", (n, 1))
         elif unit.scheme == "ct-fp8-tensor":
             shapes["weight_scale"] = ("F32", (1,))
         for suffix in SCHEMES[unit.scheme]:
@@ -79,9 +89,11 @@ def stored_specs(unit: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
     return specs
 
 
+ITEMSIZE = {"BF16": 2, "U8": 1, "F8_E4M3": 1, "F32": 4, "I64": 8, "BOOL": 1}
+
+
 def stored_bytes(unit: Unit) -> int:
-    itemsize = {"BF16": 2, "U8": 1, "F8_E4M3": 1, "F32": 4, "I64": 8, "BOOL": 1}
-    return sum(itemsize[d] * math.prod(s) for _, d, s in stored_specs(unit))
+    return sum(ITEMSIZE[d] * math.prod(s) for _, d, s in stored_specs(unit))
 
 
 def _input_scale(values_of: Callable[[Param], np.ndarray], unit: Unit, divisor: float) -> np.float32:
@@ -131,6 +143,11 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
                 if scheme == "ct-nvfp4":
                     g = np.float32(1.0) / _input_scale(values_of, unit, 6 * 448)
                     out[f"{p.module}.input_global_scale"] = ("F32", np.array([g], dtype=np.float32))
+            elif scheme == "ct-fp8-channel-bf16":  # the codes use the BF16-rounded scale
+                _, scale = quantize_fp8(w, per_channel=True)
+                scale = as_bf16(scale)
+                out[f"{p.module}.weight"] = ("F8_E4M3", e4m3_encode(w / scale))
+                out[f"{p.module}.weight_scale"] = ("BF16", bf16_bits(scale.reshape(-1, 1)))
             else:
                 codes, scale = quantize_fp8(w, per_channel=scheme == "ct-fp8-channel")
                 scale = scale.reshape(-1, 1) if scheme == "ct-fp8-channel" else scale.reshape(1)
@@ -164,42 +181,79 @@ def clear_checkpoint(out: Path) -> None:
             stale.unlink()
 
 
+def shard_names(n: int, naming: str = "of") -> list[str]:
+    """File names of n shards: "of" is Hugging Face's `model-00001-of-00003.safetensors`
+    (`model.safetensors` alone), "numbered" is `model-00001.safetensors` (even alone)."""
+    if naming == "of":
+        return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    if naming == "numbered":
+        return [f"model-{i + 1:05d}.safetensors" for i in range(n)]
+    raise ValueError(f"unknown shard naming {naming!r} (known: of, numbered)")
+
+
 def write_checkpoint(
     out: Path,
     units: list[Unit],
-    values_of: Callable[[Param], np.ndarray],
+    values_of: Callable[[Param], np.ndarray] | None,
     shards: int,
     extra: Tensors | None = None,
-) -> None:
-    """Write units as `model.safetensors` or `model-0000i-of-0000n.safetensors` plus
-    `model.safetensors.index.json`. `extra` tensors (already encoded) go to the last shard."""
+    naming: str = "of",
+    separate: dict[str, list[Unit]] | None = None,
+    index: bool | None = None,
+) -> dict[str, str]:
+    """Write units as `model.safetensors` or shards named by `naming` (see shard_names),
+    plus `model.safetensors.index.json` (by default only for several files). `extra`
+    tensors (already encoded) go to the last shard; `separate` maps more file names
+    (such as `model_mtp.safetensors`) to their units, listed in the index too.
+    values_of None writes a skeleton: each file gets its real header and is then
+    extended to its real size with no data (sparse, zero bytes; no value is computed).
+    Returns the weight map {tensor: file}."""
     clear_checkpoint(out)
     groups = plan_shards(units, max(1, shards)) if units else [[]]
-    n = len(groups)
+    files = list(zip(shard_names(len(groups), naming), groups, strict=True))
+    files += list((separate or {}).items())
     weight_map: dict[str, str] = {}
     total_size = 0
-    for i, group in enumerate(groups):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors: Tensors = {}
-        for unit in group:
-            encoded = encode(unit, values_of)
-            expected = [(name, dtype, shape) for name, dtype, shape in stored_specs(unit)]
-            got = [(name, encoded[name][0], encoded[name][1].shape) for name, _, _ in expected]
-            if got != expected or len(encoded) != len(expected):
-                raise AssertionError(f"synth: encoded tensors {got} differ from the plan {expected}")
-            tensors.update(encoded)
-        if extra and i == n - 1:
-            tensors.update(extra)
-        for name, (_, array) in tensors.items():
+    for i, (fname, group) in enumerate(files):
+        specs = [spec for unit in group for spec in stored_specs(unit)]
+        if extra and i == len(groups) - 1:
+            specs += [(name, dtype, array.shape) for name, (dtype, array) in extra.items()]
+        for name, dtype, shape in specs:
             if name in weight_map:
                 raise AssertionError(f"synth: tensor {name} written twice")
             weight_map[name] = fname
-            total_size += array.nbytes
-        write_safetensors(out / fname, tensors, metadata=ST_METADATA)
-        del tensors
-    if n > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        write_json(out / "model.safetensors.index.json", index)
+            total_size += math.prod(shape) * ITEMSIZE[dtype]
+        if values_of is None:
+            _write_skeleton(out / fname, specs)
+        else:
+            _write_file(out / fname, group, values_of, extra if i == len(groups) - 1 else None)
+    if len(files) > 1 if index is None else index:
+        data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json(out / "model.safetensors.index.json", data)
+    return weight_map
+
+
+def _write_file(path: Path, group: list[Unit], values_of, extra: Tensors | None) -> None:
+    tensors: Tensors = {}
+    for unit in group:
+        encoded = encode(unit, values_of)
+        expected = stored_specs(unit)
+        got = [(name, encoded[name][0], encoded[name][1].shape) for name, _, _ in expected]
+        if got != expected or len(encoded) != len(expected):
+            raise AssertionError(f"synth: encoded tensors {got} differ from the plan {expected}")
+        tensors.update(encoded)
+    tensors.update(extra or {})
+    write_safetensors(path, tensors, metadata=ST_METADATA)
+
+
+def _write_skeleton(path: Path, specs: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    """A valid safetensors file whose data are never written: header, then a hole."""
+    ordered = sorted(specs)  # write_safetensors stores data in name order too
+    header = header_bytes(ordered, ST_METADATA)
+    data = sum(math.prod(shape) * ITEMSIZE[dtype] for _, dtype, shape in ordered)
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(len(header) + data)
 
 
 def write_json(path: Path, data) -> None:
