@@ -3,7 +3,8 @@
 Targets:
   nvidia-35b      nvidia/Qwen3.6-35B-A3B-NVFP4: ModelOpt MIXED_PRECISION (experts, shared
                   experts and lm_head NVFP4 with input scales, stored per expert; GDN and
-                  attention projections FP8; FP8 KV cache), BF16 vision and MTP (the MTP
+                  attention projections FP8; FP8 KV cache; experts listed by container
+                  in quantized_layers), BF16 vision and MTP (the MTP
                   layer's experts fused), 3 shards `model-0000i-of-00003.safetensors`.
   unsloth-27b     unsloth/Qwen3.6-27B-NVFP4: compressed-tensors "Dynamic NVFP4"
                   mixed-precision (quant.unsloth_dynamic_config), BF16 vision, the 15 BF16
@@ -167,7 +168,7 @@ def write_published_target(out_dir, layout: str, preset="tiny", layers=None, see
     params = target_params(p, t.dense)
     config = target_config(p, t.dense)
     if layout == "nvidia-35b":
-        q = modelopt_mixed_config(params, t.dense, nvfp4_algo="NVFP4", expert_containers=False)
+        q = modelopt_mixed_config(params, t.dense, nvfp4_algo="NVFP4", experts_listed="container")
         hf_quant = {"producer": MODELOPT_PRODUCER, "quantization": q}
         config["quantization_config"] = modelopt_mirror(hf_quant)
         units = plan_units(

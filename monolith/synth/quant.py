@@ -23,13 +23,16 @@ MIXED_W4A16 = re.compile(r"(lm_head|.*\.mlp\.(experts\.\d+\.|shared_expert\.)?(g
 
 
 def modelopt_mixed_config(
-    params: list[Param], dense: bool, nvfp4_algo: str = "W4A16_NVFP4", expert_containers: bool = True
+    params: list[Param], dense: bool, nvfp4_algo: str = "W4A16_NVFP4", experts_listed: str = "mixed"
 ) -> dict:
     """The nvidia Qwen3.6-35B-A3B table: experts, shared expert, dense MLP and lm_head
     NVFP4 (`nvfp4_algo`: W4A16_NVFP4, or NVFP4 with input scales as nvidia's export);
-    attention and GDN projections FP8; the rest BF16. With expert_containers, experts
-    are listed by their container (`...mlp.experts`) in even layers and one by one in
-    odd layers; without, one by one everywhere (as nvidia's export)."""
+    attention and GDN projections FP8; the rest BF16. experts_listed: "container" lists
+    each layer's experts by their container `...mlp.experts` (nvidia's export: its 35 kB
+    hf_quant_config.json cannot list 10,240 experts one by one), "mixed" by container in
+    even layers and one by one in odd layers (both forms in one file)."""
+    if experts_listed not in ("container", "mixed"):
+        raise ValueError(f"unknown experts_listed {experts_listed!r} (known: container, mixed)")
     layers: dict[str, dict] = {}
     for prm in params:
         m = prm.module
@@ -39,7 +42,7 @@ def modelopt_mixed_config(
             layers[m] = {"quant_algo": "FP8"}
         elif MIXED_W4A16.match(m):
             container = re.match(r"(.*\.layers\.(\d+)\.mlp\.experts)\.\d+\.", m)
-            if expert_containers and container and int(container.group(2)) % 2 == 0:
+            if container and (experts_listed == "container" or int(container.group(2)) % 2 == 0):
                 m = container.group(1)
             layers[m] = {"quant_algo": nvfp4_algo, "group_size": 16}
     exclude = ([] if dense else ["*.mlp.gate", "*shared_expert_gate*"]) + [
@@ -235,9 +238,9 @@ def ct_scheme(module: str, qc: dict) -> str:
 def modelopt_scheme(module: str, q: dict) -> str:
     if q["quant_algo"] == "MIXED_PRECISION":
         layers = q["quantized_layers"]
-        entry = layers.get(module)
-        if entry is None:
-            entry = next((v for k, v in layers.items() if module.startswith(k + ".")), None)
+        parts = module.split(".")  # the module itself, else its closest listed parent
+        prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+        entry = next((layers[k] for k in prefixes if k in layers), None)
         if entry is None:
             return "bf16"
         return {"FP8": "fp8", "W4A16_NVFP4": "w4a16", "NVFP4": "nvfp4"}[entry["quant_algo"]]
