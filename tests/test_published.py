@@ -262,7 +262,8 @@ def test_draft_layouts(tiny):
     s27 = config(tiny["speculators-27b"])
     st = tensors(tiny["speculators-27b"])
     assert s27["draft_vocab_size"] == config(tiny["unsloth-27b"])["text_config"]["vocab_size"]
-    assert "d2t" not in st and s27["block_size"] == 16 and s27["transformer_layer_config"]["num_hidden_layers"] == 5
+    assert not read(tiny["speculators-27b"], "d2t").any() and read(tiny["speculators-27b"], "t2d").all()  # identity
+    assert s27["block_size"] == 16 and s27["transformer_layer_config"]["num_hidden_layers"] == 5
 
 
 # ---------------------------------------------------------- full-size skeletons

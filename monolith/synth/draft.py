@@ -45,7 +45,7 @@ class DraftSizes:
     intermediate_size: int
     target_layer_ids: tuple[int, ...]  # DeepSpec convention: output of decoder layer i
     markov_rank: int
-    draft_vocab_size: int  # speculators' vocabulary (the target's when equal: no d2t / t2d)
+    draft_vocab_size: int  # speculators' vocabulary (the target's: identity d2t / t2d)
     sliding_window: int | None  # speculators' sliding-window attention (None: full attention)
     block_size: int = 8
     dflash_block_size: int = 16
@@ -384,8 +384,7 @@ def write_draft(
     backbone = backbone_params(h, s)
     heads = head_params(h, vocab, s, markov_head_type) if format != "dflash" else []
     rows = None
-    full_vocab = s.draft_vocab_size == vocab
-    if format == "speculators" and not full_vocab:
+    if format == "speculators":
         rows = draft_vocab(vocab, s.draft_vocab_size)
 
     def values_of(prm: Param) -> np.ndarray:
@@ -407,10 +406,9 @@ def write_draft(
     elif format == "speculators":
         params = backbone + [Param("lm_head.weight", (s.draft_vocab_size, h), "linear", module="lm_head")]
         params += [_draft_rows(p, s.draft_vocab_size) for p in heads]
-        if not full_vocab:
-            t2d = np.zeros(vocab, dtype=np.bool_)
-            t2d[rows] = True
-            extra = {"d2t": ("I64", rows - np.arange(len(rows), dtype=np.int64)), "t2d": ("BOOL", t2d)}
+        t2d = np.zeros(vocab, dtype=np.bool_)
+        t2d[rows] = True
+        extra = {"d2t": ("I64", rows - np.arange(len(rows), dtype=np.int64)), "t2d": ("BOOL", t2d)}
         config = speculators_config(tc, s, markov_head_type, mask_id, target_cfg)
     else:
         params = [embed, *backbone, lm_head, *heads]

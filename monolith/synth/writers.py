@@ -96,9 +96,10 @@ def stored_bytes(unit: Unit) -> int:
     return sum(ITEMSIZE[d] * math.prod(s) for _, d, s in stored_specs(unit))
 
 
-def _input_scale(values_of: Callable[[Param], np.ndarray], unit: Unit, divisor: float) -> np.float32:
-    """A plausible calibrated activation scale (amax / divisor), fixed by the weights."""
-    amax = 1.0 + float(np.abs(values_of(unit.params[0])).max()) * 8.0
+def _input_scale(first: np.ndarray, divisor: float) -> np.float32:
+    """A plausible calibrated activation scale (amax / divisor), fixed by the unit's
+    first weight matrix."""
+    amax = 1.0 + float(np.abs(first).max()) * 8.0
     return np.float32(amax / divisor)
 
 
@@ -126,13 +127,13 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
             out[f"{p.module}.weight_scale"] = ("F8_E4M3", q.scales[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale_2"] = ("F32", np.array(q.tensor_scale, dtype=np.float32))
             if scheme == "nvfp4":
-                out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(values_of, unit, 6 * 448)))
+                out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(mats[0], 6 * 448)))
     elif scheme == "fp8":
         codes, scale = quantize_fp8(np.concatenate(mats))
         for i, p in enumerate(unit.params):
             out[f"{p.module}.weight"] = ("F8_E4M3", codes[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale"] = ("F32", np.array(scale, dtype=np.float32).reshape(()))
-            out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(values_of, unit, 448)))
+            out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(mats[0], 448)))
     else:  # compressed-tensors: one scale set per matrix (the unit holds one param)
         for p, w in zip(unit.params, mats, strict=True):
             if scheme.startswith("ct-nvfp4"):
@@ -141,7 +142,7 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
                 out[f"{p.module}.weight_scale"] = ("F8_E4M3", scales)
                 out[f"{p.module}.weight_global_scale"] = ("F32", global_scale)
                 if scheme == "ct-nvfp4":
-                    g = np.float32(1.0) / _input_scale(values_of, unit, 6 * 448)
+                    g = np.float32(1.0) / _input_scale(mats[0], 6 * 448)
                     out[f"{p.module}.input_global_scale"] = ("F32", np.array([g], dtype=np.float32))
             elif scheme == "ct-fp8-channel-bf16":  # the codes use the BF16-rounded scale
                 _, scale = quantize_fp8(w, per_channel=True)
