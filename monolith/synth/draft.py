@@ -28,7 +28,7 @@ from monolith.formats import (
 
 from . import tokenizer as tok
 from .quant import MODELOPT_PRODUCER, modelopt_mirror
-from .values import Param, as_bf16, check_seed, generate
+from .values import Param, bf16_bits, check_seed, generate
 from .writers import Unit, write_checkpoint, write_json
 
 DRAFT_FORMATS = ("deepspec", "deepspec-nvfp4", "speculators", "dflash")
@@ -139,27 +139,48 @@ def _target_files(target: Path) -> dict[str, Path]:
     return {}
 
 
-def read_target_matrix(target: Path, module: str) -> np.ndarray | None:
-    """A target matrix as float32 (BF16, ModelOpt NVFP4/FP8 or compressed-tensors),
-    or None when the target directory has no weights."""
+ROW_CHUNK = 4096  # rows dequantized at a time (a 248,320-row lm_head never exists in F32)
+
+
+def read_target_bf16(target: Path, module: str) -> np.ndarray | None:
+    """A target matrix (BF16, ModelOpt NVFP4/FP8 or compressed-tensors) as BF16 bits
+    (uint16), dequantized in row chunks; None when the target directory has no weights."""
     files = _target_files(target)
 
     def read(name):
         return SafetensorsFile(files[name]).read(name)
 
-    if f"{module}.weight_packed" in files:
-        scale = tensor_scale_from_global(read(f"{module}.weight_global_scale"), module)
-        return dequantize_nvfp4(read(f"{module}.weight_packed"), read(f"{module}.weight_scale"), scale, module)
-    if f"{module}.weight_scale_2" in files:
-        packed, scales = read(f"{module}.weight"), read(f"{module}.weight_scale")
-        return dequantize_nvfp4(packed, scales, read(f"{module}.weight_scale_2"), module)
-    if f"{module}.weight_scale" in files:
-        return dequantize_fp8(read(f"{module}.weight"), read(f"{module}.weight_scale"), module)
-    if f"{module}.weight" in files:
-        return bf16_bits_to_f32(read(f"{module}.weight")).copy()
-    if files:
+    ct_nvfp4 = f"{module}.weight_packed" in files
+    if ct_nvfp4 or f"{module}.weight_scale_2" in files:
+        packed = read(f"{module}.weight_packed" if ct_nvfp4 else f"{module}.weight")
+        scales = read(f"{module}.weight_scale")
+        if ct_nvfp4:
+            scale = tensor_scale_from_global(read(f"{module}.weight_global_scale"), module)
+        else:
+            scale = read(f"{module}.weight_scale_2")
+        shape = (packed.shape[0], 2 * packed.shape[1])
+
+        def rows(a, b):
+            return dequantize_nvfp4(packed[a:b], scales[a:b], scale, module)
+    elif f"{module}.weight_scale" in files:
+        codes, scale = read(f"{module}.weight"), read(f"{module}.weight_scale")
+        if scale.dtype == np.uint16:  # BF16 scales (llm-compressor)
+            scale = bf16_bits_to_f32(scale)
+        shape = codes.shape
+
+        def rows(a, b):
+            return dequantize_fp8(codes[a:b], scale if scale.size == 1 else scale[a:b], module)
+    elif f"{module}.weight" in files:
+        return np.array(read(f"{module}.weight"))
+    elif files:
         raise ValueError(f"{target}: no tensor for {module}")
-    return None
+    else:
+        return None
+    out = np.empty(shape, dtype=np.uint16)
+    for a in range(0, shape[0], ROW_CHUNK):
+        b = min(shape[0], a + ROW_CHUNK)
+        out[a:b] = bf16_bits(rows(a, b))
+    return out
 
 
 def draft_vocab(vocab: int, size: int) -> np.ndarray:
@@ -374,13 +395,13 @@ def write_draft(
 
     embed = Param("embed_tokens.weight", (vocab, h), "embed", module="embed_tokens")
     lm_head = Param("lm_head.weight", (vocab, h), "linear", module="lm_head")
-    copies = {}
+    copies = {}  # BF16 bits: a [248320, 2048] copy takes 1 GB, not 2
     for prm, module in ((embed, "model.language_model.embed_tokens"), (lm_head, "lm_head")):
-        w = None if skeleton else read_target_matrix(target, module)
+        w = None if skeleton else read_target_bf16(target, module)
         if w is not None:
             if w.shape != prm.shape:
                 raise ValueError(f"{target}: {module} has shape {w.shape}, expected {prm.shape}")
-            copies[prm.name] = as_bf16(w)
+            copies[prm.name] = w
     backbone = backbone_params(h, s)
     heads = head_params(h, vocab, s, markov_head_type) if format != "dflash" else []
     rows = None
@@ -390,7 +411,7 @@ def write_draft(
     def values_of(prm: Param) -> np.ndarray:
         canonical = prm.name
         w = (
-            copies[canonical]
+            bf16_bits_to_f32(copies[canonical])
             if canonical in copies
             else generate(seed, Param(canonical, _canonical_shape(prm, vocab), prm.init, prm.module))
         )

@@ -121,7 +121,7 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
     out: Tensors = {}
     scheme = unit.scheme
     if scheme in ("nvfp4", "w4a16"):
-        q = quantize_nvfp4(np.concatenate(mats), name=unit.params[0].module)
+        q = quantize_nvfp4(mats[0] if len(mats) == 1 else np.concatenate(mats), name=unit.params[0].module)
         for i, p in enumerate(unit.params):
             out[f"{p.module}.weight"] = ("U8", q.packed[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale"] = ("F8_E4M3", q.scales[rows[i] : rows[i + 1]])
@@ -129,7 +129,7 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
             if scheme == "nvfp4":
                 out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(mats[0], 6 * 448)))
     elif scheme == "fp8":
-        codes, scale = quantize_fp8(np.concatenate(mats))
+        codes, scale = quantize_fp8(mats[0] if len(mats) == 1 else np.concatenate(mats))
         for i, p in enumerate(unit.params):
             out[f"{p.module}.weight"] = ("F8_E4M3", codes[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale"] = ("F32", np.array(scale, dtype=np.float32).reshape(()))
