@@ -200,15 +200,13 @@ def write_checkpoint(
     extra: Tensors | None = None,
     naming: str = "of",
     separate: dict[str, list[Unit]] | None = None,
-    index: bool | None = None,
-) -> dict[str, str]:
+) -> None:
     """Write units as `model.safetensors` or shards named by `naming` (see shard_names),
-    plus `model.safetensors.index.json` (by default only for several files). `extra`
+    plus `model.safetensors.index.json` (when there are several files). `extra`
     tensors (already encoded) go to the last shard; `separate` maps more file names
     (such as `model_mtp.safetensors`) to their units, listed in the index too.
     values_of None writes a skeleton: each file gets its real header and is then
-    extended to its real size with no data (sparse, zero bytes; no value is computed).
-    Returns the weight map {tensor: file}."""
+    extended to its real size with no data (sparse, zero bytes; no value is computed)."""
     clear_checkpoint(out)
     groups = plan_shards(units, max(1, shards)) if units else [[]]
     files = list(zip(shard_names(len(groups), naming), groups, strict=True))
@@ -228,10 +226,9 @@ def write_checkpoint(
             _write_skeleton(out / fname, specs)
         else:
             _write_file(out / fname, group, values_of, extra if i == len(groups) - 1 else None)
-    if len(files) > 1 if index is None else index:
+    if len(files) > 1:
         data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         write_json(out / "model.safetensors.index.json", data)
-    return weight_map
 
 
 def _write_file(path: Path, group: list[Unit], values_of, extra: Tensors | None) -> None:
