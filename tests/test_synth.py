@@ -687,3 +687,25 @@ def test_write_pair_returns_both_dirs(tmp_path):
     assert json.loads((target / "config.json").read_text())["quantization_config"]["format"] == "nvfp4-pack-quantized"
     with pytest.raises(ValueError, match="seed"):
         write_target(tmp_path / "neg", seed=-1)
+
+
+def test_streamed_shards_are_the_bytes_write_safetensors_writes_and_safetensors_reads(ckpts, tmp_path):
+    """Shards are filled unit by unit at their offsets: the bytes equal write_safetensors'
+    of the same tensors, and the safetensors package reads every tensor back."""
+    import torch
+    from safetensors import safe_open
+
+    from monolith.formats import write_safetensors
+    from monolith.synth.writers import ST_METADATA
+
+    for f in sorted(ckpts("modelopt-mixed").glob("*.safetensors")):
+        st = SafetensorsFile(f)
+        tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+        write_safetensors(tmp_path / f.name, tensors, metadata=ST_METADATA)
+        assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f
+        with safe_open(f, framework="pt") as ref:
+            assert sorted(ref.keys()) == sorted(tensors) and ref.metadata() == ST_METADATA
+            for n, (_, bits) in tensors.items():
+                t = ref.get_tensor(n)
+                assert tuple(t.shape) == bits.shape, n
+                assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == bits.tobytes(), n

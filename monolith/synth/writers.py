@@ -17,9 +17,8 @@ from monolith.formats import (
     quantize_compressed_nvfp4,
     quantize_fp8,
     quantize_nvfp4,
-    write_safetensors,
 )
-from monolith.formats.stfile import header_bytes
+from monolith.formats.stfile import STORAGE_DTYPES, header_bytes
 
 from .values import Param, as_bf16, bf16_bits
 
@@ -232,16 +231,36 @@ def write_checkpoint(
 
 
 def _write_file(path: Path, group: list[Unit], values_of, extra: Tensors | None) -> None:
-    tensors: Tensors = {}
+    """The file write_safetensors would write (data in name order), filled unit by unit
+    at each tensor's offset, so memory stays bounded by one unit."""
+    specs = [spec for unit in group for spec in stored_specs(unit)]
+    specs += [(name, dtype, array.shape) for name, (dtype, array) in (extra or {}).items()]
+    header = header_bytes(sorted(specs), ST_METADATA)
+    offsets, at = {}, len(header)
+    for name, dtype, shape in sorted(specs):
+        offsets[name] = at
+        at += math.prod(shape) * ITEMSIZE[dtype]
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(at)
+        for tensors in _encoded(group, values_of, extra):
+            for name, (dtype, array) in tensors.items():
+                if np.dtype(STORAGE_DTYPES[dtype]) != array.dtype:
+                    raise AssertionError(f"synth: tensor {name}: numpy {array.dtype} stored as {dtype}")
+                f.seek(offsets[name])
+                f.write(np.ascontiguousarray(array).tobytes())
+
+
+def _encoded(group: list[Unit], values_of, extra: Tensors | None):
     for unit in group:
         encoded = encode(unit, values_of)
         expected = stored_specs(unit)
         got = [(name, encoded[name][0], encoded[name][1].shape) for name, _, _ in expected]
         if got != expected or len(encoded) != len(expected):
             raise AssertionError(f"synth: encoded tensors {got} differ from the plan {expected}")
-        tensors.update(encoded)
-    tensors.update(extra or {})
-    write_safetensors(path, tensors, metadata=ST_METADATA)
+        yield encoded
+    if extra:
+        yield extra
 
 
 def _write_skeleton(path: Path, specs: list[tuple[str, str, tuple[int, ...]]]) -> None:
