@@ -221,10 +221,7 @@ def write_checkpoint(
                 raise AssertionError(f"synth: tensor {name} written twice")
             weight_map[name] = fname
             total_size += math.prod(shape) * ITEMSIZE[dtype]
-        if values_of is None:
-            _write_skeleton(out / fname, specs)
-        else:
-            _write_file(out / fname, group, values_of, extra if i == len(groups) - 1 else None)
+        _write_file(out / fname, group, values_of, extra if i == len(groups) - 1 else None)
     if len(files) > 1:
         data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
         write_json(out / "model.safetensors.index.json", data)
@@ -232,7 +229,8 @@ def write_checkpoint(
 
 def _write_file(path: Path, group: list[Unit], values_of, extra: Tensors | None) -> None:
     """The file write_safetensors would write (data in name order), filled unit by unit
-    at each tensor's offset, so memory stays bounded by one unit."""
+    at each tensor's offset, so memory stays bounded by one unit. With values_of None
+    nothing is filled: a valid header, then a hole to the full size (a skeleton)."""
     specs = [spec for unit in group for spec in stored_specs(unit)]
     specs += [(name, dtype, array.shape) for name, (dtype, array) in (extra or {}).items()]
     header = header_bytes(sorted(specs), ST_METADATA)
@@ -243,7 +241,7 @@ def _write_file(path: Path, group: list[Unit], values_of, extra: Tensors | None)
     with open(path, "wb") as f:
         f.write(header)
         f.truncate(at)
-        for tensors in _encoded(group, values_of, extra):
+        for tensors in _encoded(group, values_of, extra) if values_of else ():
             for name, (dtype, array) in tensors.items():
                 if np.dtype(STORAGE_DTYPES[dtype]) != array.dtype:
                     raise AssertionError(f"synth: tensor {name}: numpy {array.dtype} stored as {dtype}")
@@ -261,16 +259,6 @@ def _encoded(group: list[Unit], values_of, extra: Tensors | None):
         yield encoded
     if extra:
         yield extra
-
-
-def _write_skeleton(path: Path, specs: list[tuple[str, str, tuple[int, ...]]]) -> None:
-    """A valid safetensors file whose data are never written: header, then a hole."""
-    ordered = sorted(specs)  # write_safetensors stores data in name order too
-    header = header_bytes(ordered, ST_METADATA)
-    data = sum(math.prod(shape) * ITEMSIZE[dtype] for _, dtype, shape in ordered)
-    with open(path, "wb") as f:
-        f.write(header)
-        f.truncate(len(header) + data)
 
 
 def write_json(path: Path, data) -> None:
