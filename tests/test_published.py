@@ -131,7 +131,8 @@ def test_nvidia_35b_tensors_and_configs(tiny):
     assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and "hidden_size" not in cfg
     assert tc["layer_types"] == ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(4)]
     assert tc["full_attention_interval"] == 4 and tc["mtp_num_hidden_layers"] == 1
-    assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [tc["eos_token_id"], tc["bos_token_id"]]
+    generation = json.loads((d / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tc["eos_token_id"], tc["bos_token_id"]]  # [im_end, endoftext]
     q = hf["quantization"]
     assert q["quant_algo"] == "MIXED_PRECISION" and q["kv_cache_quant_algo"] == "FP8"
     assert_modelopt_mirror(cfg["quantization_config"], hf)
@@ -260,8 +261,8 @@ def test_draft_layouts(tiny):
     assert not {"embed_tokens.weight", "lm_head.weight"} & set(tensors(tiny["zlab-dflash"]))
 
     s27 = config(tiny["speculators-27b"])
-    st = tensors(tiny["speculators-27b"])
-    assert s27["draft_vocab_size"] == config(tiny["unsloth-27b"])["text_config"]["vocab_size"]
+    vocab = config(tiny["unsloth-27b"])["text_config"]["vocab_size"]
+    assert s27["draft_vocab_size"] == vocab and tensors(tiny["speculators-27b"])["lm_head.weight"][2][0] == vocab
     assert not read(tiny["speculators-27b"], "d2t").any() and read(tiny["speculators-27b"], "t2d").all()  # identity
     assert s27["block_size"] == 16 and s27["transformer_layer_config"]["num_hidden_layers"] == 5
 
@@ -294,7 +295,8 @@ def test_full_size_configs_are_the_published_ones(full):
 
     k = config(full["koopah-dspark"])
     assert k["target_layer_ids"] == [1, 6, 11, 16, 22, 27, 32, 37] and k["markov_rank"] == 256
-    assert (k["num_attention_heads"], k["num_key_value_heads"], k["head_dim"], k["intermediate_size"]) == (32, 8, 128, 6144)
+    heads = (k["num_attention_heads"], k["num_key_value_heads"], k["head_dim"], k["intermediate_size"])
+    assert heads == (32, 8, 128, 6144)
     kt = tensors(full["koopah-dspark"])
     assert kt["fc.weight"][2] == (2048, 16384) and kt["confidence_head.proj.weight"][2] == (1, 2304)
     assert kt["lm_head.weight"][2] == kt["embed_tokens.weight"][2] == (248320, 2048)
@@ -303,7 +305,8 @@ def test_full_size_configs_are_the_published_ones(full):
     assert r["draft_vocab_size"] == 32000 and r["transformer_layer_config"]["sliding_window"] == 2048
     assert tensors(full["redhat-dspark"])["d2t"][2] == (32000,)
     z = config(full["zlab-dflash"])
-    assert z["dflash_config"]["mask_token_id"] == 248070 and z["dflash_config"]["target_layer_ids"] == [1, 10, 19, 28, 37]
+    assert z["dflash_config"]["mask_token_id"] == 248070
+    assert z["dflash_config"]["target_layer_ids"] == [1, 10, 19, 28, 37]
     assert config(full["speculators-27b"])["aux_hidden_state_layer_ids"] == [2, 17, 32, 47, 62]
     t = tensors(full["nvidia-35b"])
     assert t["mtp.layers.0.mlp.experts.gate_up_proj"][1:] == ("BF16", (256, 1024, 2048))
@@ -321,7 +324,7 @@ def test_skeleton_sizes_are_the_real_sizes_computed_from_shapes(full):
         for f in sorted(d.glob("*.safetensors")):
             with open(f, "rb") as fh:
                 header = 8 + int.from_bytes(fh.read(8), "little")
-            data = sum(ITEMSIZE[dtype] * math.prod(shape) for file, dtype, shape in tensors(d).values() if file == f.name)
+            data = sum(ITEMSIZE[t] * math.prod(shape) for file, t, shape in tensors(d).values() if file == f.name)
             assert f.stat().st_size == header + data, f
             assert f.stat().st_blocks * 512 <= header + (1 << 20), f"{f} is not sparse"
             total += data
@@ -349,8 +352,10 @@ def test_same_seed_same_bytes(tiny, tmp_path):
     again = write_all(tmp_path / "again")
     other = write_published_target(tmp_path / "seed1", "unsloth-27b", seed=1)
     for layout, d in tiny.items():
-        assert {f.name: f.read_bytes() for f in d.iterdir()} == {f.name: f.read_bytes() for f in again[layout].iterdir()}
-    assert (other / "model_mtp.safetensors").read_bytes() != (tiny["unsloth-27b"] / "model_mtp.safetensors").read_bytes()
+        files = {f.name: f.read_bytes() for f in d.iterdir()}
+        assert files == {f.name: f.read_bytes() for f in again[layout].iterdir()}
+    mtp = "model_mtp.safetensors"
+    assert (other / mtp).read_bytes() != (tiny["unsloth-27b"] / mtp).read_bytes()
 
 
 def test_cli_writes_layouts_and_refuses_mixed_options(tmp_path, capsys):
@@ -361,7 +366,8 @@ def test_cli_writes_layouts_and_refuses_mixed_options(tmp_path, capsys):
          "--layers", "8", "--out", str(tmp_path / "t")], capture_output=True, text=True, check=False)
     assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "t"), ok.stderr
     assert config(tmp_path / "t")["text_config"]["num_hidden_layers"] == 8
-    assert main(["draft", "--layout", "redhat-dspark", "--target", str(tmp_path / "t"), "--out", str(tmp_path / "d")]) == 0
+    assert main(["draft", "--layout", "redhat-dspark", "--target", str(tmp_path / "t"), 
+                 "--out", str(tmp_path / "d")]) == 0
     aux = config(tmp_path / "d")["aux_hidden_state_layer_ids"]  # the taps + 1, spread over 8 layers
     assert len(aux) == 5 and aux == sorted(set(aux)) and 1 <= aux[0] and aux[-1] <= 8
     assert main(["pair", "--layout", "speculators-27b", "--skeleton", "--out", str(tmp_path / "p")]) == 0

@@ -78,7 +78,8 @@ def modelopt_mirror(hf_quant: dict) -> dict:
     groups = {}
     for i, (setting, targets) in enumerate(settings):
         entry = dict(setting)
-        groups[f"group_{i}"] = {**_modelopt_group(entry["quant_algo"], entry.get("group_size")), "targets": sorted(targets)}
+        group = _modelopt_group(entry["quant_algo"], entry.get("group_size"))
+        groups[f"group_{i}"] = {**group, "targets": sorted(targets)}
     mirror = {"config_groups": groups}
     if algo == "MIXED_PRECISION":
         mirror["quantized_layers"] = q["quantized_layers"]
