@@ -383,6 +383,19 @@ def test_cli_writes_layouts_and_refuses_mixed_options(tmp_path, capsys):
         assert message in err and err.startswith("monolith.synth: error: "), err
 
 
+def test_bad_layout_arguments_are_refused_by_name(tiny, tmp_path):
+    from monolith.synth import Preset
+
+    with pytest.raises(ValueError, match="unknown target layout 'gguf'"):
+        write_published_target(tmp_path / "a", "gguf")
+    with pytest.raises(ValueError, match="unknown draft layout 'eagle'"):
+        write_published_draft(tmp_path / "b", "eagle", tiny["nvidia-35b"])
+    with pytest.raises(ValueError, match="vocab_size 64"):
+        write_published_target(tmp_path / "c", "nvidia-35b", Preset(vocab_size=64))
+    with pytest.raises(ValueError, match="fits a unsloth-27b target"):
+        write_published_draft(tmp_path / "d", "speculators-27b", tiny["nvidia-35b"])
+
+
 # ------------------------------------------------ pack, load, generate, speculate
 
 

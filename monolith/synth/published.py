@@ -44,7 +44,15 @@ from .quant import (
     modelopt_scheme,
     unsloth_dynamic_config,
 )
-from .target import LM, kv_cache_scales, plan_units, target_config, target_params, write_target_files
+from .target import (
+    LM,
+    check_vocab,
+    kv_cache_scales,
+    plan_units,
+    target_config,
+    target_params,
+    write_target_files,
+)
 from .values import check_seed, generate
 from .writers import write_checkpoint
 
@@ -161,6 +169,7 @@ def write_published_target(out_dir, layout: str, preset="tiny", layers=None, see
     """Write target `layout` (TARGET_LAYOUTS) into out_dir and return its path."""
     t = _target_layout(layout)
     p = layout_preset(layout, preset, layers)
+    check_vocab(p)
     seed = check_seed(seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +215,16 @@ def write_published_draft(out_dir, layout: str, target_dir, seed=0, skeleton=Fal
     """Write draft `layout` (DRAFT_LAYOUTS) for the target at target_dir (written with
     the layout's target layout, at any width and depth)."""
     d = _draft_layout(layout)
-    tc = json.loads((Path(target_dir) / "config.json").read_text())["text_config"]
+    path = Path(target_dir) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{target_dir}: no config.json (write the target first)")
+    cfg = json.loads(path.read_text())
+    want = target_config(PRESETS["tiny"], TARGET_LAYOUTS[d.target].dense)["architectures"]
+    if cfg.get("architectures") != want:
+        raise ValueError(
+            f"draft layout {layout} fits a {d.target} target ({want[0]}); {target_dir} is {cfg.get('architectures')}"
+        )
+    tc = cfg["text_config"]
     return write_draft(
         out_dir,
         target_dir,

@@ -299,10 +299,7 @@ def write_target(
     p = resolve_preset(preset)
     seed = check_seed(seed)
     dense = (format == "compressed-tensors-mixed") if dense is None else bool(dense)
-    if p.vocab_size < tok.tokenizer_size() + 4:  # + the four vision token ids at the top
-        raise ValueError(
-            f"preset vocab_size {p.vocab_size} leaves no room above the tokenizer's {tok.tokenizer_size()}"
-        )
+    check_vocab(p)
     if dense and expert_layout is not None:
         raise ValueError("expert_layout applies to MoE targets only")
     layout = expert_layout or ("fused" if format == "bf16" else "per-expert")
@@ -338,6 +335,13 @@ def write_target(
     write_checkpoint(out, units, lambda prm: generate(seed, prm), shards, extra=extra)
     write_target_files(out, config, hf_quant)
     return out
+
+
+def check_vocab(p: Preset) -> None:
+    if p.vocab_size < tok.tokenizer_size() + 4:  # + the four vision token ids at the top
+        raise ValueError(
+            f"preset vocab_size {p.vocab_size} leaves no room above the tokenizer's {tok.tokenizer_size()}"
+        )
 
 
 def write_target_files(out: Path, config: dict, hf_quant: dict | None) -> None:
