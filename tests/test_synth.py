@@ -202,6 +202,39 @@ def _modelopt_algo(module: str, q: dict) -> str | None:
     return None if any(fnmatch.fnmatchcase(module, g) for g in q["exclude_modules"]) else q["quant_algo"]
 
 
+def assert_modelopt_mirror(mirror: dict, hf: dict) -> None:
+    """config.json's quantization_config as ModelOpt's exporter derives it from
+    hf_quant_config.json (modelopt.torch.export.convert_hf_config): compressed-tensors
+    shaped groups, `ignore` = exclude_modules, the KV setting as `kv_cache_scheme`."""
+    q = hf["quantization"]
+    mixed = q["quant_algo"] == "MIXED_PRECISION"
+    keys = {"config_groups", "ignore", "quant_algo", "producer", "quant_method"}
+    keys |= {"quantized_layers"} if mixed else set()
+    keys |= {"kv_cache_scheme"} if q.get("kv_cache_quant_algo") else set()
+    assert set(mirror) == keys, sorted(mirror)
+    assert mirror["quant_method"] == "modelopt" and mirror["producer"] == hf["producer"]
+    assert mirror["quant_algo"] == q["quant_algo"] and mirror["ignore"] == (q.get("exclude_modules") or [])
+    if q.get("kv_cache_quant_algo") == "FP8":
+        assert mirror["kv_cache_scheme"] == {"dynamic": False, "num_bits": 8, "type": "float"}
+    groups = mirror["config_groups"]
+    assert list(groups) == [f"group_{i}" for i in range(len(groups))]
+    if not mixed:
+        assert [g["targets"] for g in groups.values()] == [["Linear"]]
+        return
+    assert mirror["quantized_layers"] == q["quantized_layers"]
+    bits = {"FP8": (8, 8), "NVFP4": (4, 4), "W4A16_NVFP4": (4, None)}
+    listed = []
+    for g in groups.values():
+        assert g["targets"] == sorted(g["targets"])
+        algos = {q["quantized_layers"][t]["quant_algo"] for t in g["targets"]}
+        assert len(algos) == 1
+        weights, inputs = bits[algos.pop()]
+        assert g["weights"]["num_bits"] == weights and g["weights"]["type"] == "float"
+        assert (g.get("input_activations") or {}).get("num_bits") == inputs
+        listed += g["targets"]
+    assert sorted(listed) == sorted(q["quantized_layers"])
+
+
 def _ct_group(module: str, qc: dict, linear: bool):
     from compressed_tensors.utils.match import match_name
 
@@ -224,7 +257,8 @@ def test_quantized_target_tensors(ckpts, fmt, dense):
     if fmt.startswith("modelopt"):
         hf = json.loads((d / "hf_quant_config.json").read_text())
         assert hf["producer"] == {"name": "modelopt", "version": "0.47.0"}
-        assert qc["quant_method"] == "modelopt" and {k: qc[k] for k in hf["quantization"]} == hf["quantization"]
+        assert_modelopt_mirror(qc, hf)
+        qc = hf["quantization"]
     else:
         assert not (d / "hf_quant_config.json").exists() and qc["quant_method"] == "compressed-tensors"
     counts: dict[str, int] = {}
@@ -429,8 +463,9 @@ def test_deepspec_nvfp4_export(drafts):
     ref, got = read_all(d["deepspec"]), read_all(d["deepspec-nvfp4"])
     cfg = json.loads((d["deepspec-nvfp4"] / "config.json").read_text())
     assert cfg["lithos_quantization"]["format"] == "nvfp4" and cfg["lithos_quantization"]["keep"] == ["markov_w1"]
-    layers = cfg["quantization_config"]["quantized_layers"]
-    assert cfg["quantization_config"]["quant_method"] == "modelopt"
+    hf = json.loads((d["deepspec-nvfp4"] / "hf_quant_config.json").read_text())
+    assert_modelopt_mirror(cfg["quantization_config"], hf)
+    layers = hf["quantization"]["quantized_layers"]
     matrices = [n for n, v in ref.items() if len(v[1]) == 2 and v[1][0] > 1 and "markov_w1" not in n]
     assert sorted(layers) == sorted(n[: -len(".weight")] for n in matrices)
     for n in matrices:
@@ -652,3 +687,25 @@ def test_write_pair_returns_both_dirs(tmp_path):
     assert json.loads((target / "config.json").read_text())["quantization_config"]["format"] == "nvfp4-pack-quantized"
     with pytest.raises(ValueError, match="seed"):
         write_target(tmp_path / "neg", seed=-1)
+
+
+def test_streamed_shards_are_the_bytes_write_safetensors_writes_and_safetensors_reads(ckpts, tmp_path):
+    """Shards are filled unit by unit at their offsets: the bytes equal write_safetensors'
+    of the same tensors, and the safetensors package reads every tensor back."""
+    import torch
+    from safetensors import safe_open
+
+    from monolith.formats import write_safetensors
+    from monolith.synth.writers import ST_METADATA
+
+    for f in sorted(ckpts("modelopt-mixed").glob("*.safetensors")):
+        st = SafetensorsFile(f)
+        tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+        write_safetensors(tmp_path / f.name, tensors, metadata=ST_METADATA)
+        assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f
+        with safe_open(f, framework="pt") as ref:
+            assert sorted(ref.keys()) == sorted(tensors) and ref.metadata() == ST_METADATA
+            for n, (_, bits) in tensors.items():
+                t = ref.get_tensor(n)
+                assert tuple(t.shape) == bits.shape, n
+                assert t.reshape(-1).view(torch.uint8).numpy().tobytes() == bits.tobytes(), n

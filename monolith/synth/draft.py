@@ -27,8 +27,8 @@ from monolith.formats import (
 )
 
 from . import tokenizer as tok
-from .quant import MODELOPT_PRODUCER
-from .values import Param, as_bf16, check_seed, generate
+from .quant import MODELOPT_PRODUCER, modelopt_mirror
+from .values import Param, bf16_bits, check_seed, generate
 from .writers import Unit, write_checkpoint, write_json
 
 DRAFT_FORMATS = ("deepspec", "deepspec-nvfp4", "speculators", "dflash")
@@ -45,10 +45,11 @@ class DraftSizes:
     intermediate_size: int
     target_layer_ids: tuple[int, ...]  # DeepSpec convention: output of decoder layer i
     markov_rank: int
-    draft_vocab_size: int  # speculators' reduced vocabulary
-    sliding_window: int  # speculators' sliding-window attention
+    draft_vocab_size: int  # speculators' vocabulary (the target's: identity d2t / t2d)
+    sliding_window: int | None  # speculators' sliding-window attention (None: full attention)
     block_size: int = 8
     dflash_block_size: int = 16
+    mask_token_id: int | None = None  # None: the synthetic tokenizer's <|mask|>
 
 
 def draft_sizes(text_config: dict) -> DraftSizes:
@@ -138,27 +139,48 @@ def _target_files(target: Path) -> dict[str, Path]:
     return {}
 
 
-def read_target_matrix(target: Path, module: str) -> np.ndarray | None:
-    """A target matrix as float32 (BF16, ModelOpt NVFP4/FP8 or compressed-tensors),
-    or None when the target directory has no weights."""
+ROW_CHUNK = 4096  # rows dequantized at a time (a 248,320-row lm_head never exists in F32)
+
+
+def read_target_bf16(target: Path, module: str) -> np.ndarray | None:
+    """A target matrix (BF16, ModelOpt NVFP4/FP8 or compressed-tensors) as BF16 bits
+    (uint16), dequantized in row chunks; None when the target directory has no weights."""
     files = _target_files(target)
 
     def read(name):
         return SafetensorsFile(files[name]).read(name)
 
-    if f"{module}.weight_packed" in files:
-        scale = tensor_scale_from_global(read(f"{module}.weight_global_scale"), module)
-        return dequantize_nvfp4(read(f"{module}.weight_packed"), read(f"{module}.weight_scale"), scale, module)
-    if f"{module}.weight_scale_2" in files:
-        packed, scales = read(f"{module}.weight"), read(f"{module}.weight_scale")
-        return dequantize_nvfp4(packed, scales, read(f"{module}.weight_scale_2"), module)
-    if f"{module}.weight_scale" in files:
-        return dequantize_fp8(read(f"{module}.weight"), read(f"{module}.weight_scale"), module)
-    if f"{module}.weight" in files:
-        return bf16_bits_to_f32(read(f"{module}.weight")).copy()
-    if files:
+    ct_nvfp4 = f"{module}.weight_packed" in files
+    if ct_nvfp4 or f"{module}.weight_scale_2" in files:
+        packed = read(f"{module}.weight_packed" if ct_nvfp4 else f"{module}.weight")
+        scales = read(f"{module}.weight_scale")
+        if ct_nvfp4:
+            scale = tensor_scale_from_global(read(f"{module}.weight_global_scale"), module)
+        else:
+            scale = read(f"{module}.weight_scale_2")
+        shape = (packed.shape[0], 2 * packed.shape[1])
+
+        def rows(a, b):
+            return dequantize_nvfp4(packed[a:b], scales[a:b], scale, module)
+    elif f"{module}.weight_scale" in files:
+        codes, scale = read(f"{module}.weight"), read(f"{module}.weight_scale")
+        if scale.dtype == np.uint16:  # BF16 scales (llm-compressor)
+            scale = bf16_bits_to_f32(scale)
+        shape = codes.shape
+
+        def rows(a, b):
+            return dequantize_fp8(codes[a:b], scale if scale.size == 1 else scale[a:b], module)
+    elif f"{module}.weight" in files:
+        return np.array(read(f"{module}.weight"))
+    elif files:
         raise ValueError(f"{target}: no tensor for {module}")
-    return None
+    else:
+        return None
+    out = np.empty(shape, dtype=np.uint16)
+    for a in range(0, shape[0], ROW_CHUNK):
+        b = min(shape[0], a + ROW_CHUNK)
+        out[a:b] = bf16_bits(rows(a, b))
+    return out
 
 
 def draft_vocab(vocab: int, size: int) -> np.ndarray:
@@ -247,12 +269,13 @@ def deepspec_config(tc: dict, s: DraftSizes, head_type: str, mask_id: int) -> di
 
 
 def speculators_config(tc: dict, s: DraftSizes, head_type: str, mask_id: int, target_cfg: dict) -> dict:
+    sliding = s.sliding_window is not None
     layer = {
         **_qwen3_fields(tc, s),
-        "layer_types": ["sliding_attention"] * s.num_layers,
+        "layer_types": ["sliding_attention" if sliding else "full_attention"] * s.num_layers,
         "rope_parameters": {"rope_theta": tc["rope_parameters"]["rope_theta"], "rope_type": "default"},
         "sliding_window": s.sliding_window,
-        "use_sliding_window": True,
+        "use_sliding_window": sliding,
     }
     return {
         "architectures": ["Qwen3DSparkModel"],
@@ -331,10 +354,26 @@ def nvfp4_export_config(units: list[Unit], keep: list[str]) -> tuple[dict, dict]
 # ---------------------------------------------------------------------------- writing
 
 
-def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type="vanilla", sizes=None) -> Path:
+def write_draft(
+    out_dir,
+    target_dir,
+    format="deepspec",
+    seed=0,
+    markov_head_type="vanilla",
+    sizes=None,
+    config_overrides=None,
+    export="modelopt",
+    shards=1,
+    naming="of",
+    skeleton=False,
+) -> Path:
     """Write a draft for the target at target_dir (its config.json gives the sizes; its
     embedding and lm_head are copied when it has weights). `sizes` overrides the
-    derived DraftSizes."""
+    derived DraftSizes; `config_overrides` are set on config.json (a None value removes
+    the field). export (deepspec-nvfp4 only): "modelopt" writes hf_quant_config.json, its
+    config.json mirror and `lithos_quantization`; "lithos" only `lithos_quantization`
+    (LithosAI's published export). shards / naming: see writers.write_checkpoint.
+    skeleton: headers only, at full file size (no values; see write_checkpoint)."""
     if format not in DRAFT_FORMATS:
         raise ValueError(f"unknown draft format {format!r} (known: {', '.join(DRAFT_FORMATS)})")
     if markov_head_type not in MARKOV_HEAD_TYPES:
@@ -350,19 +389,19 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
     h, vocab = tc["hidden_size"], tc["vocab_size"]
     if any(not 0 <= i < tc["num_hidden_layers"] for i in s.target_layer_ids):
         raise ValueError(f"draft taps {s.target_layer_ids} are not layers of the target")
-    mask_id = tok.special_token_ids()[tok.MASK_TOKEN]
+    mask_id = tok.special_token_ids()[tok.MASK_TOKEN] if s.mask_token_id is None else s.mask_token_id
     if mask_id >= vocab:
         raise ValueError(f"target vocab_size {vocab} does not cover the mask token id {mask_id}")
 
     embed = Param("embed_tokens.weight", (vocab, h), "embed", module="embed_tokens")
     lm_head = Param("lm_head.weight", (vocab, h), "linear", module="lm_head")
-    copies = {}
+    copies = {}  # BF16 bits: a [248320, 2048] copy takes 1 GB, not 2
     for prm, module in ((embed, "model.language_model.embed_tokens"), (lm_head, "lm_head")):
-        w = read_target_matrix(target, module)
+        w = None if skeleton else read_target_bf16(target, module)
         if w is not None:
             if w.shape != prm.shape:
                 raise ValueError(f"{target}: {module} has shape {w.shape}, expected {prm.shape}")
-            copies[prm.name] = as_bf16(w)
+            copies[prm.name] = w
     backbone = backbone_params(h, s)
     heads = head_params(h, vocab, s, markov_head_type) if format != "dflash" else []
     rows = None
@@ -372,7 +411,7 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
     def values_of(prm: Param) -> np.ndarray:
         canonical = prm.name
         w = (
-            copies[canonical]
+            bf16_bits_to_f32(copies[canonical])
             if canonical in copies
             else generate(seed, Param(canonical, _canonical_shape(prm, vocab), prm.init, prm.module))
         )
@@ -409,18 +448,23 @@ def write_draft(out_dir, target_dir, format="deepspec", seed=0, markov_head_type
         return "w4a16"
 
     units = [Unit((prm,), scheme_of(prm)) for prm in params]
+    (out / "hf_quant_config.json").unlink(missing_ok=True)
     if quantize:
         hf_quant, lithos = nvfp4_export_config(units, keep)
-        config["lithos_quantization"] = lithos
-        config["quantization_config"] = {
-            **hf_quant["quantization"],
-            "producer": MODELOPT_PRODUCER,
-            "quant_method": "modelopt",
-        }
-        write_json(out / "hf_quant_config.json", hf_quant)
-    else:
-        (out / "hf_quant_config.json").unlink(missing_ok=True)
-    write_checkpoint(out, units, values_of, shards=1, extra=extra)
+        if export == "lithos":
+            config["lithos_quantization"] = {"block_size": 16, "format": "nvfp4", "keep": keep}
+        elif export == "modelopt":
+            config["lithos_quantization"] = lithos
+            config["quantization_config"] = modelopt_mirror(hf_quant)
+            write_json(out / "hf_quant_config.json", hf_quant)
+        else:
+            raise ValueError(f"unknown export {export!r} (known: modelopt, lithos)")
+    for key, value in (config_overrides or {}).items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    write_checkpoint(out, units, None if skeleton else values_of, shards=shards, extra=extra, naming=naming)
     write_json(out / "config.json", config)
     if format.startswith("deepspec"):
         tok.write_tokenizer(out)

@@ -41,6 +41,7 @@ class Preset:
     vision_depth: int = 1
     vision_num_heads: int = 2
     vision_patch_size: int = 4
+    vision_num_position_embeddings: int = 16
 
     def __post_init__(self):
         for f in fields(self):
@@ -86,6 +87,16 @@ class Preset:
         return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
 
 
+# The vision tower of the Qwen3.6 releases (27 blocks: 27 * 12 + 3 + 6 = 333 tensors).
+QWEN36_VISION = dict(
+    vision_hidden_size=1152,
+    vision_intermediate_size=4304,
+    vision_depth=27,
+    vision_num_heads=16,
+    vision_patch_size=16,
+    vision_num_position_embeddings=2304,
+)
+
 PRESETS: dict[str, Preset] = {
     # Tests: the whole MoE target is about 1 MB in BF16.
     "tiny": Preset(),
@@ -107,6 +118,40 @@ PRESETS: dict[str, Preset] = {
         intermediate_size=3072,
         vocab_size=32768,
         max_position_embeddings=32768,
+    ),
+    # The published widths and depths (Qwen/Qwen3.6-35B-A3B and Qwen/Qwen3.6-27B configs).
+    "qwen3.6-35b-a3b": Preset(
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        **QWEN36_VISION,
+    ),
+    "qwen3.6-27b": Preset(
+        hidden_size=5120,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        intermediate_size=17408,
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        **QWEN36_VISION,
     ),
 }
 

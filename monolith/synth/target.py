@@ -19,11 +19,12 @@ from .quant import (
     MODELOPT_PRODUCER,
     compressed_tensors_config,
     ct_scheme,
+    modelopt_mirror,
     modelopt_mixed_config,
     modelopt_nvfp4_config,
     modelopt_scheme,
 )
-from .values import Param, check_seed, generate
+from .values import Param, bf16_bits, check_seed, generate
 from .writers import Unit, default_shards, write_checkpoint, write_json
 
 FORMATS = ("bf16", "modelopt-nvfp4", "modelopt-mixed", "compressed-tensors", "compressed-tensors-mixed")
@@ -97,7 +98,7 @@ def vision_config(p: Preset, dense: bool) -> dict:
         "intermediate_size": p.vision_intermediate_size,
         "model_type": "qwen3_5_vision" if dense else "qwen3_5_moe_vision",
         "num_heads": p.vision_num_heads,
-        "num_position_embeddings": 16,
+        "num_position_embeddings": p.vision_num_position_embeddings,
         "out_hidden_size": p.hidden_size,
         "patch_size": p.vision_patch_size,
         "spatial_merge_size": 2,
@@ -199,7 +200,7 @@ def vision_params(p: Preset) -> list[Param]:
     params = [
         Param(f"{v}.patch_embed.proj.weight", (d, 3, t, ps, ps), "linear", gain=(3 * t * ps) ** -0.5),
         Param(f"{v}.patch_embed.proj.bias", (d,), "bias"),
-        Param(f"{v}.pos_embed.weight", (16, d), "embed"),
+        Param(f"{v}.pos_embed.weight", (p.vision_num_position_embeddings, d), "embed"),
     ]
     for b in range(p.vision_depth):
         blk = f"{v}.blocks.{b}"
@@ -248,12 +249,15 @@ def _shares_input(last: Unit, prm: Param, scheme: str) -> bool:
     return parent == prev_parent and group is not None and group == _SHARED_INPUT.get(prev_leaf)
 
 
-def plan_units(params: list[Param], scheme_of, share_scales: bool, fuse_experts: bool) -> list[Unit]:
+def plan_units(params: list[Param], scheme_of, share_scales: bool, fuse_experts) -> list[Unit]:
+    """fuse_experts: True/False, or a predicate on a layer's `...mlp.experts` prefix (the
+    nvidia export keeps its MTP layer's experts fused and the others per expert)."""
+    fuse = fuse_experts if callable(fuse_experts) else (lambda prefix: bool(fuse_experts))
     units: list[Unit] = []
     pending: list[Param] = []  # per-expert params of one layer, when fusing
     for prm in params:
         expert = re.match(r"(.*\.mlp\.experts)\.\d+\.", prm.name)
-        if fuse_experts and expert:
+        if expert and fuse(expert.group(1)):
             pending.append(prm)
             if len(pending) > 1 and not pending[-2].name.startswith(expert.group(1) + "."):
                 raise AssertionError("synth: experts of two layers interleaved")
@@ -295,10 +299,7 @@ def write_target(
     p = resolve_preset(preset)
     seed = check_seed(seed)
     dense = (format == "compressed-tensors-mixed") if dense is None else bool(dense)
-    if p.vocab_size < tok.tokenizer_size() + 4:  # + the four vision token ids at the top
-        raise ValueError(
-            f"preset vocab_size {p.vocab_size} leaves no room above the tokenizer's {tok.tokenizer_size()}"
-        )
+    check_vocab(p)
     if dense and expert_layout is not None:
         raise ValueError("expert_layout applies to MoE targets only")
     layout = expert_layout or ("fused" if format == "bf16" else "per-expert")
@@ -320,10 +321,10 @@ def write_target(
     elif format.startswith("modelopt"):
         q = modelopt_nvfp4_config(dense) if format == "modelopt-nvfp4" else modelopt_mixed_config(params, dense)
         hf_quant = {"producer": MODELOPT_PRODUCER, "quantization": q}
-        config["quantization_config"] = {**q, "producer": MODELOPT_PRODUCER, "quant_method": "modelopt"}
+        config["quantization_config"] = modelopt_mirror(hf_quant)
         scheme_of, share = (lambda m: modelopt_scheme(m, q)), True
         if format == "modelopt-mixed":
-            extra = _kv_cache_scales(params)
+            extra = kv_cache_scales(params, "modelopt")
     else:
         qc = compressed_tensors_config(mixed=format == "compressed-tensors-mixed")
         config["quantization_config"] = qc
@@ -332,7 +333,20 @@ def write_target(
     if shards is None:
         shards = default_shards(units, 1 if format.startswith("compressed") else 2)
     write_checkpoint(out, units, lambda prm: generate(seed, prm), shards, extra=extra)
+    write_target_files(out, config, hf_quant)
+    return out
 
+
+def check_vocab(p: Preset) -> None:
+    if p.vocab_size < tok.tokenizer_size() + 4:  # + the four vision token ids at the top
+        raise ValueError(
+            f"preset vocab_size {p.vocab_size} leaves no room above the tokenizer's {tok.tokenizer_size()}"
+        )
+
+
+def write_target_files(out: Path, config: dict, hf_quant: dict | None) -> None:
+    """config.json, hf_quant_config.json (removed when None), generation_config.json
+    and the tokenizer."""
     write_json(out / "config.json", config)
     stale = out / "hf_quant_config.json"
     if hf_quant:
@@ -341,15 +355,19 @@ def write_target(
         stale.unlink()
     write_json(out / "generation_config.json", tok.generation_config())
     tok.write_tokenizer(out)
-    return out
 
 
-def _kv_cache_scales(params: list[Param]) -> dict:
-    """ModelOpt's FP8 KV-cache calibration: k_scale / v_scale F32 scalars per attention."""
+def kv_cache_scales(params: list[Param], style: str) -> dict:
+    """FP8 KV-cache calibration scales of the language model's attention layers:
+    "modelopt" writes `self_attn.k_proj.k_scale` / `v_proj.v_scale` F32 scalars,
+    "compressed-tensors" `self_attn.k_scale` / `v_scale` BF16 [1]."""
     out = {}
     for prm in params:
         m = prm.module or ""
         if m.startswith(LM) and m.endswith(("self_attn.k_proj", "self_attn.v_proj")):
-            name = f"{m}.{m[-6]}_scale"
-            out[name] = ("F32", np.array(0.05 + 0.01 * (len(out) % 5), dtype=np.float32))
+            value = np.array(0.05 + 0.01 * (len(out) % 5), dtype=np.float32)
+            if style == "modelopt":
+                out[f"{m}.{m[-6]}_scale"] = ("F32", value)
+            else:
+                out[f"{m[: -len('.k_proj')]}.{m[-6]}_scale"] = ("BF16", bf16_bits(value.reshape(1)))
     return out

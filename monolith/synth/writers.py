@@ -12,9 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from monolith.formats import quantize_compressed_nvfp4, quantize_fp8, quantize_nvfp4, write_safetensors
+from monolith.formats import (
+    e4m3_encode,
+    quantize_compressed_nvfp4,
+    quantize_fp8,
+    quantize_nvfp4,
+)
+from monolith.formats.stfile import STORAGE_DTYPES, header_bytes
 
-from .values import Param, bf16_bits
+from .values import Param, as_bf16, bf16_bits
 
 # scheme -> suffixes it writes for a linear module <m> (in this order)
 SCHEMES = {
@@ -24,7 +30,8 @@ SCHEMES = {
     "fp8": ("weight", "weight_scale", "input_scale"),  # ModelOpt per-tensor FP8
     "ct-nvfp4": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
     "ct-nvfp4-dynamic": ("weight_packed", "weight_scale", "weight_global_scale"),
-    "ct-fp8-channel": ("weight", "weight_scale"),  # scale [out, 1]
+    "ct-fp8-channel": ("weight", "weight_scale"),  # scale F32 [out, 1]
+    "ct-fp8-channel-bf16": ("weight", "weight_scale"),  # scale BF16 [out, 1] (llm-compressor's default)
     "ct-fp8-tensor": ("weight", "weight_scale"),  # scale [1]
 }
 MAX_SHARD_BYTES = 256 * 1024 * 1024  # default shard counts grow to keep shards below this
@@ -72,6 +79,8 @@ def stored_specs(unit: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
         }
         if unit.scheme == "ct-fp8-channel":
             shapes["weight_scale"] = ("F32", (n, 1))
+        elif unit.scheme == "ct-fp8-channel-bf16":
+            shapes["weight_scale"] = ("BF16", (n, 1))
         elif unit.scheme == "ct-fp8-tensor":
             shapes["weight_scale"] = ("F32", (1,))
         for suffix in SCHEMES[unit.scheme]:
@@ -79,14 +88,17 @@ def stored_specs(unit: Unit) -> list[tuple[str, str, tuple[int, ...]]]:
     return specs
 
 
+ITEMSIZE = {"BF16": 2, "U8": 1, "F8_E4M3": 1, "F32": 4, "I64": 8, "BOOL": 1}
+
+
 def stored_bytes(unit: Unit) -> int:
-    itemsize = {"BF16": 2, "U8": 1, "F8_E4M3": 1, "F32": 4, "I64": 8, "BOOL": 1}
-    return sum(itemsize[d] * math.prod(s) for _, d, s in stored_specs(unit))
+    return sum(ITEMSIZE[d] * math.prod(s) for _, d, s in stored_specs(unit))
 
 
-def _input_scale(values_of: Callable[[Param], np.ndarray], unit: Unit, divisor: float) -> np.float32:
-    """A plausible calibrated activation scale (amax / divisor), fixed by the weights."""
-    amax = 1.0 + float(np.abs(values_of(unit.params[0])).max()) * 8.0
+def _input_scale(first: np.ndarray, divisor: float) -> np.float32:
+    """A plausible calibrated activation scale (amax / divisor), fixed by the unit's
+    first weight matrix."""
+    amax = 1.0 + float(np.abs(first).max()) * 8.0
     return np.float32(amax / divisor)
 
 
@@ -108,19 +120,19 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
     out: Tensors = {}
     scheme = unit.scheme
     if scheme in ("nvfp4", "w4a16"):
-        q = quantize_nvfp4(np.concatenate(mats), name=unit.params[0].module)
+        q = quantize_nvfp4(mats[0] if len(mats) == 1 else np.concatenate(mats), name=unit.params[0].module)
         for i, p in enumerate(unit.params):
             out[f"{p.module}.weight"] = ("U8", q.packed[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale"] = ("F8_E4M3", q.scales[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale_2"] = ("F32", np.array(q.tensor_scale, dtype=np.float32))
             if scheme == "nvfp4":
-                out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(values_of, unit, 6 * 448)))
+                out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(mats[0], 6 * 448)))
     elif scheme == "fp8":
-        codes, scale = quantize_fp8(np.concatenate(mats))
+        codes, scale = quantize_fp8(mats[0] if len(mats) == 1 else np.concatenate(mats))
         for i, p in enumerate(unit.params):
             out[f"{p.module}.weight"] = ("F8_E4M3", codes[rows[i] : rows[i + 1]])
             out[f"{p.module}.weight_scale"] = ("F32", np.array(scale, dtype=np.float32).reshape(()))
-            out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(values_of, unit, 448)))
+            out[f"{p.module}.input_scale"] = ("F32", np.array(_input_scale(mats[0], 448)))
     else:  # compressed-tensors: one scale set per matrix (the unit holds one param)
         for p, w in zip(unit.params, mats, strict=True):
             if scheme.startswith("ct-nvfp4"):
@@ -129,8 +141,13 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
                 out[f"{p.module}.weight_scale"] = ("F8_E4M3", scales)
                 out[f"{p.module}.weight_global_scale"] = ("F32", global_scale)
                 if scheme == "ct-nvfp4":
-                    g = np.float32(1.0) / _input_scale(values_of, unit, 6 * 448)
+                    g = np.float32(1.0) / _input_scale(mats[0], 6 * 448)
                     out[f"{p.module}.input_global_scale"] = ("F32", np.array([g], dtype=np.float32))
+            elif scheme == "ct-fp8-channel-bf16":  # the codes use the BF16-rounded scale
+                _, scale = quantize_fp8(w, per_channel=True)
+                scale = as_bf16(scale)
+                out[f"{p.module}.weight"] = ("F8_E4M3", e4m3_encode(w / scale))
+                out[f"{p.module}.weight_scale"] = ("BF16", bf16_bits(scale.reshape(-1, 1)))
             else:
                 codes, scale = quantize_fp8(w, per_channel=scheme == "ct-fp8-channel")
                 scale = scale.reshape(-1, 1) if scheme == "ct-fp8-channel" else scale.reshape(1)
@@ -164,42 +181,84 @@ def clear_checkpoint(out: Path) -> None:
             stale.unlink()
 
 
+def shard_names(n: int, naming: str = "of") -> list[str]:
+    """File names of n shards: "of" is Hugging Face's `model-00001-of-00003.safetensors`
+    (`model.safetensors` alone), "numbered" is `model-00001.safetensors` (even alone)."""
+    if naming == "of":
+        return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    if naming == "numbered":
+        return [f"model-{i + 1:05d}.safetensors" for i in range(n)]
+    raise ValueError(f"unknown shard naming {naming!r} (known: of, numbered)")
+
+
 def write_checkpoint(
     out: Path,
     units: list[Unit],
-    values_of: Callable[[Param], np.ndarray],
+    values_of: Callable[[Param], np.ndarray] | None,
     shards: int,
     extra: Tensors | None = None,
+    naming: str = "of",
+    separate: dict[str, list[Unit]] | None = None,
 ) -> None:
-    """Write units as `model.safetensors` or `model-0000i-of-0000n.safetensors` plus
-    `model.safetensors.index.json`. `extra` tensors (already encoded) go to the last shard."""
+    """Write units as `model.safetensors` or shards named by `naming` (see shard_names),
+    plus `model.safetensors.index.json` (when there are several files). `extra`
+    tensors (already encoded) go to the last shard; `separate` maps more file names
+    (such as `model_mtp.safetensors`) to their units, listed in the index too.
+    values_of None writes a skeleton: each file gets its real header and is then
+    extended to its real size with no data (sparse, zero bytes; no value is computed)."""
     clear_checkpoint(out)
     groups = plan_shards(units, max(1, shards)) if units else [[]]
-    n = len(groups)
+    files = list(zip(shard_names(len(groups), naming), groups, strict=True))
+    files += list((separate or {}).items())
     weight_map: dict[str, str] = {}
     total_size = 0
-    for i, group in enumerate(groups):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors: Tensors = {}
-        for unit in group:
-            encoded = encode(unit, values_of)
-            expected = [(name, dtype, shape) for name, dtype, shape in stored_specs(unit)]
-            got = [(name, encoded[name][0], encoded[name][1].shape) for name, _, _ in expected]
-            if got != expected or len(encoded) != len(expected):
-                raise AssertionError(f"synth: encoded tensors {got} differ from the plan {expected}")
-            tensors.update(encoded)
-        if extra and i == n - 1:
-            tensors.update(extra)
-        for name, (_, array) in tensors.items():
+    for i, (fname, group) in enumerate(files):
+        specs = [spec for unit in group for spec in stored_specs(unit)]
+        if extra and i == len(groups) - 1:
+            specs += [(name, dtype, array.shape) for name, (dtype, array) in extra.items()]
+        for name, dtype, shape in specs:
             if name in weight_map:
                 raise AssertionError(f"synth: tensor {name} written twice")
             weight_map[name] = fname
-            total_size += array.nbytes
-        write_safetensors(out / fname, tensors, metadata=ST_METADATA)
-        del tensors
-    if n > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        write_json(out / "model.safetensors.index.json", index)
+            total_size += math.prod(shape) * ITEMSIZE[dtype]
+        _write_file(out / fname, group, values_of, extra if i == len(groups) - 1 else None)
+    if len(files) > 1:
+        data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json(out / "model.safetensors.index.json", data)
+
+
+def _write_file(path: Path, group: list[Unit], values_of, extra: Tensors | None) -> None:
+    """The file write_safetensors would write (data in name order), filled unit by unit
+    at each tensor's offset, so memory stays bounded by one unit. With values_of None
+    nothing is filled: a valid header, then a hole to the full size (a skeleton)."""
+    specs = [spec for unit in group for spec in stored_specs(unit)]
+    specs += [(name, dtype, array.shape) for name, (dtype, array) in (extra or {}).items()]
+    header = header_bytes(sorted(specs), ST_METADATA)
+    offsets, at = {}, len(header)
+    for name, dtype, shape in sorted(specs):
+        offsets[name] = at
+        at += math.prod(shape) * ITEMSIZE[dtype]
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(at)
+        for tensors in _encoded(group, values_of, extra) if values_of else ():
+            for name, (dtype, array) in tensors.items():
+                if np.dtype(STORAGE_DTYPES[dtype]) != array.dtype:
+                    raise AssertionError(f"synth: tensor {name}: numpy {array.dtype} stored as {dtype}")
+                f.seek(offsets[name])
+                f.write(np.ascontiguousarray(array).tobytes())
+
+
+def _encoded(group: list[Unit], values_of, extra: Tensors | None):
+    for unit in group:
+        encoded = encode(unit, values_of)
+        expected = stored_specs(unit)
+        got = [(name, encoded[name][0], encoded[name][1].shape) for name, _, _ in expected]
+        if got != expected or len(encoded) != len(expected):
+            raise AssertionError(f"synth: encoded tensors {got} differ from the plan {expected}")
+        yield encoded
+    if extra:
+        yield extra
 
 
 def write_json(path: Path, data) -> None:
