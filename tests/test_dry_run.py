@@ -17,6 +17,7 @@ from monolith.checkpoint import Checkpoint
 from monolith.formats import SafetensorsFile, write_safetensors
 from monolith.pack import build_pack, inspect_pack
 from monolith.pack.dry_run import dry_run, format_dry_run
+from monolith.synth import DRAFT_LAYOUTS, TARGET_LAYOUTS, write_published_draft, write_published_target
 
 MEASURED: dict = {}
 
@@ -134,151 +135,10 @@ H, V, E, I_MOE, LAYERS = 2048, 248_320, 256, 512, 40  # nvidia/Qwen3.6-35B-A3B-N
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
 K_HEADS, V_HEADS, LINEAR_DIM = 16, 32, 128
 LM = "model.language_model"
-DTYPE_BYTES = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
-
-
-def linear(out: dict, name: str, n: int, k: int, scheme: str) -> None:
-    if scheme == "nvfp4":
-        out[f"{name}.weight"] = ("U8", (n, k // 2))
-        out[f"{name}.weight_scale"] = ("F8_E4M3", (n, k // 16))
-        out[f"{name}.weight_scale_2"] = ("F32", ())
-    elif scheme == "fp8":
-        out[f"{name}.weight"] = ("F8_E4M3", (n, k))
-        out[f"{name}.weight_scale"] = ("F32", ())
-        out[f"{name}.input_scale"] = ("F32", ())
-    else:
-        out[f"{name}.weight"] = ("BF16", (n, k))
-
-
-def decoder_layer(out: dict, s: str, kind: str, quantized: bool, fused_experts: bool) -> None:
-    fp8, nvfp4 = ("fp8", "nvfp4") if quantized else ("bf16", "bf16")
-    out[f"{s}.input_layernorm.weight"] = ("BF16", (H,))
-    out[f"{s}.post_attention_layernorm.weight"] = ("BF16", (H,))
-    if kind == "linear_attention":
-        key, value = K_HEADS * LINEAR_DIM, V_HEADS * LINEAR_DIM
-        linear(out, f"{s}.linear_attn.in_proj_qkv", 2 * key + value, H, fp8)
-        linear(out, f"{s}.linear_attn.in_proj_z", value, H, fp8)
-        linear(out, f"{s}.linear_attn.in_proj_b", V_HEADS, H, "bf16")
-        linear(out, f"{s}.linear_attn.in_proj_a", V_HEADS, H, "bf16")
-        linear(out, f"{s}.linear_attn.out_proj", H, value, fp8)
-        out[f"{s}.linear_attn.conv1d.weight"] = ("BF16", (2 * key + value, 1, 4))
-        out[f"{s}.linear_attn.A_log"] = ("F32", (V_HEADS,))
-        out[f"{s}.linear_attn.dt_bias"] = ("BF16", (V_HEADS,))
-        out[f"{s}.linear_attn.norm.weight"] = ("F32", (LINEAR_DIM,))
-    else:
-        linear(out, f"{s}.self_attn.q_proj", 2 * Q_HEADS * HEAD_DIM, H, fp8)
-        linear(out, f"{s}.self_attn.k_proj", KV_HEADS * HEAD_DIM, H, fp8)
-        linear(out, f"{s}.self_attn.v_proj", KV_HEADS * HEAD_DIM, H, fp8)
-        linear(out, f"{s}.self_attn.o_proj", H, Q_HEADS * HEAD_DIM, fp8)
-        out[f"{s}.self_attn.q_norm.weight"] = ("BF16", (HEAD_DIM,))
-        out[f"{s}.self_attn.k_norm.weight"] = ("BF16", (HEAD_DIM,))
-    linear(out, f"{s}.mlp.gate", E, H, "bf16")
-    linear(out, f"{s}.mlp.shared_expert_gate", 1, H, "bf16")
-    for proj, n, k in (("gate_proj", I_MOE, H), ("up_proj", I_MOE, H), ("down_proj", H, I_MOE)):
-        linear(out, f"{s}.mlp.shared_expert.{proj}", n, k, nvfp4)
-    if fused_experts:  # the BF16 MTP layer: experts fused
-        out[f"{s}.mlp.experts.gate_up_proj"] = ("BF16", (E, 2 * I_MOE, H))
-        out[f"{s}.mlp.experts.down_proj"] = ("BF16", (E, H, I_MOE))
-        return
-    for e in range(E):
-        for proj, n, k in (("gate_proj", I_MOE, H), ("up_proj", I_MOE, H), ("down_proj", H, I_MOE)):
-            linear(out, f"{s}.mlp.experts.{e}.{proj}", n, k, nvfp4)
 
 
 def layer_types() -> list[str]:
     return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(LAYERS)]
-
-
-def inventory_35b() -> list[dict]:
-    """Three shards of the nvidia 35B-A3B MIXED_PRECISION layout at real sizes: text
-    layers, embeddings, lm_head (NVFP4 with input_scale), 333 BF16 vision tensors, the
-    BF16 MTP layer with fused experts."""
-    text: dict = {f"{LM}.embed_tokens.weight": ("BF16", (V, H)), f"{LM}.norm.weight": ("BF16", (H,))}
-    for i, kind in enumerate(layer_types()):
-        decoder_layer(text, f"{LM}.layers.{i}", kind, quantized=True, fused_experts=False)
-    linear(text, "lm_head", V, H, "nvfp4")
-    text["lm_head.input_scale"] = ("F32", ())
-    other: dict = {}
-    d, inter = 1152, 4304
-    other["model.visual.patch_embed.proj.weight"] = ("BF16", (d, 3, 2, 16, 16))
-    other["model.visual.patch_embed.proj.bias"] = ("BF16", (d,))
-    other["model.visual.pos_embed.weight"] = ("BF16", (2304, d))
-    for b in range(27):
-        for part, n, k in (("norm1", d, 0), ("norm2", d, 0), ("attn.qkv", 3 * d, d), ("attn.proj", d, d),
-                           ("mlp.linear_fc1", inter, d), ("mlp.linear_fc2", d, inter)):
-            other[f"model.visual.blocks.{b}.{part}.weight"] = ("BF16", (n, k) if k else (n,))
-            other[f"model.visual.blocks.{b}.{part}.bias"] = ("BF16", (n,))
-    for part, n, k in (("norm", d, 0), ("linear_fc1", 4 * d, 4 * d), ("linear_fc2", H, 4 * d)):
-        other[f"model.visual.merger.{part}.weight"] = ("BF16", (n, k) if k else (n,))
-        other[f"model.visual.merger.{part}.bias"] = ("BF16", (n,))
-    mtp: dict = {"mtp.fc.weight": ("BF16", (H, 2 * H)), "mtp.norm.weight": ("BF16", (H,)),
-                 "mtp.pre_fc_norm_embedding.weight": ("BF16", (H,)), "mtp.pre_fc_norm_hidden.weight": ("BF16", (H,))}
-    decoder_layer(mtp, "mtp.layers.0", "full_attention", quantized=False, fused_experts=True)
-    names = sorted(text)
-    half = len(names) // 2
-    return [{n: text[n] for n in names[:half]}, {n: text[n] for n in names[half:]}, {**other, **mtp}]
-
-
-def write_sparse_shard(path: Path, tensors: dict) -> int:
-    """A safetensors header for `tensors`, the file truncated to its full size (sparse:
-    no data blocks are written). Returns the file's size."""
-    header, offset = {}, 0
-    for name in sorted(tensors):
-        dtype, shape = tensors[name]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        f.truncate(8 + len(text) + offset)
-    return 8 + len(text) + offset
-
-
-def write_35b_skeleton(path: Path) -> int:
-    path.mkdir()
-    shards = inventory_35b()
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += write_sparse_shard(path / name, tensors)
-        weight_map.update({t: name for t in tensors})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    layers: dict = {}
-    for i, kind in enumerate(layer_types()):
-        s = f"{LM}.layers.{i}"
-        fp8 = ([f"{s}.linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "out_proj")] if kind == "linear_attention"
-               else [f"{s}.self_attn.{p}_proj" for p in "qkvo"])
-        layers.update({m: {"quant_algo": "FP8"} for m in fp8})
-        layers[f"{s}.mlp.experts"] = {"quant_algo": "NVFP4", "group_size": 16}
-        layers.update({f"{s}.mlp.shared_expert.{p}": {"quant_algo": "NVFP4", "group_size": 16}
-                       for p in ("gate_proj", "up_proj", "down_proj")})
-    layers["lm_head"] = {"quant_algo": "NVFP4", "group_size": 16}
-    exclude = ["*.mlp.gate", "*shared_expert_gate*", "*linear_attn.in_proj_a", "*linear_attn.in_proj_b",
-               "model.visual*", "mtp*"]
-    quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8", "exclude_modules": exclude,
-             "quantized_layers": layers}
-    producer = {"name": "modelopt", "version": "0.44.0"}
-    (path / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": quant}))
-    text_config = {
-        "model_type": "qwen3_5_moe_text", "hidden_size": H, "num_hidden_layers": LAYERS, "layer_types": layer_types(),
-        "full_attention_interval": 4, "num_attention_heads": Q_HEADS, "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM, "linear_num_key_heads": K_HEADS, "linear_num_value_heads": V_HEADS,
-        "linear_key_head_dim": LINEAR_DIM, "linear_value_head_dim": LINEAR_DIM, "linear_conv_kernel_dim": 4,
-        "num_experts": E, "num_experts_per_tok": 8, "moe_intermediate_size": I_MOE,
-        "shared_expert_intermediate_size": I_MOE, "vocab_size": V, "tie_word_embeddings": False,
-        "mtp_num_hidden_layers": 1, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_interleaved": True,
-                            "mrope_section": [11, 11, 10], "rope_type": "default"},
-    }
-    mirror = {"config_groups": {}, "ignore": exclude, "quant_algo": "MIXED_PRECISION", "quantized_layers": layers,
-              "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}, "producer": producer,
-              "quant_method": "modelopt"}
-    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-              "text_config": text_config, "tie_word_embeddings": False, "quantization_config": mirror}
-    (path / "config.json").write_text(json.dumps(config))
-    return total
 
 
 def expected_payload_35b() -> int:
@@ -303,7 +163,8 @@ def expected_payload_35b() -> int:
 
 def test_dry_run_of_a_full_size_35b_skeleton(tmp_path, headers_only):
     src = tmp_path / "nvidia-35b"
-    source_bytes = write_35b_skeleton(src)
+    write_published_target(src, "nvidia-35b", preset="full", skeleton=True)
+    source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert source_bytes > 22e9  # "23.4 GB of safetensors"
     start = time.perf_counter()
     report = dry_run(src)
@@ -319,17 +180,40 @@ def test_dry_run_of_a_full_size_35b_skeleton(tmp_path, headers_only):
     assert "mtp.layers.0.mlp.experts.gate_up_proj" in actions["drop"]
     assert f"{LM}.layers.0.mlp.experts.255.down_proj.weight" in actions["re-lay out"]
     assert "lm_head.input_scale" in actions["drop"] and "quantize" not in actions
-    assert len(report.rows) == sum(len(s) for s in inventory_35b())
+    assert len(report.rows) == sum(len(SafetensorsFile(f).names()) for f in src.glob("*.safetensors"))
     text = format_dry_run(report)
     assert f"pack size   {report.pack_bytes} bytes" in text
 
 
 def test_dry_run_cli_on_the_35b_skeleton(tmp_path):
     src = tmp_path / "nvidia-35b"
-    write_35b_skeleton(src)
+    write_published_target(src, "nvidia-35b", preset="full", skeleton=True)
     start = time.perf_counter()
     result = run_cli("build", src, "--dry-run")
     MEASURED["dry run of the 35B-A3B skeleton, CLI incl. start-up (s)"] = round(time.perf_counter() - start, 2)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "problems    0" in result.stdout
     assert not any(p.name.startswith(".") or p.is_dir() for p in tmp_path.iterdir() if p != src)
+
+
+@pytest.mark.parametrize("layout", [*TARGET_LAYOUTS, *DRAFT_LAYOUTS])
+def test_dry_run_of_every_published_layout_at_full_size(tmp_path, headers_only, layout):
+    """Every published layout (monolith.synth.published, full-size sparse skeletons)
+    plans with no problem, from headers only, and every source tensor gets an action."""
+    if layout in TARGET_LAYOUTS:
+        src = write_published_target(tmp_path / layout, layout, preset="full", skeleton=True)
+    else:
+        target = write_published_target(tmp_path / "target", DRAFT_LAYOUTS[layout].target, preset="full",
+                                         skeleton=True)
+        src = write_published_draft(tmp_path / layout, layout, target, skeleton=True)
+    start = time.perf_counter()
+    report = dry_run(src)
+    MEASURED[f"dry run of the full-size {layout} skeleton (s)"] = round(time.perf_counter() - start, 2)
+    assert report.problems == [], report.problems[:3]
+    names = [n for f in sorted(src.glob("*.safetensors")) for n in SafetensorsFile(f).names()]
+    assert sorted(r.tensor for r in report.rows) == sorted(names)
+    assert report.pack_bytes > report.payload_bytes > 0
+    if layout in TARGET_LAYOUTS:
+        dropped = {r.tensor for r in report.rows if r.action == "drop"}
+        assert sum(n.startswith("model.visual.") for n in dropped) == 333
+        assert any(n.startswith("mtp.") for n in dropped)

@@ -211,9 +211,10 @@ def write_published_target(out_dir, layout: str, preset="tiny", layers=None, see
     return out
 
 
-def write_published_draft(out_dir, layout: str, target_dir, seed=0, skeleton=False) -> Path:
+def write_published_draft(out_dir, layout: str, target_dir, seed=0, skeleton=False, sizes=None) -> Path:
     """Write draft `layout` (DRAFT_LAYOUTS) for the target at target_dir (written with
-    the layout's target layout, at any width and depth)."""
+    the layout's target layout, at any width and depth). `sizes` overrides the
+    layout's DraftSizes for that target (draft_layout_sizes)."""
     d = _draft_layout(layout)
     path = Path(target_dir) / "config.json"
     if not path.exists():
@@ -230,7 +231,7 @@ def write_published_draft(out_dir, layout: str, target_dir, seed=0, skeleton=Fal
         target_dir,
         d.format,
         seed,
-        sizes=draft_layout_sizes(layout, tc),
+        sizes=sizes or draft_layout_sizes(layout, tc),
         config_overrides=d.overrides,
         export=d.export,
         shards=d.shards,
