@@ -262,8 +262,9 @@ def test_draft_layouts(tiny):
 
     s27 = config(tiny["speculators-27b"])
     vocab = config(tiny["unsloth-27b"])["text_config"]["vocab_size"]
-    assert s27["draft_vocab_size"] == vocab and tensors(tiny["speculators-27b"])["lm_head.weight"][2][0] == vocab
-    assert not read(tiny["speculators-27b"], "d2t").any() and read(tiny["speculators-27b"], "t2d").all()  # identity
+    # a full vocabulary, saved as speculators saves it (tests/data/speculators/causal-window): no lm_head, d2t, t2d
+    assert s27["draft_vocab_size"] == vocab
+    assert not {"lm_head.weight", "d2t", "t2d"} & set(tensors(tiny["speculators-27b"]))
     assert s27["block_size"] == 16 and s27["transformer_layer_config"]["num_hidden_layers"] == 5
 
 

@@ -45,7 +45,7 @@ class DraftSizes:
     intermediate_size: int
     target_layer_ids: tuple[int, ...]  # DeepSpec convention: output of decoder layer i
     markov_rank: int
-    draft_vocab_size: int  # speculators' vocabulary (the target's: identity d2t / t2d)
+    draft_vocab_size: int  # speculators' vocabulary (the target's: no lm_head, d2t or t2d, as speculators saves it)
     sliding_window: int | None  # speculators' sliding-window attention (None: full attention)
     block_size: int = 8
     dflash_block_size: int = 16
@@ -424,6 +424,11 @@ def write_draft(
     extra = {}
     if format == "dflash":
         params, config = backbone, dflash_config(tc, s, mask_id)
+    elif format == "speculators" and s.draft_vocab_size == vocab:
+        # a full vocabulary: speculators' save_pretrained writes no lm_head (the frozen
+        # verifier's), no d2t and no t2d
+        params = backbone + heads
+        config = speculators_config(tc, s, markov_head_type, mask_id, target_cfg)
     elif format == "speculators":
         params = backbone + [Param("lm_head.weight", (s.draft_vocab_size, h), "linear", module="lm_head")]
         params += [_draft_rows(p, s.draft_vocab_size) for p in heads]
