@@ -23,7 +23,7 @@ from scipy import stats as scipy_stats
 from monolith.generate import main
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime import GDNState, KVCache
+from monolith.runtime import GDNState, KVCache, speculative
 from monolith.runtime.decode import ContextLengthError, generate
 from monolith.runtime.drafter import Drafter, DraftModelDrafter, Proposal
 from monolith.runtime.sampling import SamplingParams, filtered_probs
@@ -574,10 +574,28 @@ def test_fallback_tells_ahead_whether_the_next_round_is_plain():
     assert not fallback.plain_next()
 
 
-def test_measure_break_even_times_rounds_against_pipelined_plain_steps(model):
+def test_measure_break_even_times_rounds_against_pipelined_plain_steps(model, monkeypatch):
+    """Per round over per plain step, on a clock that only the decoder's work moves (a
+    round takes 3 units, a plain step 1): no wall-clock time, which belongs in benches."""
+    now = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: now[0])
+    real_round, real_plain = speculative.SpeculativeDecoder.round, speculative.SpeculativeDecoder.run_plain
+
+    def round_(self, *args, **kwargs):
+        out = real_round(self, *args, **kwargs)
+        now[0] += 3.0
+        return out
+
+    def run_plain(self, steps, *args, **kwargs):
+        out = real_plain(self, steps, *args, **kwargs)
+        now[0] += float(steps)
+        return out
+
+    monkeypatch.setattr(speculative.SpeculativeDecoder, "round", round_)
+    monkeypatch.setattr(speculative.SpeculativeDecoder, "run_plain", run_plain)
     drafter = ConstantDrafter()
     break_even = measure_break_even(model, drafter, 3, GREEDY, context=16, repeats=2)
-    assert break_even > 1  # a round (a draft and a 4-row verify) costs more than a plain step
+    assert break_even == pytest.approx(3.0)
     # the scratch decoder's rows: the context, warm-up + 2 rounds of 1 token, 3 runs of PLAIN_RUN
     assert drafter.rows == 16 + 3 + 3 * PLAIN_RUN
 
