@@ -76,14 +76,22 @@ def e4m3_decode(codes: np.ndarray) -> np.ndarray:
     return E4M3_TABLE[np.asarray(codes, dtype=np.uint8)]
 
 
+ENCODE_CHUNK = 1 << 22  # elements encoded at a time: the float64 temporaries stay ~100 MB
+
+
 def e4m3_encode(x: np.ndarray) -> np.ndarray:
     """float -> E4M3 bytes, round to nearest even, saturating at +-448; NaN -> 0x7F."""
     x = np.asarray(x, dtype=np.float32)
-    magnitude = np.minimum(np.abs(x).astype(np.float64), E4M3_MAX)
-    codes = _round_to_grid(np.nan_to_num(magnitude), _E4M3_MIDPOINTS).astype(np.uint8)
-    codes |= np.signbit(x).astype(np.uint8) << 7
-    codes[np.isnan(x)] = 0x7F
-    return codes
+    flat = x.reshape(-1)
+    codes = np.empty(flat.shape, dtype=np.uint8)
+    for start in range(0, flat.size, ENCODE_CHUNK):
+        part = flat[start : start + ENCODE_CHUNK]
+        magnitude = np.minimum(np.abs(part).astype(np.float64), E4M3_MAX)
+        out = _round_to_grid(np.nan_to_num(magnitude), _E4M3_MIDPOINTS).astype(np.uint8)
+        out |= np.signbit(part).astype(np.uint8) << 7
+        out[np.isnan(part)] = 0x7F
+        codes[start : start + ENCODE_CHUNK] = out
+    return codes.reshape(x.shape)
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codecs import E4M3_MAX, e4m3_decode, e4m3_encode
+from .codecs import E4M3_MAX, ENCODE_CHUNK, e4m3_decode, e4m3_encode
 from .nvfp4 import FormatError
 
 
@@ -14,10 +14,23 @@ def quantize_fp8(weight: np.ndarray, per_channel: bool = False) -> tuple[np.ndar
     if w.ndim != 2:
         raise FormatError(f"FP8 quantization needs a 2-D matrix, got {w.shape}")
     axis = 1 if per_channel else None
-    amax = np.max(np.abs(w), axis=axis, keepdims=per_channel)
+    amax = np.maximum(np.max(w, axis=axis, keepdims=per_channel), -np.min(w, axis=axis, keepdims=per_channel))
     scale = (np.asarray(amax, dtype=np.float32) / np.float32(E4M3_MAX)).astype(np.float32)
     scale = np.where(scale == 0, np.float32(1.0), scale).astype(np.float32)
-    return e4m3_encode(w / scale), scale
+    return encode_fp8(w, scale), scale
+
+
+def encode_fp8(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """E4M3 codes of weight [N, K] / scale (0-d, or [N, 1] per channel), a block of rows
+    at a time (a [248320, 5120] lm_head needs no full-size float temporaries)."""
+    w = np.asarray(weight, dtype=np.float32)
+    s = np.asarray(scale, dtype=np.float32)
+    codes = np.empty(w.shape, dtype=np.uint8)
+    step = max(1, ENCODE_CHUNK // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], step):
+        rows = s if s.ndim == 0 else s[start : start + step]
+        codes[start : start + step] = e4m3_encode(w[start : start + step] / rows)
+    return codes
 
 
 def dequantize_fp8(codes: np.ndarray, scale, name: str = "tensor") -> np.ndarray:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from monolith.formats import (
-    e4m3_encode,
+    encode_fp8,
     quantize_compressed_nvfp4,
     quantize_fp8,
     quantize_nvfp4,
@@ -146,7 +146,7 @@ def encode(unit: Unit, values_of: Callable[[Param], np.ndarray]) -> Tensors:
             elif scheme == "ct-fp8-channel-bf16":  # the codes use the BF16-rounded scale
                 _, scale = quantize_fp8(w, per_channel=True)
                 scale = as_bf16(scale)
-                out[f"{p.module}.weight"] = ("F8_E4M3", e4m3_encode(w / scale))
+                out[f"{p.module}.weight"] = ("F8_E4M3", encode_fp8(w, scale))
                 out[f"{p.module}.weight_scale"] = ("BF16", bf16_bits(scale.reshape(-1, 1)))
             else:
                 codes, scale = quantize_fp8(w, per_channel=scheme == "ct-fp8-channel")

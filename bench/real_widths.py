@@ -1,0 +1,326 @@
+"""The published layouts at real widths, reduced depth: pack, load, plain and speculative
+greedy generation (they must agree), memory, and what 40 layers would cost on a Mac.
+
+    python bench/real_widths.py [--pairs nvidia-35b:lithos-dspark,nvidia-35b:koopah-dspark,unsloth-27b:speculators-27b]
+                                [--layers 4] [--prompt-tokens 32] [--max-tokens 8] [--work DIR]
+
+For each target layout (monolith.synth.published, random values) a checkpoint at the
+published widths with `--layers` decoder layers (3 gated-DeltaNet + 1 attention per 4),
+each draft layout at its published widths (taps folded onto the shallow target, keeping
+their count so `fc` keeps its real width), packed with `python -m monolith.pack`'s
+defaults (a BF16 draft becomes NVFP4). Every stage runs in a fresh process, so its peak
+RSS is its own: pack build (seconds, peak RSS), then a "serve" process that loads the
+target and the draft (load seconds), prefills a prompt (first-token latency), decodes
+plainly and speculatively (fixed 7-token blocks) and checks that the greedy outputs are
+equal; its peak RSS is compared with the bytes of the two packs.
+
+Bytes and MLX primitives per decode step and per verify round are counted on the loaded
+models' graphs (the CPU graph here). The Mac projection scales the bytes one decode
+step and one round touch to the published depth and divides by an M5 Max-class
+bandwidth (614 GB/s); the dispatch term uses bench/primitives.py's counts of the Metal
+path at 40 layers (bench/results/primitives.json) times a per-primitive cost, given as a
+range because it cannot be measured here.
+Writes bench/results/real_widths.json (and prints the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import resource
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+RESULTS = Path(__file__).parent / "results"
+BANDWIDTH = 614e9  # M5 Max 40-core, bytes/s
+DISPATCH_US = (1.0, 2.0, 4.0)  # assumed cost of one dispatched primitive on an Apple GPU, microseconds
+PUBLISHED_DEPTH = {"nvidia-35b": 40, "unsloth-27b": 64}
+ANCHORS = {"lithos-metal round at 128 context (ms)": 25.2, "dflash-mlx 35B-A3B 4-bit DFlash (tok/s)": 300.0}
+GAMMA = 7
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new spawned interpreter (its peak RSS is its own)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+# ------------------------------------------------------------------ stages (child processes)
+
+
+def write_stage(kind: str, layout: str, out: str, layers: int, target: str | None, preset: str) -> dict:
+    from monolith.synth import published
+
+    start = time.perf_counter()
+    if kind == "target":
+        published.write_published_target(out, layout, preset=preset, layers=layers)
+    else:
+        tc = json.loads((Path(target) / "config.json").read_text())["text_config"]
+        full_depth = PUBLISHED_DEPTH[published.DRAFT_LAYOUTS[layout].target]
+        sizes = folded_taps(published.draft_layout_sizes(layout, dict(tc, num_hidden_layers=full_depth)),
+                            tc["num_hidden_layers"], layout)
+        published.write_published_draft(out, layout, target, sizes=sizes)
+    return {"seconds": time.perf_counter() - start, "peak_rss": peak_rss()}
+
+
+def folded_taps(sizes, depth: int, layout: str):
+    """The published taps mapped onto a `depth`-layer target, keeping their number."""
+    from dataclasses import replace
+
+    from monolith.synth import published
+
+    full = PUBLISHED_DEPTH[published.DRAFT_LAYOUTS[layout].target]
+    return replace(sizes, target_layer_ids=tuple(min(depth - 1, t * depth // full) for t in sizes.target_layer_ids))
+
+
+def pack_stage(source: str, out: str, role: str) -> dict:
+    from monolith.pack import build_pack, read_manifest
+
+    start = time.perf_counter()
+    build_pack(source, out, role=role, force=True)
+    seconds = time.perf_counter() - start
+    manifest = read_manifest(out)
+    return {"seconds": seconds, "peak_rss": peak_rss(), "bytes": sum(s["bytes"] for s in manifest["shards"].values())}
+
+
+def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_tokens: int) -> dict:
+    import mlx.core as mx
+
+    from monolith.models import load_model
+    from monolith.runtime.decode import generate
+    from monolith.runtime.drafter import load_drafter
+    from monolith.runtime.sampling import SamplingParams
+    from monolith.runtime.scheduler import make_scheduler
+    from monolith.runtime.speculative import generate_speculative
+
+    out: dict = {}
+    start = time.perf_counter()
+    model = load_model(target_pack, "float32")
+    out["target_load_seconds"] = time.perf_counter() - start
+    start = time.perf_counter()
+    drafter = load_drafter(draft_pack, model, dtype="float32")
+    out["draft_load_seconds"] = time.perf_counter() - start
+    out["rss_after_load"] = peak_rss()
+    out["target_weights"] = model.dense_summary
+    vocab = model.args.vocab_size
+    prompt = mx.random.randint(0, vocab, (prompt_tokens,), key=mx.random.key(7)).tolist()
+    params = SamplingParams(temperature=0.0)
+    context = prompt_tokens + max_tokens + 16
+    plain = generate(model, prompt, max_tokens, params, [], context)
+    gamma = min(GAMMA, drafter.max_proposals)
+    spec = generate_speculative(model, drafter, prompt, max_tokens, params, [], context, block_size=gamma,
+                                scheduler=make_scheduler("fixed"))
+    out.update(
+        first_token_seconds=plain.prefill_seconds,
+        plain_tok_s=plain.decode_tok_s,
+        speculative_tok_s=spec.decode_tok_s,
+        tau=spec.speculative.acceptance_length,
+        equal=plain.token_ids == spec.token_ids,
+        plain_ids=plain.token_ids,
+        speculative_ids=spec.token_ids,
+        gamma=gamma,
+    )
+    out.update(graph_counts(model, drafter, prompt, gamma))
+    out["peak_rss"] = peak_rss()
+    return out
+
+
+def graph_counts(model, drafter, prompt, gamma: int) -> dict:
+    """Primitives (graph nodes) of one decode step, one draft proposal and one verify +
+    commit of gamma + 1 rows after the prompt."""
+    import mlx.core as mx
+
+    from monolith.runtime.sampling import SamplingParams
+    from target_forward import count_primitives
+
+    cache = model.make_cache(len(prompt) + 32)
+    logits = model.prefill(mx.array(prompt, dtype=mx.int32), cache)
+    mx.eval(logits, cache.arrays())
+    snap = cache.snapshot()
+    step, _ = model.forward(mx.array([1], dtype=mx.int32), cache, logits="last")
+    decode = count_primitives(step, *cache.arrays())
+    cache.restore(snap)
+    cache.record = True
+    rows = mx.array(list(range(1, gamma + 2)), dtype=mx.int32)
+    verify, _ = model.forward(rows, cache, taps=drafter.taps, logits="all")
+    cache.commit(snap, gamma // 2 + 1)
+    round_primitives = count_primitives(verify, *cache.arrays())
+    drafter.start(len(prompt) + 32)
+    features = mx.zeros((len(prompt), len(drafter.taps) * model.args.hidden_size), model.dtype)
+    drafter.observe(features)
+    mx.eval(drafter.arrays())  # the context rows are not part of the proposal
+    proposal = drafter.propose(mx.array(1, dtype=mx.int32), gamma, SamplingParams(temperature=0.0), None)
+    draft = count_primitives(proposal.tokens, proposal.q)
+    return {"primitives": {"decode_step": decode, "verify_commit": round_primitives, "draft_proposal": draft,
+                           "round": round_primitives + draft}}
+
+
+# ------------------------------------------------------------------ bytes and the projection
+
+
+def period_bytes(manifest: dict, rows: int, top_k: int) -> tuple[int, int]:
+    """(bytes of the non-layer entries, bytes of the decoder layers) that `rows` rows
+    read: the embedding's rows, every other matrix whole, experts by the expected number
+    of distinct experts among rows * top_k draws."""
+    from target_forward import weight_bytes
+
+    fixed = layers = 0
+    for name, size in weight_bytes(manifest).items():
+        entry = manifest["entries"].get(name, {})
+        if name.endswith("embed_tokens"):
+            size = size * rows // entry["shape"][0]
+        elif entry.get("kind") == "experts":
+            experts = entry["shape"][0]
+            distinct = experts * (1 - (1 - 1 / experts) ** (rows * top_k))
+            size = int(size * distinct / experts)
+        if ".layers." in name:
+            layers += size
+        else:
+            fixed += size
+    return fixed, layers
+
+
+def projection(target_manifest: dict, draft_manifest: dict, config: dict, depth: int, context: int) -> dict:
+    """Bytes (and their time floor at BANDWIDTH) of one decode step and one round at the
+    published depth: weights read, gated-DeltaNet state read + written, KV read."""
+    tc = config.get("text_config", config)
+    layers = tc["num_hidden_layers"]
+    top_k = tc.get("num_experts_per_tok", 1)
+    types = tc["layer_types"]
+    gdn_share = sum(t == "linear_attention" for t in types) / layers
+    state = int(depth * gdn_share) * tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * \
+        tc["linear_key_head_dim"] * 4 * 2
+    kv_per_row = int(depth * (1 - gdn_share)) * tc["num_key_value_heads"] * tc["head_dim"] * 2 * 2
+    out = {}
+    for label, rows in (("decode_step", 1), ("verify", GAMMA + 1)):
+        fixed, per_layers = period_bytes(target_manifest, rows, top_k)
+        weights = fixed + per_layers * depth // layers
+        total = weights + state + kv_per_row * (context + rows)
+        out[label] = {"weights": weights, "state": state, "kv": kv_per_row * (context + rows), "total": total}
+    draft_fixed, draft_layers = period_bytes(draft_manifest, GAMMA + 1, 1)
+    draft_total = draft_fixed + draft_layers
+    out["draft"] = {"weights": draft_total, "total": draft_total}
+    out["round"] = {"total": out["verify"]["total"] + draft_total + state}  # + the commit's state write
+    for value in out.values():
+        value["floor_ms"] = value["total"] / BANDWIDTH * 1e3
+    return out
+
+
+def dispatch_terms() -> dict:
+    """Metal-path primitives per decode step and per round at 40 layers (bench/primitives.py)."""
+    path = RESULTS / "primitives.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    step, rnd = data["decode"]["kernels"]["total"], data["round"]["kernels"]["total"]
+    return {"decode_step": step, "round": rnd,
+            "decode_step_ms": {f"{us} us": step * us / 1e3 for us in DISPATCH_US},
+            "round_ms": {f"{us} us": rnd * us / 1e3 for us in DISPATCH_US}}
+
+
+# ------------------------------------------------------------------ the run
+
+
+def stage(args, out: Path, fn, *fn_args) -> dict:
+    """A write or pack stage in a fresh process, or (--reuse) its earlier result."""
+    record = out.parent / f"{out.name}.stage.json"
+    if args.reuse and record.is_file() and out.is_dir():
+        return json.loads(record.read_text())
+    result = in_fresh_process(fn, *fn_args)
+    record.write_text(json.dumps(result))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", default="nvidia-35b:lithos-dspark,nvidia-35b:koopah-dspark,unsloth-27b:speculators-27b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--preset", default="full", help="widths: full (published) or a synth preset (tiny: a smoke run)")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/monolith-real-widths"))
+    ap.add_argument("--json", type=Path, default=RESULTS / "real_widths.json")
+    ap.add_argument("--reuse", action="store_true", help="keep checkpoints and packs already in --work")
+    args = ap.parse_args()
+
+    from monolith.pack import read_manifest
+
+    pairs = [tuple(p.split(":")) for p in args.pairs.split(",") if p]
+    args.work.mkdir(parents=True, exist_ok=True)
+    report = {"machine": platform.platform(), "python": platform.python_version(), "layers": args.layers,
+              "preset": args.preset,
+              "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "bandwidth": BANDWIDTH,
+              "targets": {}, "pairs": [], "dispatch_40_layers": dispatch_terms(), "anchors": ANCHORS}
+    for target_layout in dict.fromkeys(t for t, _ in pairs):
+        src, pack = args.work / f"{target_layout}-src", args.work / f"{target_layout}-pack"
+        row = {"write": stage(args, src, write_stage, "target", target_layout, str(src), args.layers, None,
+                              args.preset)}
+        row["pack"] = stage(args, pack, pack_stage, str(src), str(pack), "target")
+        report["targets"][target_layout] = row
+        print(f"{target_layout}: pack {row['pack']['bytes'] / 1e9:.2f} GB in {row['pack']['seconds']:.0f} s, "
+              f"peak RSS {row['pack']['peak_rss'] / 1e9:.2f} GB", flush=True)
+    for target_layout, draft_layout in pairs:
+        tsrc, tpack = args.work / f"{target_layout}-src", args.work / f"{target_layout}-pack"
+        src, pack = args.work / f"{draft_layout}-src", args.work / f"{draft_layout}-pack"
+        row = {"target": target_layout, "draft": draft_layout,
+               "write": stage(args, src, write_stage, "draft", draft_layout, str(src), args.layers, str(tsrc),
+                              args.preset)}
+        row["pack"] = stage(args, pack, pack_stage, str(src), str(pack), "draft")
+        row["serve"] = in_fresh_process(serve_stage, str(tpack), str(pack), args.prompt_tokens, args.max_tokens)
+        packs = report["targets"][target_layout]["pack"]["bytes"] + row["pack"]["bytes"]
+        row["packs_bytes"] = packs
+        row["rss_over_packs"] = row["serve"]["peak_rss"] / packs
+        config = json.loads((tpack / "config.json").read_text())
+        row["projection"] = projection(read_manifest(tpack), read_manifest(pack), config,
+                                       PUBLISHED_DEPTH[target_layout], context=128)
+        report["pairs"].append(row)
+        s = row["serve"]
+        print(f"{target_layout} + {draft_layout}: draft pack {row['pack']['bytes'] / 1e9:.2f} GB "
+              f"({row['pack']['seconds']:.0f} s, RSS {row['pack']['peak_rss'] / 1e9:.2f} GB); load "
+              f"{s['target_load_seconds']:.1f} + {s['draft_load_seconds']:.1f} s; first token "
+              f"{s['first_token_seconds']:.2f} s; plain {s['plain_tok_s']:.2f} tok/s, speculative "
+              f"{s['speculative_tok_s']:.2f} tok/s (tau {s['tau']:.2f}), equal {s['equal']}; peak RSS "
+              f"{s['peak_rss'] / 1e9:.2f} GB = {row['rss_over_packs']:.2f}x the packs", flush=True)
+    print_tables(report)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {args.json}")
+
+
+def print_tables(report: dict) -> None:
+    print("\n| target + draft | packs GB | peak RSS / packs | load s | first token s | plain tok/s | spec tok/s "
+          "| tau | equal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in report["pairs"]:
+        s = row["serve"]
+        print(f"| {row['target']} + {row['draft']} | {row['packs_bytes'] / 1e9:.2f} | {row['rss_over_packs']:.2f} "
+              f"| {s['target_load_seconds'] + s['draft_load_seconds']:.1f} | {s['first_token_seconds']:.2f} "
+              f"| {s['plain_tok_s']:.2f} | {s['speculative_tok_s']:.2f} | {s['tau']:.2f} | {s['equal']} |")
+    print("\n| target + draft | primitives: step / draft / verify+commit | published depth: step MB / ms "
+          "| round MB / ms (draft MB) |")
+    print("|---|---|---|---|")
+    for row in report["pairs"]:
+        p, j = row["serve"]["primitives"], row["projection"]
+        print(f"| {row['target']} + {row['draft']} | {p['decode_step']} / {p['draft_proposal']} / "
+              f"{p['verify_commit']} | {j['decode_step']['total'] / 1e6:.0f} / {j['decode_step']['floor_ms']:.2f} "
+              f"| {j['round']['total'] / 1e6:.0f} / {j['round']['floor_ms']:.2f} ({j['draft']['total'] / 1e6:.0f}) |")
+    d = report["dispatch_40_layers"]
+    if d:
+        print(f"\nMetal path, 40 layers: {d['decode_step']} primitives per decode step, {d['round']} per round; "
+              f"at {', '.join(DISPATCH_US.__str__().strip('()').split(', '))} us each: step "
+              f"{', '.join(f'{v:.1f}' for v in d['decode_step_ms'].values())} ms, round "
+              f"{', '.join(f'{v:.1f}' for v in d['round_ms'].values())} ms")
+
+
+if __name__ == "__main__":
+    main()
