@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import secrets
+import signal
 import sys
 import unicodedata
 
@@ -210,6 +211,9 @@ def _printable(text: str) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # Ctrl-C stops a reply: take SIGINT even when started with it ignored (a background
+    # job, a CI runner), as Python only installs its handler when SIGINT is not ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         plan = plan_model(args)
         if args.max_tokens < 1:

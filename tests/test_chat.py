@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import signal
 import sys
 
 import pexpect
@@ -34,9 +35,16 @@ def tok(pack):
     return load_tokenizer(pack)
 
 
-def spawn(pack, *args) -> pexpect.spawn:
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def spawn(pack, *args, sigint_ignored: bool = False) -> pexpect.spawn:
+    """The chat in a terminal. `sigint_ignored`: started the way a background job or a
+    CI runner starts it, with SIGINT ignored (the chat must still take Ctrl-C)."""
     child = pexpect.spawn(sys.executable, ["-m", "monolith.chat", "--model", str(pack), "--dtype", "float32", *args],
-                          encoding="utf-8", timeout=60, dimensions=(50, 200))
+                          encoding="utf-8", timeout=60, dimensions=(50, 200),
+                          preexec_fn=ignore_sigint if sigint_ignored else None)
     child.expect("monolith chat: ")
     child.expect("> ")
     return child
@@ -110,8 +118,9 @@ def start_reply(child) -> None:
     child.expect(r"\S", timeout=30)  # the reply is streaming
 
 
-def test_ctrl_c_stops_the_reply_not_the_program(pack):
-    child = spawn(pack, "--max-tokens", "5000")
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_ctrl_c_stops_the_reply_not_the_program(pack, sigint_ignored):
+    child = spawn(pack, "--max-tokens", "5000", sigint_ignored=sigint_ignored)
     start_reply(child)
     child.sendintr()
     child.expect(r"\[stopped\] -- (\d+) tokens", timeout=30)
