@@ -263,6 +263,25 @@ def test_nvfp4_source_build_never_runs_the_quantizer(synth_dir, tmp_path, monkey
         assert verify_pack(pack)
 
 
+@pytest.mark.parametrize("fmt", ["modelopt-mixed", "bf16"])
+def test_spot_checks_run_the_quantized_kernels_on_bounded_rows(synth_dir, tmp_path, monkeypatch, fmt):
+    """Validation multiplies the first rows of a few quantized linears (source NVFP4/FP8
+    dequantized, or the pack's own values when quantized here) through MLX's kernels:
+    a kernel result that is off fails the build, naming the entry; no pack is left."""
+    import monolith.pack.validate as validate
+
+    src = synth_dir("target", fmt)
+    monkeypatch.setattr(validate, "SPOT_ROWS", 8)
+    pack = build_pack(src, tmp_path / "ok", quantization="nvfp4")
+    checks = json.loads((pack / "validation.json").read_text())["spot_checks"]
+    assert checks and all(c["rows"] == 8 and c["max_relative_error"] <= validate.SPOT_TOLERANCE for c in checks)
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: real(*a, **k) * 1.01)  # a kernel 1% off
+    with pytest.raises(PackError, match=r"pack entry .*quantized matmul differs from the source"):
+        build_pack(src, tmp_path / "bad", quantization="nvfp4")
+    assert not (tmp_path / "bad").exists()
+
+
 # ------------------------------------------------------------------ unpack
 @pytest.mark.parametrize("fmt", ["modelopt-nvfp4", "modelopt-mixed", "compressed-tensors", "compressed-tensors-mixed"])
 def test_unpack_gives_back_the_source_quantized_bytes(synth_dir, tmp_path, fmt):
