@@ -673,6 +673,10 @@ def test_dflash_labelled_draft_with_markov_heads_runs_them(world, tmp_path):
     b = deep.propose(context_of(deep, feats), anchor, deep.max_proposals, GREEDY)
     assert np.array_equal(np.array(a.tokens), np.array(b.tokens))
     assert np.array_equal(np.array(a.confidence), np.array(b.confidence))
+    # unstated, sample_from_anchor follows the tensors too: a DSpark head predicts from every slot
+    del config["dflash_config"]["sample_from_anchor"]
+    (relabelled / "config.json").write_text(json.dumps(config))
+    assert settings_of(relabelled, tmp_path)["sample_from_anchor"] is True
     # the heads' fields, when stated, must agree with the tensors
     for edits, field in (({"markov_rank": 0}, "markov_rank 0"), ({"markov_rank": 4}, "markov_rank 4"),
                          ({"markov_head_type": "gated"}, "markov_head.gate_proj"),

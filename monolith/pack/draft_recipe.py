@@ -153,8 +153,9 @@ def _sample_from_anchor(ckpt: Checkpoint, cfg: dict, block_size: int) -> bool:
     """Whether slot 0 predicts too (DSpark) or is dropped (DFlash: the anchor is the bonus
     token). Read from every field that states it; they must agree: `sample_from_anchor`,
     vLLM's `dspark_bonus_anchor` (its negation) and block_size minus the default proposal
-    method's speculative_tokens (0: true, 1: false). Unstated: true for a DeepSpec draft,
-    false for a DFlash one; a speculators draft must state it (speculators reads a missing
+    method's speculative_tokens (0: true, 1: false). Unstated: true for a DSpark draft
+    (DeepSpec, or any draft with Markov head tensors), false for a plain DFlash one; a
+    speculators draft must state it (speculators reads a missing
     field as true, vLLM's translation as false)."""
     where = _where(ckpt)
     stated = {}
@@ -180,7 +181,8 @@ def _sample_from_anchor(ckpt: Checkpoint, cfg: dict, block_size: int) -> bool:
     if ckpt.architecture == "dspark-speculators":
         raise PackError(f"{where}: neither sample_from_anchor nor speculators_config speculative_tokens is given "
                         "(speculators reads a missing sample_from_anchor as true, vLLM as false)")
-    return ckpt.architecture == "dspark"
+    # a DSpark head predicts from every slot, also under a DFlash label (its Markov tensors say what it is)
+    return ckpt.architecture == "dspark" or ckpt.has_module("markov_head.markov_w1")
 
 
 def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
