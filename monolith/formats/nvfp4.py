@@ -70,12 +70,16 @@ def quantize_nvfp4(weight: np.ndarray, name: str = "tensor") -> NVFP4Weight:
     n, k = w.shape
     if k % BLOCK:
         raise FormatError(f"{name}: input size K={k} is not a multiple of {BLOCK}")
-    if not np.all(np.isfinite(w)):
-        raise FormatError(f"{name}: contains NaN or infinity; cannot quantize")
-    tensor_scale = np.float32(np.max(np.abs(w), initial=0.0)) / np.float32(E2M1_MAX * E4M3_MAX)
+    rows = max(1, ROW_CHUNK_ELEMENTS // k)  # bounds the temporaries on large matrices
+    amax = np.float32(0.0)
+    for start in range(0, n, rows):  # no full-size |w| or isfinite temporaries
+        part = w[start:start + rows]
+        if not np.isfinite(part).all():
+            raise FormatError(f"{name}: contains NaN or infinity; cannot quantize")
+        amax = max(amax, np.float32(part.max(initial=0.0)), np.float32(-part.min(initial=0.0)))
+    tensor_scale = np.float32(amax) / np.float32(E2M1_MAX * E4M3_MAX)
     packed = np.empty((n, k // 2), dtype=np.uint8)
     scales = np.empty((n, k // BLOCK), dtype=np.uint8)
-    rows = max(1, ROW_CHUNK_ELEMENTS // k)  # bounds the temporaries on large matrices
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         packed[start:stop], scales[start:stop] = _quantize_rows(w[start:stop], tensor_scale)
