@@ -41,7 +41,9 @@ RESULTS = Path(__file__).parent / "results"
 BANDWIDTH = 614e9  # M5 Max 40-core, bytes/s
 DISPATCH_US = (1.0, 2.0, 4.0)  # assumed cost of one dispatched primitive on an Apple GPU, microseconds
 PUBLISHED_DEPTH = {"nvidia-35b": 40, "unsloth-27b": 64}
-ANCHORS = {"lithos-metal round at 128 context (ms)": 25.2, "dflash-mlx 35B-A3B 4-bit DFlash (tok/s)": 300.0}
+ANCHORS = {"lithos-metal round at 128 context (ms)": 25.2, "dflash-mlx 35B-A3B 4-bit DFlash (tok/s)": 300.0,
+           "mlx-lm plain decode 35B-A3B 4-bit (tok/s)": 138.0}
+TAUS = (3.0, 3.96)  # acceptance lengths to project with: the demo pair's ~3, Koopah DSPARK v2's card (Spec-Bench)
 GAMMA = 7
 
 
@@ -177,7 +179,7 @@ def period_bytes(manifest: dict, rows: int, top_k: int) -> tuple[int, int]:
     fixed = layers = 0
     for name, size in weight_bytes(manifest).items():
         entry = manifest["entries"].get(name, {})
-        if name.endswith("embed_tokens"):
+        if name.endswith(("embed_tokens", "markov_w1")):  # row gathers
             size = size * rows // entry["shape"][0]
         elif entry.get("kind") == "experts":
             experts = entry["shape"][0]
@@ -232,9 +234,9 @@ def dispatch_terms() -> dict:
 
 
 def stage(args, out: Path, fn, *fn_args) -> dict:
-    """A write or pack stage in a fresh process, or (--reuse) its earlier result."""
+    """A stage in a fresh process, or (--reuse) its earlier result."""
     record = out.parent / f"{out.name}.stage.json"
-    if args.reuse and record.is_file() and out.is_dir():
+    if args.reuse and record.is_file() and (out.is_dir() or fn is serve_stage):
         return json.loads(record.read_text())
     result = in_fresh_process(fn, *fn_args)
     record.write_text(json.dumps(result))
@@ -276,7 +278,8 @@ def main() -> None:
                "write": stage(args, src, write_stage, "draft", draft_layout, str(src), args.layers, str(tsrc),
                               args.preset)}
         row["pack"] = stage(args, pack, pack_stage, str(src), str(pack), "draft")
-        row["serve"] = in_fresh_process(serve_stage, str(tpack), str(pack), args.prompt_tokens, args.max_tokens)
+        row["serve"] = stage(args, args.work / f"{target_layout}+{draft_layout}", serve_stage, str(tpack), str(pack),
+                             args.prompt_tokens, args.max_tokens)
         packs = report["targets"][target_layout]["pack"]["bytes"] + row["pack"]["bytes"]
         row["packs_bytes"] = packs
         row["rss_over_packs"] = row["serve"]["peak_rss"] / packs
@@ -316,6 +319,15 @@ def print_tables(report: dict) -> None:
               f"| {j['round']['total'] / 1e6:.0f} / {j['round']['floor_ms']:.2f} ({j['draft']['total'] / 1e6:.0f}) |")
     d = report["dispatch_40_layers"]
     if d:
+        print("\nprojected at the published depth, bytes floor + dispatch (2 us per Metal-path primitive; the count is "
+              "the 35B-A3B's at 40 layers, a rough stand-in for the dense 27B at 64):")
+        for row in report["pairs"]:
+            j = row["projection"]
+            step = j["decode_step"]["floor_ms"] + d["decode_step_ms"]["2.0 us"]
+            rnd = j["round"]["floor_ms"] + d["round_ms"]["2.0 us"]
+            rates = ", ".join(f"tau {t}: {t * 1e3 / rnd:.0f} tok/s" for t in TAUS)
+            print(f"  {row['target']} + {row['draft']}: step {step:.1f} ms ({1e3 / step:.0f} tok/s plain), round "
+                  f"{rnd:.1f} ms ({rates})")
         print(f"\nMetal path, 40 layers: {d['decode_step']} primitives per decode step, {d['round']} per round; "
               f"at {', '.join(DISPATCH_US.__str__().strip('()').split(', '))} us each: step "
               f"{', '.join(f'{v:.1f}' for v in d['decode_step_ms'].values())} ms, round "
