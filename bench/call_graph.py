@@ -1,0 +1,121 @@
+"""How many monolith modules one chat completion passes through, from the HTTP handler
+to the state commit, and how many distinct calls cross a module boundary on the way
+(issue 14's before/after counts).
+
+    python bench/call_graph.py [--json FILE] [--draft-block-size N]
+
+Builds a tiny synthetic target + DSpark pair, loads it the way `serve` does (drafting
+forced with --spec-sched fixed so that every round verifies and commits), then traces
+one POST /v1/chat/completions with sys.setprofile on every thread. A "cross-module
+call" is a distinct (caller module, callee module.function) pair, both in monolith;
+"round calls" are those made inside the speculative decoder's round, and "flips"
+count the edges that run from models/ to runtime/ (a lower layer calling up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _engine(tmp: Path):
+    from monolith.synth import write_pair
+
+    write_pair(tmp / "pair", seed=3)
+    argv = ["--model", str(tmp / "pair" / "target"), "--draft", str(tmp / "pair" / "draft"),
+            "--spec-sched", "fixed", "--max-context", "256", "--no-warmup"]
+    try:  # the runtime after issue 14
+        from monolith import launch
+        from monolith.serve import build_parser
+
+        args = build_parser().parse_args(argv)
+        return launch.load_engine(args, launch.plan_model(args), lambda m: None)
+    except ImportError:  # before it
+        from monolith.serve import build_parser
+        from monolith.serving.loading import load_engine, plan_model
+
+        args = build_parser().parse_args(argv)
+        return load_engine(args, plan_model(args), lambda m: None)
+
+
+EDGES: set[tuple[str, str]] = set()
+MODULES: set[str] = set()
+TRACING = threading.Event()
+
+
+def profile(frame, event, arg):
+    """Installed for every thread before the engine's and the app's threads start;
+    counts only while TRACING is set."""
+    if event != "call" or not TRACING.is_set():
+        return
+    callee = frame.f_globals.get("__name__", "")
+    caller_frame = frame.f_back
+    if not callee.startswith("monolith.") or caller_frame is None:
+        return
+    caller = caller_frame.f_globals.get("__name__", "")
+    MODULES.add(callee)
+    if caller.startswith("monolith.") and caller != callee:
+        EDGES.add((caller, f"{callee}.{frame.f_code.co_qualname}"))
+
+
+def trace_request(engine) -> dict:
+    from starlette.testclient import TestClient
+
+    from monolith.serving.app import ServerConfig, create_app
+
+    app = create_app(lambda: engine, ServerConfig(("m",), None, 1 << 20), lambda e: None)
+    edges, modules = EDGES, MODULES
+
+    with TestClient(app) as client:
+        client.get("/health")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
+                "temperature": 0}
+        client.post("/v1/chat/completions", json=body)  # warm: imports and kernels
+        TRACING.set()
+        try:
+            reply = client.post("/v1/chat/completions", json=body)
+        finally:
+            TRACING.clear()
+    reply.raise_for_status()
+
+    def layer(name: str) -> str:
+        return name.split(".")[1]
+
+    flips = sorted(e for e in edges if layer(e[0]) == "models" and layer(e[1]) == "runtime")
+    return {
+        "modules": len(modules),
+        "cross_module_calls": len(edges),
+        "models_to_runtime_calls": len(flips),
+        "module_names": sorted(modules),
+        "edges": sorted(f"{a} -> {b}" for a, b in edges),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "call_graph.json")
+    args = ap.parse_args()
+    threading.setprofile(profile)  # before the engine's worker and the app's thread start
+    sys.setprofile(profile)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = _engine(Path(tmp))
+        try:
+            report = trace_request(engine)
+        finally:
+            engine.close()
+    print(f"modules entered: {report['modules']}")
+    print(f"distinct cross-module calls: {report['cross_module_calls']}")
+    print(f"models -> runtime calls: {report['models_to_runtime_calls']}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
