@@ -80,7 +80,7 @@ def locate_pair(args) -> dict:
     """Where the target, the drafts, the pack cache and the held-out tokens are."""
     pair = args.pair
     if pair is None:
-        from monolith.serving.demo import bundle_dir
+        from monolith.pack.demo import bundle_dir
 
         pair = bundle_dir()
     pair = pair.absolute()
@@ -145,16 +145,15 @@ def held_out_stream(info: dict) -> tuple[np.ndarray, str]:
 
 
 def load_pair(info: dict, dtype):
-    from monolith.models import load_model
+    from monolith.launch import load_drafter, load_target
     from monolith.pack import read_manifest, resolve_pack
-    from monolith.runtime.drafter import load_drafter
 
     if info["kind"] == "bundle" and info["cache"] is None:
-        from monolith.serving.demo import demo_pair
+        from monolith.pack.demo import demo_pair
 
         demo_pair(log, bundle=info["pair"])  # builds (first use) and checks both packs against expected.json
     cache = {"cache_dir": info["cache"]}
-    model = load_model(info["target"], dtype=dtype, **cache)
+    model = load_target(info["target"], dtype=dtype, **cache)
     drafters = {}
     if info["draft_bf16"] is not None:
         pack = resolve_pack(info["draft_bf16"], role="draft", quantization="none", **cache)
@@ -186,7 +185,7 @@ def matched_prefix(drafter, seq: list[int], start: int, gamma: int, max_context:
                    features: mx.array) -> list[int]:
     """Leading greedy proposals equal to the reference, at every anchor p in [start,
     len(seq) - gamma - 1]; the drafter has observed exactly the rows < p."""
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.sampling import SamplingParams
 
     greedy = SamplingParams(temperature=0.0)
     drafter.start(max_context)
@@ -203,7 +202,6 @@ def matched_prefix(drafter, seq: list[int], start: int, gamma: int, max_context:
 def tap_features(model, taps: list[int], seq: list[int], max_context: int) -> mx.array:
     """Every row's tap features from one target forward over seq (as the prefill's)."""
     cache = model.make_cache(max_context)
-    cache.record = False
     _, features = model.forward(mx.array(seq, dtype=mx.int32), cache, taps=taps, logits="none")
     mx.eval(features)
     return features
@@ -265,7 +263,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from monolith.runtime.decode import generate
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.sampling import SamplingParams
     from monolith.runtime.scheduler import Fallback, make_scheduler, round_can_pay
     from monolith.runtime.speculative import generate_speculative, measure_break_even
 

@@ -39,7 +39,7 @@ def _engine(tmp: Path):
         return launch.load_engine(args, launch.plan_model(args), lambda m: None)
     except ImportError:  # before it
         from monolith.serve import build_parser
-        from monolith.serving.loading import load_engine, plan_model
+        from monolith.launch import load_engine, plan_model
 
         args = build_parser().parse_args(argv)
         return load_engine(args, plan_model(args), lambda m: None)

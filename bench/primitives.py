@@ -235,8 +235,7 @@ def step_graph(model, tokens, context: int, kind: str, kept: int):
     cache = make_cache(model, context)
     if kind == "decode":
         return [model.forward(tokens, cache, logits="last")[0]]
-    snap = cache.snapshot()
-    cache.record = True
+    snap = cache.snapshot(record=True)
     logits = model.forward(tokens, cache, logits="all")[0]
     cache.commit(snap, kept)
     return [logits, *[a for pair in cache.snapshot().states for a in pair]]

@@ -100,8 +100,8 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
 
     from monolith.models import load_model
     from monolith.runtime.decode import generate
-    from monolith.runtime.drafter import load_drafter
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.launch import load_drafter
+    from monolith.sampling import SamplingParams
     from monolith.runtime.scheduler import make_scheduler
     from monolith.runtime.speculative import generate_speculative
 
@@ -142,7 +142,7 @@ def graph_counts(model, drafter, prompt, gamma: int) -> dict:
     commit of gamma + 1 rows after the prompt."""
     import mlx.core as mx
 
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.sampling import SamplingParams
     from target_forward import count_primitives
 
     cache = model.make_cache(len(prompt) + 32)
@@ -152,7 +152,7 @@ def graph_counts(model, drafter, prompt, gamma: int) -> dict:
     step, _ = model.forward(mx.array([1], dtype=mx.int32), cache, logits="last")
     decode = count_primitives(step, *cache.arrays())
     cache.restore(snap)
-    cache.record = True
+    cache.snapshot(record=True)
     rows = mx.array(list(range(1, gamma + 2)), dtype=mx.int32)
     verify, _ = model.forward(rows, cache, taps=drafter.taps, logits="all")
     cache.commit(snap, gamma // 2 + 1)

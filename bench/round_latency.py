@@ -64,7 +64,7 @@ class Rig:
     """A decoder prefilled to `context` rows, and a way back to that state."""
 
     def __init__(self, model, drafter, context: int, gamma: int):
-        from monolith.runtime.sampling import SamplingParams
+        from monolith.sampling import SamplingParams
         from monolith.runtime.speculative import SpeculativeDecoder
 
         self.decoder = SpeculativeDecoder(model, drafter, SamplingParams(), context + 64, block_size=gamma)
@@ -177,7 +177,7 @@ def main() -> None:
         ap.error("--model and --draft go together")
 
     from monolith.pack import read_manifest, resolve_pack
-    from monolith.runtime.drafter import load_drafter
+    from monolith.launch import load_drafter
 
     work, target_pack, draft_src, model = load_pair(args)
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -83,8 +83,8 @@ def main() -> None:
         ap.error("--model and --draft go together")
 
     from monolith.runtime.decode import generate
-    from monolith.runtime.drafter import load_drafter
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.launch import load_drafter
+    from monolith.sampling import SamplingParams
     from monolith.runtime.scheduler import make_scheduler, measure_costs
     from monolith.runtime.speculative import generate_speculative
     from monolith.tokenizer import load_tokenizer

@@ -17,8 +17,8 @@ import unicodedata
 from .cli import ArgumentParser
 from .runtime.decode import ContextLengthError
 from .runtime.events import Delta, Failed, Finished, GenerationRequest
-from .runtime.sampling import SamplingParams
-from .serving.loading import SetupError, add_model_arguments, load_engine, plan_model
+from .sampling import SamplingParams
+from .launch import SetupError, add_model_arguments, load_engine, plan_model
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D leaves)"
 

@@ -12,7 +12,7 @@ import json
 import sys
 
 from .runtime.decode import ContextLengthError, generate
-from .runtime.sampling import SamplingParams
+from .sampling import SamplingParams
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -73,7 +73,7 @@ def load_target(pack, dtype: str):
 
 def load_drafter(source, model, dtype: str, quantization: str, local_files_only: bool = False):
     """The real draft loader (late import, as load_target)."""
-    from .runtime.drafter import load_drafter as load
+    from .launch import load_drafter as load
 
     return load(source, model, dtype=dtype, quantization=quantization, local_files_only=local_files_only)
 

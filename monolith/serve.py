@@ -10,7 +10,7 @@ import os
 import sys
 
 from .cli import ArgumentParser
-from .serving.loading import SetupError, add_model_arguments, load_engine, plan_model
+from .launch import SetupError, add_model_arguments, load_engine, plan_model
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

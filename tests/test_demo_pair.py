@@ -15,12 +15,12 @@ from monolith.models import load_model
 from monolith.pack import build_pack, resolve_pack, verify_pack
 from monolith.pack.manifest import sha256_file
 from monolith.runtime.decode import generate
-from monolith.runtime.drafter import load_drafter
-from monolith.runtime.sampling import SamplingParams
+from monolith.launch import load_drafter
+from monolith.sampling import SamplingParams
 from monolith.runtime.scheduler import make_scheduler
 from monolith.runtime.speculative import generate_speculative
-from monolith.serving import demo
-from monolith.serving.demo import DEMO_PACKS, DemoError, bundle_dir, demo_pair
+from monolith.pack import demo
+from monolith.pack.demo import DEMO_PACKS, DemoError, bundle_dir, demo_pair
 from monolith.tokenizer import load_tokenizer
 
 BUNDLE = bundle_dir()

@@ -14,7 +14,7 @@ from monolith.models import load_model, loading
 from monolith.models.dspark import load_draft
 from monolith.models.layers import Experts, Linear
 from monolith.pack import build_pack, read_manifest
-from monolith.runtime.sampling import SamplingParams
+from monolith.sampling import SamplingParams
 
 PROMPT = mx.array([401, 316, 265, 198, 71, 72, 402, 17, 5], dtype=mx.int32)
 

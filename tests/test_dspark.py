@@ -19,6 +19,7 @@ from dspark_reference import ReferenceDraft
 from numeric import rel
 
 from monolith.checkpoint import open_checkpoint
+from monolith.launch import load_target
 from monolith.models import load_model
 from monolith.models.dspark import (
     DraftArgs,
@@ -28,7 +29,7 @@ from monolith.models.dspark import (
     yarn_parameters,
 )
 from monolith.pack import PackError, build_pack, unpack_pack
-from monolith.runtime.sampling import SamplingParams, filtered_probs
+from monolith.sampling import SamplingParams, filtered_probs
 from monolith.synth import Preset, draft_sizes, write_draft, write_target
 
 TOL = 1e-4  # max |ours - reference| / max |reference|, F32 compute vs the float64 reference
@@ -77,7 +78,7 @@ def world(tmp_path_factory):
     """A tiny BF16 target (float32 compute), its token stream, and drafts built on demand."""
     root = tmp_path_factory.mktemp("dspark")
     target_dir = write_target(root / "target", format="bf16", seed=0)
-    target = load_model(target_dir, "float32", cache_dir=root / "cache")
+    target = load_target(target_dir, "float32", cache_dir=root / "cache")
     ckpt = open_checkpoint(target_dir)
     embed, lm_head = ckpt.dequantize("model.language_model.embed_tokens"), ckpt.dequantize("lm_head")
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, target.args.vocab_size, CONTEXT + 1)]
@@ -146,7 +147,7 @@ def golden_world(tmp_path_factory):
                 tensors[name] = (verifier.dtype(source), np.array(verifier.read(source)))
         del st
         write_safetensors(path, tensors)
-    target = load_model(target_dir, "float32", cache_dir=root / "cache")
+    target = load_target(target_dir, "float32", cache_dir=root / "cache")
     drafts = {}
     for case in GOLDEN_CASES:
         pack = build_pack(SPECULATORS_DATA / case, root / case, role="draft", quantization="none")
@@ -450,13 +451,13 @@ def test_context_in_rounds_equals_context_at_once_and_rewinds(world):
     MEASURED["context: rounds vs at once (max abs)"] = (diff, float(np.abs(h_rounds - h_once).max()))
     assert diff < 1e-5 and np.abs(h_rounds - h_once).max() < 1e-5
 
-    draft.rewind_context(at_once, 20)
+    at_once.restore(20)
     fresh = context_of(draft, feats[:20])
     assert np.abs(np32(draft.forward(at_once, tokens[20])) - np32(draft.forward(fresh, tokens[20]))).max() < 1e-5
     draft.append_context(at_once, feats[20:])
     assert np.abs(np32(draft.forward(at_once, tokens[30])) - h_once).max() < 1e-5
-    with pytest.raises(ValueError, match="rewind"):
-        draft.rewind_context(at_once, 31)
+    with pytest.raises(ValueError, match="restore"):
+        at_once.restore(31)
     with pytest.raises(ValueError, match="max_context"):
         draft.append_context(draft.make_context(8), feats[:9])
     with pytest.raises(ValueError, match="features"):
@@ -501,7 +502,7 @@ def _target(world, name, preset):
     target_dir = root / f"target-{name}"
     if not target_dir.exists():
         write_target(target_dir, preset=preset, format="bf16", seed=0)
-    return load_model(target_dir, "float32", cache_dir=root / "cache")
+    return load_target(target_dir, "float32", cache_dir=root / "cache")
 
 
 @pytest.mark.parametrize("case, preset, draft_name, field", [

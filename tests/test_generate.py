@@ -18,7 +18,7 @@ import pytest
 
 from monolith.generate import main
 from monolith.runtime.decode import ContextLengthError, GenerationResult, generate
-from monolith.runtime.sampling import SamplingParams, key_chain, sample
+from monolith.sampling import SamplingParams, key_chain, sample
 from monolith.tokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,

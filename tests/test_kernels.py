@@ -205,8 +205,7 @@ def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
     monkeypatch.setattr(GatedDeltaNet, "__call__", spy)
     cache = model.make_cache(32)
     model.prefill(mx.array([3, 14, 15, 92, 65], dtype=mx.int32), cache)
-    snap = cache.snapshot()
-    cache.record = True
+    snap = cache.snapshot(record=True)
     seen.clear()
     block = mx.array([35, 89, 79, 32, 38, 46], dtype=mx.int32)
     model(block, cache)
@@ -245,7 +244,7 @@ def test_gated_norm_matches_the_models_op(model):
 
 @requires_emulator
 def test_attention_prologue_is_a_drop_in_for_the_models_attention(model):
-    from monolith.runtime import KVCache
+    from monolith.models.cache import KVCache
 
     layer = next(layer for layer in model.layers if layer.kind == "full_attention")
     attn = layer.mixer

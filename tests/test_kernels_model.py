@@ -19,7 +19,7 @@ from monolith.models.dspark import load_draft
 from monolith.pack import build_pack
 from monolith.runtime.decode import generate
 from monolith.runtime.drafter import DraftModelDrafter
-from monolith.runtime.sampling import SamplingParams
+from monolith.sampling import SamplingParams
 from monolith.runtime.speculative import generate_speculative
 
 pytestmark = requires_emulator
@@ -68,11 +68,9 @@ def run_pair(target, draft) -> dict[str, mx.array]:
     taps = list(draft.taps)
     out = {}
     out["prefill"], features = target(mx.array(PROMPT, dtype=mx.int32), cache, taps)
-    snap = cache.snapshot()
-    cache.record = True
+    snap = cache.snapshot(record=True)
     out["verify"], verify_features = target(mx.array(BLOCK, dtype=mx.int32), cache, taps)
     cache.commit(snap, 2)
-    cache.record = False
     out["decode"], _ = target(mx.array(BLOCK[2:3], dtype=mx.int32), cache)
     for i, state in enumerate(cache.snapshot().states):
         out[f"conv{i}"], out[f"recurrent{i}"] = state

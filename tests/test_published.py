@@ -421,7 +421,7 @@ def packs(tiny, tmp_path_factory):
 def test_each_target_layout_packs_loads_and_generates(packs, layout):
     from monolith.models import load_model
     from monolith.runtime.decode import generate as run
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.sampling import SamplingParams
 
     model = load_model(packs(layout), dtype="float32")
     out = run(model, PROMPT, 12, SamplingParams(), [], 64).token_ids
@@ -431,15 +431,14 @@ def test_each_target_layout_packs_loads_and_generates(packs, layout):
 @pytest.mark.parametrize("layout", list(DRAFT_LAYOUTS))
 def test_each_draft_layout_speculative_equals_plain(tiny, packs, layout, monkeypatch, tmp_path):
     from monolith.models import load_model
-    from monolith.models.dspark import load_draft
     from monolith.runtime.decode import generate as run
-    from monolith.runtime.drafter import DraftModelDrafter
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.launch import load_drafter
+    from monolith.sampling import SamplingParams
     from monolith.runtime.speculative import generate_speculative
 
     monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
     model = load_model(packs(DRAFT_LAYOUTS[layout].target), dtype="float32")
-    drafter = DraftModelDrafter(load_draft(tiny[layout], model, dtype="float32"))
+    drafter = load_drafter(tiny[layout], model, dtype="float32")
     plain = run(model, PROMPT, 24, SamplingParams(), [], 128).token_ids
     spec = generate_speculative(model, drafter, PROMPT, 24, SamplingParams(), [], 128, prefill_chunk_size=4)
     assert spec.speculative.rounds >= 1

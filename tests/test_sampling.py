@@ -1,4 +1,4 @@
-"""monolith.runtime.sampling: the filtered distribution against numpy and transformers'
+"""monolith.sampling: the filtered distribution against numpy and transformers'
 logits warpers, sampling statistics, seeded reproducibility, parameter validation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from monolith.runtime.sampling import (
+from monolith.sampling import (
     SamplingParams,
     filtered_logprobs,
     filtered_probs,

@@ -28,10 +28,10 @@ from monolith.models import load_model
 from monolith.pack import build_pack
 from monolith.runtime.backends import Session, SpeculativeBackend
 from monolith.runtime.decode import generate
-from monolith.runtime.drafter import load_drafter
+from monolith.launch import load_drafter
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest, Outcome, SpecCounters
-from monolith.runtime.sampling import SamplingParams
+from monolith.sampling import SamplingParams
 from monolith.runtime.textstream import TextStream
 from monolith.serving.app import ServerConfig, create_app
 from monolith.serving.schemas import SamplingDefaults
@@ -852,7 +852,7 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
 
 def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pair):
     from monolith.runtime import speculative
-    from monolith.serving.loading import _speculative_backend
+    from monolith.launch import _speculative_backend
 
     target_pack, draft, cache = pair
     model = load_model(target_pack, dtype="float32")

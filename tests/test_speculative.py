@@ -23,10 +23,11 @@ from scipy import stats as scipy_stats
 from monolith.generate import main
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime import GDNState, KVCache, speculative
+from monolith.models.cache import GDNState, KVCache
+from monolith.runtime import speculative
 from monolith.runtime.decode import ContextLengthError, generate
 from monolith.runtime.drafter import Drafter, DraftModelDrafter, Proposal
-from monolith.runtime.sampling import SamplingParams, filtered_probs
+from monolith.sampling import SamplingParams, filtered_probs
 from monolith.runtime.scheduler import (
     CostScheduler,
     Fallback,
@@ -765,12 +766,12 @@ def real_pair(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", DRAFT_FORMATS)
 def test_real_draft_greedy_speculative_equals_plain(real_pair, fmt, monkeypatch, tmp_path):
-    from monolith.models.dspark import load_draft
+    from monolith.launch import load_drafter
 
     monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
     target_pack, drafts = real_pair
     model = load_model(target_pack, dtype="float32")
-    drafter = DraftModelDrafter(load_draft(drafts[fmt], model, dtype="float32"))
+    drafter = load_drafter(drafts[fmt], model, dtype="float32")
     assert drafter.taps and drafter.max_proposals >= 1
     plain = generate(model, PROMPT, 24, GREEDY, [], 128)
     for scheduler in (FixedScheduler(), ThresholdScheduler(0.3)):

@@ -14,10 +14,11 @@ import pytest
 from numeric import rel
 
 from monolith import formats
+from monolith.launch import load_target
 from monolith.models import load_model
 from monolith.models.layers import Embedding, Linear
 from monolith.pack import PackError, build_pack
-from monolith.runtime import CacheError, Snapshot
+from monolith.models.cache import CacheError, Snapshot
 from monolith.synth import Preset, write_target
 
 TOL = 1e-4  # max |ours - reference| / max |reference|, F32 compute
@@ -134,7 +135,7 @@ def test_quantized_pack_matches_transformers_on_dequantized_weights(packs, refer
 def test_load_model_packs_a_checkpoint_directory(packs, tmp_path):
     ckpt, pack = packs("dense-q2kv2-lin1x4-int2", "compressed-tensors-mixed")
     ids = mx.array(prompt(512, 6), dtype=mx.int32)
-    from_ckpt = load_model(ckpt, dtype="float32", cache_dir=tmp_path)
+    from_ckpt = load_target(ckpt, dtype="float32", cache_dir=tmp_path)
     from_pack = load_model(pack, dtype="float32")
     eos = json.loads((pack / "generation_config.json").read_text())["eos_token_id"]
     assert from_ckpt.args == from_pack.args and list(from_pack.args.eos_token_ids) == eos
@@ -246,7 +247,7 @@ def test_verify_block_equals_one_row_decodes_and_snapshot_restore(moe_f32):
 
     # ... or replay the recorded tape of the 8-row forward over the first 3 rows
     cache.restore(snap)
-    cache.record = True
+    cache.snapshot(record=True)
     model(block, cache)
     with pytest.raises(CacheError, match="recorded"):
         cache.commit(kept, 2)
@@ -268,8 +269,7 @@ def test_rewind_alone_suffices_without_gdn_layers(packs):
     second, _ = model(ids[4:], cache)
     np.testing.assert_array_equal(np.array(second), np.array(first)[4:])
     # the speculative commit works the same without GDN layers
-    snap = cache.snapshot()
-    cache.record = True
+    snap = cache.snapshot(record=True)
     model(ids[:5], cache)
     cache.commit(snap, 2)
     assert cache.offset == 12

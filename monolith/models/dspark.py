@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..pack import read_manifest, resolve_pack
+from ..pack import read_manifest
 from ..pack.draft_recipe import DRAFT_ARCHITECTURES
-from ..runtime.cache import CacheError, KVCache
-from ..runtime.sampling import SamplingParams, filtered_logits
+from .cache import CacheError, DraftContext, KVCache
+from ..sampling import SamplingParams, filtered_logits
 from .layers import Embedding, FusedLinear, Linear, cast, rms_norm
-from .loading import PackWeights, _dtype, model_arrays
+from .loading import PackWeights, _dtype, model_arrays, open_pack
 from .qwen3_5 import MLP
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -359,23 +359,6 @@ def _bias(w: PackWeights, name: str, size: int) -> mx.array:
 # ----------------------------------------------------------------------- the draft
 
 
-class DraftContext:
-    """Per draft layer, K/V of the committed context rows in a `KVCache` [1, kv_heads,
-    max_context + block_size, head_dim]; `offset` = committed rows. The rows from offset
-    on are the running proposal's scratch space."""
-
-    def __init__(self, layers: list[KVCache], max_context: int):
-        self.layers = layers
-        self.max_context = max_context
-        self.offset = 0
-
-    def __repr__(self) -> str:
-        return f"DraftContext(offset={self.offset}, max_context={self.max_context})"
-
-    def arrays(self) -> list[mx.array]:
-        return [a for layer in self.layers for a in layer.arrays()]
-
-
 class Draft:
     def __init__(self, args: DraftArgs, weights: PackWeights, target, draft_to_target: mx.array | None):
         a, w = args, weights
@@ -443,11 +426,6 @@ class Draft:
         for layer, cache in zip(self.layers, ctx.layers):
             cache.update(*layer.context_kv(c, ctx.offset), ctx.offset)
         ctx.offset += n
-
-    def rewind_context(self, ctx: DraftContext, offset: int) -> None:
-        if not 0 <= offset <= ctx.offset:
-            raise ValueError(f"can only rewind the draft context to [0, {ctx.offset}], got {offset}")
-        ctx.offset = offset
 
     # -- proposals
 
@@ -587,13 +565,12 @@ def _check_fit(args: DraftArgs, settings: dict, w: PackWeights, target, where: s
     return mapping
 
 
-def load_draft(draft_source, target_model, dtype=None, quantization="auto", dense: bool | None = None,
-               **resolve_options) -> Draft:
-    """A DSpark / DFlash draft for `target_model` from a pack directory, checkpoint
-    directory or hub id (packed once into the cache, NVFP4 by default). Checked against
-    the target at load: taps, hidden size, vocabulary (DraftError names the field)."""
+def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) -> Draft:
+    """The DSpark / DFlash draft of a pack directory for `target_model` (monolith.launch
+    resolves checkpoints and hub ids). Checked against the target at load: taps, hidden
+    size, vocabulary (DraftError names the field)."""
     dtype = _dtype(dtype)
-    pack_dir = resolve_pack(draft_source, role="draft", quantization=quantization, **resolve_options)
+    pack_dir = open_pack(pack_dir)
     manifest = read_manifest(pack_dir)
     where = str(pack_dir)
     architecture = manifest.get("architecture")

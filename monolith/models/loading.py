@@ -29,7 +29,7 @@ import numpy as np
 
 from ..formats.stfile import STORAGE_DTYPES
 from ..kernels import check_kernels
-from ..pack import PackError, read_manifest, resolve_pack
+from ..pack import PackError, is_pack, read_manifest
 from .layers import QUANT_MODES, Experts, FusedLinear, Linear
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 
@@ -195,14 +195,13 @@ def _dtype(dtype):
     return DTYPES[dtype]
 
 
-def load_model(source, dtype=None, dense: bool | None = None, **resolve_options) -> Qwen3_5:
-    """A target model from a pack directory (or anything `resolve_pack` accepts: a
-    checkpoint directory or hub id, packed once into the cache). `dtype` is the
-    compute dtype ("bfloat16", "float32", or None: the device's default); weights stay in pack precision, or are
-    dense F32 (`dense`, default: on the CPU when they fit, see the module docstring)."""
+def load_model(pack_dir, dtype=None, dense: bool | None = None) -> Qwen3_5:
+    """The target model of a pack directory (monolith.launch resolves a checkpoint
+    directory or hub id into one). `dtype` is the compute dtype ("bfloat16", "float32",
+    or None: the device's default); weights stay in pack precision, or are dense F32
+    (`dense`, default: on the CPU when they fit, see the module docstring)."""
     dtype = _dtype(dtype)
-    resolve_options.setdefault("role", "target")
-    pack_dir = resolve_pack(source, **resolve_options)
+    pack_dir = open_pack(pack_dir)
     manifest = read_manifest(pack_dir)
     architecture = manifest.get("architecture")
     if architecture not in MODELS:
@@ -219,6 +218,15 @@ def load_model(source, dtype=None, dense: bool | None = None, **resolve_options)
     mx.eval(model_arrays(model))  # read the shards and derive F32 copies now, not in the first forward
     check_kernels(lambda: model(mx.array([0, 1, 2], dtype=mx.int32), model.make_cache(8))[0])
     return model
+
+
+def open_pack(pack_dir) -> Path:
+    """`pack_dir` as a Path, or PackError when it holds no pack."""
+    path = Path(pack_dir)
+    if not is_pack(path):
+        raise PackError(f"{path}: not a pack directory (build one with `python -m monolith.pack build`; "
+                        "the command-line tools also take checkpoints and hub ids)")
+    return path
 
 
 def model_arrays(obj, seen=None) -> list[mx.array]:

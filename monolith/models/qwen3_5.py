@@ -22,7 +22,7 @@ from ..kernels import (
     moe_combine,
     moe_route,
 )
-from ..runtime.cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
+from .cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
 from .layers import Embedding, Linear, SwitchGLU, cast, rms_norm, swiglu
 
 

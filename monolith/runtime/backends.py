@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from .decode import check_prompt
 from .events import Outcome, SpecCounters, TokenLogprob
-from .sampling import SamplingParams, key_chain, sample
+from ..sampling import SamplingParams, key_chain, sample
 from .scheduler import CostScheduler, Fallback, measure_costs
 
 MAX_RESTORE_POINTS = 6  # besides the empty cache; each holds references to the recurrent states
@@ -54,8 +54,6 @@ class Session:
                     and self.tokens[:n] == list(prompt[:n])):
                 best = point
         self.cache.restore(best.snapshot)
-        if getattr(self.cache, "record", False):  # a speculative run that failed may have left it on
-            self.cache.record = False
         self.tokens = list(prompt[:best.length])
         self._points = [p for p in self._points if p.length <= best.length]  # later ones get overwritten
         return self.cache, best.length, best.logits
@@ -199,7 +197,7 @@ class SpeculativeBackend:
         if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:  # once, not per request
             scheduler.set_costs(*measure_costs(model, drafter, self.block_size, SamplingParams()))
         self.break_even = measure_break_even(model, drafter, self.block_size, SamplingParams()) if fallback else None
-        self.resumable = hasattr(drafter, "context") and hasattr(getattr(drafter, "draft", None), "rewind_context")
+        self.resumable = hasattr(drafter, "context") and hasattr(drafter, "draft")
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
@@ -221,7 +219,7 @@ class SpeculativeBackend:
         cache, cached, _ = session.resume(model, prompt, max_context, new_tokens=1)
         context = getattr(session, "draft_context", None)
         if cached and context is not None and context.offset >= cached:
-            self.drafter.draft.rewind_context(context, cached)
+            context.restore(cached)
             self.drafter.context = context
         elif cached:  # no draft context for this point: start over
             session.reset()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .sampling import SamplingParams, key_chain, sample
+from ..sampling import SamplingParams, key_chain, sample
 from .stats import SpecStats
 
 

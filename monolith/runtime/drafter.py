@@ -31,9 +31,9 @@ from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 
-__all__ = ["DraftModelDrafter", "Drafter", "Proposal", "load_drafter"]
+__all__ = ["DraftModelDrafter", "Drafter", "Proposal"]
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,3 @@ class DraftModelDrafter:
         if self.context is None:
             raise RuntimeError("call drafter.start(max_context) before observe/propose")
         return self.context
-
-
-def load_drafter(draft_source, target_model, dtype: str | None = None, quantization: str = "auto",
-                 **resolve_options) -> DraftModelDrafter:
-    """Load a draft (hub id, checkpoint or pack directory) for `target_model`; raises
-    DraftError (a ValueError) when the draft does not fit the target."""
-    from ..models.dspark import load_draft
-
-    return DraftModelDrafter(load_draft(draft_source, target_model, dtype=dtype, quantization=quantization,
-                                        **resolve_options))

@@ -249,7 +249,6 @@ def measure_costs(model, drafter, gamma: int, params, context: int = 64, repeats
     _, features = model.forward(tokens[:context], cache, taps=drafter.taps, logits="none")
     drafter.observe(features)
     mx.eval(cache.arrays(), drafter.arrays())
-    cache.record = True
     snap = cache.snapshot()
     key = None if params.greedy else mx.random.key(1)
 
@@ -268,6 +267,7 @@ def measure_costs(model, drafter, gamma: int, params, context: int = 64, repeats
 
     def verify(rows):
         cache.restore(snap)
+        cache.snapshot(record=True)
         logits, feats = model.forward(tokens[context:context + rows], cache, taps=drafter.taps)
         mx.eval(logits, feats, cache.arrays())
 

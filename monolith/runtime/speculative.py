@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .cache import Snapshot
+from ..models.cache import Snapshot
 from .decode import GenerationResult, check_request
 from .drafter import Drafter, Proposal
-from .sampling import SamplingParams, filtered_probs, key_chain, sample
+from ..sampling import SamplingParams, filtered_probs, key_chain, sample
 from .scheduler import CostScheduler, Fallback, FixedScheduler, Scheduler, measure_costs
 from .stats import SpecStats
 
@@ -149,7 +149,6 @@ class SpeculativeDecoder:
         total = tokens.shape[0]
         cache, taps = self.cache, self.drafter.taps
         cache.check(total, limit=cache.max_context)
-        cache.record = False  # no tapes of prompt chunks
         for start in range(0, total, chunk_size):
             last = start + chunk_size >= total
             logits, features = self.model.forward(tokens[start:start + chunk_size], cache, taps=taps,
@@ -202,7 +201,6 @@ class SpeculativeDecoder:
         drafter. Starts from a queued step if there is one; `queue_next` leaves the step
         after the last one queued (when the context has room for its row)."""
         cache, taps = self.cache, self.drafter.taps
-        cache.record = False
 
         def step(token: mx.array, snapshot: Snapshot | None = None) -> Queued:
             logits, features = self.model.forward(token, cache, taps=taps)
@@ -256,8 +254,7 @@ class SpeculativeDecoder:
         int32 (lazy)."""
         cache, l = self.cache, block.size
         cache.check(1 + l)
-        cache.record = l > 0  # a one-row round keeps its row: no replay (tapes cost ~0.5 ms a step on the CPU)
-        block.snapshot = cache.snapshot()
+        block.snapshot = cache.snapshot(record=l > 0)  # a one-row round keeps its row: no replay
         rows = mx.concatenate([mx.array([self.anchor], dtype=mx.int32), block.proposed])
         logits, block.features = self.model.forward(rows, cache, taps=self.drafter.taps)
         if self.params.greedy:

@@ -15,7 +15,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..runtime.engine import MAX_TOP_LOGPROBS
-from ..runtime.sampling import SamplingParams
+from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -7,7 +7,7 @@ OUT/draft (DeepSpec NVFP4, Markov W1 BF16). Their checkpoint files are copied in
 packs/demo/target and packs/demo/draft (replacing what was there), both packs are built
 from the copies in a scratch directory exactly as the first start of
 `python -m monolith.serve` builds them (same role and quantization, from
-monolith.serving.demo), verified, and packs/demo/expected.json records each pack's
+monolith.pack.demo), verified, and packs/demo/expected.json records each pack's
 pack_sha256, every bundled file's SHA-256 and size, the versions that built them and
 where the pair came from. Re-run it after retraining; nothing else holds the hashes.
 """
@@ -94,7 +94,7 @@ def main() -> None:
     from monolith.pack import manifest as mf
     from monolith.pack.build import quantizer_sha256
     from monolith.pack.recipe import RECIPE_VERSION
-    from monolith.serving.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS
+    from monolith.pack.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS
 
     copy_pair(args.out)
     files = {}

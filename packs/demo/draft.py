@@ -81,11 +81,11 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
     done = np.load(path)["seqs"] if path.exists() and not force else np.zeros((0, PROMPT_LEN + GEN_LEN), np.int32)
     if len(done) >= count:
         return done[:count]
-    from monolith.models import load_model
+    from monolith.launch import load_target
     from monolith.runtime.decode import generate
-    from monolith.runtime.sampling import SamplingParams
+    from monolith.sampling import SamplingParams
 
-    model = load_model(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
     config = json.loads((out / "target-bf16" / "generation_config.json").read_text())
     rng = np.random.default_rng(seed + 1)
     seqs, t0, gen_tokens = [], time.time(), 0
@@ -254,9 +254,9 @@ def served_target_rows(out: Path, seqs: np.ndarray, taps) -> tuple[np.ndarray, .
     [N, L, len(taps) * H], its top-TOPK next-token ids and renormalized probabilities
     [N, L, TOPK], and its argmax [N, L]. The draft learns the quantized target it will
     serve with, not the BF16 one it was exported from."""
-    from monolith.models import load_model
+    from monolith.launch import load_target
 
-    model = load_model(out / "target", dtype="float32", cache_dir=out / "packs")
+    model = load_target(out / "target", dtype="float32", cache_dir=out / "packs")
     feats, ids, probs, greedy = [], [], [], []
     for seq in seqs:
         logits, f = model.forward(mx.array(seq), model.make_cache(seq.size), taps=list(taps))
@@ -414,11 +414,11 @@ def main():
 def check_runtime(out: Path, P, seqs: np.ndarray, p_anchor: int = 100) -> float:
     """Our runtime Draft (BF16 checkpoint, F32 compute, fed by the runtime target's taps)
     vs the mirror on one block: max |hidden diff| (the mirror uses BF16-rounded weights)."""
-    from monolith.models import load_model
+    from monolith.launch import load_target
     from monolith.models.dspark import load_draft
 
     s = SIZES
-    model = load_model(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
     draft = load_draft(out / "draft-bf16", model, dtype="float32", quantization="none", cache_dir=out / "packs")
     seq = seqs[0]
     cache = model.make_cache(len(seq) + 8)

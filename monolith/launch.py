@@ -1,5 +1,8 @@
-"""The model flags `python -m monolith.serve` and `python -m monolith.chat` share, and
-turning them into a running Engine (pack resolution with progress, load, warmup)."""
+"""Flags -> packs -> target + drafter -> Engine: the model flags `python -m monolith.serve`,
+`chat` and `generate` share, and turning them into a running Engine (pack resolution
+with progress, load, warmup). `load_target` and `load_drafter` take anything a user
+names (a hub id, a checkpoint directory or a pack directory) and resolve it into a
+pack first; the models themselves only read packs."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .demo import DEMO_NAME, demo_pair
+from .pack.demo import DEMO_NAME, demo_pair
 
 SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "draft_revision", "draft_pack")
 SPECULATIVE_MODULES = ("monolith.runtime.speculative", "monolith.models.dspark")
@@ -83,6 +86,28 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
     return ModelPlan(args.model, draft, explicit, name)
 
 
+def load_target(source, dtype=None, dense: bool | None = None, **resolve_options):
+    """The target model of `source` (hub id, checkpoint or pack directory; packed once
+    into the cache)."""
+    from .models import load_model
+    from .pack import resolve_pack
+
+    return load_model(resolve_pack(source, role="target", **resolve_options), dtype=dtype, dense=dense)
+
+
+def load_drafter(source, target, dtype=None, quantization: str = "auto", dense: bool | None = None,
+                 **resolve_options):
+    """The drafter over the DSpark / DFlash draft of `source` (hub id, checkpoint or pack
+    directory; packed once into the cache, NVFP4 by default) for `target`; raises
+    DraftError (a ValueError) when the draft does not fit the target."""
+    from .models import load_draft
+    from .pack import resolve_pack
+    from .runtime.drafter import DraftModelDrafter
+
+    pack = resolve_pack(source, role="draft", quantization=quantization, **resolve_options)
+    return DraftModelDrafter(load_draft(pack, target, dtype=dtype, dense=dense))
+
+
 def speculative_available() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in SPECULATIVE_MODULES)
 
@@ -90,10 +115,10 @@ def speculative_available() -> bool:
 def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int = 64, queue_timeout: float = 300.0):
     """Resolve and load the target (and draft), build the Engine, warm it up. `log(text)`
     reports each stage; pack builds and downloads show their own progress bars."""
-    from ..models import load_model
-    from ..pack import build_pack, is_pack, resolve_pack
-    from ..runtime.engine import Engine
-    from ..tokenizer import load_tokenizer
+    from .models import load_model
+    from .pack import build_pack, is_pack, resolve_pack
+    from .runtime.engine import Engine
+    from .tokenizer import load_tokenizer
 
     started = time.perf_counter()
     target, draft = plan.target, plan.draft
@@ -143,10 +168,9 @@ def _speculative_backend(args, model, draft, log):
     if not speculative_available():
         raise SetupError("speculative decoding is not available yet: "
                          f"{' and '.join(SPECULATIVE_MODULES)} are not built")
-    from ..pack import build_pack, is_pack
-    from ..runtime.backends import SpeculativeBackend
-    from ..runtime.drafter import load_drafter
-    from ..runtime.scheduler import make_scheduler, round_can_pay
+    from .pack import build_pack, is_pack
+    from .runtime.backends import SpeculativeBackend
+    from .runtime.scheduler import make_scheduler, round_can_pay
 
     quantization = args.draft_quantization or "auto"
     source = draft

@@ -1,24 +1,26 @@
-"""The target's caches: preallocated attention KV and the gated DeltaNet states.
+"""Caches, owned by the models that fill them, behind one small protocol: `snapshot()`
+gives a restore point, `restore(snap)` goes back to it, and the hybrid cache's
+`commit(snap, rows)` keeps only the first `rows` rows of the forward after a snapshot.
+A speculative round calls nothing else.
 
-One `HybridCache` per sequence holds, per decoder layer, either a `KVCache` (full
-attention: keys/values for max_context + spare rows) or a `GDNState` (linear
-attention: the last K-1 pre-conv rows and the F32 recurrent state), and `offset`, the
-number of committed rows.
-
-KV rows past `offset` are ignored and overwritten, so `rewind` moves the attention
-caches back for free. A GDN state cannot be rewound: it is a function of every row it
-has consumed. `snapshot()` keeps references to the GDN arrays (MLX arrays are
-immutable, so this copies nothing) and `restore()` puts them back with their offset;
-a speculative commit may also build a `Snapshot` itself (e.g. from replaying the kept
-rows) and restore it. A forward refuses to run while the GDN states and the offset
+The target's `HybridCache` (one per sequence) holds, per decoder layer, either a
+`KVCache` (full attention: keys/values for max_context + spare rows) or a `GDNState`
+(linear attention: the last K-1 pre-conv rows and the F32 recurrent state), and
+`offset`, the number of committed rows. KV rows past `offset` are ignored and
+overwritten, so going back costs nothing for attention. A GDN state cannot be rewound:
+it is a function of every row it has consumed. A snapshot keeps references to the GDN
+arrays (MLX arrays are immutable, so this copies nothing) and restoring puts them back
+with their offset. A forward refuses to run while the GDN states and the offset
 disagree, so a forgotten restore fails loudly instead of decoding from a wrong state.
 
-Speculative commit by replay (dspark.md 4.5): with `cache.record = True` every GDN
-layer keeps a tape of its latest forward (the conv window and the per-row q, k, v,
-gamma, beta), and `commit(snap, rows)` rebuilds the states after exactly the first
-`rows` rows of that forward from the pre-forward snapshot, without rerunning the model.
+Commit by replay (dspark.md 4.5): `snapshot(record=True)` makes the next forward keep,
+per GDN layer, a tape (the conv window and the per-row q, k, v, gamma, beta), and
+`commit(snap, rows)` rebuilds the states after exactly the first `rows` rows of that
+forward from the snapshot, without rerunning the model (all rows: the forward's own
+states, no replay).
 
-This module only depends on MLX and monolith.kernels (the models import it to build their caches).
+The draft's `DraftContext` holds the K/V of the committed context rows per draft layer;
+its snapshot is its offset (rows past it are overwritten by the next append).
 """
 
 from __future__ import annotations
@@ -107,19 +109,13 @@ class HybridCache:
         self.written = 0  # KV rows [0, written) hold the rows of the latest forward
         self.tape_offset: int | None = None  # where the recorded forward started
         self._gdn = [layer for layer in layers if isinstance(layer, GDNState)]
-        self._record = False
+        self._recording = False  # the next forward keeps its tapes
 
-    @property
-    def record(self) -> bool:
-        """Keep each GDN layer's tape of the latest forward (for commit)."""
-        return self._record
-
-    @record.setter
-    def record(self, value: bool) -> None:
-        self._record = bool(value)
-        for layer in self._gdn:
-            layer.record, layer.tape = self._record, None
-        self.tape_offset = None
+    def _record(self, on: bool) -> None:
+        if on or self._recording:
+            for layer in self._gdn:
+                layer.record, layer.tape = on, None
+        self._recording = on
 
     def __repr__(self) -> str:
         return (f"HybridCache(offset={self.offset}, max_context={self.max_context}, "
@@ -143,7 +139,14 @@ class HybridCache:
 
     def advance(self, rows: int) -> None:
         """Called by the model after laying out a forward of `rows` rows."""
-        self.tape_offset = self.offset if self.record else None
+        self.tape_offset = self.offset if self._recording else None
+        if self._recording:  # only the forward after snapshot(record=True) keeps tapes
+            for layer in self._gdn:
+                layer.record = False
+            self._recording = False
+        elif any(layer.tape is not None for layer in self._gdn[:1]):
+            for layer in self._gdn:
+                layer.tape = None
         self.offset += rows
         self.state_offset = self.written = self.offset
 
@@ -154,7 +157,11 @@ class HybridCache:
             raise CacheError(f"cannot rewind to {offset}: the cache holds {self.offset} rows")
         self.offset = offset
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, record: bool = False) -> Snapshot:
+        """The states after the committed rows; with `record`, the next forward keeps
+        the tapes `commit` replays (they cost ~0.5 ms a step on the CPU: only a
+        speculative verify asks for them)."""
+        self._record(record)
         return Snapshot(self.state_offset, tuple((s.conv, s.recurrent) for s in self._gdn))
 
     def restore(self, snap: Snapshot) -> None:
@@ -167,19 +174,49 @@ class HybridCache:
         for layer, (conv, recurrent) in zip(self._gdn, snap.states):
             layer.conv, layer.recurrent = conv, recurrent
         self.offset = self.state_offset = snap.offset
+        self._record(False)
 
     def commit(self, snap: Snapshot, rows: int) -> None:
-        """Keep only the first `rows` rows of the latest (recorded) forward, which started
-        at snap.offset: GDN states replayed from `snap` over those rows, offset after them."""
-        if self.tape_offset is None or self.tape_offset != snap.offset:
-            raise CacheError(f"commit needs a recorded forward starting at the snapshot's offset {snap.offset} "
-                             f"(recorded: {self.tape_offset}); set cache.record = True before the forward")
+        """Keep only the first `rows` rows of the latest forward, which started at
+        snap.offset (after `snapshot(record=True)`): GDN states replayed from `snap` over
+        those rows, offset after them. All its rows: nothing to replay."""
         if not 0 <= rows <= self.written - snap.offset:
             raise CacheError(f"cannot keep {rows} rows of a {self.written - snap.offset}-row forward")
+        if rows == self.written - snap.offset and self.offset == self.written:
+            return
+        if self.tape_offset is None or self.tape_offset != snap.offset:
+            raise CacheError(f"commit needs a recorded forward starting at the snapshot's offset {snap.offset} "
+                             f"(recorded: {self.tape_offset}); take the snapshot with record=True")
         states = tuple(layer.tape.replay(conv.shape[1], recurrent, rows)
                        for layer, (conv, recurrent) in zip(self._gdn, snap.states))
         self.restore(Snapshot(snap.offset + rows, states))
 
     def arrays(self) -> list[mx.array]:
         """Every state array (to mx.eval between prefill chunks)."""
+        return [a for layer in self.layers for a in layer.arrays()]
+
+
+class DraftContext:
+    """Per draft layer, K/V of the committed context rows in a `KVCache` [1, kv_heads,
+    max_context + block_size, head_dim]; `offset` = committed rows. The rows from offset
+    on are the running proposal's scratch space."""
+
+    def __init__(self, layers: list[KVCache], max_context: int):
+        self.layers = layers
+        self.max_context = max_context
+        self.offset = 0
+
+    def __repr__(self) -> str:
+        return f"DraftContext(offset={self.offset}, max_context={self.max_context})"
+
+    def snapshot(self) -> int:
+        return self.offset
+
+    def restore(self, offset: int) -> None:
+        """Back to `offset` committed rows (a snapshot taken then)."""
+        if not 0 <= offset <= self.offset:
+            raise CacheError(f"can only restore the draft context to [0, {self.offset}] rows, got {offset}")
+        self.offset = offset
+
+    def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()]

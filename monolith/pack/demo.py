@@ -28,6 +28,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .cache import resolve_pack
+from .manifest import MANIFEST, lock_path, read_manifest
+
 DEMO_NAME = "monolith-demo"
 BUNDLE_FORMAT = "monolith-demo-bundle/1"
 EXPECTED = "expected.json"
@@ -98,9 +101,6 @@ def _mismatches(manifest: dict, role: str, expected: dict) -> list[str]:
 
 def check_pack(bundle: Path, role: str, expected: dict, log) -> Path:
     """The cached pack of the bundled `role`, built on first use, matching expected.json."""
-    from ..pack import read_manifest, resolve_pack
-    from ..pack.manifest import MANIFEST, lock_path
-
     started = time.time()
     pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role])
     manifest = read_manifest(pack)
