@@ -15,10 +15,9 @@ import sys
 import unicodedata
 
 from .cli import ArgumentParser
-from .runtime.decode import ContextLengthError
-from .runtime.events import Delta, Failed, Finished, GenerationRequest
-from .sampling import SamplingParams
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
+from .runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest
+from .sampling import SamplingParams
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D leaves)"
 

@@ -1,39 +1,58 @@
-"""Flags -> packs -> target + drafter -> Engine: the model flags `python -m monolith.serve`,
-`chat` and `generate` share, and turning them into a running Engine (pack resolution
-with progress, load, warmup). `load_target` and `load_drafter` take anything a user
+"""Flags -> packs -> target + drafter -> Engine.
+
+The model flags `python -m monolith.serve`, `chat` and `generate` share, checked once
+here (`plan_model`) before anything is loaded, and turning them into a running Engine:
+pack resolution with progress, the target and the draft, the decoder and its
+scheduling policy, warm-up. `load_target` and `load_drafter` take anything a user
 names (a hub id, a checkpoint directory or a pack directory) and resolve it into a
-pack first; the models themselves only read packs."""
+pack first; the models themselves only read packs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .models import load_draft, load_model
+from .pack import build_pack, is_pack, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
+from .runtime.calibrate import measure_break_even, round_can_pay, round_pay_limit
+from .runtime.draft_model import DraftModelDrafter
+from .runtime.engine import Engine
+from .runtime.rounds import check_gamma
+from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
+from .runtime.speculative import SpeculativeDecoder
+from .sampling import SamplingParams
+from .tokenizer import load_tokenizer
 
-SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "draft_revision", "draft_pack")
-SPECULATIVE_MODULES = ("monolith.runtime.speculative", "monolith.models.dspark")
+SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "spec_threshold", "draft_revision",
+                     "draft_pack")
 
 
 class SetupError(Exception):
     """Bad flags or a model that cannot be served: one line for the user, exit 1."""
 
 
-def add_model_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="target: hub id, checkpoint directory or pack directory "
-                                    "(default: the bundled demo pair)")
+def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = False) -> None:
+    ap.add_argument("--model", required=model_required,
+                    help="target: hub id, checkpoint directory or pack directory"
+                         + ("" if model_required else " (default: the bundled demo pair)"))
     draft = ap.add_mutually_exclusive_group()
     draft.add_argument("--draft", help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding (also for the demo pair)")
-    ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"), help="with a draft (default auto)")
-    ap.add_argument("--draft-block-size", type=int, help="with a draft: 1..the checkpoint's block size "
-                                                         "(default min(7, block))")
-    ap.add_argument("--spec-sched", choices=("fixed", "threshold", "cost"),
-                    help="with a draft: proposals verified per round (default: fixed, with plain steps while "
-                         "drafting does not pay; naming a scheduler always drafts)")
+    ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"),
+                    help="with a draft: how the draft's pack is built (default auto: BF16 linears to NVFP4)")
+    ap.add_argument("--draft-block-size", type=int, help="with a draft: proposals per round, 1..the draft's "
+                                                         "(default min(7, the draft's))")
+    ap.add_argument("--spec-sched", choices=SCHEDULERS,
+                    help="with a draft: proposals verified per round: fixed (all), threshold (cut at the first "
+                         "estimated survival below --spec-threshold), cost (maximize expected tokens per second "
+                         "from timings measured at start); serve and chat default to fixed with plain steps while "
+                         "drafting does not pay, naming a scheduler always drafts")
+    ap.add_argument("--spec-threshold", type=float,
+                    help=f"with --spec-sched threshold: the survival cut-off (default {DEFAULT_THRESHOLD})")
     ap.add_argument("--max-context", type=int, default=32768, help="prompt + generated tokens, at most")
     ap.add_argument("--pack", help="the target's pack directory: used as is if it holds a pack, "
                                    "else built there from --model (default: the pack cache)")
@@ -59,21 +78,21 @@ class ModelPlan:
 
 def plan_model(args: argparse.Namespace) -> ModelPlan:
     """Check the model flags (raise SetupError with one line); nothing is loaded."""
-    if args.max_context < 2:
-        raise SetupError(f"--max-context must be at least 2, got {args.max_context}")
-    if args.prefill_chunk_size < 1:
-        raise SetupError(f"--prefill-chunk-size must be at least 1, got {args.prefill_chunk_size}")
-    if args.draft_block_size is not None and args.draft_block_size < 1:
-        raise SetupError(f"--draft-block-size must be at least 1, got {args.draft_block_size}")
+    for flag, value, least in (("--max-context", args.max_context, 2),
+                               ("--prefill-chunk-size", args.prefill_chunk_size, 1),
+                               ("--draft-block-size", args.draft_block_size, 1)):
+        if value is not None and value < least:
+            raise SetupError(f"{flag} must be at least {least}, got {value}")
     demo = args.model is None and args.pack is None
     explicit = args.draft is not None or args.draft_pack is not None
     if args.no_draft or not (explicit or demo):
         given = [f"--{n.replace('_', '-')}" for n in SPECULATIVE_FLAGS if getattr(args, n) is not None]
         if given:
-            raise SetupError(f"{', '.join(given)} only apply{'s' if len(given) == 1 else ''} with a draft (--draft)")
-    if explicit and not speculative_available():
-        raise SetupError("speculative decoding (--draft) is not available yet: "
-                         f"{' and '.join(SPECULATIVE_MODULES)} are not built; run without --draft")
+            raise SetupError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with a draft (--draft)")
+    if args.spec_threshold is not None and args.spec_sched != "threshold":
+        raise SetupError("--spec-threshold only applies with --spec-sched threshold")
+    if args.spec_threshold is not None and not 0 <= args.spec_threshold <= 1:
+        raise SetupError(f"--spec-threshold must be in [0, 1], got {args.spec_threshold}")
     if args.model is not None:
         name = args.model
     elif args.pack is not None:
@@ -89,41 +108,29 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
 def load_target(source, dtype=None, dense: bool | None = None, **resolve_options):
     """The target model of `source` (hub id, checkpoint or pack directory; packed once
     into the cache)."""
-    from .models import load_model
-    from .pack import resolve_pack
-
     return load_model(resolve_pack(source, role="target", **resolve_options), dtype=dtype, dense=dense)
 
 
 def load_drafter(source, target, dtype=None, quantization: str = "auto", dense: bool | None = None,
-                 **resolve_options):
+                 **resolve_options) -> DraftModelDrafter:
     """The drafter over the DSpark / DFlash draft of `source` (hub id, checkpoint or pack
     directory; packed once into the cache, NVFP4 by default) for `target`; raises
     DraftError (a ValueError) when the draft does not fit the target."""
-    from .models import load_draft
-    from .pack import resolve_pack
-    from .runtime.drafter import DraftModelDrafter
-
     pack = resolve_pack(source, role="draft", quantization=quantization, **resolve_options)
     return DraftModelDrafter(load_draft(pack, target, dtype=dtype, dense=dense))
 
 
-def speculative_available() -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in SPECULATIVE_MODULES)
+@dataclass(frozen=True)
+class Sources:
+    target_pack: Path
+    draft: str | None  # what to load the drafter from (a pack directory or any source), or None
 
 
-def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int = 64, queue_timeout: float = 300.0):
-    """Resolve and load the target (and draft), build the Engine, warm it up. `log(text)`
-    reports each stage; pack builds and downloads show their own progress bars."""
-    from .models import load_model
-    from .pack import build_pack, is_pack, resolve_pack
-    from .runtime.engine import Engine
-    from .tokenizer import load_tokenizer
-
-    started = time.perf_counter()
+def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
+    """The target's pack (the demo pair's, --pack's, or --model's resolved) and the
+    draft's source, building packs where the flags ask for them."""
     target, draft = plan.target, plan.draft
-    demo = target is None and args.pack is None
-    if demo:
+    if target is None and args.pack is None:
         target, demo_draft = demo_pair(log)
         if draft is None and not args.no_draft:
             draft = str(demo_draft)
@@ -138,19 +145,40 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     else:
         log(f"resolving the target {target}")
         pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only)
-    model = load_model(pack, dtype=args.dtype)
-    log(f"loaded the target from {pack} ({model.dtype}, {model.dense_summary} weights)")
-    tokenizer = load_tokenizer(pack)
-    backend, draft_name = None, None
-    if draft is not None:
+    if args.draft_pack is not None:
+        if not is_pack(Path(args.draft_pack)):
+            if args.draft is None:
+                raise SetupError(f"--draft-pack {args.draft_pack} holds no pack; give --draft to build it there")
+            log(f"building the draft pack of {args.draft} into {args.draft_pack}")
+            build_pack(args.draft, args.draft_pack, role="draft", quantization=args.draft_quantization or "auto",
+                       revision=args.draft_revision, local_files_only=args.local_files_only)
+        draft = args.draft_pack
+    return Sources(pack, draft)
+
+
+def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int = 64, queue_timeout: float = 300.0,
+                sources: Sources | None = None, fallback: bool = True, profile: bool = False,
+                load=load_target, load_draft=load_drafter) -> Engine:
+    """Resolve and load the target (and draft), build the Engine, warm it up. `log(text)`
+    reports each stage; pack builds and downloads show their own progress bars. With
+    `fallback` and no --spec-sched, rounds take plain steps while drafting does not pay
+    (serve, chat); generate always drafts. `load` / `load_draft` make the models."""
+    started = time.perf_counter()
+    sources = sources or resolve_sources(args, plan, log)
+    model = load(sources.target_pack, dtype=args.dtype)
+    log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
+    tokenizer = load_tokenizer(sources.target_pack)
+    decoder, draft_name = None, None
+    if sources.draft is not None:
         try:
-            backend, draft_name = _speculative_backend(args, model, draft, log)
+            decoder = speculative_decoder(args, model, sources.draft, log, fallback, profile, load_draft)
+            draft_name = None if decoder is None else str(plan.draft or sources.draft)
         except SetupError as e:
             if plan.draft_explicit:
                 raise
             log(f"the demo draft is not used, plain decoding: {e}")
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
-                    max_queue=max_queue, queue_timeout=queue_timeout, backend=backend, draft_name=draft_name)
+                    max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name)
     if not args.no_warmup:
         log("warming up")
         engine.warmup()
@@ -159,45 +187,32 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     return engine
 
 
-def _speculative_backend(args, model, draft, log):
-    """The engine backend that runs speculative rounds with the draft, and the draft's
-    name; (None, None) when serve's fallback measures that a drafted round costs more
-    plain steps than the tokens it can emit (drafting can never pay on this machine:
-    e.g. MLX's Linux CPU wheel without an optimized BLAS, where an 8-row verify costs
-    ~13 one-row steps)."""
-    if not speculative_available():
-        raise SetupError("speculative decoding is not available yet: "
-                         f"{' and '.join(SPECULATIVE_MODULES)} are not built")
-    from .pack import build_pack, is_pack
-    from .runtime.backends import SpeculativeBackend
-    from .runtime.scheduler import make_scheduler, round_can_pay
-
+def speculative_decoder(args, model, draft: str, log, fallback: bool = True, profile: bool = False,
+                        load_draft=load_drafter) -> SpeculativeDecoder | None:
+    """The decoder that runs speculative rounds with the draft; None when the fallback's
+    measured break-even says a drafted round costs about as many plain steps as the
+    tokens it can emit or more (drafting can never pay on this machine: e.g. MLX's
+    Linux CPU wheel, where an 8-row verify costs ~10 one-row steps)."""
     quantization = args.draft_quantization or "auto"
-    source = draft
-    if args.draft_pack is not None:
-        if not is_pack(Path(args.draft_pack)):
-            if draft is None:
-                raise SetupError(f"--draft-pack {args.draft_pack} holds no pack; give --draft to build it there")
-            log(f"building the draft pack of {draft} into {args.draft_pack}")
-            build_pack(draft, args.draft_pack, role="draft", quantization=quantization, revision=args.draft_revision,
-                       local_files_only=args.local_files_only)
-        source = args.draft_pack
-    log(f"loading the draft {source} (quantization {quantization})")
-    drafter = load_drafter(source, model, dtype=args.dtype, quantization=quantization,
-                           revision=args.draft_revision, local_files_only=args.local_files_only)
-    try:
-        backend = SpeculativeBackend(model, drafter, args.max_context, args.prefill_chunk_size,
-                                     args.draft_block_size, make_scheduler(args.spec_sched or "fixed",
-                                                                           max_positions=drafter.max_proposals),
-                                     fallback=args.spec_sched is None)
-    except ValueError as e:  # a block size the draft cannot do
-        raise SetupError(f"--draft-block-size: {e}") from None
-    if backend.break_even is not None and not round_can_pay(backend.break_even, backend.block_size):
-        log(f"a drafted round costs {backend.break_even:.1f} plain steps here, more than the "
-            f"{backend.block_size + 1} tokens it can emit: serving with plain decoding (--spec-sched fixed "
-            "drafts anyway)")
-        return None, None
-    if backend.break_even is not None:
-        log(f"a drafted round costs {backend.break_even:.1f} plain steps here: a request drafts while its "
-            "rounds emit at least that many tokens, and takes plain steps otherwise")
-    return backend, str(draft or args.draft_pack)
+    log(f"loading the draft {draft} (quantization {quantization})")
+    drafter = load_draft(draft, model, dtype=args.dtype, quantization=quantization,
+                         revision=args.draft_revision, local_files_only=args.local_files_only)
+    if args.draft_block_size is not None and args.draft_block_size > drafter.max_proposals:
+        raise SetupError(f"--draft-block-size must be at most {drafter.max_proposals} "
+                         f"(the draft's proposals per block), got {args.draft_block_size}")
+    gamma = check_gamma(args.draft_block_size, drafter.max_proposals)
+    scheduler = make_scheduler(args.spec_sched or "fixed", drafter.max_proposals, args.spec_threshold)
+    break_even = None
+    if fallback and args.spec_sched is None:
+        measured = measure_break_even(model, drafter, gamma, SamplingParams())
+        cut = f"drafting pays below {round_pay_limit(gamma):.1f} (a round emits at most {gamma + 1} tokens)"
+        if not round_can_pay(measured.steps, gamma):
+            log(f"a drafted round costs {measured.describe()} here; {cut}: serving with plain decoding "
+                "(--spec-sched fixed drafts anyway)")
+            return None
+        log(f"a drafted round costs {measured.describe()} here; {cut}: a request drafts while its rounds emit "
+            "at least that many tokens, and takes plain steps otherwise")
+        break_even = measured.steps
+    return SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler,
+                              break_even, profile)
+

@@ -14,11 +14,11 @@ import pytest
 from monolith.models import load_model
 from monolith.pack import build_pack, resolve_pack, verify_pack
 from monolith.pack.manifest import sha256_file
-from monolith.runtime.decode import generate
+from decoding import plain
 from monolith.launch import load_drafter
 from monolith.sampling import SamplingParams
 from monolith.runtime.scheduler import make_scheduler
-from monolith.runtime.speculative import generate_speculative
+from decoding import speculate
 from monolith.pack import demo
 from monolith.pack.demo import DEMO_PACKS, DemoError, bundle_dir, demo_pair
 from monolith.tokenizer import load_tokenizer
@@ -162,10 +162,10 @@ def test_greedy_speculative_equals_plain_with_tau_above_the_floor(loaded):
     for text in PROMPTS:
         prompt = tokenizer.encode(text, add_special_tokens=False)
         max_context = len(prompt) + NEW_TOKENS + GAMMA + 1
-        plain = generate(model, prompt, NEW_TOKENS, greedy, [], max_context)
-        spec = generate_speculative(model, drafter, prompt, NEW_TOKENS, greedy, [], max_context, block_size=GAMMA,
+        plain_out = plain(model, prompt, NEW_TOKENS, greedy, [], max_context)
+        spec = speculate(model, drafter, prompt, NEW_TOKENS, greedy, [], max_context, block_size=GAMMA,
                                     scheduler=make_scheduler("fixed"))
-        assert spec.token_ids == plain.token_ids and len(plain.token_ids) == NEW_TOKENS
+        assert spec.token_ids == plain_out.token_ids and len(plain_out.token_ids) == NEW_TOKENS
         accepted += sum(spec.speculative.accepted_per_round)
         rounds += spec.speculative.rounds
     tau = (accepted + rounds) / rounds

@@ -1,4 +1,4 @@
-"""Plain decoding (monolith.runtime.decode), the tokenizer (monolith.tokenizer) and
+"""Plain decoding (monolith.runtime.plain), the tokenizer (monolith.tokenizer) and
 `python -m monolith.generate`: against a fake bigram model, transformers' chat
 template rendering, subprocess argument errors, and one test with the real model."""
 
@@ -16,8 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from decoding import plain
 from monolith.generate import main
-from monolith.runtime.decode import ContextLengthError, GenerationResult, generate
+from monolith.runtime.events import ContextLengthError, Outcome
 from monolith.sampling import SamplingParams, key_chain, sample
 from monolith.tokenizer import (
     REPLACEMENT_CHAR,
@@ -36,13 +37,24 @@ VOCAB = 512  # the tiny synthetic target's vocab_size (the tokenizer has 410 tok
 @dataclass
 class FakeArgs:
     vocab_size: int
-    eos_token_id: object
+    eos_token_ids: tuple
 
 
 class FakeCache:
+    """Only an offset: a snapshot is the offset, restoring rewinds to it."""
+
     def __init__(self, max_context):
         self.max_context = max_context
         self.offset = 0
+
+    def snapshot(self):
+        return self.offset
+
+    def restore(self, offset):
+        self.offset = offset
+
+    def arrays(self):
+        return []
 
 
 class FakeModel:
@@ -55,7 +67,8 @@ class FakeModel:
             table[prev, nxt] = 100.0
         self.table_np = table
         self.table = mx.array(table)
-        self.args = FakeArgs(vocab, eos)
+        self.args = FakeArgs(vocab, (eos,))
+        self.dtype, self.dense_summary = mx.float32, "dense F32"
         self.caches: list[FakeCache] = []
         self.prefills: list[tuple[list[int], int]] = []
         self.steps = 0
@@ -104,10 +117,10 @@ def tok(pack_dir):
 def test_greedy_follows_the_argmax_chain():
     model = FakeModel()
     seen = []
-    result = generate(model, [5, 6, 7], 12, SamplingParams(), {EOS}, 64, on_token=seen.append)
+    result = plain(model, [5, 6, 7], 12, SamplingParams(), {EOS}, 64, on_token=seen.append)
     want = model.greedy_chain(7, 12)
     assert EOS not in want
-    assert isinstance(result, GenerationResult)
+    assert isinstance(result, Outcome)
     assert result.token_ids == want == seen
     assert result.finish_reason == "length" and result.prompt_tokens == 3
     assert model.prefills == [([5, 6, 7], 512)]
@@ -118,7 +131,7 @@ def test_greedy_follows_the_argmax_chain():
 def test_stop_token_ends_generation_and_is_not_output():
     model = FakeModel(forced={2: 9, 9: EOS})
     seen = []
-    result = generate(model, [1, 2], 100, SamplingParams(), [EOS], 128, on_token=seen.append)
+    result = plain(model, [1, 2], 100, SamplingParams(), [EOS], 128, on_token=seen.append)
     assert result.token_ids == seen == [9] and result.finish_reason == "stop"
     assert result.decode_steps == 1
 
@@ -126,7 +139,7 @@ def test_stop_token_ends_generation_and_is_not_output():
 def test_stop_right_after_the_prompt_gives_no_tokens():
     model = FakeModel(forced={9: EOS})
     seen = []
-    result = generate(model, [1, 9], 10, SamplingParams(), [EOS], 16, on_token=seen.append)
+    result = plain(model, [1, 9], 10, SamplingParams(), [EOS], 16, on_token=seen.append)
     assert result.token_ids == [] == seen and result.finish_reason == "stop"
     assert result.decode_tok_s == 0.0
 
@@ -135,32 +148,33 @@ def test_stop_mid_generation():
     model = FakeModel()
     chain = model.greedy_chain(7, 5)
     stop = chain[3]
-    result = generate(model, [7], 50, SamplingParams(), [stop, EOS], 64)
+    result = plain(model, [7], 50, SamplingParams(), [stop, EOS], 64)
     assert result.token_ids == chain[: chain.index(stop)] and result.finish_reason == "stop"
 
 
 def test_context_full_finishes_with_length():
     model = FakeModel()
-    result = generate(model, [1, 2, 3, 4], 100, SamplingParams(), [EOS], 7)
+    result = plain(model, [1, 2, 3, 4], 100, SamplingParams(), [EOS], 7)
     assert len(result.token_ids) == 3  # prompt + output == max_context
     assert result.finish_reason == "length"
     assert model.caches[0].offset <= 7 and model.caches[0].max_context == 7
-    one = generate(FakeModel(), [1, 2, 3, 4], 100, SamplingParams(), [EOS], 5)
+    one = plain(FakeModel(), [1, 2, 3, 4], 100, SamplingParams(), [EOS], 5)
     assert len(one.token_ids) == 1 and one.finish_reason == "length"
 
 
 def test_prompt_too_long_fails_before_any_work():
     model = FakeModel()
     with pytest.raises(ContextLengthError, match=r"prompt is 8 tokens but max_context is 8") as e:
-        generate(model, list(range(8)), 10, SamplingParams(), [EOS], 8)
+        plain(model, list(range(8)), 10, SamplingParams(), [EOS], 8)
     assert (e.value.prompt_tokens, e.value.max_context) == (8, 8)
     assert model.caches == [] and model.prefills == []
 
 
 def test_prefill_chunk_size_reaches_the_model():
     model = FakeModel()
-    generate(model, list(range(10)), 2, SamplingParams(), [EOS], 64, prefill_chunk_size=3)
-    assert model.prefills == [(list(range(10)), 3)]
+    plain(model, list(range(10)), 2, SamplingParams(), [EOS], 64, prefill_chunk_size=3)
+    # the decoder prefills chunk by chunk (a cancel takes effect between chunks)
+    assert model.prefills == [([0, 1, 2], 3), ([3, 4, 5], 3), ([6, 7, 8], 3), ([9], 3)]
 
 
 @pytest.mark.parametrize(
@@ -176,21 +190,21 @@ def test_prefill_chunk_size_reaches_the_model():
 def test_bad_arguments(prompt, max_tokens, chunk, match):
     model = FakeModel()
     with pytest.raises(ValueError, match=match):
-        generate(model, prompt, max_tokens, SamplingParams(), [EOS], 64, prefill_chunk_size=chunk)
+        plain(model, prompt, max_tokens, SamplingParams(), [EOS], 64, prefill_chunk_size=chunk)
     assert model.caches == []
 
 
 def test_sampling_equals_a_hand_rolled_loop_with_the_same_key_chain():
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=21)
     model = FakeModel()
-    result = generate(model, [4, 2], 15, params, [], 64)
+    result = plain(model, [4, 2], 15, params, [], 64)
     keys, token, want = key_chain(21), 2, []
     for _ in range(15):
         token = sample(model.table[token], params, next(keys)).item()
         want.append(token)
     assert result.token_ids == want
-    again = generate(FakeModel(), [4, 2], 15, params, [], 64)
-    other = generate(FakeModel(), [4, 2], 15, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=22), [], 64)
+    again = plain(FakeModel(), [4, 2], 15, params, [], 64)
+    other = plain(FakeModel(), [4, 2], 15, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=22), [], 64)
     assert again.token_ids == want != other.token_ids
 
 
@@ -380,7 +394,7 @@ def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):
                                          "--prefill-chunk-size", "4", "--max-context", "100"], model)
     assert code == 0, err
     prompt = tok.encode_chat([{"role": "user", "content": "Hello there"}])
-    assert model.prefills == [(prompt, 4)]
+    assert model.prefills == [(prompt[i:i + 4], 4) for i in range(0, len(prompt), 4)]
     want = model.greedy_chain(prompt[-1], 20)
     assert out == tok.decode(want) + "\n"
     assert err.count("\n") == 1 and f"prompt: {len(prompt)} tokens" in err and "generated: 20 tokens" in err
@@ -434,9 +448,9 @@ def cli(*args, env=None):
         (["--model", "m", "--prompt", "a", "--draft", "d", "--spec-threshold", "0.2"],
          "--spec-threshold only applies with --spec-sched threshold"),
         (["--model", "m", "--prompt", "a", "--spec-sched", "cost", "--draft-block-size", "4"],
-         "--draft-block-size, --spec-sched only apply with --draft"),
+         "--draft-block-size, --spec-sched only apply with a draft (--draft)"),
         (["--model", "m", "--prompt", "a", "--draft-quantization", "none"],
-         "--draft-quantization only apply with --draft"),
+         "--draft-quantization only applies with a draft (--draft)"),
         (["--model", "m", "--prompt", "a", "--spec-sched", "bogus"], "invalid choice: 'bogus'"),
         (["--model", "m", "--prompt", "a", "--temperature", "-1"], "temperature must be"),
         (["--model", "m", "--prompt", "a", "--top-p", "0"], "top_p must be"),

@@ -17,10 +17,10 @@ from monolith.kernels import kernel as kernel_module
 from monolith.models import load_model
 from monolith.models.dspark import load_draft
 from monolith.pack import build_pack
-from monolith.runtime.decode import generate
-from monolith.runtime.drafter import DraftModelDrafter
+from decoding import plain
+from monolith.runtime.draft_model import DraftModelDrafter
 from monolith.sampling import SamplingParams
-from monolith.runtime.speculative import generate_speculative
+from decoding import speculate
 
 pytestmark = requires_emulator
 
@@ -102,8 +102,8 @@ def test_emulated_kernels_equal_the_references(pair, emulated):
 def test_greedy_speculative_equals_plain_with_emulated_kernels(pair, emulated):
     target, draft = pair
     greedy = SamplingParams()
-    plain = generate(target, PROMPT, 12, greedy, [], 64).token_ids
+    plain_out = plain(target, PROMPT, 12, greedy, [], 64).token_ids
     calls = sum(emulated.values())
-    spec = generate_speculative(target, DraftModelDrafter(draft), PROMPT, 12, greedy, [], 64, block_size=4)
-    assert spec.token_ids == plain
+    spec = speculate(target, DraftModelDrafter(draft), PROMPT, 12, greedy, [], 64, block_size=4)
+    assert spec.token_ids == plain_out
     assert emulated["monolith_gdn_replay"] > 0 and sum(emulated.values()) > calls

@@ -420,7 +420,7 @@ def packs(tiny, tmp_path_factory):
 @pytest.mark.parametrize("layout", list(TARGET_LAYOUTS))
 def test_each_target_layout_packs_loads_and_generates(packs, layout):
     from monolith.models import load_model
-    from monolith.runtime.decode import generate as run
+    from decoding import plain as run
     from monolith.sampling import SamplingParams
 
     model = load_model(packs(layout), dtype="float32")
@@ -431,15 +431,15 @@ def test_each_target_layout_packs_loads_and_generates(packs, layout):
 @pytest.mark.parametrize("layout", list(DRAFT_LAYOUTS))
 def test_each_draft_layout_speculative_equals_plain(tiny, packs, layout, monkeypatch, tmp_path):
     from monolith.models import load_model
-    from monolith.runtime.decode import generate as run
+    from decoding import plain as run
     from monolith.launch import load_drafter
     from monolith.sampling import SamplingParams
-    from monolith.runtime.speculative import generate_speculative
+    from decoding import speculate
 
     monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
     model = load_model(packs(DRAFT_LAYOUTS[layout].target), dtype="float32")
     drafter = load_drafter(tiny[layout], model, dtype="float32")
     plain = run(model, PROMPT, 24, SamplingParams(), [], 128).token_ids
-    spec = generate_speculative(model, drafter, PROMPT, 24, SamplingParams(), [], 128, prefill_chunk_size=4)
+    spec = speculate(model, drafter, PROMPT, 24, SamplingParams(), [], 128, prefill_chunk_size=4)
     assert spec.speculative.rounds >= 1
     assert_same_greedy(model, PROMPT, spec.token_ids, plain)

@@ -1,6 +1,6 @@
 """The HTTP server (monolith.serving, python -m monolith.serve) and the engine behind it:
 real uvicorn servers on 127.0.0.1 driven by the official `openai` client and httpx,
-a tiny synthetic target in float32, and scripted engine backends for tool calls,
+a tiny synthetic target in float32, and scripted engine decoders for tool calls,
 speculative counters, slow prefills and full queues."""
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ import uvicorn
 
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime.backends import Session, SpeculativeBackend
-from monolith.runtime.decode import generate
+from monolith.runtime.calibrate import measure_break_even
+from monolith.runtime.session import Session
+from monolith.runtime.speculative import SpeculativeDecoder
+from decoding import plain
 from monolith.launch import load_drafter
 from monolith.runtime.engine import Engine
-from monolith.runtime.events import GenerationRequest, Outcome, SpecCounters
+from monolith.runtime.events import GenerationRequest, Outcome
+from monolith.runtime.stats import SpecStats
 from monolith.sampling import SamplingParams
 from monolith.runtime.textstream import TextStream
 from monolith.serving.app import ServerConfig, create_app
@@ -115,9 +118,9 @@ def server(model, tok):
 
 
 def scripted(tokens, spec=None, delay=0.0, per_token=0.0):
-    """An engine backend that 'generates' `tokens` and stops with a stop token."""
+    """An engine decoder that 'generates' `tokens` and stops with a stop token."""
 
-    def backend(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False):
+    def decoder(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False):
         time.sleep(delay)
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         out = []
@@ -130,13 +133,13 @@ def scripted(tokens, spec=None, delay=0.0, per_token=0.0):
                 return Outcome(out, "abort", len(prompt), 0, delay, 0.0, len(out))
         done = limit == len(tokens)
         return Outcome(out, "stop" if done else "length", len(prompt), 0, delay, 0.01, len(out), stop_token=done,
-                       spec=spec)
+                       speculative=spec)
 
-    return backend
+    return decoder
 
 
 def expected(model, tok, prompt_ids, max_tokens, params=GREEDY):
-    result = generate(model, prompt_ids, max_tokens, params, set(tok.eos_token_ids) | set(model.args.eos_token_ids),
+    result = plain(model, prompt_ids, max_tokens, params, set(tok.eos_token_ids) | set(model.args.eos_token_ids),
                       MAX_CONTEXT)
     return result, tok.decode(result.token_ids)
 
@@ -192,7 +195,7 @@ def test_greedy_completion_string_and_token_list(server, model, tok):
 
 def test_finish_reason_stop_counts_the_stop_token(model, tok):
     eos = tok.eos_token_ids[0]
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=scripted(tok.encode("Hi!")))) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode("Hi!")))) as s:
         s.wait_ready()
         r = s.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
         assert r.choices[0].message.content == "Hi!" and r.choices[0].finish_reason == "stop"
@@ -375,7 +378,7 @@ def test_tool_call_parser_streams_nothing_of_a_call_before_it_is_complete():
 
 @pytest.mark.parametrize("text", [JSON_CALL, XML_CALL])
 def test_tool_calls_over_http(model, tok, text):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=scripted(tok.encode(text)))) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode(text)))) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Weather in Paris?"}]
         r = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS)
@@ -421,8 +424,8 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(pair):
     model = load_model(target_pack, dtype="float32")
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
-    backend = SpeculativeBackend(model, drafter, MAX_CONTEXT)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=backend)) as s:
+    decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT)
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Hello there"}]
         result, text = expected(model, tok, tok.encode_chat(messages), 40)
@@ -435,7 +438,7 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(pair):
         assert rounds > 0 and s.metric("spec_decode_num_draft_tokens_total") >= rounds
         assert s.metric("spec_decode_num_accepted_tokens_total") == sum(
             s.metric(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}')
-            for i in range(backend.block_size))
+            for i in range(decoder.gamma))
         assert_error(s.post("/v1/chat/completions", {"messages": messages, "logprobs": True}), 400, "logprobs")
         ids = tok.encode_chat(messages)  # a prompt that extends the last one resumes its cache
         longer = ids + tok.encode(" more words")
@@ -452,9 +455,10 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     model = load_model(target_pack, dtype="float32")
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
-    backend = SpeculativeBackend(model, drafter, MAX_CONTEXT, fallback=True)
-    assert backend.break_even > 1  # a round costs more than one plain step
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=backend)) as s:
+    decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT,
+                                 break_even=measure_break_even(model, drafter, 7, SamplingParams()).steps)
+    assert decoder.break_even > 1  # a round costs more than one plain step
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Hello there"}]
         r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0)
@@ -464,14 +468,14 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     # a session kept after fallback rounds: the draft context caught up with every committed
     # row, so the next turn, which extends prompt + output, resumes with the draft in step
     session, prompt, out = Session(), tok.encode_chat(messages), []
-    backend(session, prompt, 25, SamplingParams(), [], lambda t, _: out.append(t) or True)  # ends on plain rounds
-    assert session.draft_context.offset == session.cache.offset == len(prompt) + 24
+    decoder(session, prompt, 25, SamplingParams(), [], lambda t, _: out.append(t) or True)  # ends on plain rounds
+    assert session.draft_snapshot.offset == session.cache.offset == len(prompt) + 24
     # ... in order: its K/V equal a context that observed all those rows at once
     committed = prompt + out[:-1]
     _, features = model.forward(mx.array(committed), model.make_cache(MAX_CONTEXT), taps=drafter.taps)
     reference = drafter.draft.make_context(MAX_CONTEXT)
     drafter.draft.append_context(reference, features)
-    for ours, ref in zip(session.draft_context.layers, reference.layers):
+    for ours, ref in zip(session.draft_snapshot.layers, reference.layers):
         for a, b in zip(ours.arrays(), ref.arrays()):
             a, b = np.array(a[:, :, :len(committed)]), np.array(b[:, :, :len(committed)])
             assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
@@ -481,12 +485,12 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     assert kept is not None and kept.plain_next()
     kept.probe_every, kept.plain_in_a_row = Fallback.MAX_PROBE_EVERY, 0
     longer, again = prompt + out + tok.encode(" and more"), []
-    outcome = backend(session, longer, 12, SamplingParams(), [], lambda t, _: again.append(t) or True)
+    outcome = decoder(session, longer, 12, SamplingParams(), [], lambda t, _: again.append(t) or True)
     assert outcome.cached_tokens == len(prompt) + 24
-    assert again == generate(model, longer, 12, SamplingParams(), [], MAX_CONTEXT).token_ids
+    assert again == plain(model, longer, 12, SamplingParams(), [], MAX_CONTEXT).token_ids
     assert session.fallback is kept and outcome.spec.drafts == 0
     # a prompt that does not extend the session starts afresh
-    outcome = backend(session, tok.encode("Another topic"), 12, SamplingParams(), [], lambda t, _: True)
+    outcome = decoder(session, tok.encode("Another topic"), 12, SamplingParams(), [], lambda t, _: True)
     assert outcome.cached_tokens == 0 and outcome.spec.drafts >= 1 and session.fallback is not kept
 
 
@@ -511,8 +515,8 @@ def test_metrics_move(server):
 
 
 def test_speculative_counters_reach_metrics(model, tok):
-    spec = SpecCounters(drafts=3, draft_tokens=21, accepted_tokens=10, accepted_per_position=(3, 3, 2, 1, 1, 0, 0))
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=scripted([65, 66, 67], spec))) as s:
+    spec = SpecStats(7, [7, 7, 7], [5, 3, 2])  # 3 drafts, 21 draft tokens, 10 accepted: (3, 3, 2, 1, 1, 0, 0) by position
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted([65, 66, 67], spec))) as s:
         s.wait_ready().client().completions.create(model=NAME, prompt="x")
         s.client().completions.create(model=NAME, prompt="y")
         assert s.metric("spec_decode_num_drafts_total") == 6
@@ -545,7 +549,7 @@ def test_concurrent_clients_get_complete_correct_answers(server, model, tok):
 def long_server(model, tok):
     """Replies long enough to interrupt: 20000 tokens at 200 per second."""
     endless = scripted(tok.encode(" word") * 20000, per_token=0.005)
-    with Server(lambda: Engine(model, tok, max_context=60000, backend=endless)) as s:
+    with Server(lambda: Engine(model, tok, max_context=60000, decoder=endless)) as s:
         yield s.wait_ready()
 
 
@@ -608,7 +612,7 @@ def test_cancel_stops_real_decoding_at_the_next_token(model, tok):
 
 def test_keep_alive_comments_during_a_long_prefill(model, tok):
     slow = scripted(tok.encode("late"), delay=1.0)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=slow), keepalive_seconds=0.2) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow), keepalive_seconds=0.2) as s:
         s.wait_ready()
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                           json={"prompt": "x", "stream": True}) as r:
@@ -721,7 +725,7 @@ def test_api_key(model, tok):
 
 def test_full_queue_429_and_queue_timeout_503(model, tok):
     slow = scripted(tok.encode("slow answer"), per_token=0.3)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, backend=slow, max_queue=1,
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow, max_queue=1,
                                queue_timeout=1.0)) as s:
         s.wait_ready()
         with ThreadPoolExecutor(2) as pool:
@@ -844,31 +848,32 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
     assert "loaded the target" in logs[0] and "loading the draft" in logs[0]
     # serve's fallback, measured: the draft is used unless a round costs more plain steps
     # than the 8 tokens it can emit (MLX's Linux CPU wheel without an optimized BLAS)
-    cost = float(re.search(r"a drafted round costs (\d+\.\d) plain steps here", logs[0]).group(1))
-    assert ("with draft" in logs[0]) == (cost <= 8) and ("(plain decoding)" in logs[0]) == (cost > 8)
+    cost = float(re.search(r"a drafted round costs (\d+\.\d) plain steps", logs[0]).group(1))
+    assert ("with draft" in logs[0]) == (cost <= 7.2) and ("(plain decoding)" in logs[0]) == (cost > 7.2)
     assert "with draft" in logs[1] and "a drafted round costs" not in logs[1]
     assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
 
 
 def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pair):
-    from monolith.runtime import speculative
-    from monolith.launch import _speculative_backend
+    from monolith import launch
+    from monolith.runtime.calibrate import BreakEven
 
     target_pack, draft, cache = pair
     model = load_model(target_pack, dtype="float32")
     args = argparse.Namespace(draft_quantization="none", draft_pack=None, draft_revision=None, local_files_only=True,
                               dtype="float32", max_context=MAX_CONTEXT, prefill_chunk_size=512,
-                              draft_block_size=None, spec_sched=None)
+                              draft_block_size=None, spec_sched=None, spec_threshold=None)
     logs = []
-    for cost, drafts in ((8.0, True), (8.5, False)):  # 7 proposals: a round emits at most 8 tokens
-        monkeypatch.setattr(speculative, "measure_break_even", lambda *a, c=cost, **k: c)
-        backend, name = _speculative_backend(args, model, draft, logs.append)
+    # 7 proposals: a round emits at most 8 tokens; with the margin it drafts up to 7.2
+    for cost, drafts in ((7.2, True), (8.0, False)):
+        monkeypatch.setattr(launch, "measure_break_even", lambda *a, c=cost, **k: BreakEven(c, (c, c, c)))
+        decoder = launch.speculative_decoder(args, model, draft, logs.append)
         if drafts:
-            assert backend.break_even == cost and name == str(draft)
+            assert decoder.break_even == cost
         else:
-            assert (backend, name) == (None, None)
+            assert decoder is None
     assert sum("a request drafts while its rounds emit at least that many tokens" in m for m in logs) == 1
-    assert "more than the 8 tokens it can emit: serving with plain decoding" in logs[-1]
+    assert "drafting pays below 7.2 (a round emits at most 8 tokens): serving with plain decoding" in logs[-1]
 
 
 def test_cli_flags(tmp_path, pack):
@@ -889,8 +894,8 @@ def test_cli_flags(tmp_path, pack):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--no-draft", "--draft-block-size", "3"], "only apply"),
-    (["--spec-sched", "cost", "--model", "x"], "only apply"),
+    (["--no-draft", "--draft-block-size", "3"], "only appl"),
+    (["--spec-sched", "cost", "--model", "x"], "only appl"),
     (["--max-context", "1"], "--max-context"),
     (["--port", "99999"], "--port"),
     (["--max-queue", "0"], "--max-queue"),

@@ -20,31 +20,27 @@ import pytest
 from numeric import rel
 from scipy import stats as scipy_stats
 
+from decoding import plain, speculate
 from monolith.generate import main
 from monolith.models import load_model
-from monolith.pack import build_pack
 from monolith.models.cache import GDNState, KVCache
-from monolith.runtime import speculative
-from monolith.runtime.decode import ContextLengthError, generate
-from monolith.runtime.drafter import Drafter, DraftModelDrafter, Proposal
-from monolith.sampling import SamplingParams, filtered_probs
+from monolith.pack import build_pack
+from monolith.runtime import calibrate, rounds
+from monolith.runtime.accept import accept_greedy, accept_sampled
+from monolith.runtime.calibrate import measure_break_even, measure_costs
+from monolith.runtime.draft_model import DraftModelDrafter
+from monolith.runtime.drafter import Drafter, Proposal
+from monolith.runtime.events import ContextLengthError
+from monolith.runtime.rounds import PLAIN_RUN, Rounds
 from monolith.runtime.scheduler import (
     CostScheduler,
     Fallback,
     FixedScheduler,
     ThresholdScheduler,
     make_scheduler,
-    measure_costs,
-)
-from monolith.runtime.speculative import (
-    PLAIN_RUN,
-    SpeculativeDecoder,
-    accept_greedy,
-    accept_sampled,
-    generate_speculative,
-    measure_break_even,
 )
 from monolith.runtime.stats import SpecStats
+from monolith.sampling import SamplingParams, filtered_probs
 
 GREEDY = SamplingParams()
 GAMMA = 7
@@ -70,7 +66,7 @@ def model(target_pack):
 
 def plain_greedy(model, prompt, n, max_context=None):
     """The target's own greedy continuation (no stop tokens)."""
-    return generate(model, prompt, n, GREEDY, [], max_context or len(prompt) + n + 1).token_ids
+    return plain(model, prompt, n, GREEDY, [], max_context or len(prompt) + n + 1).token_ids
 
 
 def forward_all(model, tokens, taps=None):
@@ -131,6 +127,12 @@ class SequenceTracker:
 
     def arrays(self):
         return []
+
+    def snapshot(self):
+        return None  # an oracle cannot resume: every prompt is prefilled whole
+
+    def restore(self, snapshot, rows):
+        return False
 
     def unknown(self, position):
         """The token at a committed position the drafter was never told (an anchor
@@ -282,7 +284,7 @@ def test_greedy_equals_plain_for_every_accepted_length(model, error_at):
         rounds.append((result.proposed, result.accepted))
         check_cache_matches_plain(model, PROMPT, [reference[0], *emitted], decoder)
 
-    result = generate_speculative(model, oracle, PROMPT, 100, GREEDY, [], max_context, prefill_chunk_size=CHUNK,
+    result = speculate(model, oracle, PROMPT, 100, GREEDY, [], max_context, prefill_chunk_size=CHUNK,
                                   block_size=GAMMA, on_round=on_round)
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
     assert result.finish_reason == "length" and len(result.token_ids) == 30  # the context is full
@@ -300,7 +302,7 @@ def test_context_limit_and_prefill_chunks(model, room, chunk):
     max_context = len(PROMPT) + room
     reference = plain_greedy(model, PROMPT, room, max_context)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=None)
-    result = generate_speculative(model, oracle, PROMPT, 1000, GREEDY, [], max_context, prefill_chunk_size=chunk)
+    result = speculate(model, oracle, PROMPT, 1000, GREEDY, [], max_context, prefill_chunk_size=chunk)
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
     assert len(result.token_ids) == room and result.finish_reason == "length"
     assert all(g <= room - 1 for g in oracle.gammas)
@@ -309,9 +311,9 @@ def test_context_limit_and_prefill_chunks(model, room, chunk):
 def test_prompt_that_fills_the_context_is_refused(model):
     oracle = GreedyOracle(PROMPT, [1], model.args.vocab_size)
     with pytest.raises(ContextLengthError):
-        generate_speculative(model, oracle, PROMPT, 5, GREEDY, [], len(PROMPT))
+        speculate(model, oracle, PROMPT, 5, GREEDY, [], len(PROMPT))
     with pytest.raises(ValueError, match="max_tokens"):
-        generate_speculative(model, oracle, PROMPT, 0, GREEDY, [], 64)
+        speculate(model, oracle, PROMPT, 0, GREEDY, [], 64)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 8, 9, 10, 17])
@@ -319,7 +321,7 @@ def test_max_tokens_cuts_exactly(model, max_tokens):
     reference = plain_greedy(model, PROMPT, 20)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=None)
     seen = []
-    result = generate_speculative(model, oracle, PROMPT, max_tokens, GREEDY, [], 256, on_token=seen.append)
+    result = speculate(model, oracle, PROMPT, max_tokens, GREEDY, [], 256, on_token=seen.append)
     assert result.token_ids == seen == reference[:max_tokens] and result.finish_reason == "length"
     assert sum(r + 1 for r in result.speculative.accepted_per_round) == max_tokens - 1
     assert len(oracle.committed) == len(PROMPT) + max_tokens - 1
@@ -334,18 +336,18 @@ def test_stop_tokens_inside_a_round(model):
             first = reference.index(stop)
             oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at)
             seen = []
-            result = generate_speculative(model, oracle, PROMPT, 100, GREEDY, {stop}, 256, on_token=seen.append)
+            result = speculate(model, oracle, PROMPT, 100, GREEDY, {stop}, 256, on_token=seen.append)
             assert result.token_ids == seen == reference[:first], (error_at, k)
             assert result.finish_reason == "stop" and result.decode_steps == first
-            plain = generate(model, PROMPT, 100, GREEDY, {stop}, 256)
-            assert plain.token_ids == result.token_ids and plain.decode_steps == result.decode_steps
+            plain_out = plain(model, PROMPT, 100, GREEDY, {stop}, 256)
+            assert plain_out.token_ids == result.token_ids and plain_out.decode_steps == result.decode_steps
 
 
 def test_decoder_rounds_and_stats(model):
     """The decoder step by step: the accepted count, the emitted tokens and the stats."""
     reference = plain_greedy(model, PROMPT, 30)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=2)
-    decoder = SpeculativeDecoder(model, oracle, GREEDY, 64, block_size=4, profile=True)
+    decoder = Rounds(model, oracle, GREEDY, 64, 4, profile=True)
     assert decoder.prefill(PROMPT, 5) == reference[0]
     out = [reference[0]]
     for _ in range(3):
@@ -361,7 +363,7 @@ def test_decoder_rounds_and_stats(model):
                               "spec_decode_num_accepted_tokens_per_pos_total": [3, 3, 0, 0]}
     assert s.draft_seconds > 0 and s.verify_seconds > 0 and s.commit_seconds > 0
     with pytest.raises(ValueError, match="block size must be an integer in 1..8"):
-        SpeculativeDecoder(model, oracle, GREEDY, 64, block_size=9)
+        Rounds(model, oracle, GREEDY, 64, 9)
 
 
 def test_stats_per_position_with_variable_blocks():
@@ -444,12 +446,12 @@ def test_sampled_output_follows_the_target_distribution(model):
     accepted, proposed = 0, 0
     for seed in range(draws):
         seeded = SamplingParams(temperature=1.0, top_k=2, seed=seed)
-        r = generate_speculative(model, oracle, prompt, n_tokens, seeded, [], 64, block_size=2)
+        r = speculate(model, oracle, prompt, n_tokens, seeded, [], 64, block_size=2)
         spec_counts[index[tuple(r.token_ids)]] += 1
         accepted += sum(r.speculative.accepted_per_round)
         proposed += sum(r.speculative.proposed_per_round)
         if seed % 2 == 0:
-            plain_counts[index[tuple(generate(model, prompt, n_tokens, seeded, [], 64).token_ids)]] += 1
+            plain_counts[index[tuple(plain(model, prompt, n_tokens, seeded, [], 64).token_ids)]] += 1
     assert 0.2 * proposed < accepted < 0.8 * proposed  # both acceptance and rejection ran often
     chi_square_ok(spec_counts, expected)
     chi_square_ok(plain_counts, expected)
@@ -457,7 +459,7 @@ def test_sampled_output_follows_the_target_distribution(model):
 
 def test_sampled_speculative_is_reproducible_with_a_seed(model):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
-    runs = [generate_speculative(model, SamplingOracle(PROMPT, model), PROMPT, 12, params, [], 64).token_ids
+    runs = [speculate(model, SamplingOracle(PROMPT, model), PROMPT, 12, params, [], 64).token_ids
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
 
@@ -538,7 +540,7 @@ def test_schedulers_in_the_loop_keep_greedy_output(model):
     conf = [0.9, 0.9, 0.8, 0.5, 0.3, 0.3, 0.3]
     for scheduler in (ThresholdScheduler(0.3), CostScheduler(0.2, [1.0 + 0.05 * r for r in range(GAMMA + 1)])):
         oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=4, confidence=conf)
-        result = generate_speculative(model, oracle, PROMPT, 24, GREEDY, [], 128, scheduler=scheduler)
+        result = speculate(model, oracle, PROMPT, 24, GREEDY, [], 128, scheduler=scheduler)
         assert_same_greedy(model, PROMPT, result.token_ids, reference)
         assert max(result.speculative.proposed_per_round) < GAMMA  # the scheduler cut the block
 
@@ -577,14 +579,16 @@ def test_fallback_tells_ahead_whether_the_next_round_is_plain():
 
 def test_measure_break_even_times_rounds_against_pipelined_plain_steps(model, monkeypatch):
     """Per round over per plain step, on a clock that only the decoder's work moves (a
-    round takes 3 units, a plain step 1): no wall-clock time, which belongs in benches."""
-    now = [0.0]
-    monkeypatch.setattr(speculative.time, "perf_counter", lambda: now[0])
-    real_round, real_plain = speculative.SpeculativeDecoder.round, speculative.SpeculativeDecoder.run_plain
+    round takes 3 units, a plain step 1, except in the second trial, where a round takes
+    9: the median ignores it): no wall-clock time, which belongs in benches."""
+    now, trial_rounds = [0.0], []
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    real_round, real_plain = Rounds.round, Rounds.run_plain
 
     def round_(self, *args, **kwargs):
         out = real_round(self, *args, **kwargs)
-        now[0] += 3.0
+        trial_rounds.append(1)
+        now[0] += 9.0 if 3 < len(trial_rounds) <= 6 else 3.0  # rounds 4-6: the second trial's warm-up + 2
         return out
 
     def run_plain(self, steps, *args, **kwargs):
@@ -592,23 +596,32 @@ def test_measure_break_even_times_rounds_against_pipelined_plain_steps(model, mo
         now[0] += float(steps)
         return out
 
-    monkeypatch.setattr(speculative.SpeculativeDecoder, "round", round_)
-    monkeypatch.setattr(speculative.SpeculativeDecoder, "run_plain", run_plain)
+    monkeypatch.setattr(Rounds, "round", round_)
+    monkeypatch.setattr(Rounds, "run_plain", run_plain)
     drafter = ConstantDrafter()
-    break_even = measure_break_even(model, drafter, 3, GREEDY, context=16, repeats=2)
-    assert break_even == pytest.approx(3.0)
-    # the scratch decoder's rows: the context, warm-up + 2 rounds of 1 token, 3 runs of PLAIN_RUN
-    assert drafter.rows == 16 + 3 + 3 * PLAIN_RUN
+    break_even = measure_break_even(model, drafter, 3, GREEDY, context=16, repeats=2, trials=3)
+    assert break_even.steps == pytest.approx(3.0)
+    assert break_even.trials == pytest.approx((3.0, 9.0, 3.0))
+    # the scratch decoder's rows: the context, then per trial warm-up + 2 rounds of 1 token, 3 runs of PLAIN_RUN
+    assert drafter.rows == 16 + 3 * (3 + 3 * PLAIN_RUN)
+
+
+def test_serving_drafts_only_clearly_below_the_cut():
+    """A round of 7 proposals emits at most 8 tokens: with the margin, a break-even of
+    8.0 (the cut itself, where measurements swing across from start to start) decodes
+    plainly, 7.0 drafts."""
+    assert calibrate.round_pay_limit(7) == pytest.approx(7.2)
+    assert calibrate.round_can_pay(7.0, 7) and not calibrate.round_can_pay(8.0, 7)
 
 
 @pytest.mark.parametrize("error_at", [0, 3])
 def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_at):
     reference = plain_greedy(model, PROMPT, 40)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at)
-    fallback = Fallback(100.0)  # drafting never pays: plain rounds with probes
     rounds, decoders = [], []
 
     def on_round(result, decoder):
+        fallback = decoder.fallback
         rounds.append(result.proposed)
         decoders.append(decoder)
         assert len(result.tokens) <= PLAIN_RUN or result.proposed > 0
@@ -619,8 +632,8 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
         assert (decoder.queued is not None) == queued
         assert decoder.cache.offset == decoder.committed + queued
 
-    result = generate_speculative(model, oracle, PROMPT, 40, GREEDY, [], 128, on_round=on_round,
-                                  fallback=fallback)
+    result = speculate(model, oracle, PROMPT, 40, GREEDY, [], 128, on_round=on_round,
+                       break_even=100.0)  # drafting never pays: plain rounds with probes
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
     decoders[-1].sync_drafter()
     assert len(oracle.committed) == decoders[-1].cache.offset and not decoders[-1].unobserved
@@ -635,14 +648,12 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
 def test_queued_plain_steps_stop_at_the_context_and_leave_when_a_round_drafts(model):
     # plain rounds up to a full context: the queued step never takes a row past it
     reference = plain_greedy(model, PROMPT, 40, max_context=len(PROMPT) + 40)
-    result = generate_speculative(model, ConstantDrafter(), PROMPT, 100, GREEDY, [], len(PROMPT) + 40,
-                                  fallback=Fallback(100.0))
+    result = speculate(model, ConstantDrafter(), PROMPT, 100, GREEDY, [], len(PROMPT) + 40, break_even=100.0)
     assert result.token_ids == reference and result.finish_reason == "length"
     # a probe after queued plain rounds: the queued row is dropped before the draft, and the
     # drafter observes exactly the committed rows
     reference = plain_greedy(model, PROMPT, 60)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=0)
-    fallback = Fallback(100.0)
     probes = []
 
     def on_round(result, decoder):
@@ -650,7 +661,7 @@ def test_queued_plain_steps_stop_at_the_context_and_leave_when_a_round_drafts(mo
             probes.append(decoder.cache.offset)
             assert decoder.queued is None and len(oracle.committed) == decoder.cache.offset
 
-    result = generate_speculative(model, oracle, PROMPT, 60, GREEDY, [], 128, on_round=on_round, fallback=fallback)
+    result = speculate(model, oracle, PROMPT, 60, GREEDY, [], 128, on_round=on_round, break_even=100.0)
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
     assert len(probes) >= 3  # the first round and probes after runs of queued plain rounds
 
@@ -659,7 +670,7 @@ def test_fallback_keeps_sampled_output_reproducible(model):
     outs = []
     for _ in range(2):
         params = SamplingParams(temperature=0.8, seed=7)
-        result = generate_speculative(model, ConstantDrafter(), PROMPT, 30, params, [], 128, fallback=Fallback(100.0))
+        result = speculate(model, ConstantDrafter(), PROMPT, 30, params, [], 128, break_even=100.0)
         assert result.speculative.plain_rounds > 0
         outs.append(result.token_ids)
     assert outs[0] == outs[1]
@@ -682,6 +693,12 @@ class ConstantDrafter:
     def arrays(self):
         return []
 
+    def snapshot(self):
+        return None
+
+    def restore(self, snapshot, rows):
+        return False
+
 
 def test_measure_costs(model):
     drafter = ConstantDrafter()
@@ -690,7 +707,7 @@ def test_measure_costs(model):
     assert drafter.rows == 16
     # an uncalibrated cost scheduler is calibrated before the generation starts
     scheduler = CostScheduler()
-    generate_speculative(model, drafter, PROMPT, 3, GREEDY, [], 64, block_size=4, scheduler=scheduler)
+    speculate(model, drafter, PROMPT, 3, GREEDY, [], 64, block_size=4, scheduler=scheduler)
     assert scheduler.calibrated and len(scheduler.verify_seconds) == 5
 
 
@@ -700,7 +717,7 @@ def test_measure_costs(model):
 def run_cli(capsys, argv, model, drafter):
     loaded = []
 
-    def load_draft(source, target, dtype, quantization, local_files_only):
+    def load_draft(source, target, dtype, quantization, local_files_only, revision=None):
         assert target is model and local_files_only is False
         loaded.append((source, dtype, quantization))
         return drafter
@@ -741,7 +758,7 @@ def test_cli_draft_json_and_stats_line(capsys, model, target_pack):
     (["--draft", "D", "--draft-block-size", "0"], "--draft-block-size must be at least 1"),
     (["--draft", "D", "--spec-threshold", "0.2"], "--spec-threshold only applies with --spec-sched threshold"),
     (["--draft", "D", "--spec-sched", "threshold", "--spec-threshold", "2"], "--spec-threshold must be in [0, 1]"),
-    (["--spec-threshold", "0.2"], "--spec-threshold only apply with --draft"),
+    (["--spec-threshold", "0.2"], "--spec-threshold only applies with a draft (--draft)"),
 ])
 def test_cli_draft_argument_errors(capsys, model, target_pack, argv, message):
     oracle = GreedyOracle(PROMPT, [1], model.args.vocab_size)
@@ -773,15 +790,15 @@ def test_real_draft_greedy_speculative_equals_plain(real_pair, fmt, monkeypatch,
     model = load_model(target_pack, dtype="float32")
     drafter = load_drafter(drafts[fmt], model, dtype="float32")
     assert drafter.taps and drafter.max_proposals >= 1
-    plain = generate(model, PROMPT, 24, GREEDY, [], 128)
+    plain_out = plain(model, PROMPT, 24, GREEDY, [], 128)
     for scheduler in (FixedScheduler(), ThresholdScheduler(0.3)):
-        spec = generate_speculative(model, drafter, PROMPT, 24, GREEDY, [], 128, prefill_chunk_size=CHUNK,
+        spec = speculate(model, drafter, PROMPT, 24, GREEDY, [], 128, prefill_chunk_size=CHUNK,
                                     scheduler=scheduler)
-        assert_same_greedy(model, PROMPT, spec.token_ids, plain.token_ids)
+        assert_same_greedy(model, PROMPT, spec.token_ids, plain_out.token_ids)
         assert spec.speculative.rounds >= 1
     # sampling runs through the draft's q and is reproducible with a seed
     params = SamplingParams(temperature=0.9, top_k=20, seed=7)
-    runs = [generate_speculative(model, drafter, PROMPT, 12, params, [], 128).token_ids for _ in range(2)]
+    runs = [speculate(model, drafter, PROMPT, 12, params, [], 128).token_ids for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
 
 

@@ -11,8 +11,12 @@ or removes it from the queue.
 The sequence a request leaves behind is kept in a `Session` (the model cache plus
 restore points), so a request whose prompt extends it prefills only the new tokens:
 the next chat turn, or the same prompt again. The generation itself is one call,
-`backend(session, prompt, ...)` (backends.py: `PlainDecoder`, `SpeculativeBackend`);
+`decoder(session, prompt, ...)` (plain.PlainDecoder or speculative.SpeculativeDecoder);
 events.py holds the request and event types, textstream.py the released text.
+
+serve, chat, generate and the benchmarks all run requests through an Engine;
+`generate` below is the same decoder call on the calling thread, without the queue
+(for code that wants an Outcome's stats or times a loop without a worker thread).
 """
 
 from __future__ import annotations
@@ -24,23 +28,25 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .backends import PlainDecoder, Session
-from .decode import check_prompt
+from ..sampling import SamplingParams
 from .events import (
     Delta,
     Event,
     Failed,
     Finished,
     GenerationRequest,
-    SpecCounters,
+    Outcome,
     Started,
     TokenLogprob,
     Usage,
+    check_max_tokens,
+    check_prompt,
 )
+from .plain import PlainDecoder
+from .session import Session
 from .textstream import TextStream
 
 MAX_TOP_LOGPROBS = 20
@@ -105,25 +111,11 @@ class Job:
         self._engine._drop(self)
 
 
-@dataclass
-class EngineTotals:
-    """Totals over the engine's life (for /stats and logs)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    decode_steps: int = 0
-    spec: SpecCounters = field(default_factory=SpecCounters)
-
-
 class Engine:
-    """See the module docstring. `backend` defaults to plain decoding of `model`."""
+    """See the module docstring. `decoder` defaults to plain decoding of `model`."""
 
     def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
-                 max_queue: int = 64, queue_timeout: float = 600.0, backend=None, draft_name: str | None = None):
+                 max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
@@ -133,12 +125,11 @@ class Engine:
         self.max_context = max_context
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.backend = backend or PlainDecoder(model, max_context, prefill_chunk_size)
+        self.decoder = decoder or PlainDecoder(model, max_context, prefill_chunk_size)
         self.draft_name = draft_name
         self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(model.args, "eos_token_ids", ()))
         self.vocab_size = model.args.vocab_size
         self.session = Session()  # the default: requests without their own session share it
-        self.totals = EngineTotals()
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
         self._running: Job | None = None
@@ -162,7 +153,7 @@ class Engine:
 
     @property
     def supports_logprobs(self) -> bool:
-        return getattr(self.backend, "logprobs", False)
+        return getattr(self.decoder, "logprobs", False)
 
     def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
         return check_prompt(prompt_ids, self.vocab_size, self.max_context)
@@ -172,10 +163,11 @@ class Engine:
         """Queue a request; raise QueueFull when max_queue requests already wait. The
         request is dropped with a QueueTimeout if it has not started by its deadline."""
         self.check_prompt(request.prompt_ids)
+        check_max_tokens(request.max_tokens)
         if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}")
         if request.logprobs is not None and not self.supports_logprobs:
-            raise ValueError("logprobs are not available with this backend (speculative decoding)")
+            raise ValueError("logprobs are not available with speculative decoding")
         job = Job(self, request, sink, session or self.session, self.queue_timeout if timeout is None else timeout)
         with self._lock:
             if self._closed:
@@ -267,7 +259,7 @@ class Engine:
             return not (text.stopped or job.cancelled)
 
         try:
-            outcome = self.backend(job.session, request.prompt_ids, request.max_tokens, request.params,
+            outcome = self.decoder(job.session, request.prompt_ids, request.max_tokens, request.params,
                                    self.stop_ids, on_token, logprobs=request.logprobs,
                                    cancelled=lambda: job.cancelled)
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
@@ -285,18 +277,8 @@ class Engine:
             finish = outcome.finish_reason
         generated = len(outcome.token_ids) + outcome.stop_token
         usage = Usage(outcome.prompt_tokens, generated, outcome.cached_tokens)
-        t = self.totals
-        t.requests += 1
-        t.prompt_tokens += usage.prompt_tokens
-        t.cached_tokens += usage.cached_tokens
-        t.generated_tokens += generated
-        t.prefill_seconds += outcome.prefill_seconds
-        t.decode_seconds += outcome.decode_seconds
-        t.decode_steps += outcome.decode_steps
-        if outcome.spec is not None:
-            t.spec = t.spec + outcome.spec
         self._emit(job, Finished(finish, usage, tuple(outcome.token_ids), queued, outcome.prefill_seconds,
-                                 outcome.decode_seconds, outcome.decode_steps, outcome.spec))
+                                 outcome.decode_seconds, outcome.decode_steps, outcome.speculative))
 
     @staticmethod
     def _emit(job: Job, event: Event) -> None:
@@ -304,3 +286,24 @@ class Engine:
             job.sink(event)
         except Exception:  # noqa: BLE001 - a consumer that went away must not stop the engine
             job._cancelled.set()
+
+
+def generate(decoder, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+             stop_ids=(), on_token: Callable[[int], None] | None = None, session: Session | None = None,
+             logprobs: int | None = None) -> Outcome:
+    """Up to `max_tokens` tokens after `prompt_ids` with `decoder`, on the calling thread
+    (a fresh Session unless one is given). The sequence (prompt + output) never exceeds
+    the decoder's max_context; a stop token ends it with "stop" and is not part of the
+    output. `on_token(id)` is called for each output token as it is read."""
+    prompt = check_prompt(prompt_ids, decoder.model.args.vocab_size, decoder.max_context)
+    check_max_tokens(max_tokens)
+    if max_tokens is None:
+        raise ValueError("max_tokens must be an integer >= 1, got None")
+
+    def emit(token_id: int, logprob: TokenLogprob | None) -> bool:
+        if on_token is not None:
+            on_token(token_id)
+        return True
+
+    return decoder(session or Session(), prompt, max_tokens, params, frozenset(int(t) for t in stop_ids), emit,
+                   logprobs)

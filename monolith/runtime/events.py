@@ -1,11 +1,47 @@
-"""What a request is and what the engine reports back: the request, its token events
-(`Started`, `Delta`s, then one `Finished` or `Failed`), usage and speculative counters."""
+"""What a request is and what the engine reports back: the request (checked once, here,
+at the boundary: the decoders trust it), what a decoder produced (`Outcome`), the token
+events (`Started`, `Delta`s, then one `Finished` or `Failed`), usage and speculative
+counters."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
+from .stats import SpecStats
+
+
+class ContextLengthError(ValueError):
+    """The prompt leaves no room for a generated token in the context."""
+
+    def __init__(self, prompt_tokens: int, max_context: int):
+        self.prompt_tokens = prompt_tokens
+        self.max_context = max_context
+        super().__init__(
+            f"prompt is {prompt_tokens} tokens but max_context is {max_context}: "
+            f"the prompt plus at least one generated token must fit"
+        )
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
+    """The prompt as a list of ints; ValueError (or ContextLengthError) if it is empty,
+    holds an id outside the vocabulary, or leaves no room for one generated token."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
+    if len(prompt) + 1 > max_context:
+        raise ContextLengthError(len(prompt), max_context)
+    return prompt
+
+
+def check_max_tokens(max_tokens) -> None:
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
 
 
 @dataclass(frozen=True)
@@ -49,17 +85,42 @@ class SpecCounters:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a backend call produced."""
+    """What a decoder call produced."""
 
     token_ids: list[int]  # output tokens (a stop token is not one of them)
     finish_reason: str  # "stop" (stop token), "length", or "abort" (on_token asked to stop)
     prompt_tokens: int
     cached_tokens: int  # prompt tokens taken from the session instead of prefilled
-    prefill_seconds: float  # start to the first output token
+    prefill_seconds: float  # start to the first output token (prefill + first sample)
     decode_seconds: float  # first output token to the last
+    # tokens read after the first one, a stop token included (plain decoding: one
+    # forward step each; a speculative round reads up to gamma + 1)
     decode_steps: int
     stop_token: bool = False  # a stop token ended it (it counts as generated)
-    spec: SpecCounters | None = None
+    speculative: SpecStats | None = None  # rounds and acceptance (speculative decoding only)
+
+    @property
+    def spec(self) -> SpecCounters | None:
+        return spec_counters(self.speculative)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        prefilled = self.prompt_tokens - self.cached_tokens
+        return prefilled / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_steps and self.decode_seconds > 0 else 0.0
+
+
+def spec_counters(stats: SpecStats | None) -> SpecCounters | None:
+    """The engine's additive counters from a generation's speculative stats."""
+    if stats is None:
+        return None
+    c = stats.prometheus()
+    return SpecCounters(c["spec_decode_num_drafts_total"], c["spec_decode_num_draft_tokens_total"],
+                        c["spec_decode_num_accepted_tokens_total"],
+                        tuple(c["spec_decode_num_accepted_tokens_per_pos_total"]))
 
 
 @dataclass(frozen=True)
@@ -93,7 +154,11 @@ class Finished:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
-    spec: SpecCounters | None = None
+    speculative: SpecStats | None = None
+
+    @property
+    def spec(self) -> SpecCounters | None:
+        return spec_counters(self.speculative)
 
     @property
     def prefilled_tokens(self) -> int:

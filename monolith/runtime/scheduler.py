@@ -6,8 +6,8 @@
 - `cost`: the l maximizing the expected tokens per second
   (1 + sum_{j<=l} a_j) / (T_draft + T_verify(1 + l)), scanning l = 0, 1, ... and
   stopping at the first l that does not improve on the one before. T_draft and the
-  T_verify table (rows 1..gamma+1) are measured at warm-up by `measure_costs`: medians
-  of timed forwards on a scratch cache at a short context, kept for the whole run.
+  T_verify table (rows 1..gamma+1) are measured at warm-up by calibrate.measure_costs:
+  medians of timed stages on a scratch sequence at a short context, kept for the whole run.
 
 Whatever l is chosen, it is chosen from the draft's side alone (confidences, past
 rounds), never from the target's verdict on this round, so the output distribution is
@@ -32,7 +32,7 @@ head, add none.
 
 `Fallback` decides before a round whether to draft at all: while the recent rounds'
 tokens per round stay below the break-even (a round's cost in plain steps, measured
-once by speculative.measure_break_even), rounds are plain one-row steps, with a
+once by calibrate.measure_break_even), rounds are plain one-row steps, with a
 speculative probe after PROBE_EVERY of them (waits doubling while probes fail) to
 notice when drafting pays again. The decision depends only on past rounds, so outputs
 keep their distribution (greedy: equal to plain).
@@ -40,10 +40,6 @@ keep their distribution (greedy: equal to plain).
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import mlx.core as mx
 import numpy as np
 
 SCHEDULERS = ("fixed", "threshold", "cost")
@@ -133,8 +129,8 @@ class CostScheduler(SurvivalScheduler):
     name = "cost"
 
     def __init__(self, draft_seconds: float | None = None, verify_seconds=None, **kw):
-        """verify_seconds[r - 1] = T_verify(r rows); both measured by `measure_costs`
-        when not given."""
+        """verify_seconds[r - 1] = T_verify(r rows); both measured by
+        calibrate.measure_costs when not given."""
         super().__init__(**kw)
         self.draft_seconds = draft_seconds
         self.verify_seconds = None if verify_seconds is None else [float(t) for t in verify_seconds]
@@ -221,12 +217,6 @@ class Fallback:
         self.probing = False
 
 
-def round_can_pay(break_even: float, gamma: int) -> bool:
-    """Can a drafted round of gamma proposals ever pay? It emits at most gamma + 1 tokens,
-    so not when it costs more plain steps than that (then decode plainly)."""
-    return break_even <= gamma + 1
-
-
 def make_scheduler(name: str, max_positions: int = 16, threshold: float | None = None) -> Scheduler:
     if name == "fixed":
         return FixedScheduler()
@@ -235,42 +225,3 @@ def make_scheduler(name: str, max_positions: int = 16, threshold: float | None =
     if name == "cost":
         return CostScheduler(max_positions=max_positions)
     raise ValueError(f"unknown scheduler {name!r} (known: {', '.join(SCHEDULERS)})")
-
-
-def measure_costs(model, drafter, gamma: int, params, context: int = 64, repeats: int = 5) -> tuple[float, list[float]]:
-    """(T_draft, [T_verify(1), ..., T_verify(gamma + 1)]) in seconds: medians of timed
-    runs on a scratch cache holding `context` random rows (verify forwards as in a
-    round: taps captured, GDN tapes recorded). Restarts the drafter: call it before
-    the sequence's `drafter.start`."""
-    vocab = model.args.vocab_size
-    tokens = mx.random.randint(0, vocab, (context + gamma + 1,), key=mx.random.key(0)).astype(mx.int32)
-    cache = model.make_cache(context + gamma + 2)
-    drafter.start(context + gamma + 2)
-    _, features = model.forward(tokens[:context], cache, taps=drafter.taps, logits="none")
-    drafter.observe(features)
-    mx.eval(cache.arrays(), drafter.arrays())
-    snap = cache.snapshot()
-    key = None if params.greedy else mx.random.key(1)
-
-    def median_seconds(run) -> float:
-        run()  # warm-up
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    def draft():
-        p = drafter.propose(int(tokens[context].item()), gamma, params, key)
-        mx.eval([a for a in (p.tokens, p.q, p.confidence) if a is not None])
-
-    def verify(rows):
-        cache.restore(snap)
-        cache.snapshot(record=True)
-        logits, feats = model.forward(tokens[context:context + rows], cache, taps=drafter.taps)
-        mx.eval(logits, feats, cache.arrays())
-
-    draft_seconds = median_seconds(draft)
-    verify_seconds = [median_seconds(lambda r=rows: verify(r)) for rows in range(1, gamma + 2)]
-    return draft_seconds, verify_seconds

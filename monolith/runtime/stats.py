@@ -27,7 +27,7 @@ PROMETHEUS_NAMES = (
 
 @dataclass
 class SpecStats:
-    block_size: int  # gamma: proposals asked of the drafter per round (l <= gamma)
+    gamma: int  # proposals asked of the drafter per round (l <= gamma)
     proposed_per_round: list[int] = field(default_factory=list)
     accepted_per_round: list[int] = field(default_factory=list)
     # Stage seconds, summed over rounds; None unless the rounds were profiled (profiling
@@ -38,8 +38,8 @@ class SpecStats:
     plain_rounds: int = 0  # one-row rounds a Fallback chose instead of drafting (not in the above)
 
     def record(self, proposed: int, accepted: int, seconds: tuple[float, float, float] | None = None) -> None:
-        if not 0 <= accepted <= proposed <= self.block_size:
-            raise ValueError(f"a round accepted {accepted} of {proposed} proposals (block size {self.block_size})")
+        if not 0 <= accepted <= proposed <= self.gamma:
+            raise ValueError(f"a round accepted {accepted} of {proposed} proposals (gamma {self.gamma})")
         self.proposed_per_round.append(proposed)
         self.accepted_per_round.append(accepted)
         if seconds is not None:
@@ -63,12 +63,12 @@ class SpecStats:
 
     def accepted_per_position(self) -> list[int]:
         """Rounds whose proposal at position j (0-based index) was accepted."""
-        return [sum(1 for a in self.accepted_per_round if a > j) for j in range(self.block_size)]
+        return [sum(1 for a in self.accepted_per_round if a > j) for j in range(self.gamma)]
 
     def reached_per_position(self) -> list[int]:
         """Rounds that verified a proposal at position j and accepted all before it."""
         return [sum(1 for l, a in zip(self.proposed_per_round, self.accepted_per_round) if l > j and a >= j)
-                for j in range(self.block_size)]
+                for j in range(self.gamma)]
 
     def per_position_acceptance(self) -> list[float | None]:
         """Conditional acceptance by position (None where no round reached it)."""
@@ -87,7 +87,7 @@ class SpecStats:
     def as_json(self) -> dict:
         return {
             "rounds": self.rounds,
-            "block_size": self.block_size,
+            "block_size": self.gamma,  # as generate --draft-block-size names it
             "accepted_per_round": list(self.accepted_per_round),
             "proposed_per_round": list(self.proposed_per_round),
             "mean_accepted": self.mean_accepted,

@@ -29,14 +29,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..runtime.decode import ContextLengthError
 from ..runtime.engine import (
     EngineClosed,
     QueueFull,
     QueueTimeout,
     release_thread_streams,
 )
-from ..runtime.events import Delta, Failed, Finished, GenerationRequest, Started
+from ..runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest, Started
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json, sse
 from .schemas import (

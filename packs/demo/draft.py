@@ -82,10 +82,12 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
     if len(done) >= count:
         return done[:count]
     from monolith.launch import load_target
-    from monolith.runtime.decode import generate
+    from monolith.runtime import engine
+    from monolith.runtime.plain import PlainDecoder
     from monolith.sampling import SamplingParams
 
     model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    decoder = PlainDecoder(model, PROMPT_LEN + GEN_LEN + 16)
     config = json.loads((out / "target-bf16" / "generation_config.json").read_text())
     rng = np.random.default_rng(seed + 1)
     seqs, t0, gen_tokens = [], time.time(), 0
@@ -99,7 +101,7 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
         params = SamplingParams(temperature=0.0) if len(seqs) % 2 == 0 else SamplingParams(
             config.get("temperature", 1.0), config.get("top_p", 1.0), config.get("top_k", 0), 0.0,
             seed=seed * 100_000 + len(seqs))
-        r = generate(model, prompt, GEN_LEN, params, [], PROMPT_LEN + GEN_LEN + 16)
+        r = engine.generate(decoder, prompt, GEN_LEN, params)
         ids = (prompt + list(r.token_ids))[:PROMPT_LEN + GEN_LEN]
         if len(ids) < PROMPT_LEN + GEN_LEN:  # stopped early (EOS): pad by repeating nothing: skip
             continue

@@ -1,0 +1,123 @@
+"""What a round costs on this machine, measured at start on a scratch sequence with the
+decoder's own stages (rounds.Rounds: the same verify forward, acceptance and commit a
+served round runs):
+
+- `measure_costs`: T_draft and the T_verify(rows) table the cost scheduler reads;
+- `measure_break_even`: a drafted round's cost in plain steps (scheduler.Fallback's
+  threshold), as the median over several trials, each timing consecutive rounds
+  against chained runs of pipelined plain steps. One start gives one answer only if
+  the decision has a margin: `round_can_pay` drafts only when the break-even sits
+  clearly (PAY_MARGIN) below the tokens a round can emit, because a break-even near
+  the cut swings across it from start to start on a loaded machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams
+from .drafter import Drafter
+from .rounds import PLAIN_RUN, Block, Rounds
+from .scheduler import FixedScheduler
+
+PAY_MARGIN = 0.1  # draft only when a round costs at most (1 - PAY_MARGIN) x the tokens it can emit
+BREAK_EVEN_TRIALS = 3
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    steps: float  # a drafted round's cost in plain steps: the median over trials
+    trials: tuple[float, ...]
+
+    def describe(self) -> str:
+        low, high = min(self.trials), max(self.trials)
+        return f"{self.steps:.1f} plain steps (median of {len(self.trials)} trials, {low:.1f}-{high:.1f})"
+
+
+def scratch_rounds(model, drafter: Drafter, gamma: int, params: SamplingParams, context: int,
+                   extra_rows: int) -> Rounds:
+    """A sequence of `context` random prompt rows with room for `extra_rows` more.
+    Restarts the drafter: call before the real sequence's `drafter.start`."""
+    prompt = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(0)).tolist()
+    rounds = Rounds(model, drafter, params, context + extra_rows, gamma, FixedScheduler())
+    rounds.prefill(prompt)
+    mx.eval(rounds.cache.arrays(), drafter.arrays())
+    return rounds
+
+
+def measure_costs(model, drafter: Drafter, gamma: int, params: SamplingParams, context: int = 64,
+                  repeats: int = 5) -> tuple[float, list[float]]:
+    """(T_draft, [T_verify(1), ..., T_verify(gamma + 1)]) in seconds: medians of timed
+    runs after a warm-up, each verify from the same snapshot."""
+    rounds = scratch_rounds(model, drafter, gamma, params, context, gamma + 2)
+    snap = rounds.cache.snapshot()
+    key = None if params.greedy else mx.random.key(1)
+
+    def median_seconds(run) -> float:
+        run()  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    def draft():
+        p = drafter.propose(rounds.anchor, gamma, params, key)
+        mx.eval([a for a in (p.tokens, p.q, p.confidence) if a is not None])
+        return p
+
+    proposal = draft()
+
+    def verify(rows: int):
+        rounds.cache.restore(snap)
+        block = Block(proposal, None, proposal.tokens[:rows - 1].astype(mx.int32), key)
+        mx.eval(rounds.verify(block), block.features, rounds.cache.arrays())
+
+    draft_seconds = median_seconds(draft)
+    verify_seconds = [median_seconds(lambda r=rows: verify(r)) for rows in range(1, gamma + 2)]
+    rounds.cache.restore(snap)
+    return draft_seconds, verify_seconds
+
+
+def measure_break_even(model, drafter: Drafter, gamma: int, params: SamplingParams, context: int = 64,
+                       repeats: int = 6, trials: int = BREAK_EVEN_TRIALS) -> BreakEven:
+    """A drafted round's cost in plain steps, as the decoder runs both: per trial, the
+    time of `repeats` consecutive rounds (draft, verify of gamma + 1 rows, commit) per
+    round over the time of `repeats` chained runs of PLAIN_RUN pipelined plain steps per
+    step, each after a warm-up; the median over `trials`."""
+    per_trial = (repeats + 1) * (gamma + 1 + PLAIN_RUN)
+    rounds = scratch_rounds(model, drafter, gamma, params, context, trials * per_trial + 2)
+
+    def seconds(run) -> float:
+        run()  # warm-up
+        mx.eval(rounds.cache.arrays())
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        mx.eval(rounds.cache.arrays(), rounds.unobserved)
+        return time.perf_counter() - start
+
+    ratios = []
+    for _ in range(trials):
+        round_seconds = seconds(lambda: rounds.round(gamma + 1)) / repeats
+        step_seconds = seconds(lambda: rounds.run_plain(PLAIN_RUN, queue_next=True)) / (repeats * PLAIN_RUN)
+        rounds.sync_drafter()
+        ratios.append(round_seconds / step_seconds)
+    return BreakEven(statistics.median(ratios), tuple(ratios))
+
+
+def round_pay_limit(gamma: int) -> float:
+    """The largest break-even at which a drafted round of gamma proposals is worth
+    running: it emits at most gamma + 1 tokens, less the margin."""
+    return (1 - PAY_MARGIN) * (gamma + 1)
+
+
+def round_can_pay(break_even: float, gamma: int) -> bool:
+    """Can a drafted round of gamma proposals pay? Not when it costs about as many plain
+    steps as the tokens it can emit, or more (then decode plainly)."""
+    return break_even <= round_pay_limit(gamma)

@@ -1,0 +1,132 @@
+"""Plain decoding: chunked prefill, then one token per step.
+
+The next step is queued before the current token is read (`mx.async_eval`), so the
+host's work on token t overlaps the device's work on token t+1 and each generated
+token costs one host sync. When the token read turns out to be a stop token, that
+one queued step is discarded (the cache then holds one token past the output: the
+session keeps a restore point before it).
+
+A decoder is called as `decoder(session, prompt, max_tokens, params, stop_ids,
+on_token, logprobs=None, cancelled=...) -> Outcome` (the speculative decoder has the
+same call shape); its arguments were checked at the boundary (events.check_prompt).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams, key_chain, sample
+from .events import Outcome, TokenLogprob
+from .session import Session
+
+
+class PlainDecoder:
+    """The plain loop on a Session's cache: the next step is queued before the current
+    token is read, with cancellable chunked prefill, logprobs, and restore points at the
+    prompt's end, at the output's end and one step before it."""
+
+    logprobs = True  # the decoder reports logprobs
+
+    def __init__(self, model, max_context: int, prefill_chunk_size: int = 512):
+        self.model = model
+        self.max_context = max_context
+        if prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size!r}")
+        self.prefill_chunk_size = prefill_chunk_size
+
+    def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
+                 stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+        model, max_context = self.model, self.max_context
+        prompt = list(prompt)
+        room = max_context - len(prompt)
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+        stops = frozenset(stop_ids)
+        keys = None if params.greedy else key_chain(params.seed)
+
+        def pick(row):
+            token = sample(row, params, None if keys is None else next(keys))
+            return (token, *_logprob_arrays(row, token, logprobs))
+
+        start = time.perf_counter()
+        cache, cached, logits = session.resume(model, prompt, max_context)
+        if logits is None:
+            logits = self._prefill(session, prompt, cached, cancelled)
+            if logits is None:
+                return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
+        session.mark(prompt, logits)
+        pending = pick(logits)
+        mx.async_eval(*pending)
+        fed, out = list(prompt), []
+        first_at, steps, before, stop_token = None, 0, None, False
+        while True:
+            produced = len(out) + 1  # counting the token in flight
+            more = produced < max_tokens
+            if more:
+                before = cache.snapshot()  # the cache holds exactly `fed`
+                row, _ = model(pending[0].reshape(1), cache)
+                upcoming = pick(row[-1])
+                mx.async_eval(*upcoming)
+            token_id = pending[0].item()
+            if more:
+                fed.append(token_id)
+            if first_at is None:
+                first_at = time.perf_counter()
+            else:
+                steps += 1
+            if token_id in stops:
+                finish, stop_token = "stop", True
+                break
+            out.append(token_id)
+            if not on_token(token_id, _read_logprob(pending)) or cancelled():
+                finish = "abort"
+                break
+            if not more:
+                finish = "length"
+                break
+            pending = upcoming
+        end = time.perf_counter()
+        if more:  # the last step fed one token past what it read: keep the point before it
+            session.mark(fed[:-1], snapshot=before)
+        session.mark(fed)
+        return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, steps, stop_token)
+
+    def _prefill(self, session: Session, prompt: list[int], cached: int, cancelled) -> mx.array | None:
+        """Prefill prompt[cached:] chunk by chunk (a cancel takes effect between chunks);
+        the last row's logits, or None if cancelled."""
+        cache, chunk = session.cache, self.prefill_chunk_size
+        done = cached
+        while True:
+            end = min(done + chunk, len(prompt))
+            logits = self.model.prefill(mx.array(prompt[done:end], dtype=mx.int32), cache, chunk_size=chunk)
+            done = end
+            if done == len(prompt):
+                return logits
+            mx.eval(cache.arrays())  # bound the graph between chunks
+            if cancelled():
+                session.mark(prompt[:done])
+                return None
+
+
+def _logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:
+    if k is None:
+        return ()
+    logprobs = row - mx.logsumexp(row, keepdims=True)
+    chosen = logprobs[token]
+    if not k:
+        return (chosen,)
+    top = mx.argpartition(-logprobs, k - 1)[:k]
+    return chosen, top, logprobs[top]
+
+
+def _read_logprob(pending: tuple) -> TokenLogprob | None:
+    if len(pending) == 1:
+        return None
+    token_id, chosen = int(pending[0].item()), float(pending[1].item())
+    top = ()
+    if len(pending) == 4:
+        top = tuple(sorted(zip(pending[2].tolist(), pending[3].tolist()), key=lambda p: -p[1]))
+    return TokenLogprob(token_id, chosen, top)

@@ -1,0 +1,272 @@
+"""The rounds of one speculative sequence (dspark.md 4): prefill with taps, then rounds
+of draft -> schedule -> verify -> accept -> commit.
+
+Positions: after the prefill the cache holds the P prompt rows and the first token, the
+anchor, sits at position P outside the cache. A round verifies [anchor, x_1..x_l] in
+one target forward (rows P'..P'+l), accepts a <= l proposals, emits x_1..x_a and the
+bonus, and commits the a + 1 rows [anchor, x_1..x_a]: the KV offset moves past them,
+the gated DeltaNet states are replayed from the pre-verify snapshot over exactly those
+rows (`HybridCache.commit`), and the drafter observes their tap features. The bonus is
+the next anchor.
+
+A `Fallback` may make a round a plain one-row step (no draft; the drafter observes the
+rows such rounds commit in one batch before it next drafts, `sync_drafter`) while the
+recent rounds emit fewer tokens than a round costs in plain steps (scheduler.Fallback;
+the break-even is calibrate.measure_break_even). Plain steps are pipelined as in plain.py,
+and across rounds too: when the next round will be plain as well, the run ends with the
+next step already queued (`Queued`; dropped, and its row rewound, if no round takes it).
+
+Limits: a round never emits more tokens than max_tokens or the context allow (the
+sequence, prompt + output, stays within max_context, as in plain decoding), so the
+block shrinks near the end and committed rows never pass max_context - 1; a stop token
+ends the output where it is read, and nothing after it is emitted.
+
+Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The draft and the commit
+are queued with mx.async_eval as soon as their graphs exist, so the GPU works while the
+host builds the next stage (as plain decoding overlaps its steps; on MLX's CPU stream
+async_eval returns only once the queue is nearly drained, so there little overlaps).
+The threshold and cost schedulers add one when the drafter has a confidence head (the
+verify's row count depends on the confidences), and `profile=True` evaluates each stage
+before the next (to time draft, verify and commit separately) at the price of two more.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.cache import Snapshot
+from ..sampling import SamplingParams, filtered_probs, key_chain, sample
+from .accept import accept_greedy, accept_sampled
+from .drafter import Drafter, Proposal
+from .scheduler import Fallback, FixedScheduler, Scheduler
+from .stats import SpecStats
+
+DEFAULT_GAMMA = 7  # proposals per round: 8 verify rows
+PLAIN_RUN = 8  # plain steps a fallback round runs at most (tokens reach the caller per round)
+
+
+@dataclass
+class Block:
+    """A round in flight: the proposals chosen for verification, then what the verify
+    forward left for the commit."""
+
+    proposal: Proposal | None  # None when no proposal fits (one row left)
+    confidence: np.ndarray | None  # as the scheduler read it, or None
+    proposed: mx.array  # int32 [l]: the proposals verified
+    accept_key: mx.array | None
+    snapshot: Snapshot | None = None  # the GDN states before the verify
+    features: mx.array | None = None  # tap features of the l + 1 verified rows
+    plain: bool = False  # a Fallback chose a one-row round: no draft
+
+    @property
+    def size(self) -> int:
+        return self.proposed.shape[0]
+
+    def arrays(self) -> list[mx.array]:
+        p = self.proposal
+        return [self.proposed] + ([] if p is None else [a for a in (p.q, p.confidence) if a is not None])
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A plain step in flight past a run of plain rounds: the anchor's row is in the
+    cache (`snapshot`: the GDN states without it), its tap features and the sampled
+    next token are lazy."""
+
+    token: mx.array  # int32 [1]
+    features: mx.array
+    snapshot: Snapshot | None  # taken only for the step queued past a run
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    tokens: list[int]  # emitted: the accepted proposals then the bonus (accepted + 1 tokens)
+    proposed: int  # l, proposals verified
+    accepted: int  # a
+
+
+class Rounds:
+    """One sequence: the target's cache, the drafter's context, the anchor; `prefill`
+    once, then `round` until done (speculative.SpeculativeDecoder runs them)."""
+
+    def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int,
+                 gamma: int | None = None, scheduler: Scheduler | None = None, profile: bool = False,
+                 fallback: Fallback | None = None, cache=None):
+        self.model, self.drafter, self.params = model, drafter, params
+        self.max_context = max_context
+        self.gamma = check_gamma(gamma, drafter.max_proposals)
+        self.scheduler = scheduler or FixedScheduler()
+        self.fallback = fallback
+        self.unobserved: list[mx.array] = []  # tap features of rows plain rounds committed
+        self.queued: Queued | None = None  # a plain step queued for the next plain round
+        self.profile = profile
+        self.keys = None if params.greedy else key_chain(params.seed)
+        self.cache = model.make_cache(max_context) if cache is None else cache
+        self.stats = SpecStats(self.gamma)
+        self.anchor: int | None = None
+        drafter.start(max_context)
+
+    def _key(self) -> mx.array | None:
+        return None if self.keys is None else next(self.keys)
+
+    def prefill(self, prompt: Sequence[int], chunk_size: int = 512) -> int:
+        """Run the prompt in chunks, handing every row's features to the drafter; return
+        the first generated token (the first anchor)."""
+        tokens = mx.array(list(prompt), dtype=mx.int32)
+        total = tokens.shape[0]
+        cache, taps = self.cache, self.drafter.taps
+        cache.check(total, limit=cache.max_context)
+        for start in range(0, total, chunk_size):
+            last = start + chunk_size >= total
+            logits, features = self.model.forward(tokens[start:start + chunk_size], cache, taps=taps,
+                                                  logits="last" if last else "none")
+            self.drafter.observe(features)
+            if not last:
+                mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph, as model.prefill does
+        self.anchor = int(sample(logits[-1], self.params, self._key()).item())
+        return self.anchor
+
+    def round(self, max_new: int) -> RoundResult:
+        """One round emitting at most `max_new` tokens (and never past max_context)."""
+        started = time.perf_counter()
+        block = self.draft(max_new)
+        if block.plain:
+            return self.plain_steps(max_new)
+        if self.profile:
+            mx.eval(block.arrays())
+        else:
+            mx.async_eval(block.proposed)  # the draft runs while the host builds the verify
+        drafted = time.perf_counter()
+        read = np.array(self.verify(block))  # the round's one host sync
+        verified = time.perf_counter()
+        result = self.commit(block, read)
+        if self.profile:
+            mx.eval(self.cache.arrays())
+        else:  # the commit runs while the host hands out the tokens and builds the next draft
+            mx.async_eval(self.cache.arrays(), self.drafter.arrays(), self.unobserved)
+        committed = time.perf_counter()
+        self.stats.record(result.proposed, result.accepted,
+                          (drafted - started, verified - drafted, committed - verified) if self.profile else None)
+        return result
+
+    @property
+    def committed(self) -> int:
+        """Rows committed to the cache (a queued step's row is not)."""
+        return self.cache.offset - (self.queued is not None)
+
+    def plain_steps(self, max_new: int) -> RoundResult:
+        """The plain rounds a Fallback chose, up to its next probe (at most PLAIN_RUN, and
+        within max_new and the context), as one result: `run_plain`, queueing the next
+        step when the Fallback says the next round is plain too."""
+        n = max(1, min(max_new, self.max_context - self.committed - 1, PLAIN_RUN, self.fallback.plain_run()))
+        self.fallback.skip(n - 1)
+        return self.run_plain(n, self.fallback.plain_next())
+
+    def run_plain(self, n: int, queue_next: bool) -> RoundResult:
+        """n one-row steps pipelined as in plain.py (the next step is queued before the
+        current token is read), no tapes; their tap features wait in `unobserved` for the
+        drafter. Starts from a queued step if there is one; `queue_next` leaves the step
+        after the last one queued (when the context has room for its row)."""
+        cache, taps = self.cache, self.drafter.taps
+
+        def step(token: mx.array, snapshot: Snapshot | None = None) -> Queued:
+            logits, features = self.model.forward(token, cache, taps=taps)
+            token = sample(logits[-1], self.params, self._key()).reshape(1).astype(mx.int32)
+            mx.async_eval(token, features)
+            return Queued(token, features, snapshot)
+
+        pending = self.queued or step(mx.array([self.anchor], dtype=mx.int32))
+        self.queued, tokens = None, []
+        for i in range(n):
+            current = pending
+            if i + 1 < n:
+                pending = step(current.token)
+            elif queue_next and cache.offset + 1 < self.max_context:
+                self.queued = step(current.token, cache.snapshot())
+            tokens.append(int(current.token.item()))
+            self.unobserved.append(current.features)
+        self.anchor = tokens[-1]
+        self.stats.plain_rounds += n
+        return RoundResult(tokens, 0, 0)
+
+    # The round's stages, separately (the benchmarks time and count each one).
+
+    def draft(self, max_new: int) -> Block:
+        """Draft and schedule: the proposals to verify (lazy, except the confidences a
+        scheduler reads)."""
+        if self.anchor is None:
+            raise RuntimeError("prefill before the first round")
+        room = min(max_new, self.max_context - self.committed - 1)
+        if room < 1:
+            raise ValueError(f"no room for a round: max_new={max_new}, {self.committed} rows committed "
+                             f"of max_context={self.max_context}")
+        gamma = min(self.gamma, room - 1)  # the bonus is always emitted
+        draft_key, accept_key = self._key(), self._key()
+        if gamma and self.fallback is not None and not self.fallback.speculate():
+            return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
+        self.sync_drafter()  # drops a queued plain step
+        if gamma == 0:  # one row left: a plain decode step
+            return Block(None, None, mx.zeros((0,), mx.int32), accept_key)
+        proposal = self.drafter.propose(self.anchor, gamma, self.params, draft_key)
+        confidence = None
+        if self.scheduler.uses_confidence and proposal.confidence is not None:
+            confidence = np.array(proposal.confidence[:gamma], dtype=np.float32)
+        l = min(gamma, self.scheduler.choose(gamma, confidence))
+        proposed = proposal.tokens[:l].astype(mx.int32) if l else mx.zeros((0,), mx.int32)
+        return Block(proposal, confidence, proposed, accept_key)
+
+    def verify(self, block: Block) -> mx.array:
+        """One target forward over [anchor, x_1..x_l] (GDN tapes recorded when there are
+        proposals to reject, taps captured) and the acceptance test: [x_1..x_l, a, bonus]
+        int32 (lazy)."""
+        cache, l = self.cache, block.size
+        block.snapshot = cache.snapshot(record=l > 0)  # a one-row round keeps its row: no replay
+        rows = mx.concatenate([mx.array([self.anchor], dtype=mx.int32), block.proposed])
+        logits, block.features = self.model.forward(rows, cache, taps=self.drafter.taps)
+        if self.params.greedy:
+            verdict = accept_greedy(block.proposed, logits)
+        else:
+            q = block.proposal.q[:l] if l else mx.zeros((0, logits.shape[-1]), mx.float32)
+            verdict = accept_sampled(block.proposed, filtered_probs(logits, self.params), q, block.accept_key)
+        return mx.concatenate([block.proposed, verdict])
+
+    def commit(self, block: Block, read: np.ndarray) -> RoundResult:
+        """Keep the a + 1 rows [anchor, x_1..x_a] (`read` = the verify's result on the
+        host): cache, drafter context, anchor, scheduler."""
+        l = block.size
+        accepted, bonus = int(read[l]), int(read[l + 1])
+        self.cache.commit(block.snapshot, accepted + 1)
+        self.sync_drafter()  # rows in order
+        self.drafter.observe(block.features[:accepted + 1])
+        self.anchor = bonus
+        if block.proposal is not None:
+            self.scheduler.update(l, accepted, block.confidence)
+            if self.fallback is not None:
+                self.fallback.update(accepted + 1)
+        return RoundResult([int(t) for t in read[:accepted]] + [bonus], l, accepted)
+
+    def sync_drafter(self) -> None:
+        """Drop a queued plain step (its row leaves the cache) and hand the drafter the
+        rows that plain (fallback) rounds committed, in one observe: before a drafted
+        round, and before the cache and the drafter's context are kept."""
+        if self.queued is not None:
+            self.cache.restore(self.queued.snapshot)
+            self.queued = None
+        if self.unobserved:
+            rows, self.unobserved = self.unobserved, []
+            self.drafter.observe(rows[0] if len(rows) == 1 else mx.concatenate(rows))
+
+
+def check_gamma(gamma: int | None, max_proposals: int) -> int:
+    """The proposals per round, default min(7, max_proposals)."""
+    if gamma is None:
+        return min(DEFAULT_GAMMA, max_proposals)
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= max_proposals:
+        raise ValueError(f"the draft block size must be an integer in 1..{max_proposals} "
+                         f"(the draft's proposals per block), got {gamma!r}")
+    return gamma

@@ -1,0 +1,23 @@
+"""The decoders as the tests call them: one request on a fresh Session through
+monolith.runtime.engine.generate, the call the engine's worker makes."""
+
+from __future__ import annotations
+
+from monolith.runtime.engine import generate
+from monolith.runtime.plain import PlainDecoder
+from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.sampling import SamplingParams
+
+
+def plain(model, prompt, max_tokens, params=SamplingParams(), stop_ids=(), max_context=128,
+          prefill_chunk_size=512, on_token=None):
+    return generate(PlainDecoder(model, max_context, prefill_chunk_size), prompt, max_tokens, params, stop_ids,
+                    on_token)
+
+
+def speculate(model, drafter, prompt, max_tokens, params=SamplingParams(), stop_ids=(), max_context=128,
+              prefill_chunk_size=512, block_size=None, scheduler=None, on_token=None, on_round=None,
+              profile=False, break_even=None):
+    decoder = SpeculativeDecoder(model, drafter, max_context, prefill_chunk_size, block_size, scheduler, break_even,
+                                 profile, on_round)
+    return generate(decoder, prompt, max_tokens, params, stop_ids, on_token)
