@@ -131,9 +131,11 @@ class Chat:
         self.conversation = Conversation(self.engine.tokenizer, self.conversation.system, self.template_kwargs)
 
     def reply(self, user_text: str) -> None:
+        events: queue.Queue = queue.Queue()
         try:
             prompt = self.conversation.prompt(user_text)
-            prompt = self.engine.check_prompt(prompt)
+            job = self.engine.submit(GenerationRequest(tuple(prompt), self.max_tokens, self.params), events.put,
+                                     self.session)
         except ContextLengthError as e:
             self.write(f"(the conversation is {e.prompt_tokens} tokens and no longer fits the context of "
                        f"{e.max_context}; /reset starts over)\n")
@@ -141,9 +143,6 @@ class Chat:
         except ValueError as e:
             self.write(f"(error: {e})\n")
             return
-        events: queue.Queue = queue.Queue()
-        job = self.engine.submit(GenerationRequest(tuple(prompt), self.max_tokens, self.params), events.put,
-                                 self.session)
         finished, stopped, text = None, False, []
         while finished is None:
             try:

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from .cli import ArgumentParser
 from .launch import SetupError, add_model_arguments, load_drafter, load_engine, load_target, plan_model, \
     resolve_sources
 from .runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest
@@ -19,14 +20,8 @@ from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line on stderr, exit 1 (argparse would print usage, exit 2)
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(1)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m monolith.generate", description=__doc__)
+    ap = ArgumentParser(prog="python -m monolith.generate", description=__doc__)
     add_model_arguments(ap, model_required=True)
     prompt = ap.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="raw prompt text")

@@ -31,6 +31,14 @@ import mlx.core as mx
 NEG_INF = float("-inf")
 
 
+class SamplingError(ValueError):
+    """A sampling parameter out of its range; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -54,12 +62,12 @@ class SamplingParams:
 
 def _check_real(name, value, want, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        raise SamplingError(name, f"{name} must be {want}, got {value!r}")
 
 
 def _check_int(name, value, want, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not ok(value):
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        raise SamplingError(name, f"{name} must be {want}, got {value!r}")
 
 
 def _mask_below(x: mx.array, threshold: mx.array) -> mx.array:

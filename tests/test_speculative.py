@@ -32,6 +32,7 @@ from monolith.runtime.draft_model import DraftModelDrafter
 from monolith.runtime.drafter import Drafter, Proposal
 from monolith.runtime.events import ContextLengthError
 from monolith.runtime.rounds import PLAIN_RUN, Rounds
+from monolith.runtime.speculative import SpeculativeDecoder
 from monolith.runtime.scheduler import (
     CostScheduler,
     Fallback,
@@ -363,7 +364,7 @@ def test_decoder_rounds_and_stats(model):
                               "spec_decode_num_accepted_tokens_per_pos_total": [3, 3, 0, 0]}
     assert s.draft_seconds > 0 and s.verify_seconds > 0 and s.commit_seconds > 0
     with pytest.raises(ValueError, match="block size must be an integer in 1..8"):
-        Rounds(model, oracle, GREEDY, 64, 9)
+        SpeculativeDecoder(model, oracle, 64, gamma=9)
 
 
 def test_stats_per_position_with_variable_blocks():

@@ -28,6 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -39,17 +40,16 @@ from .events import (
     Finished,
     GenerationRequest,
     Outcome,
+    RequestError,
     Started,
     TokenLogprob,
     Usage,
-    check_max_tokens,
-    check_prompt,
+    check_request,
 )
 from .plain import PlainDecoder
 from .session import Session
 from .textstream import TextStream
 
-MAX_TOP_LOGPROBS = 20
 
 
 def release_thread_streams() -> None:
@@ -155,19 +155,14 @@ class Engine:
     def supports_logprobs(self) -> bool:
         return getattr(self.decoder, "logprobs", False)
 
-    def check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        return check_prompt(prompt_ids, self.vocab_size, self.max_context)
-
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None], session: Session | None = None,
                timeout: float | None = None) -> Job:
-        """Queue a request; raise QueueFull when max_queue requests already wait. The
+        """Check the request (RequestError names the field: the one check of a request's
+        content), then queue it; raise QueueFull when max_queue requests already wait. The
         request is dropped with a QueueTimeout if it has not started by its deadline."""
-        self.check_prompt(request.prompt_ids)
-        check_max_tokens(request.max_tokens)
-        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs}")
-        if request.logprobs is not None and not self.supports_logprobs:
-            raise ValueError("logprobs are not available with speculative decoding")
+        prompt = check_request(request.prompt_ids, request.max_tokens, request.logprobs, self.vocab_size,
+                               self.max_context, self.supports_logprobs)
+        request = replace(request, prompt_ids=tuple(prompt))
         job = Job(self, request, sink, session or self.session, self.queue_timeout if timeout is None else timeout)
         with self._lock:
             if self._closed:
@@ -295,10 +290,10 @@ def generate(decoder, prompt_ids: Sequence[int], max_tokens: int, params: Sampli
     (a fresh Session unless one is given). The sequence (prompt + output) never exceeds
     the decoder's max_context; a stop token ends it with "stop" and is not part of the
     output. `on_token(id)` is called for each output token as it is read."""
-    prompt = check_prompt(prompt_ids, decoder.model.args.vocab_size, decoder.max_context)
-    check_max_tokens(max_tokens)
     if max_tokens is None:
-        raise ValueError("max_tokens must be an integer >= 1, got None")
+        raise RequestError("max_tokens", "max_tokens must be an integer >= 1, got None")
+    prompt = check_request(prompt_ids, max_tokens, logprobs, decoder.model.args.vocab_size, decoder.max_context,
+                           decoder.logprobs)
 
     def emit(token_id: int, logprob: TokenLogprob | None) -> bool:
         if on_token is not None:

@@ -11,14 +11,25 @@ from dataclasses import dataclass
 from ..sampling import SamplingParams
 from .stats import SpecStats
 
+MAX_TOP_LOGPROBS = 20
 
-class ContextLengthError(ValueError):
+
+class RequestError(ValueError):
+    """A request the engine cannot run; `field` names the culprit ("prompt", "max_tokens",
+    "logprobs")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class ContextLengthError(RequestError):
     """The prompt leaves no room for a generated token in the context."""
 
     def __init__(self, prompt_tokens: int, max_context: int):
         self.prompt_tokens = prompt_tokens
         self.max_context = max_context
-        super().__init__(
+        super().__init__("prompt", 
             f"prompt is {prompt_tokens} tokens but max_context is {max_context}: "
             f"the prompt plus at least one generated token must fit"
         )
@@ -29,19 +40,28 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, max_context: int) -
     holds an id outside the vocabulary, or leaves no room for one generated token."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
-        raise ValueError("the prompt is empty: at least one token is needed")
+        raise RequestError("prompt", "the prompt is empty: at least one token is needed")
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
+        raise RequestError("prompt", f"prompt token id {bad} is out of range for a vocabulary of {vocab_size}")
     if len(prompt) + 1 > max_context:
         raise ContextLengthError(len(prompt), max_context)
     return prompt
 
 
-def check_max_tokens(max_tokens) -> None:
+def check_request(prompt_ids: Sequence[int], max_tokens, logprobs: int | None, vocab_size: int, max_context: int,
+                  logprobs_available: bool) -> list[int]:
+    """The prompt as a list of ints, after checking everything a decoder trusts (the one
+    check of a request's content: the engine's boundary)."""
+    prompt = check_prompt(prompt_ids, vocab_size, max_context)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        raise RequestError("max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    if logprobs is not None and not logprobs_available:
+        raise RequestError("logprobs", "logprobs are not available with speculative decoding")
+    return prompt
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ session keeps a restore point before it).
 
 A decoder is called as `decoder(session, prompt, max_tokens, params, stop_ids,
 on_token, logprobs=None, cancelled=...) -> Outcome` (the speculative decoder has the
-same call shape); its arguments were checked at the boundary (events.check_prompt).
+same call shape); its arguments were checked at the boundary (events.check_request).
 """
 
 from __future__ import annotations

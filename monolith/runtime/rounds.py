@@ -94,12 +94,13 @@ class Rounds:
     """One sequence: the target's cache, the drafter's context, the anchor; `prefill`
     once, then `round` until done (speculative.SpeculativeDecoder runs them)."""
 
-    def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int,
-                 gamma: int | None = None, scheduler: Scheduler | None = None, profile: bool = False,
-                 fallback: Fallback | None = None, cache=None):
+    def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int, gamma: int,
+                 scheduler: Scheduler | None = None, profile: bool = False, fallback: Fallback | None = None,
+                 cache=None):
+        """`gamma`: the proposals per round, 1..drafter.max_proposals (check_gamma)."""
         self.model, self.drafter, self.params = model, drafter, params
         self.max_context = max_context
-        self.gamma = check_gamma(gamma, drafter.max_proposals)
+        self.gamma = gamma
         self.scheduler = scheduler or FixedScheduler()
         self.fallback = fallback
         self.unobserved: list[mx.array] = []  # tap features of rows plain rounds committed

@@ -35,7 +35,7 @@ from ..runtime.engine import (
     QueueTimeout,
     release_thread_streams,
 )
-from ..runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest, Started
+from ..runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest, RequestError, Started
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json, sse
 from .schemas import (
@@ -250,21 +250,19 @@ class _Handlers:
 
     async def _generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
                         started: float) -> Response:
-        try:
-            prompt_ids = engine.check_prompt(prompt_ids)
-        except ContextLengthError as e:
-            raise bad(f"the prompt is {e.prompt_tokens} tokens, but this server's context is {e.max_context} "
-                      "tokens and the prompt plus at least one generated token must fit", prompt_param,
-                      "context_length_exceeded") from None
-        except ValueError as e:
-            raise bad(str(e), prompt_param) from None
-        if req.logprobs is not None and not engine.supports_logprobs:
-            raise bad("logprobs are not available with speculative decoding (a server started with --draft)",
-                      "logprobs")
         gen = GenerationRequest(tuple(prompt_ids), req.max_tokens, req.params, req.stop, req.logprobs)
         events = _EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
             job = engine.submit(gen, events.put)
+        except ContextLengthError as e:
+            raise bad(f"the prompt is {e.prompt_tokens} tokens, but this server's context is {e.max_context} "
+                      "tokens and the prompt plus at least one generated token must fit", prompt_param,
+                      "context_length_exceeded") from None
+        except RequestError as e:
+            if e.field == "logprobs" and req.logprobs is not None and not engine.supports_logprobs:
+                raise bad("logprobs are not available with speculative decoding (a server started with --draft)",
+                          "logprobs") from None
+            raise bad(str(e), prompt_param if e.field == "prompt" else e.field) from None
         except QueueFull as e:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
         except EngineClosed:

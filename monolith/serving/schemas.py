@@ -14,10 +14,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from ..runtime.engine import MAX_TOP_LOGPROBS
-from ..sampling import SamplingParams
+from ..runtime.events import MAX_TOP_LOGPROBS
+from ..sampling import SamplingError, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
 # accepted and ignored: they do not change what is generated
@@ -193,18 +194,20 @@ def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> Ge
         if completion is not None and max_tokens is not None and completion != max_tokens:
             raise bad("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
         max_tokens = completion if completion is not None else max_tokens
-    temperature = _real(body, "temperature", defaults.temperature, "in [0, 2]", lambda v: 0 <= v <= 2)
-    top_p = _real(body, "top_p", defaults.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
-    min_p = _real(body, "min_p", defaults.min_p, "in [0, 1)", lambda v: 0 <= v < 1)
+    temperature = _real(body, "temperature", defaults.temperature)
+    if temperature > MAX_TEMPERATURE:  # the API's bound; SamplingParams checks the rest
+        raise bad(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {temperature}", "temperature")
+    top_p, min_p = _real(body, "top_p", defaults.top_p), _real(body, "min_p", defaults.min_p)
     top_k = _optional(body, "top_k", int, "an integer >= 0 (0 or -1 = off)")
     if top_k is None:
         top_k = defaults.top_k
     elif top_k < -1:
         raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k}", "top_k")
     seed = _optional(body, "seed", int, "an integer")
-    if seed is not None and not 0 <= seed < 2**64:
-        raise bad(f"seed must be in [0, 2**64), got {seed}", "seed")
-    params = SamplingParams(float(temperature), float(top_p), max(top_k, 0), float(min_p), seed)
+    try:
+        params = SamplingParams(temperature, top_p, max(top_k, 0), min_p, seed)
+    except SamplingError as e:
+        raise bad(str(e), e.field) from None
     return GenerationFields(model, stream, include_usage, max_tokens, params, _stop(body.get("stop")),
                             _logprobs(body, chat))
 
@@ -360,10 +363,10 @@ def _positive_int(body: dict, name: str) -> int | None:
     return value
 
 
-def _real(body: dict, name: str, default: float, want: str, ok) -> float:
+def _real(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-        raise bad(f"{name} must be a number {want}, got {json.dumps(value)[:60]}", name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise bad(f"{name} must be a finite number, got {json.dumps(value)[:60]}", name)
     return float(value)

@@ -1,0 +1,108 @@
+"""The dependency direction (architecture.md): formats <- checkpoint <- pack <- models <-
+runtime <- launch <- serving <- the command-line faces, with kernels, sampling,
+tokenizer and cli as leaves. No module imports from a higher layer, not even late
+inside a function, and module imports form no loop."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import monolith
+
+ROOT = Path(monolith.__file__).parent
+# every top-level package or module of monolith, by layer: an import may only go down
+LAYERS = {
+    "formats": 0, "kernels": 0, "sampling": 0, "tokenizer": 0, "cli": 0,
+    "checkpoint": 1, "synth": 1,
+    "pack": 2,
+    "models": 3,
+    "runtime": 4,
+    "launch": 5,
+    "serving": 6,
+    "generate": 7, "serve": 7, "chat": 7,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = ("monolith", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported monolith module, at module level?) for every import in the file."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [(n, id(node) in top_level) for n in names if n == "monolith" or n.startswith("monolith.")]
+    return found
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "monolith"
+
+
+FILES = sorted(ROOT.rglob("*.py"))
+
+
+def test_every_top_level_unit_has_a_layer():
+    units = {unit(module_name(p)) for p in FILES} - {"monolith"}
+    assert units <= set(LAYERS), f"place these in LAYERS: {sorted(units - set(LAYERS))}"
+
+
+def test_no_import_reaches_up_a_layer():
+    upward = []
+    for path in FILES:
+        source = unit(module_name(path))
+        if source == "monolith":
+            continue
+        for target, _ in imports(path):
+            target_unit = unit(target)
+            if target_unit != source and LAYERS.get(target_unit, 99) >= LAYERS[source]:
+                upward.append(f"{module_name(path)} imports {target}")
+    assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_module_imports_form_no_loop():
+    graph = {module_name(p): {t for t, top in imports(p) if top} for p in FILES}
+    modules = set(graph)
+
+    def resolve(target: str) -> str | None:  # `from pkg import name` may name a submodule or a symbol
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph = {m: {r for t in ts if (r := resolve(t)) and r != m} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if n.startswith(m + "."):
+                continue  # a package importing its own submodules
+            if state.get(n) == 1:
+                return path + [n]
+            if n not in state and (loop := visit(n, path + [n])):
+                return loop
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            loop = visit(m, [m])
+            assert loop is None, " -> ".join(loop)
