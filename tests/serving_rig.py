@@ -1,0 +1,150 @@
+"""What the HTTP server tests share: a tiny synthetic target in float32, real uvicorn
+servers on 127.0.0.1 (`Server`), scripted engine decoders, and the expected plain
+outputs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from decoding import plain
+
+from monolith.models import load_model
+from monolith.pack import build_pack
+from monolith.runtime.engine import Engine
+from monolith.runtime.events import Outcome
+from monolith.sampling import SamplingParams
+from monolith.serving.app import ServerConfig, create_app
+from monolith.synth import write_pair, write_target
+from monolith.tokenizer import load_tokenizer
+
+MAX_CONTEXT = 1024
+NAME = "tiny"
+GREEDY = SamplingParams()
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+
+
+@pytest.fixture(scope="module")
+def model(pack):
+    return load_model(pack, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tok(pack):
+    return load_tokenizer(pack)
+
+
+class Server:
+    """A uvicorn server on a free port of 127.0.0.1, in a thread of this process."""
+
+    def __init__(self, load, **config):
+        config.setdefault("model_names", (NAME,))
+        self.app = create_app(load, ServerConfig(**config))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def wait_ready(self, timeout=30):
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "never ready"
+            time.sleep(0.02)
+        return self
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                             timeout=60, **kw)
+
+    def post(self, path, body, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+
+    def metric(self, line_start: str, **kw) -> float:
+        text = httpx.get(self.url + "/metrics", **kw).text
+        for line in text.splitlines():
+            if line.startswith(line_start + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(model, tok):
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT)) as s:
+        yield s.wait_ready()
+
+
+def scripted(tokens, spec=None, delay=0.0, per_token=0.0):
+    """An engine decoder that 'generates' `tokens` and stops with a stop token."""
+
+    def decoder(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False):
+        time.sleep(delay)
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        out = []
+        for t in tokens[:limit]:
+            if cancelled():
+                return Outcome(out, "abort", len(prompt), 0, delay, 0.0, len(out))
+            time.sleep(per_token)
+            out.append(t)
+            if not on_token(t, None):
+                return Outcome(out, "abort", len(prompt), 0, delay, 0.0, len(out))
+        done = limit == len(tokens)
+        return Outcome(out, "stop" if done else "length", len(prompt), 0, delay, 0.01, len(out), stop_token=done,
+                       speculative=spec)
+
+    return decoder
+
+
+def expected(model, tok, prompt_ids, max_tokens, params=GREEDY):
+    result = plain(model, prompt_ids, max_tokens, params, set(tok.eos_token_ids) | set(model.args.eos_token_ids),
+                      MAX_CONTEXT)
+    return result, tok.decode(result.token_ids)
+
+
+def chat_ids(tok, text):
+    return tok.encode_chat([{"role": "user", "content": text}])
+
+
+def assert_error(response: httpx.Response, status: int, param=None, code=None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"] and "Traceback" not in response.text
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target, draft = write_pair(root / "pair")
+    return build_pack(target, root / "target.pack", role="target"), draft, root / "cache"

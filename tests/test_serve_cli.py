@@ -1,0 +1,155 @@
+"""`python -m monolith.serve` as a process: the bundled demo pair, flags, usage errors,
+a model that cannot load, and serve's decision whether drafting pays."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from serving_rig import (
+    MAX_CONTEXT,
+    model,  # noqa: F401 - a module fixture
+    pack,  # noqa: F401 - a module fixture
+    pair,  # noqa: F401 - a module fixture
+    server,  # noqa: F401 - a module fixture
+    tok,  # noqa: F401 - a module fixture
+)
+
+from monolith.models import load_model
+
+# ------------------------------------------------------------------ the command line
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "monolith.serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_health(port, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    seen_503 = False
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        except httpx.TransportError:
+            time.sleep(0.05)
+            continue
+        if r.status_code == 200:
+            return seen_503
+        seen_503 |= r.status_code == 503
+        time.sleep(0.02)
+    raise AssertionError("the server never became ready")
+
+
+def _stop(proc) -> str:
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
+    env = {**os.environ, "MONOLITH_CACHE": str(tmp_path / "cache")}
+    logs = []
+    # the default start (serve's fallback decides from the measured round cost), then one
+    # that drafts whatever the cost (an explicit scheduler has no fallback)
+    for extra in ((), ("--spec-sched", "fixed")):
+        port = _free_port()
+        proc = _serve("--port", str(port), "--dtype", "float32", *extra, env=env)
+        try:
+            _wait_health(port, proc)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            assert [m.id for m in client.models.list().data] == ["monolith-demo"]
+            r = client.chat.completions.create(model="monolith-demo", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3)
+            assert r.usage.completion_tokens == 3
+            metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        finally:
+            logs.append(_stop(proc))
+    assert re.search(r"^spec_decode_num_drafts_total [1-9]", metrics, re.M)  # the demo draft is in use
+    # the first start builds and checks the bundled pair's packs, the second finds them
+    assert "built the demo target pack" in logs[0] and "built the demo draft pack" in logs[0]
+    assert "built the demo" not in logs[1]
+    assert "loaded the target" in logs[0] and "loading the draft" in logs[0]
+    # serve's fallback, measured: the draft is used unless a round costs more plain steps
+    # than the 8 tokens it can emit (MLX's Linux CPU wheel without an optimized BLAS)
+    cost = float(re.search(r"a drafted round costs (\d+\.\d) plain steps", logs[0]).group(1))
+    assert ("with draft" in logs[0]) == (cost <= 7.2) and ("(plain decoding)" in logs[0]) == (cost > 7.2)
+    assert "with draft" in logs[1] and "a drafted round costs" not in logs[1]
+    assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
+
+
+def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pair):
+    from monolith import launch
+    from monolith.runtime.calibrate import BreakEven
+
+    target_pack, draft, cache = pair
+    model = load_model(target_pack, dtype="float32")
+    args = argparse.Namespace(draft_quantization="none", draft_pack=None, draft_revision=None, local_files_only=True,
+                              dtype="float32", max_context=MAX_CONTEXT, prefill_chunk_size=512,
+                              draft_block_size=None, spec_sched=None, spec_threshold=None)
+    logs = []
+    # 7 proposals: a round emits at most 8 tokens; with the margin it drafts up to 7.2
+    for cost, drafts in ((7.2, True), (8.0, False)):
+        monkeypatch.setattr(launch, "measure_break_even", lambda *a, c=cost, **k: BreakEven(c, (c, c, c)))
+        decoder = launch.speculative_decoder(args, model, draft, logs.append)
+        if drafts:
+            assert decoder.break_even == cost
+        else:
+            assert decoder is None
+    assert sum("a request drafts while its rounds emit at least that many tokens" in m for m in logs) == 1
+    assert "drafting pays below 7.2 (a round emits at most 8 tokens): serving with plain decoding" in logs[-1]
+
+
+def test_cli_flags(tmp_path, pack):
+    port = _free_port()
+    proc = _serve("--model", str(pack), "--port", str(port), "--dtype", "float32", "--served-model-name", "a", "b",
+                  "--api-key", "k", "--max-context", "256", "--prefill-chunk-size", "16", "--no-warmup",
+                  "--log-level", "warning", "--max-queue", "2", "--queue-timeout", "5")
+    try:
+        _wait_health(port, proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["a", "b"]
+        assert client.models.list().data[0].max_model_len == 256
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="b", prompt=list(range(300)))
+        assert client.completions.create(model="b", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--no-draft", "--draft-block-size", "3"], "only appl"),
+    (["--spec-sched", "cost", "--model", "x"], "only appl"),
+    (["--max-context", "1"], "--max-context"),
+    (["--port", "99999"], "--port"),
+    (["--max-queue", "0"], "--max-queue"),
+    (["--bogus"], "unrecognized"),
+])
+def test_cli_usage_errors_exit_1(args, message):
+    r = subprocess.run([sys.executable, "-m", "monolith.serve", *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_model_that_cannot_load_exits_1(tmp_path):
+    port = _free_port()
+    proc = _serve("--model", str(tmp_path / "missing"), "--port", str(port), "--local-files-only")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "error:" in out and "Traceback" not in out
+    assert re.search(r"error: .*missing", out)
