@@ -120,8 +120,7 @@ class Rounds:
         the first generated token (the first anchor)."""
         tokens = mx.array(list(prompt), dtype=mx.int32)
         total = tokens.shape[0]
-        cache, taps = self.cache, self.drafter.taps
-        cache.check(total, limit=cache.max_context)
+        cache, taps = self.cache, self.drafter.taps  # the engine checked that the prompt fits
         for start in range(0, total, chunk_size):
             last = start + chunk_size >= total
             logits, features = self.model.forward(tokens[start:start + chunk_size], cache, taps=taps,
