@@ -78,34 +78,35 @@ def source_bytes(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-mb", type=int, default=256)
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "pack_build.json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def write_sources(work: Path, preset: str) -> dict[str, Path]:
+    """The BF16 target and its ModelOpt NVFP4 export under `work` (kept from an earlier run)."""
     from monolith.synth import write_target
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="monolith-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
     sources = {}
     for fmt in ("bf16", "modelopt-nvfp4"):
         path = work / f"src-{fmt}"
         if not path.exists():
             t = time.perf_counter()
-            write_target(path, preset=args.preset, format=fmt, expert_layout="per-expert")
+            write_target(path, preset=preset, format=fmt, expert_layout="per-expert")
             print(f"wrote {fmt} source in {time.perf_counter() - t:.1f} s", file=sys.stderr)
         sources[fmt] = path
-    cases = [("bf16", "none"), ("bf16", "nvfp4"), ("modelopt-nvfp4", "auto")]
-    shard = args.shard_mb << 20
-    baseline = run_child(BASELINE_CHILD)["peak_rss_bytes"]
-    cold = drop_caches()
-    temperatures = ("hot", "cold") if cold else ("hot",)
+    return sources
+
+
+def measure(sources: dict[str, Path], work: Path, cases, temperatures, repeats: int, shard: int) -> dict:
+    """(case, page cache) -> read and build speeds (bytes/s) and build peak RSS per repeat."""
     rows = {(case, temp): {"read": [], "build": [], "rss": []} for case in cases for temp in temperatures}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for fmt, quantization in cases:  # alternate read and build of the same source
             files = source_bytes(sources[fmt])
             out = work / f"pack-{fmt}-{quantization}"
@@ -124,12 +125,14 @@ def main() -> None:
                 row["build"].append(nbytes / result["seconds"])
                 row["rss"].append(result["peak_rss_bytes"])
                 row["bytes"] = nbytes
+    return rows
 
-    report = {"machine": platform.platform(), "python": platform.python_version(), "preset": args.preset,
-              "shard_bytes": shard, "import_baseline_rss_bytes": baseline, "repeats": args.repeats,
-              "cold_cache_measured": cold, "cases": []}
+
+def report_cases(rows: dict, baseline: int, shard: int) -> list[dict]:
+    """Print the table; returns one report entry per case (medians, peak RSS, goals)."""
     print(f"{'source':>15} {'quant':>6} {'cache':>5} {'GB':>6} {'read GB/s':>10} {'build GB/s':>11} {'ratio':>6} "
           f"{'peak RSS MB':>12} {'above import':>13} {'in shards':>10}")
+    cases = []
     for ((fmt, quantization), temp), r in rows.items():
         read, build, rss = statistics.median(r["read"]), statistics.median(r["build"]), max(r["rss"])
         case = {"source": fmt, "quantization": quantization, "page_cache": temp, "source_bytes": r["bytes"],
@@ -137,9 +140,27 @@ def main() -> None:
                 "peak_rss_bytes": rss, "peak_rss_above_import_bytes": rss - baseline,
                 "peak_above_import_in_shards": (rss - baseline) / shard,
                 "goal_half_read_speed": build / read >= 0.5, "goal_under_two_shards": (rss - baseline) < 2 * shard}
-        report["cases"].append(case)
+        cases.append(case)
         print(f"{fmt:>15} {quantization:>6} {temp:>5} {r['bytes'] / 1e9:6.2f} {read / 1e9:10.2f} {build / 1e9:11.3f} "
               f"{build / read:6.2f} {rss / 2**20:12.0f} {(rss - baseline) / 2**20:13.0f} {(rss - baseline) / shard:10.2f}")
+    return cases
+
+
+def main() -> None:
+    args = parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="monolith-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    sources = write_sources(work, args.preset)
+    cases = [("bf16", "none"), ("bf16", "nvfp4"), ("modelopt-nvfp4", "auto")]
+    shard = args.shard_mb << 20
+    baseline = run_child(BASELINE_CHILD)["peak_rss_bytes"]
+    cold = drop_caches()
+    temperatures = ("hot", "cold") if cold else ("hot",)
+    rows = measure(sources, work, cases, temperatures, args.repeats, shard)
+
+    report = {"machine": platform.platform(), "python": platform.python_version(), "preset": args.preset,
+              "shard_bytes": shard, "import_baseline_rss_bytes": baseline, "repeats": args.repeats,
+              "cold_cache_measured": cold, "cases": report_cases(rows, baseline, shard)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

@@ -169,9 +169,7 @@ def test_unsloth_27b_tensors_and_the_rules_compressed_tensors_applies(tiny):
     """Every module's stored scheme is the one compressed-tensors' own matcher picks
     from the config; the MTP layer is the exception (BF16, in model_mtp.safetensors,
     although the config's rules match it: issue 13 item 1)."""
-    import torch
     from compressed_tensors.quantization import QuantizationConfig
-    from compressed_tensors.utils.match import match_name, match_targets
 
     d = tiny["unsloth-27b"]
     p = layout_preset("unsloth-27b")
@@ -186,6 +184,33 @@ def test_unsloth_27b_tensors_and_the_rules_compressed_tensors_applies(tiny):
     assert len(mtp) == 15 and all(n.startswith("mtp.") for n in mtp) and {v[1] for v in mtp.values()} == {"BF16"}
     assert not any(n.startswith("mtp.") for n, v in t.items() if v[0] != "model_mtp.safetensors")
     assert sum(n.startswith("model.visual.") and v[1] == "BF16" for n, v in t.items()) == 333
+
+    seen = _checked_schemes(t, qc)
+    last = p.num_hidden_layers - 1
+    for m in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj", "mlp.down_proj"):
+        assert seen[f"{LM}.layers.0.{m}"] == ("nvfp4-pack-quantized" if m.startswith("mlp") else "float-quantized")
+    assert seen[f"{LM}.layers.{last}.mlp.gate_proj"] == "float-quantized"  # the last eighth of the layers
+    assert seen[f"{LM}.layers.{last}.self_attn.q_proj"] == seen["lm_head"] == "float-quantized"
+    assert seen[f"{LM}.layers.0.linear_attn.in_proj_b"] is None
+    # the MTP layer is BF16 although the NVFP4 and FP8 rules match its names
+    assert seen["mtp.layers.0.mlp.gate_proj"] == "nvfp4-pack-quantized"
+    assert seen["mtp.layers.0.self_attn.q_proj"] == "float-quantized" and seen["mtp.fc"] is None
+    assert t[f"{LM}.layers.{last}.self_attn.k_scale"][1:] == ("BF16", (1,))
+    assert t[f"{LM}.layers.{last}.self_attn.v_scale"][1:] == ("BF16", (1,))
+    # the FP8 codes were made with the BF16-rounded scale they are stored with
+    m = f"{LM}.layers.0.linear_attn.out_proj"
+    scale = bf16_bits_to_f32(read(d, f"{m}.weight_scale"))
+    ref = generate(0, Param(f"{m}.weight", t[f"{m}.weight"][2], "linear"))
+    deq = dequantize_fp8(read(d, f"{m}.weight"), scale)
+    assert np.abs(deq / scale).max() <= 448 and np.abs(deq - ref).max() <= np.abs(ref).max() / 16
+
+
+def _checked_schemes(t: dict, qc: dict) -> dict:
+    """Check every 2-D module's stored tensors against the scheme compressed-tensors' own
+    matcher picks from `qc` (MTP modules: BF16 whatever matches); returns module -> the
+    matched group's format (None: not quantized)."""
+    import torch
+    from compressed_tensors.utils.match import match_name, match_targets
 
     linear = torch.nn.Linear(1, 1)
     target_to_group = {tgt: g for g, group in qc["config_groups"].items() for tgt in group["targets"]}
@@ -214,23 +239,7 @@ def test_unsloth_27b_tensors_and_the_rules_compressed_tensors_applies(tiny):
             assert t[f"{module}.weight_scale"][1:] == ("BF16", (n, 1)), module
         else:
             assert t[f"{module}.weight"][1] == "BF16", module
-    last = p.num_hidden_layers - 1
-    for m in ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj", "mlp.down_proj"):
-        assert seen[f"{LM}.layers.0.{m}"] == ("nvfp4-pack-quantized" if m.startswith("mlp") else "float-quantized")
-    assert seen[f"{LM}.layers.{last}.mlp.gate_proj"] == "float-quantized"  # the last eighth of the layers
-    assert seen[f"{LM}.layers.{last}.self_attn.q_proj"] == seen["lm_head"] == "float-quantized"
-    assert seen[f"{LM}.layers.0.linear_attn.in_proj_b"] is None
-    # the MTP layer is BF16 although the NVFP4 and FP8 rules match its names
-    assert seen["mtp.layers.0.mlp.gate_proj"] == "nvfp4-pack-quantized"
-    assert seen["mtp.layers.0.self_attn.q_proj"] == "float-quantized" and seen["mtp.fc"] is None
-    assert t[f"{LM}.layers.{last}.self_attn.k_scale"][1:] == ("BF16", (1,))
-    assert t[f"{LM}.layers.{last}.self_attn.v_scale"][1:] == ("BF16", (1,))
-    # the FP8 codes were made with the BF16-rounded scale they are stored with
-    m = f"{LM}.layers.0.linear_attn.out_proj"
-    scale = bf16_bits_to_f32(read(d, f"{m}.weight_scale"))
-    ref = generate(0, Param(f"{m}.weight", t[f"{m}.weight"][2], "linear"))
-    deq = dequantize_fp8(read(d, f"{m}.weight"), scale)
-    assert np.abs(deq / scale).max() <= 448 and np.abs(deq - ref).max() <= np.abs(ref).max() / 16
+    return seen
 
 
 def test_draft_layouts(tiny):

@@ -251,74 +251,92 @@ def _ct_group(module: str, qc: dict, linear: bool):
 def test_quantized_target_tensors(ckpts, fmt, dense):
     d = ckpts(fmt, dense)
     cfg = json.loads((d / "config.json").read_text())
-    qc = cfg["quantization_config"]
     ref = read_all(ckpts("bf16", dense, None if dense else "per-expert"))
     got = read_all(d)
-    if fmt.startswith("modelopt"):
-        hf = json.loads((d / "hf_quant_config.json").read_text())
-        assert hf["producer"] == {"name": "modelopt", "version": "0.47.0"}
-        assert_modelopt_mirror(qc, hf)
-        qc = hf["quantization"]
-    else:
-        assert not (d / "hf_quant_config.json").exists() and qc["quant_method"] == "compressed-tensors"
+    qc, hf = _checked_quantization_config(d, fmt, cfg["quantization_config"])
     counts: dict[str, int] = {}
     expected_names = set()
     for name, (_, shape, _) in ref.items():
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         is_linear = module is not None and len(shape) == 2 and "embed" not in name and "pos_embed" not in name
         w = bf16(ref[name])
-        if fmt.startswith("modelopt"):
-            algo = _modelopt_algo(module, qc) if is_linear else None
-        else:
-            group = _ct_group(module, qc, True) if is_linear else None
-            algo = None if group is None else (group["format"], group["weights"]["strategy"])
+        algo, group = _expected_algo(fmt, module, qc, is_linear)
         if algo is None:
             expected_names.add(name)
             assert got[name][0] == "BF16" and np.array_equal(got[name][2], ref[name][2]), name
             continue
         counts[str(algo)] = counts.get(str(algo), 0) + 1
-        n, k = shape
-        if algo in ("NVFP4", "W4A16_NVFP4"):
-            suffixes = ["weight", "weight_scale", "weight_scale_2"] + (["input_scale"] if algo == "NVFP4" else [])
-            assert got[f"{module}.weight"][:2] == ("U8", (n, k // 2))
-            assert got[f"{module}.weight_scale"][:2] == ("F8_E4M3", (n, k // 16))
-            assert got[f"{module}.weight_scale_2"][:2] == ("F32", ())
-            if algo == "NVFP4":
-                assert got[f"{module}.input_scale"][:2] == ("F32", ())
-            deq = dequantize_nvfp4(
-                got[f"{module}.weight"][2], got[f"{module}.weight_scale"][2], got[f"{module}.weight_scale_2"][2]
-            )
-            limit = 0.2
-        elif algo == "FP8":
-            suffixes = ["weight", "weight_scale", "input_scale"]
-            assert got[f"{module}.weight"][:2] == ("F8_E4M3", (n, k))
-            assert got[f"{module}.weight_scale"][:2] == ("F32", ())
-            deq = dequantize_fp8(got[f"{module}.weight"][2], got[f"{module}.weight_scale"][2])
-            limit = 0.05
-        elif algo[0] == "nvfp4-pack-quantized":
-            suffixes = ["weight_packed", "weight_scale", "weight_global_scale"]
-            static_input = group["input_activations"]["dynamic"] is False
-            suffixes += ["input_global_scale"] if static_input else []
-            assert got[f"{module}.weight_packed"][:2] == ("U8", (n, k // 2))
-            assert got[f"{module}.weight_scale"][:2] == ("F8_E4M3", (n, k // 16))
-            assert got[f"{module}.weight_global_scale"][:2] == ("F32", (1,))
-            q = from_compressed_nvfp4(*(got[f"{module}.{s}"][2] for s in suffixes[:3]))
-            deq = dequantize_nvfp4(q.packed, q.scales, q.tensor_scale)
-            limit = 0.2
-        else:  # float-quantized FP8, per channel or per tensor
-            suffixes = ["weight", "weight_scale"]
-            scale_shape = (n, 1) if algo[1] == "channel" else (1,)
-            assert got[f"{module}.weight"][:2] == ("F8_E4M3", (n, k))
-            assert got[f"{module}.weight_scale"][:2] == ("F32", scale_shape)
-            deq = dequantize_fp8(got[f"{module}.weight"][2], got[f"{module}.weight_scale"][2])
-            limit = 0.05
+        suffixes, deq, limit = _checked_quantized_tensors(got, module, algo, group, shape)
         expected_names.update(f"{module}.{s}" for s in suffixes)
         assert rel_err(deq, w) < limit, (module, rel_err(deq, w))
     if fmt == "modelopt-mixed":
         expected_names.update(k for k in got if k.endswith((".k_scale", ".v_scale")))
         assert any(k.endswith("self_attn.k_proj.k_scale") for k in got)
     assert set(got) == expected_names
-    # what each format is known to quantize
+    _assert_what_each_format_quantizes(fmt, counts, got, hf, dense)
+    for k in ("model.language_model.embed_tokens.weight", "model.language_model.layers.0.linear_attn.conv1d.weight"):
+        assert got[k][0] == "BF16"
+    assert got["model.language_model.layers.0.linear_attn.A_log"][0] == "BF16"
+
+
+def _checked_quantization_config(d: Path, fmt: str, qc: dict) -> tuple[dict, dict | None]:
+    """The rules a target in `fmt` is quantized by (ModelOpt: hf_quant_config.json's, after
+    checking config.json mirrors them), and hf_quant_config.json (None for compressed-tensors)."""
+    if fmt.startswith("modelopt"):
+        hf = json.loads((d / "hf_quant_config.json").read_text())
+        assert hf["producer"] == {"name": "modelopt", "version": "0.47.0"}
+        assert_modelopt_mirror(qc, hf)
+        return hf["quantization"], hf
+    assert not (d / "hf_quant_config.json").exists() and qc["quant_method"] == "compressed-tensors"
+    return qc, None
+
+
+def _expected_algo(fmt: str, module: str | None, qc: dict, is_linear: bool):
+    """(the algorithm `module` is quantized with or None, its compressed-tensors group)."""
+    if fmt.startswith("modelopt"):
+        return (_modelopt_algo(module, qc) if is_linear else None), None
+    group = _ct_group(module, qc, True) if is_linear else None
+    return (None if group is None else (group["format"], group["weights"]["strategy"])), group
+
+
+def _checked_quantized_tensors(got: dict, module: str, algo, group, shape) -> tuple[list[str], np.ndarray, float]:
+    """Check the dtypes and shapes of one quantized module's tensors; returns their
+    suffixes, the dequantized weight and its error bound."""
+    n, k = shape
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        suffixes = ["weight", "weight_scale", "weight_scale_2"] + (["input_scale"] if algo == "NVFP4" else [])
+        assert got[f"{module}.weight"][:2] == ("U8", (n, k // 2))
+        assert got[f"{module}.weight_scale"][:2] == ("F8_E4M3", (n, k // 16))
+        assert got[f"{module}.weight_scale_2"][:2] == ("F32", ())
+        if algo == "NVFP4":
+            assert got[f"{module}.input_scale"][:2] == ("F32", ())
+        deq = dequantize_nvfp4(
+            got[f"{module}.weight"][2], got[f"{module}.weight_scale"][2], got[f"{module}.weight_scale_2"][2]
+        )
+        return suffixes, deq, 0.2
+    if algo == "FP8":
+        suffixes = ["weight", "weight_scale", "input_scale"]
+        assert got[f"{module}.weight"][:2] == ("F8_E4M3", (n, k))
+        assert got[f"{module}.weight_scale"][:2] == ("F32", ())
+        return suffixes, dequantize_fp8(got[f"{module}.weight"][2], got[f"{module}.weight_scale"][2]), 0.05
+    if algo[0] == "nvfp4-pack-quantized":
+        suffixes = ["weight_packed", "weight_scale", "weight_global_scale"]
+        static_input = group["input_activations"]["dynamic"] is False
+        suffixes += ["input_global_scale"] if static_input else []
+        assert got[f"{module}.weight_packed"][:2] == ("U8", (n, k // 2))
+        assert got[f"{module}.weight_scale"][:2] == ("F8_E4M3", (n, k // 16))
+        assert got[f"{module}.weight_global_scale"][:2] == ("F32", (1,))
+        q = from_compressed_nvfp4(*(got[f"{module}.{s}"][2] for s in suffixes[:3]))
+        return suffixes, dequantize_nvfp4(q.packed, q.scales, q.tensor_scale), 0.2
+    # float-quantized FP8, per channel or per tensor
+    suffixes = ["weight", "weight_scale"]
+    scale_shape = (n, 1) if algo[1] == "channel" else (1,)
+    assert got[f"{module}.weight"][:2] == ("F8_E4M3", (n, k))
+    assert got[f"{module}.weight_scale"][:2] == ("F32", scale_shape)
+    return suffixes, dequantize_fp8(got[f"{module}.weight"][2], got[f"{module}.weight_scale"][2]), 0.05
+
+
+def _assert_what_each_format_quantizes(fmt: str, counts: dict, got: dict, hf: dict | None, dense: bool) -> None:
     if fmt == "modelopt-nvfp4":
         assert set(counts) == {"NVFP4"}
         assert got["model.language_model.layers.0.linear_attn.in_proj_a.weight"][0] == "U8"
@@ -337,9 +355,6 @@ def test_quantized_target_tensors(ckpts, fmt, dense):
             str(("float-quantized", "channel")),
             str(("float-quantized", "tensor")),
         }
-    for k in ("model.language_model.embed_tokens.weight", "model.language_model.layers.0.linear_attn.conv1d.weight"):
-        assert got[k][0] == "BF16"
-    assert got["model.language_model.layers.0.linear_attn.A_log"][0] == "BF16"
 
 
 def test_modelopt_shares_scales_between_linears_that_read_one_input(ckpts):

@@ -9,7 +9,8 @@ full-size skeletons.
 Same arguments, same bytes. `python -m monolith.synth --help` for the command line.
 """
 
-from .draft import DRAFT_FORMATS, DraftSizes, draft_sizes, write_draft
+from .draft import DRAFT_FORMATS, write_draft
+from .draft_config import DraftSizes, draft_sizes
 from .presets import PRESETS, Preset
 from .published import (
     DRAFT_LAYOUTS,

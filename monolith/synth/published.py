@@ -34,7 +34,8 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .draft import DraftSizes, write_draft
+from .draft import write_draft
+from .draft_config import DraftSizes
 from .presets import PRESETS, Preset, resolve_preset
 from .quant import (
     MODELOPT_PRODUCER,

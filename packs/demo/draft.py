@@ -54,7 +54,7 @@ from monolith.formats.codecs import (  # noqa: E402
     E4M3_MIN_SUBNORMAL,
 )
 from monolith.formats.nvfp4 import BLOCK  # noqa: E402
-from monolith.synth.draft import DraftSizes  # noqa: E402
+from monolith.synth.draft_config import DraftSizes  # noqa: E402
 
 SIZES = DraftSizes(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
                    target_layer_ids=(1, 2, 3), markov_rank=32, draft_vocab_size=2048, sliding_window=4096,
@@ -347,8 +347,10 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
 
 def export_draft(P, out: Path, fmt: str) -> Path:
     """fmt "deepspec" (BF16) or "deepspec-nvfp4" (matrices W4A16 NVFP4, Markov W1 BF16),
-    with monolith.synth.draft's names, config and quantization config."""
+    with monolith.synth.draft's names and monolith.synth.draft_config's config and
+    quantization config."""
     from monolith.synth import draft as sd
+    from monolith.synth.draft_config import deepspec_config, nvfp4_export_config
     from monolith.synth.quant import MODELOPT_PRODUCER
     from monolith.synth.writers import Unit, write_checkpoint, write_json
 
@@ -367,12 +369,12 @@ def export_draft(P, out: Path, fmt: str) -> Path:
     # was trained with. Copies would only add bytes, and NVFP4 copies would differ from the
     # target's BF16 ones (measured: 1.6% of the NVFP4 draft's matched-prefix acceptance).
     params = [*sd.backbone_params(h, s), *sd.head_params(h, vocab, s, "vanilla")]
-    config = sd.deepspec_config(tc, s, "vanilla", ids["<|mask|>"])
+    config = deepspec_config(tc, s, "vanilla", ids["<|mask|>"])
     quantize = fmt == "deepspec-nvfp4"
 
     units = [Unit((prm,), "w4a16" if quantize and quantized(prm.name) else "bf16") for prm in params]
     if quantize:
-        hf_quant, lithos = sd.nvfp4_export_config(units, ["markov_w1"])
+        hf_quant, lithos = nvfp4_export_config(units, ["markov_w1"])
         config["lithos_quantization"] = lithos
         config["quantization_config"] = {**hf_quant["quantization"], "producer": MODELOPT_PRODUCER,
                                          "quant_method": "modelopt"}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import mmap
 import os
 import subprocess
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .buffers import POISON, Guarded, fiber_stacks
 from .mlx_source import ArgInfo, kernel_source, template_value
 
 HERE = Path(__file__).resolve().parent
@@ -39,9 +39,6 @@ CXX = os.environ.get("CXX", "g++")
 CXXFLAGS = ["-std=c++17", "-O1", "-fPIC", "-shared", "-Wno-attributes", "-fno-strict-aliasing"]
 MAX_BUFFERS = 31
 SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
-CANARY = 0xA5
-POISON = 0xFF
-PAGE = mmap.PAGESIZE
 
 STORAGE = {  # numpy storage of each MLX dtype (bfloat16 as its bits)
     mx.bool_: np.bool_, mx.uint8: np.uint8, mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64,
@@ -50,14 +47,6 @@ STORAGE = {  # numpy storage of each MLX dtype (bfloat16 as its bits)
 }
 FROM_NUMPY = {np.dtype(v): k for k, v in STORAGE.items() if k != mx.bfloat16}
 
-GUARD_FACTOR = 4
-MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000  # Linux
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
@@ -180,88 +169,6 @@ def emulation_unit(name, input_names, output_names, source, header, inputs: list
     return unit, slots, host
 
 
-# ------------------------------------------------------------------ buffers
-
-
-class Guarded:
-    """`nbytes` of data in its own mapping, between PROT_NONE guard regions of
-    GUARD_FACTOR times the data size (at least a page) on both sides: an index that is a
-    few rows or a wrong stride away faults instead of reading a neighbouring buffer."""
-
-    def __init__(self, name: str, nbytes: int, itemsize: int, align: str, fill: int):
-        self.name, self.nbytes, self.itemsize = name, nbytes, itemsize
-        self.data_len = max(1, -(-nbytes // PAGE)) * PAGE
-        self.guard = max(PAGE, -(-GUARD_FACTOR * nbytes // PAGE) * PAGE)
-        self.total = self.data_len + 2 * self.guard
-        base = _libc.mmap(None, self.total, 0, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-        if base in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"cannot map {self.total} bytes for buffer {name!r}")
-        self.base = base
-        self._protect(self.guard, self.data_len, mmap.PROT_READ | mmap.PROT_WRITE)
-        slack = self.data_len - nbytes
-        self.offset = self.guard + (slack if align == "end" else 0)
-        self.address = self.base + self.offset
-        self._bytes(self.guard, self.data_len)[:] = CANARY
-        self._bytes(self.offset, nbytes)[:] = fill
-
-    def _bytes(self, offset: int, length: int) -> np.ndarray:
-        return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(self.base + offset)) if length else \
-            np.zeros(0, np.uint8)
-
-    def _protect(self, start: int, length: int, prot: int) -> None:
-        if _libc.mprotect(self.base + start, length, prot):
-            raise OSError(ctypes.get_errno(), "mprotect failed")
-
-    def view(self, dtype, shape, strides=None) -> np.ndarray:
-        arr = self._bytes(self.offset, self.nbytes).view(dtype)
-        if strides is None:
-            return arr.reshape(shape)
-        return np.lib.stride_tricks.as_strided(arr, shape, strides)
-
-    def read_only(self) -> None:
-        self._protect(self.guard, self.data_len, mmap.PROT_READ)
-
-    def canary_ok(self) -> bool:
-        self._protect(self.guard, self.data_len, mmap.PROT_READ)
-        data = self._bytes(self.guard, self.data_len)
-        lo, hi = self.offset - self.guard, self.offset - self.guard + self.nbytes
-        return bool((data[:lo] == CANARY).all() and (data[hi:] == CANARY).all())
-
-    def describe(self, address: int) -> str | None:
-        if not self.base <= address < self.base + self.total:
-            return None
-        rel = address - self.address
-        where = ("before the start" if rel < 0 else "past the end" if rel >= self.nbytes else "inside")
-        return (f"buffer {self.name!r} ({self.nbytes} bytes): byte {rel} ({where}; element {rel // self.itemsize} "
-                f"of {self.nbytes // self.itemsize})")
-
-    def close(self) -> None:
-        if self.base is not None:
-            _libc.munmap(self.base, self.total)
-            self.base = None
-
-
-MAX_THREADS = 1024
-_stacks: dict[int, tuple[mmap.mmap, object, int]] = {}
-
-
-def fiber_stacks(stack_kb: int) -> int:
-    """Address of MAX_THREADS fiber stacks of stack_kb KB, each above a PROT_NONE guard
-    page: one mapping per size for the whole process, shared by every compiled kernel."""
-    if stack_kb not in _stacks:
-        size = stack_kb * 1024
-        if size % PAGE:
-            raise ValueError("stack_kb must be a whole number of pages")
-        area = mmap.mmap(-1, MAX_THREADS * (size + PAGE), prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        anchor = ctypes.c_char.from_buffer(area)
-        base = ctypes.addressof(anchor)
-        for i in range(MAX_THREADS):
-            if _libc.mprotect(base + i * (size + PAGE), PAGE, 0):
-                raise OSError(ctypes.get_errno(), "mprotect failed")
-        _stacks[stack_kb] = (area, anchor, base)
-    return _stacks[stack_kb][2]
-
-
 # ------------------------------------------------------------------ running
 
 
@@ -296,14 +203,7 @@ def run(name, input_names, output_names, source, *, inputs, grid, threadgroup, o
         header="", template=None, init_value=None, ensure_row_contiguous=True, atomic_outputs=False,
         schedule="forward", seed=0, align="end", stack_kb=64) -> list[mx.array]:
     """Run one metal_kernel call on the CPU; returns the outputs as MLX arrays."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}")
-    if align not in ("end", "start"):
-        raise ValueError('align must be "end" or "start"')
-    if len(inputs) != len(input_names):
-        raise ValueError(f"{len(inputs)} inputs for {len(input_names)} input names")
-    if len(output_shapes) != len(output_names) or len(output_dtypes) != len(output_names):
-        raise ValueError("output_shapes and output_dtypes need one entry per output name")
+    _check_arguments(input_names, output_names, inputs, output_shapes, output_dtypes, schedule, align)
     ins = [_as_input(x) for x in inputs]
     infos = [ArgInfo(i.dtype, i.array.ndim, i.array.size) for i in ins]
     template = list(template or [])
@@ -315,69 +215,21 @@ def run(name, input_names, output_names, source, *, inputs, grid, threadgroup, o
     pointers = (ctypes.c_void_p * max(1, sum(1 for s in slots if s.slot is not None)))()
     outputs = []
     try:
-        prepared = []  # per input: (contiguous storage array or strided source, element strides)
-        for x in ins:
-            arr = x.array
-            if ensure_row_contiguous or arr.flags.c_contiguous or arr.ndim == 0:
-                arr = np.ascontiguousarray(arr)
-                strides = _row_strides(arr.shape)
-            else:
-                if any(s < 0 for s in arr.strides):
-                    raise EmulatorError("inputs with negative strides are not emulated")
-                strides = [s // arr.itemsize for s in arr.strides]
-            prepared.append((arr, strides))
+        prepared = [_prepare_input(x.array, ensure_row_contiguous) for x in ins]
         for s in slots:
             if s.slot is None:
                 continue
-            if s.kind == "input":
-                arr, strides = prepared[s.input_index]
-                span = 1 + sum((n - 1) * st for n, st in zip(arr.shape, strides)) if arr.size else 0
-                g = Guarded(s.name, span * arr.itemsize, arr.itemsize, align, 0)
-                if arr.size:
-                    g.view(arr.dtype, arr.shape, [st * arr.itemsize for st in strides])[...] = arr
-                g.read_only()
-            elif s.kind in ("shape", "strides", "ndim"):
-                arr, strides = prepared[s.input_index]
-                values = {"shape": np.array(arr.shape, np.int32), "strides": np.array(strides, np.int64),
-                          "ndim": np.array(arr.ndim, np.int32)}[s.kind]
-                g = Guarded(s.name, values.nbytes, values.itemsize, align, 0)
-                g.view(values.dtype, values.shape)[...] = values
-                g.read_only()
-            else:  # output
+            if s.kind == "output":
                 dtype = output_dtypes[s.input_index]
-                storage = np.dtype(STORAGE[dtype])
-                shape = tuple(output_shapes[s.input_index])
-                count = int(np.prod(shape, dtype=np.int64))
-                g = Guarded(s.name, count * storage.itemsize, storage.itemsize, align, POISON)
-                if init_value is not None:
-                    fill = np.array(init_value, np.float32)
-                    fill = mx.array(fill).astype(dtype)
-                    g.view(storage, shape)[...] = np.array(fill.view(mx.uint16) if dtype == mx.bfloat16 else fill)
+                g, storage, shape = _output_buffer(s.name, dtype, output_shapes[s.input_index], align, init_value)
                 outputs.append((g, storage, shape, dtype))
+            else:
+                g = _input_buffer(s, prepared, align)
             buffers.append(g)
             pointers[s.slot] = g.address
-        grid3 = (ctypes.c_uint * 3)(*[int(v) for v in grid])
-        tg3 = (ctypes.c_uint * 3)(*[int(v) for v in threadgroup])
-        err = ctypes.create_string_buffer(1024)
-        fault = (ctypes.c_uint64 * 3)()
-        regions = threadgroup_memory(lib, host)
-        flat = (ctypes.c_uint64 * max(1, 2 * len(regions)))(*[v for r in regions for v in r])
-        rc = lib.mlxemu_entry(pointers, grid3, tg3, SCHEDULES[schedule], int(seed) & 0xFFFFFFFF,
-                              fiber_stacks(int(stack_kb)), int(stack_kb), flat, len(regions), err, len(err), fault)
+        rc, err, fault = _launch(lib, host, pointers, grid, threadgroup, schedule, seed, stack_kb)
         if rc == 2:
-            signal, address, in_stack = int(fault[0]), int(fault[1]), bool(fault[2])
-            if in_stack:
-                raise EmulatorError(f"signal {signal}: a thread overflowed its {stack_kb} KB fiber stack")
-            where = next((d for d in (b.describe(address) for b in buffers) if d), None)
-            if where:
-                raise OutOfBounds(f"{name}: out-of-bounds access at {where} (signal {signal})")
-            below = [b for b in buffers if b.address <= address]
-            if below:  # e.g. a uint index that wrapped around
-                near = max(below, key=lambda b: b.address)
-                rel = address - near.address
-                raise OutOfBounds(f"{name}: out-of-bounds access far past buffer {near.name!r}: byte {rel} "
-                                  f"(element {rel // near.itemsize} of {near.nbytes // near.itemsize}; signal {signal})")
-            raise EmulatorError(f"{name}: signal {signal} at address {address:#x} (outside every buffer)")
+            _raise_fault(name, fault, buffers, stack_kb)
         if rc:
             raise EmulatorError(f"{name}: {err.value.decode(errors='replace')}")
         bad = [b.name for b in buffers if not b.canary_ok()]
@@ -387,6 +239,87 @@ def run(name, input_names, output_names, source, *, inputs, grid, threadgroup, o
     finally:
         for b in buffers:
             b.close()
+
+
+def _check_arguments(input_names, output_names, inputs, output_shapes, output_dtypes, schedule, align) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}")
+    if align not in ("end", "start"):
+        raise ValueError('align must be "end" or "start"')
+    if len(inputs) != len(input_names):
+        raise ValueError(f"{len(inputs)} inputs for {len(input_names)} input names")
+    if len(output_shapes) != len(output_names) or len(output_dtypes) != len(output_names):
+        raise ValueError("output_shapes and output_dtypes need one entry per output name")
+
+
+def _prepare_input(arr: np.ndarray, ensure_row_contiguous: bool) -> tuple[np.ndarray, list[int]]:
+    """(contiguous storage array or strided source, element strides) of one input."""
+    if ensure_row_contiguous or arr.flags.c_contiguous or arr.ndim == 0:
+        arr = np.ascontiguousarray(arr)
+        return arr, _row_strides(arr.shape)
+    if any(s < 0 for s in arr.strides):
+        raise EmulatorError("inputs with negative strides are not emulated")
+    return arr, [s // arr.itemsize for s in arr.strides]
+
+
+def _input_buffer(s, prepared, align: str) -> Guarded:
+    """The read-only buffer of an input slot: the input's elements, or its shape, strides or ndim."""
+    arr, strides = prepared[s.input_index]
+    if s.kind == "input":
+        span = 1 + sum((n - 1) * st for n, st in zip(arr.shape, strides)) if arr.size else 0
+        g = Guarded(s.name, span * arr.itemsize, arr.itemsize, align, 0)
+        if arr.size:
+            g.view(arr.dtype, arr.shape, [st * arr.itemsize for st in strides])[...] = arr
+    else:  # "shape", "strides" or "ndim"
+        values = {"shape": np.array(arr.shape, np.int32), "strides": np.array(strides, np.int64),
+                  "ndim": np.array(arr.ndim, np.int32)}[s.kind]
+        g = Guarded(s.name, values.nbytes, values.itemsize, align, 0)
+        g.view(values.dtype, values.shape)[...] = values
+    g.read_only()
+    return g
+
+
+def _output_buffer(name: str, dtype, shape, align: str, init_value) -> tuple[Guarded, np.dtype, tuple]:
+    """An output buffer, poisoned or filled with init_value; with its storage dtype and shape."""
+    storage = np.dtype(STORAGE[dtype])
+    shape = tuple(shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    g = Guarded(name, count * storage.itemsize, storage.itemsize, align, POISON)
+    if init_value is not None:
+        fill = np.array(init_value, np.float32)
+        fill = mx.array(fill).astype(dtype)
+        g.view(storage, shape)[...] = np.array(fill.view(mx.uint16) if dtype == mx.bfloat16 else fill)
+    return g, storage, shape
+
+
+def _launch(lib, host, pointers, grid, threadgroup, schedule: str, seed: int, stack_kb: int):
+    """Call the compiled entry point; returns (rc, error text buffer, fault words)."""
+    grid3 = (ctypes.c_uint * 3)(*[int(v) for v in grid])
+    tg3 = (ctypes.c_uint * 3)(*[int(v) for v in threadgroup])
+    err = ctypes.create_string_buffer(1024)
+    fault = (ctypes.c_uint64 * 3)()
+    regions = threadgroup_memory(lib, host)
+    flat = (ctypes.c_uint64 * max(1, 2 * len(regions)))(*[v for r in regions for v in r])
+    rc = lib.mlxemu_entry(pointers, grid3, tg3, SCHEDULES[schedule], int(seed) & 0xFFFFFFFF,
+                          fiber_stacks(int(stack_kb)), int(stack_kb), flat, len(regions), err, len(err), fault)
+    return rc, err, fault
+
+
+def _raise_fault(name: str, fault, buffers: list[Guarded], stack_kb: int) -> None:
+    """A thread faulted: name the fiber stack or the buffer (and byte) it ran off."""
+    signal, address, in_stack = int(fault[0]), int(fault[1]), bool(fault[2])
+    if in_stack:
+        raise EmulatorError(f"signal {signal}: a thread overflowed its {stack_kb} KB fiber stack")
+    where = next((d for d in (b.describe(address) for b in buffers) if d), None)
+    if where:
+        raise OutOfBounds(f"{name}: out-of-bounds access at {where} (signal {signal})")
+    below = [b for b in buffers if b.address <= address]
+    if below:  # e.g. a uint index that wrapped around
+        near = max(below, key=lambda b: b.address)
+        rel = address - near.address
+        raise OutOfBounds(f"{name}: out-of-bounds access far past buffer {near.name!r}: byte {rel} "
+                          f"(element {rel // near.itemsize} of {near.nbytes // near.itemsize}; signal {signal})")
+    raise EmulatorError(f"{name}: signal {signal} at address {address:#x} (outside every buffer)")
 
 
 def _row_strides(shape) -> list[int]:
