@@ -1,7 +1,7 @@
 """GDN pre-mixer (target.md steps 2-5): conv window and state update, causal depthwise
 conv + SiLU, q/k/v split, q/k l2-norm (q scaled by Dk^-0.5), gates beta and gamma, for T
 rows (decode, verify, prefill chunks). The outputs are what mx.fast.gated_delta_update
-consumes plus the window the tape records (runtime/cache.py GDNTape).
+consumes plus the window the tape records (models/cache.py GDNTape).
 """
 
 from __future__ import annotations
