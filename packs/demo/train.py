@@ -194,9 +194,9 @@ def export_target(P, out: Path, tj: str, fmt: str) -> Path:
 def check_runtime(P, src: Path, held_ids, n=64):
     """Our inference forward (pack of the BF16 checkpoint, F32 compute) vs the training
     forward on the same (BF16-rounded) weights."""
-    from monolith.models import load_model
+    from monolith.launch import load_target
 
-    model = load_model(src, dtype="float32")
+    model = load_target(src, dtype="float32")
     toks = held_ids[:n]
     cache = model.make_cache(n + 8)
     ours, _ = model(mx.array(toks), cache)
