@@ -98,12 +98,13 @@ def pack_stage(source: str, out: str, role: str) -> dict:
 def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_tokens: int) -> dict:
     import mlx.core as mx
 
-    from monolith.models import load_model
-    from monolith.runtime.decode import generate
     from monolith.launch import load_drafter
-    from monolith.sampling import SamplingParams
+    from monolith.models import load_model
+    from monolith.runtime.engine import generate
+    from monolith.runtime.plain import PlainDecoder
     from monolith.runtime.scheduler import make_scheduler
-    from monolith.runtime.speculative import generate_speculative
+    from monolith.runtime.speculative import SpeculativeDecoder
+    from monolith.sampling import SamplingParams
 
     out: dict = {}
     start = time.perf_counter()
@@ -118,10 +119,10 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
     prompt = mx.random.randint(0, vocab, (prompt_tokens,), key=mx.random.key(7)).tolist()
     params = SamplingParams(temperature=0.0)
     context = prompt_tokens + max_tokens + 16
-    plain = generate(model, prompt, max_tokens, params, [], context)
+    plain = generate(PlainDecoder(model, context), prompt, max_tokens, params)
     gamma = min(GAMMA, drafter.max_proposals)
-    spec = generate_speculative(model, drafter, prompt, max_tokens, params, [], context, block_size=gamma,
-                                scheduler=make_scheduler("fixed"))
+    spec = generate(SpeculativeDecoder(model, drafter, context, gamma=gamma, scheduler=make_scheduler("fixed")),
+                    prompt, max_tokens, params)
     out.update(
         first_token_seconds=plain.prefill_seconds,
         plain_tok_s=plain.decode_tok_s,

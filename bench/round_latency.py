@@ -13,7 +13,7 @@ Every measurement starts from the same state: the context prefilled, then a roun
 drafted, verified and committed, and the cache and the draft context are put back.
 Stages are timed each with its own evaluation (draft: the proposals; verify: the
 forward and the acceptance read; commit: the replayed GDN states and the draft context
-append); "round" is one unprofiled `SpeculativeDecoder.round` (its one host sync) plus
+append); "round" is one unprofiled `Rounds.round` (its one host sync) plus
 evaluating what it left lazy. A synthetic draft accepts almost nothing, so "commit" is
 the a = 0 replay; "commit l-1" forces a = l - 1 (the longest replay). Bytes are an
 estimate of what the stage must read and write (formulas in `round_bytes`).
@@ -64,20 +64,21 @@ class Rig:
     """A decoder prefilled to `context` rows, and a way back to that state."""
 
     def __init__(self, model, drafter, context: int, gamma: int):
+        from monolith.runtime.rounds import Rounds
         from monolith.sampling import SamplingParams
-        from monolith.runtime.speculative import SpeculativeDecoder
 
-        self.decoder = SpeculativeDecoder(model, drafter, SamplingParams(), context + 64, block_size=gamma)
+        self.decoder = Rounds(model, drafter, SamplingParams(), context + 64, gamma)
         prompt = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
         self.decoder.prefill(np.array(prompt).tolist(), chunk_size=512)
         mx.eval(self.decoder.cache.arrays(), drafter.arrays())
         self.snapshot = self.decoder.cache.snapshot()
-        self.anchor, self.context_offset = self.decoder.anchor, drafter.context.offset
+        self.anchor, self.draft_snapshot = self.decoder.anchor, drafter.snapshot()
+        self.context_offset = self.draft_snapshot.offset
         self.drafter = drafter
 
     def reset(self):
         self.decoder.cache.restore(self.snapshot)
-        self.drafter.draft.rewind_context(self.drafter.context, self.context_offset)
+        self.drafter.restore(self.draft_snapshot, self.context_offset)
         self.decoder.anchor = self.anchor
 
     def stages(self, force_accepted: int | None = None, count: bool = False) -> dict:

@@ -48,6 +48,12 @@ class ReplayDrafter:
     def arrays(self):
         return []
 
+    def snapshot(self):
+        return None  # replays a fixed sequence: every prompt is prefilled whole
+
+    def restore(self, snapshot, rows):
+        return False
+
     def propose(self, anchor, gamma, params, key):
         from monolith.runtime.drafter import Proposal
 
@@ -64,7 +70,7 @@ def corpus_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench-forward", choices=sorted(PRESETS))
     ap.add_argument("--model", type=Path, help="a target (pack or checkpoint) instead of the synthetic one")
@@ -81,62 +87,63 @@ def main() -> None:
     args = ap.parse_args()
     if (args.model is None) != (args.draft is None):
         ap.error("--model and --draft go together")
+    return args
 
-    from monolith.runtime.decode import generate
-    from monolith.launch import load_drafter
-    from monolith.sampling import SamplingParams
-    from monolith.runtime.scheduler import make_scheduler, measure_costs
-    from monolith.runtime.speculative import generate_speculative
-    from monolith.tokenizer import load_tokenizer
 
-    work, target_pack, draft_src, model = load_pair(args)
-    prompts = corpus_prompts(load_tokenizer(target_pack), args.prompts, args.prompt_tokens)
-    params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None)
+def speculative_modes(args, model, drafters: dict, gamma: int, params):
+    """A function of the reference continuation giving every speculative mode's (name,
+    decoder) on one prompt; the cost schedulers share one calibration per drafter."""
+    from monolith.runtime.calibrate import measure_costs
+    from monolith.runtime.scheduler import make_scheduler
+    from monolith.runtime.speculative import SpeculativeDecoder
+
     max_context = args.prompt_tokens + args.max_tokens + 16
-
-    drafters = {label: load_drafter(draft_src, model, dtype=args.dtype, quantization=q, cache_dir=work / "packs")
-                for label, q in (("bf16", "none"), ("nvfp4", "nvfp4"))}
-    taps = next(iter(drafters.values())).taps
-    gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
     schedulers = [s.strip() for s in args.sched.split(",") if s.strip()]
-    costs = {}  # one warm-up measurement per drafter, shared by its cost schedulers
-    for label, drafter in drafters.items():
-        if "cost" in schedulers:
-            costs[label] = measure_costs(model, drafter, gamma, params)
+    costs = {label: measure_costs(model, drafter, gamma, params) for label, drafter in drafters.items()
+             if "cost" in schedulers}
+    taps = next(iter(drafters.values())).taps
 
     def modes(reference):
-        """(name, drafter, scheduler) of every speculative mode on one prompt."""
         for label, drafter in drafters.items():
             for name in schedulers:
                 scheduler = make_scheduler(name, drafter.max_proposals)
                 if name == "cost":
                     scheduler.set_costs(*costs[label])
-                yield f"{label}/{name}", drafter, scheduler
-        yield "replay/fixed", ReplayDrafter(taps, reference, model.args.vocab_size, gamma), make_scheduler("fixed")
+                yield f"{label}/{name}", SpeculativeDecoder(model, drafter, max_context, gamma=gamma,
+                                                            scheduler=scheduler)
+        replay = ReplayDrafter(taps, reference, model.args.vocab_size, gamma)
+        yield "replay/fixed", SpeculativeDecoder(model, replay, max_context, gamma=gamma,
+                                                 scheduler=make_scheduler("fixed"))
 
-    rows = []
-    for index, prompt in enumerate(prompts):
-        plain_runs, spec_runs = [], {}
-        for _ in range(args.repeats):
-            plain = generate(model, prompt, args.max_tokens, params, [], max_context)
-            plain_runs.append(plain)
-            for name, drafter, scheduler in modes(prompt + plain.token_ids):
-                spec = generate_speculative(model, drafter, prompt, args.max_tokens, params, [], max_context,
-                                            block_size=gamma, scheduler=scheduler)
-                spec_runs.setdefault(name, []).append(spec)
-        plain_tok_s = statistics.median(r.decode_tok_s for r in plain_runs)
-        rows.append({"prompt": index, "mode": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0})
-        for name, runs in spec_runs.items():
-            s = runs[-1].speculative
-            tok_s = statistics.median(r.decode_tok_s for r in runs)
-            rows.append({
-                "prompt": index, "mode": name, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
-                "acceptance_length": s.acceptance_length, "rounds": s.rounds,
-                "accepted": sum(s.accepted_per_round), "proposed": sum(s.proposed_per_round),
-                "per_position_acceptance": s.per_position_acceptance(),
-                "same_as_plain": runs[-1].token_ids == plain_runs[-1].token_ids if params.greedy else None,
-            })
+    return modes
 
+
+def prompt_rows(args, index: int, prompt: list[int], plain_decoder, modes, params) -> list[dict]:
+    """Plain and every speculative mode on one prompt, alternating --repeats times."""
+    from monolith.runtime.engine import generate
+
+    plain_runs, spec_runs = [], {}
+    for _ in range(args.repeats):
+        plain = generate(plain_decoder, prompt, args.max_tokens, params)
+        plain_runs.append(plain)
+        for name, decoder in modes(prompt + plain.token_ids):
+            spec_runs.setdefault(name, []).append(generate(decoder, prompt, args.max_tokens, params))
+    plain_tok_s = statistics.median(r.decode_tok_s for r in plain_runs)
+    rows = [{"prompt": index, "mode": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0}]
+    for name, runs in spec_runs.items():
+        s = runs[-1].speculative
+        tok_s = statistics.median(r.decode_tok_s for r in runs)
+        rows.append({
+            "prompt": index, "mode": name, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+            "acceptance_length": s.acceptance_length, "rounds": s.rounds,
+            "accepted": sum(s.accepted_per_round), "proposed": sum(s.proposed_per_round),
+            "per_position_acceptance": s.per_position_acceptance(),
+            "same_as_plain": runs[-1].token_ids == plain_runs[-1].token_ids if params.greedy else None,
+        })
+    return rows
+
+
+def print_table(args, rows: list[dict], gamma: int, params) -> None:
     print(f"{args.prompts} prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated, block {gamma}, "
           f"{'greedy' if params.greedy else f'temperature {args.temperature}'}, {args.dtype} "
           f"(decode tok/s: medians of {args.repeats} alternating runs)")
@@ -147,6 +154,9 @@ def main() -> None:
         same = "" if r.get("same_as_plain") is None else str(r["same_as_plain"])
         print(f"{r['prompt']:>6} {r['mode']:>14} {r['decode_tok_s']:8.1f} {r['speedup']:8.2f} {tau:>6} {acc:>10} "
               f"{same:>5}")
+
+
+def write_report(args, rows: list[dict], gamma: int) -> None:
     summary = {}
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
@@ -161,6 +171,27 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
+
+
+def main() -> None:
+    args = parse_args()
+    from monolith.launch import load_drafter
+    from monolith.runtime.plain import PlainDecoder
+    from monolith.sampling import SamplingParams
+    from monolith.tokenizer import load_tokenizer
+
+    work, target_pack, draft_src, model = load_pair(args)
+    prompts = corpus_prompts(load_tokenizer(target_pack), args.prompts, args.prompt_tokens)
+    params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None)
+    drafters = {label: load_drafter(draft_src, model, dtype=args.dtype, quantization=q, cache_dir=work / "packs")
+                for label, q in (("bf16", "none"), ("nvfp4", "nvfp4"))}
+    gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
+    modes = speculative_modes(args, model, drafters, gamma, params)
+    plain_decoder = PlainDecoder(model, args.prompt_tokens + args.max_tokens + 16)
+    rows = [row for index, prompt in enumerate(prompts)
+            for row in prompt_rows(args, index, prompt, plain_decoder, modes, params)]
+    print_table(args, rows, gamma, params)
+    write_report(args, rows, gamma)
 
 
 if __name__ == "__main__":
