@@ -31,7 +31,8 @@ Measures (shared/docs/dspark.md 5), gamma = --block-size (7):
   outputs differ from plain ones by construction (same distribution, other draws).
 - "served": what serve and chat run by default, the NVFP4 draft with a
   scheduler.Fallback (plain one-row rounds while drafting does not pay; break-even from
-  speculative.measure_break_even): tok/s, speedup, drafted and plain rounds.
+  calibrate.measure_break_even; the decoder monolith.launch builds for serve): tok/s,
+  speedup, drafted and plain rounds.
 - matched prefix (untimed, greedy proposals): the reference continuation of a prompt is
   the target's plain greedy output. One target forward over prompt + reference gives
   every row's tap features; at every anchor position p of the reference (p = len(prompt)
@@ -240,7 +241,7 @@ def positions(values) -> str:
     return " ".join("   -" if v is None else f"{v:.2f}" for v in values)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", type=Path, default=None, help="recipe output or bundle (default: the bundled pair)")
     ap.add_argument("--target", default="target", help="target subdirectory (target = NVFP4, target-bf16)")
@@ -260,102 +261,117 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="compute dtype (default: the device's, float32 on the CPU)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "acceptance.json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from monolith.runtime.decode import generate
-    from monolith.sampling import SamplingParams
-    from monolith.runtime.scheduler import Fallback, make_scheduler, round_can_pay
-    from monolith.runtime.speculative import generate_speculative, measure_break_even
 
-    info = locate_pair(args)
-    t = time.time()
-    model, drafters = load_pair(info, args.dtype)
-    log(f"loaded {info['kind']} {info['pair']} in {time.time() - t:.1f}s")
-    if info["bf16_note"]:
-        log(f"note: {info['bf16_note']}")
-    held, held_source = held_out_stream(info)
-    stride = (held.size - args.prompt_tokens) // args.prompts
-    prompts = [held[i * stride:i * stride + args.prompt_tokens].tolist() for i in range(args.prompts)]
-    max_context = args.prompt_tokens + args.max_tokens + 16
-    gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
-    modes = {"greedy": None}
-    if args.temperature > 0:
-        modes[f"t{args.temperature:g}"] = args.temperature
-    greedy = SamplingParams(temperature=0.0)
-    # what serve and chat run by default: the NVFP4 draft with a Fallback to plain steps
-    break_even = measure_break_even(model, drafters["nvfp4"], gamma, greedy)
-    served_plainly = not round_can_pay(break_even, gamma)  # serve then decodes plainly (serving.loading)
-    log(f"serve's fallback break-even: {break_even:.2f} tokens per round"
-        + (" (more than a round can emit: serve decodes plainly)" if served_plainly else ""))
+def served_decoder(args, model, drafter, gamma: int, max_context: int):
+    """What serve and chat run by default with this draft (monolith.launch builds it: the
+    NVFP4 draft with a Fallback to plain steps, or plain decoding where a round cannot
+    pay), and the break-even it measured."""
+    from monolith.launch import drafting_decoder
+    from monolith.runtime.plain import PlainDecoder
 
-    rows, served_rows = [], []
-    for index, prompt in enumerate(prompts):
-        seed = args.seed + index
-        params = {m: greedy if temp is None else SamplingParams(temperature=temp, seed=seed) for m, temp in modes.items()}
-        runs = {(m, d): [] for m in modes for d in ("plain", *drafters, "served")}
-        for _ in range(args.repeats):  # alternating: plain, then each draft, per mode
-            for mode, p in params.items():
-                runs[mode, "plain"].append(generate(model, prompt, args.max_tokens, p, [], max_context))
-                for label, drafter in drafters.items():
-                    runs[mode, label].append(generate_speculative(
-                        model, drafter, prompt, args.max_tokens, p, [], max_context, block_size=gamma,
-                        scheduler=make_scheduler("fixed")))
-                runs[mode, "served"].append(generate(model, prompt, args.max_tokens, p, [], max_context)
-                                            if served_plainly else generate_speculative(
-                    model, drafters["nvfp4"], prompt, args.max_tokens, p, [], max_context, block_size=gamma,
-                    scheduler=make_scheduler("fixed"), fallback=Fallback(break_even)))
+    flags = argparse.Namespace(draft_block_size=gamma, spec_sched=None, spec_threshold=None, max_context=max_context,
+                               prefill_chunk_size=512)
+    decoder, measured = drafting_decoder(flags, model, drafter, log)
+    return decoder or PlainDecoder(model, max_context), measured.steps
+
+
+class Decoders:
+    """Every decoder a prompt runs under, built once: plain, each draft (fixed scheduler,
+    always drafting) and the served one."""
+
+    def __init__(self, args, model, drafters: dict, gamma: int, max_context: int):
+        from monolith.runtime.plain import PlainDecoder
+        from monolith.runtime.scheduler import make_scheduler
+        from monolith.runtime.speculative import SpeculativeDecoder
+
+        self.plain = PlainDecoder(model, max_context)
+        self.drafts = {label: SpeculativeDecoder(model, d, max_context, gamma=gamma, scheduler=make_scheduler("fixed"))
+                       for label, d in drafters.items()}
+        self.served, self.break_even = served_decoder(args, model, drafters["nvfp4"], gamma, max_context)
+        log(f"serve's fallback break-even: {self.break_even:.2f} tokens per round"
+            + ("" if isinstance(self.served, SpeculativeDecoder) else " (serve decodes plainly)"))
+
+
+def timed_runs(args, prompt: list[int], params: dict, decoders: Decoders) -> dict:
+    """(mode, draft) -> the outcomes of --repeats alternating runs: plain, then each
+    draft, then the served decoder, per mode."""
+    from monolith.runtime.engine import generate
+
+    runs = {(m, d): [] for m in params for d in ("plain", *decoders.drafts, "served")}
+    for _ in range(args.repeats):
         for mode, p in params.items():
-            plain = runs[mode, "plain"]
-            plain_tok_s = statistics.median(r.decode_tok_s for r in plain)
-            base = {"prompt": index, "mode": mode, "seed": None if p.greedy else seed}
-            rows.append({**base, "draft": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0,
-                         "generated": len(plain[-1].token_ids)})
-            served = runs[mode, "served"]
-            tok_s = statistics.median(r.decode_tok_s for r in served)
-            spec = served[-1].speculative
-            served_rows.append({**base, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
-                                "drafted_rounds": spec.rounds if spec else 0,
-                                "plain_rounds": spec.plain_rounds if spec else served[-1].decode_steps + 1})
-            for label in drafters:
-                row = {**base, "draft": label, **spec_row(runs[mode, label], plain_tok_s)}
-                if p.greedy:
-                    row["same_as_plain"] = runs[mode, label][-1].token_ids == plain[-1].token_ids
-                rows.append(row)
-        # matched prefix (untimed): reference = the target's plain greedy continuation
-        seq = prompt + runs["greedy", "plain"][-1].token_ids
-        features = {}
-        for label, drafter in drafters.items():
-            taps = tuple(drafter.taps)
-            if taps not in features:
-                features[taps] = tap_features(model, list(taps), seq, max_context)
-            counts = matched_prefix(drafter, seq, len(prompt), gamma, max_context, features[taps])
-            rows.append({"prompt": index, "mode": "matched_prefix", "draft": label, "anchors": len(counts),
-                         "matched_prefix": float(np.mean(counts)) if counts else None,
-                         "histogram": np.bincount(counts, minlength=gamma + 1).tolist()})  # anchors matching 0..gamma
-        log(f"prompt {index + 1}/{len(prompts)} done ({time.time() - t:.0f}s)")
+            runs[mode, "plain"].append(generate(decoders.plain, prompt, args.max_tokens, p))
+            for label, decoder in decoders.drafts.items():
+                runs[mode, label].append(generate(decoder, prompt, args.max_tokens, p))
+            runs[mode, "served"].append(generate(decoders.served, prompt, args.max_tokens, p))
+    return runs
 
-    # ------------------------------------------------------------- summary
-    summary: dict = {}
-    for mode in modes:
-        for label in ("plain", *drafters):
-            mine = [r for r in rows if r["mode"] == mode and r["draft"] == label]
-            entry = {"decode_tok_s": float(np.median([r["decode_tok_s"] for r in mine])),
-                     "speedup": float(np.median([r["speedup"] for r in mine]))}
-            if label != "plain":
-                rounds = sum(r["rounds"] for r in mine)
-                entry["tau"] = (sum(r["accepted"] for r in mine) + rounds) / rounds  # pooled over rounds
-                entry["tau_ci95"] = tau_interval(mine)
-                entry["rounds"] = rounds
-                entry["per_position_acceptance"] = pooled_positions(mine, gamma)
-                if mode == "greedy":
-                    entry["same_as_plain"] = all(r["same_as_plain"] for r in mine)
-                    histogram = np.sum([r["histogram"] for r in rows
-                                        if r["mode"] == "matched_prefix" and r["draft"] == label], axis=0)
-                    anchors = int(histogram.sum())
-                    entry["matched_prefix"] = float(histogram @ np.arange(gamma + 1)) / anchors if anchors else None
-                    entry["matched_prefix_anchors"] = anchors
-                    entry["matched_prefix_per_position"] = matched_positions(histogram.tolist(), gamma)
-            summary[f"{mode}/{label}"] = entry
+
+def prompt_rows(index: int, seed: int, params: dict, runs: dict, drafters: dict) -> tuple[list[dict], list[dict]]:
+    """(per-draft rows, served rows) of one prompt's timed runs."""
+    rows, served_rows = [], []
+    for mode, p in params.items():
+        plain = runs[mode, "plain"]
+        plain_tok_s = statistics.median(r.decode_tok_s for r in plain)
+        base = {"prompt": index, "mode": mode, "seed": None if p.greedy else seed}
+        rows.append({**base, "draft": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0,
+                     "generated": len(plain[-1].token_ids)})
+        served = runs[mode, "served"]
+        tok_s = statistics.median(r.decode_tok_s for r in served)
+        spec = served[-1].speculative
+        served_rows.append({**base, "decode_tok_s": tok_s, "speedup": tok_s / plain_tok_s,
+                            "drafted_rounds": spec.rounds if spec else 0,
+                            "plain_rounds": spec.plain_rounds if spec else served[-1].decode_steps + 1})
+        for label in drafters:
+            row = {**base, "draft": label, **spec_row(runs[mode, label], plain_tok_s)}
+            if p.greedy:
+                row["same_as_plain"] = runs[mode, label][-1].token_ids == plain[-1].token_ids
+            rows.append(row)
+    return rows, served_rows
+
+
+def matched_rows(index: int, model, drafters: dict, prompt: list[int], reference: list[int], gamma: int,
+                 max_context: int) -> list[dict]:
+    """Matched prefix (untimed): reference = the target's plain greedy continuation."""
+    seq, features, rows = prompt + reference, {}, []
+    for label, drafter in drafters.items():
+        taps = tuple(drafter.taps)
+        if taps not in features:
+            features[taps] = tap_features(model, list(taps), seq, max_context)
+        counts = matched_prefix(drafter, seq, len(prompt), gamma, max_context, features[taps])
+        rows.append({"prompt": index, "mode": "matched_prefix", "draft": label, "anchors": len(counts),
+                     "matched_prefix": float(np.mean(counts)) if counts else None,
+                     "histogram": np.bincount(counts, minlength=gamma + 1).tolist()})  # anchors matching 0..gamma
+    return rows
+
+
+def draft_summary(rows: list[dict], mode: str, label: str, gamma: int) -> dict:
+    mine = [r for r in rows if r["mode"] == mode and r["draft"] == label]
+    entry = {"decode_tok_s": float(np.median([r["decode_tok_s"] for r in mine])),
+             "speedup": float(np.median([r["speedup"] for r in mine]))}
+    if label == "plain":
+        return entry
+    rounds = sum(r["rounds"] for r in mine)
+    entry["tau"] = (sum(r["accepted"] for r in mine) + rounds) / rounds  # pooled over rounds
+    entry["tau_ci95"] = tau_interval(mine)
+    entry["rounds"] = rounds
+    entry["per_position_acceptance"] = pooled_positions(mine, gamma)
+    if mode == "greedy":
+        entry["same_as_plain"] = all(r["same_as_plain"] for r in mine)
+        histogram = np.sum([r["histogram"] for r in rows if r["mode"] == "matched_prefix" and r["draft"] == label],
+                           axis=0)
+        anchors = int(histogram.sum())
+        entry["matched_prefix"] = float(histogram @ np.arange(gamma + 1)) / anchors if anchors else None
+        entry["matched_prefix_anchors"] = anchors
+        entry["matched_prefix_per_position"] = matched_positions(histogram.tolist(), gamma)
+    return entry
+
+
+def summarize(rows, served_rows, modes, drafters, gamma: int, break_even: float) -> dict:
+    summary: dict = {f"{mode}/{label}": draft_summary(rows, mode, label, gamma)
+                     for mode in modes for label in ("plain", *drafters)}
     have_bf16 = "bf16" in drafters
 
     def ratio(key: str, mode: str = "greedy"):
@@ -367,21 +383,7 @@ def main() -> None:
     summary["nvfp4_over_bf16_matched_prefix"] = ratio("matched_prefix")
     for mode in modes:
         summary[f"nvfp4_over_bf16_tau_{mode}"] = ratio("tau", mode)
-    served = summary["greedy/nvfp4"]
-    goals = [
-        {"goal": f"tau >= {GOAL_TAU} at gamma {GOAL_GAMMA}, greedy, held-out prompts (NVFP4 draft)",
-         "value": served["tau"], "met": served["tau"] >= GOAL_TAU and gamma == GOAL_GAMMA,
-         "note": (f"95% interval over prompts {served['tau_ci95'][0]:.2f}-{served['tau_ci95'][1]:.2f}"
-                  + ("" if gamma == GOAL_GAMMA else f"; measured at gamma {gamma}, not {GOAL_GAMMA}"))},
-        {"goal": f"NVFP4 draft keeps >= {GOAL_RATIO:.0%} of the BF16 draft's matched-prefix acceptance",
-         "value": summary["nvfp4_over_bf16_matched_prefix"],
-         "met": None if summary["nvfp4_over_bf16_matched_prefix"] is None
-         else summary["nvfp4_over_bf16_matched_prefix"] >= GOAL_RATIO,
-         "note": None if have_bf16 else "not measured: no BF16 draft"},
-        {"goal": f"speculative >= {GOAL_SPEEDUP}x plain tok/s (greedy, NVFP4 draft, median over prompts)",
-         "value": served["speedup"], "met": served["speedup"] >= GOAL_SPEEDUP, "note": None},
-    ]
-    summary["goals"] = goals
+    summary["goals"] = goals(summary, gamma, have_bf16)
     for mode in modes:
         mine = [r for r in served_rows if r["mode"] == mode]
         summary[f"{mode}/served"] = {"decode_tok_s": float(np.median([r["decode_tok_s"] for r in mine])),
@@ -389,15 +391,28 @@ def main() -> None:
                                      "drafted_rounds": sum(r["drafted_rounds"] for r in mine),
                                      "plain_rounds": sum(r["plain_rounds"] for r in mine),
                                      "break_even": break_even}
+    return summary
 
-    # ------------------------------------------------------------- print
-    print(f"pair {info['pair']} ({info['kind']}), target {args.target}, compute dtype {model.dtype}; "
-          f"{args.prompts} held-out prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated, gamma {gamma}")
-    print(f"prompts: {held_source}; tok/s: medians of {args.repeats} alternating runs; sampled runs of prompt i "
-          f"use seed {args.seed} + i")
+
+def goals(summary: dict, gamma: int, have_bf16: bool) -> list[dict]:
+    served, ratio = summary["greedy/nvfp4"], summary["nvfp4_over_bf16_matched_prefix"]
+    return [
+        {"goal": f"tau >= {GOAL_TAU} at gamma {GOAL_GAMMA}, greedy, held-out prompts (NVFP4 draft)",
+         "value": served["tau"], "met": served["tau"] >= GOAL_TAU and gamma == GOAL_GAMMA,
+         "note": (f"95% interval over prompts {served['tau_ci95'][0]:.2f}-{served['tau_ci95'][1]:.2f}"
+                  + ("" if gamma == GOAL_GAMMA else f"; measured at gamma {gamma}, not {GOAL_GAMMA}"))},
+        {"goal": f"NVFP4 draft keeps >= {GOAL_RATIO:.0%} of the BF16 draft's matched-prefix acceptance",
+         "value": ratio, "met": None if ratio is None else ratio >= GOAL_RATIO,
+         "note": None if have_bf16 else "not measured: no BF16 draft"},
+        {"goal": f"speculative >= {GOAL_SPEEDUP}x plain tok/s (greedy, NVFP4 draft, median over prompts)",
+         "value": served["speedup"], "met": served["speedup"] >= GOAL_SPEEDUP, "note": None},
+    ]
+
+
+def print_rows(rows: list[dict], prompts: int) -> None:
     print(f"\n{'prompt':>6} {'mode':>7} {'draft':>6} {'tok/s':>8} {'speedup':>8} {'tau':>6} {'acc/prop':>9} "
           f"{'same':>5} {'matched':>8}")
-    for index in range(args.prompts):
+    for index in range(prompts):
         mp = {r["draft"]: r for r in rows if r["prompt"] == index and r["mode"] == "matched_prefix"}
         for r in rows:
             if r["prompt"] != index or r["mode"] == "matched_prefix":
@@ -408,6 +423,9 @@ def main() -> None:
                   f"{fmt(r.get('tau'), '.2f', 6)} "
                   f"{(str(r['accepted']) + '/' + str(r['proposed'])) if spec else '-':>9} "
                   f"{str(r['same_as_plain']) if 'same_as_plain' in r else '-':>5} {fmt(match, '.2f', 8)}")
+
+
+def print_summary(summary: dict, modes, drafters, gamma: int, break_even: float, info: dict) -> None:
     print(f"\nsummary (tau and per-position acceptance pooled over all rounds; tok/s and speedup: medians over "
           f"prompts; matched prefix: mean over {summary['greedy/nvfp4']['matched_prefix_anchors']} anchors, "
           f"greedy proposals, out of {gamma})")
@@ -432,25 +450,68 @@ def main() -> None:
         print(f"{mode:>7} served: NVFP4 draft with serve's fallback (break-even {break_even:.2f} tokens/round): "
               f"{s['decode_tok_s']:.1f} tok/s, {s['speedup']:.2f}x plain, {s['drafted_rounds']} drafted and "
               f"{s['plain_rounds']} plain rounds")
-    if have_bf16:
+    if "bf16" in drafters:
         taus = ", ".join(f"tau {mode} {summary[f'nvfp4_over_bf16_tau_{mode}']:.3f}" for mode in modes)
         print(f"NVFP4/BF16 draft: matched prefix {summary['nvfp4_over_bf16_matched_prefix']:.3f}, {taus}")
     else:
         print(f"NVFP4/BF16 draft: not measured ({info['bf16_note']})")
+
+
+def print_goals(summary: dict, modes, have_bf16: bool) -> None:
     print("\ngoals:")
-    for g in goals:
+    goal_rows = summary["goals"]
+    for g in goal_rows:
         verdict = "n/a" if g["met"] is None else "met" if g["met"] else "NOT met"
         value = "-" if g["value"] is None else f"{g['value']:.3f}"
         extra = []
-        if g is goals[0] and have_bf16:
+        if g is goal_rows[0] and have_bf16:
             extra.append(f"BF16 draft {summary['greedy/bf16']['tau']:.3f}")
-        if g is goals[2]:
+        if g is goal_rows[2]:
             extra += [f"BF16 draft {summary['greedy/bf16']['speedup']:.2f}x"] if have_bf16 else []
             extra += [f"{m} NVFP4 {summary[f'{m}/nvfp4']['speedup']:.2f}x" for m in modes if m != "greedy"]
         if g["note"]:
             extra.append(g["note"])
         print(f"  [{verdict:>7}] {g['goal']}: {value}" + (f" ({'; '.join(extra)})" if extra else ""))
 
+
+def main() -> None:
+    args = parse_args()
+    from monolith.sampling import SamplingParams
+
+    info = locate_pair(args)
+    t = time.time()
+    model, drafters = load_pair(info, args.dtype)
+    log(f"loaded {info['kind']} {info['pair']} in {time.time() - t:.1f}s")
+    if info["bf16_note"]:
+        log(f"note: {info['bf16_note']}")
+    held, held_source = held_out_stream(info)
+    stride = (held.size - args.prompt_tokens) // args.prompts
+    prompts = [held[i * stride:i * stride + args.prompt_tokens].tolist() for i in range(args.prompts)]
+    max_context = args.prompt_tokens + args.max_tokens + 16
+    gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
+    modes = {"greedy": None}
+    if args.temperature > 0:
+        modes[f"t{args.temperature:g}"] = args.temperature
+    decoders = Decoders(args, model, drafters, gamma, max_context)
+    rows, served_rows = [], []
+    for index, prompt in enumerate(prompts):
+        seed = args.seed + index
+        params = {m: SamplingParams() if temp is None else SamplingParams(temperature=temp, seed=seed)
+                  for m, temp in modes.items()}
+        runs = timed_runs(args, prompt, params, decoders)
+        mine, served = prompt_rows(index, seed, params, runs, drafters)
+        rows += mine + matched_rows(index, model, drafters, prompt, runs["greedy", "plain"][-1].token_ids, gamma,
+                                    max_context)
+        served_rows += served
+        log(f"prompt {index + 1}/{len(prompts)} done ({time.time() - t:.0f}s)")
+    summary = summarize(rows, served_rows, modes, drafters, gamma, decoders.break_even)
+    print(f"pair {info['pair']} ({info['kind']}), target {args.target}, compute dtype {model.dtype}; "
+          f"{args.prompts} held-out prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated, gamma {gamma}")
+    print(f"prompts: {held_source}; tok/s: medians of {args.repeats} alternating runs; sampled runs of prompt i "
+          f"use seed {args.seed} + i")
+    print_rows(rows, args.prompts)
+    print_summary(summary, modes, drafters, gamma, decoders.break_even, info)
+    print_goals(summary, modes, "bf16" in drafters)
     report = {"machine": platform.platform(), "mlx": mx.__version__, "dtype": str(model.dtype),
               "pair": str(info["pair"]), "pair_kind": info["kind"], "target": args.target,
               "drafts": {"nvfp4": str(info["draft"]),

@@ -18,7 +18,7 @@ from pathlib import Path
 from .models import load_draft, load_model
 from .pack import build_pack, is_pack, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
-from .runtime.calibrate import measure_break_even, round_can_pay, round_pay_limit
+from .runtime.calibrate import BreakEven, measure_break_even, round_can_pay, round_pay_limit
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.rounds import check_gamma
@@ -189,30 +189,37 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
 
 def speculative_decoder(args, model, draft: str, log, fallback: bool = True, profile: bool = False,
                         load_draft=load_drafter) -> SpeculativeDecoder | None:
-    """The decoder that runs speculative rounds with the draft; None when the fallback's
-    measured break-even says a drafted round costs about as many plain steps as the
-    tokens it can emit or more (drafting can never pay on this machine: e.g. MLX's
-    Linux CPU wheel, where an 8-row verify costs ~10 one-row steps)."""
+    """The decoder that runs speculative rounds with the draft of `draft` (see
+    `drafting_decoder`), or None: decode plainly."""
     quantization = args.draft_quantization or "auto"
     log(f"loading the draft {draft} (quantization {quantization})")
     drafter = load_draft(draft, model, dtype=args.dtype, quantization=quantization,
                          revision=args.draft_revision, local_files_only=args.local_files_only)
+    return drafting_decoder(args, model, drafter, log, fallback, profile)[0]
+
+
+def drafting_decoder(args, model, drafter, log, fallback: bool = True,
+                     profile: bool = False) -> tuple[SpeculativeDecoder | None, BreakEven | None]:
+    """(the speculative decoder the flags ask for, the break-even measured for its
+    fallback or None). The decoder is None when that break-even says a drafted round
+    costs about as many plain steps as the tokens it can emit or more (drafting can never
+    pay on this machine: e.g. MLX's Linux CPU wheel, where an 8-row verify costs ~10
+    one-row steps)."""
     if args.draft_block_size is not None and args.draft_block_size > drafter.max_proposals:
         raise SetupError(f"--draft-block-size must be at most {drafter.max_proposals} "
                          f"(the draft's proposals per block), got {args.draft_block_size}")
     gamma = check_gamma(args.draft_block_size, drafter.max_proposals)
     scheduler = make_scheduler(args.spec_sched or "fixed", drafter.max_proposals, args.spec_threshold)
-    break_even = None
+    measured = None
     if fallback and args.spec_sched is None:
         measured = measure_break_even(model, drafter, gamma, SamplingParams())
         cut = f"drafting pays below {round_pay_limit(gamma):.1f} (a round emits at most {gamma + 1} tokens)"
         if not round_can_pay(measured.steps, gamma):
             log(f"a drafted round costs {measured.describe()} here; {cut}: serving with plain decoding "
                 "(--spec-sched fixed drafts anyway)")
-            return None
+            return None, measured
         log(f"a drafted round costs {measured.describe()} here; {cut}: a request drafts while its rounds emit "
             "at least that many tokens, and takes plain steps otherwise")
-        break_even = measured.steps
-    return SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler,
-                              break_even, profile)
-
+    decoder = SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler,
+                                 None if measured is None else measured.steps, profile)
+    return decoder, measured
