@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from ..checkpoint import Checkpoint
-from ..checkpoint.config import DFLASH, DRAFT_ARCHITECTURES, DSPARK, DSPARK_SPECULATORS  # noqa: F401 - read by models.dspark
+from ..checkpoint.config import DFLASH, DSPARK, DSPARK_SPECULATORS
 from .recipe import PackError, Plan, Planner
 
 PLAIN_NORM = "draft RMSNorm weight (plain w) stored in F32"
