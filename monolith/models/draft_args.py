@@ -3,7 +3,8 @@ recorded (manifest layout.draft, DeepSpec conventions) and its copy of config.js
 
 The draft formats differ here only in where config.json keeps the layer fields and how
 it names the taps; a format that differs is a DraftArgs subclass overriding those
-(`SpeculatorsDraftArgs`), registered in monolith.models.loading.
+(`SpeculatorsDraftArgs`). DRAFT_ARGS gives each draft architecture its class; the
+models' registry (loading.MODELS) takes the drafts from it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..checkpoint.config import DFLASH, DSPARK, DSPARK_SPECULATORS
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -153,6 +156,10 @@ class SpeculatorsDraftArgs(DraftArgs):
 
     def stated_taps(self) -> str:
         return f"aux_hidden_state_layer_ids {[i + 1 for i in self.taps]} (target layer ids {list(self.taps)})"
+
+
+# draft architecture (monolith.checkpoint.config) -> the class that reads its arguments
+DRAFT_ARGS = {DSPARK: DraftArgs, DSPARK_SPECULATORS: SpeculatorsDraftArgs, DFLASH: DraftArgs}
 
 
 def _block_mask(settings: dict, layers: int, where: str) -> tuple[tuple, tuple, float]:

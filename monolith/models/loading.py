@@ -2,9 +2,10 @@
 (load_draft), through the one architecture registry.
 
 The architecture names are monolith.checkpoint.config's; MODELS says what each loads
-into. A new draft format is a name there, its pack recipe's differences
-(pack.draft_recipe.DRAFT_FORMATS) and, when its config.json differs, a DraftArgs
-subclass registered here. The weights are read by PackWeights (weights.py).
+into. A new draft format touches three files: its name and detection there, its pack
+recipe's format (pack.draft_recipe.DRAFT_FORMATS) and its arguments' class
+(draft_args.DRAFT_ARGS: DraftArgs, or a subclass when its config.json differs). The
+weights are read by PackWeights (weights.py).
 """
 
 from __future__ import annotations
@@ -15,17 +16,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..checkpoint.config import (
-    DFLASH,
     DRAFT_ARCHITECTURES,
-    DSPARK,
-    DSPARK_SPECULATORS,
     QWEN3_5,
     QWEN3_5_MOE,
     TARGET_ARCHITECTURES,
 )
 from ..kernels import check_kernels
 from ..pack import PackError, read_manifest
-from .draft_args import DraftArgs, DraftError, SpeculatorsDraftArgs
+from .draft_args import DRAFT_ARGS, DraftArgs, DraftError
 from .dspark import Draft
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
@@ -43,9 +41,7 @@ class Architecture(NamedTuple):
 MODELS = {
     QWEN3_5_MOE: Architecture(Qwen3_5Moe, ModelArgs),
     QWEN3_5: Architecture(Qwen3_5, ModelArgs),
-    DSPARK: Architecture(Draft, DraftArgs),
-    DSPARK_SPECULATORS: Architecture(Draft, SpeculatorsDraftArgs),
-    DFLASH: Architecture(Draft, DraftArgs),
+    **{name: Architecture(Draft, args) for name, args in DRAFT_ARGS.items()},
 }
 # pack tensors the draft does not read: t2d is the inverse of d2t; speculators' verifier_norm
 # is a training-time copy of the target's final norm
