@@ -13,9 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 def packed_weights_by_default():
     """In-process loads keep weights in pack precision unless a test asks for dense=True:
     the tests exercise the quantized paths a Mac runs, not the CPU's dense F32 copies
-    (monolith.models.loading, "Dense weights on the CPU"; tests/test_dense.py covers those)."""
+    (monolith.models.weights, "Dense weights on the CPU"; tests/test_dense.py covers those)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("monolith.models.loading.DENSE_MEMORY_SHARE", 0.0)
+        patch.setattr("monolith.models.weights.DENSE_MEMORY_SHARE", 0.0)
         yield
 
 

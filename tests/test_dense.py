@@ -1,4 +1,4 @@
-"""Dense weights on the CPU (monolith.models.loading): every matrix dequantized into F32
+"""Dense weights on the CPU (monolith.models.weights): every matrix dequantized into F32
 once at load gives the model the pack-precision kernels give (F32 compute), and `auto`
 picks dense only on the CPU and only when the dense copy fits its memory share."""
 
@@ -10,8 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from monolith.models import load_model, loading
-from monolith.models.dspark import load_draft
+from monolith.models import load_draft, load_model, weights
 from monolith.models.layers import Experts, Linear
 from monolith.pack import build_pack, read_manifest
 from monolith.sampling import SamplingParams
@@ -72,11 +71,11 @@ def test_auto_is_dense_on_the_cpu_only_where_it_fits(synth_dir, tmp_path, monkey
     entries = manifest["entries"]
     matrices = {n for n, e in entries.items() if e["kind"] in ("linear", "experts")}
     embeddings = {n for n in matrices if n.endswith("embed_tokens")}
-    monkeypatch.setattr(loading, "DENSE_MEMORY_SHARE", 0.25)
-    monkeypatch.setattr(loading, "physical_memory", lambda: 24 << 30)
+    monkeypatch.setattr(weights, "DENSE_MEMORY_SHARE", 0.25)
+    monkeypatch.setattr(weights, "physical_memory", lambda: 24 << 30)
     on_cpu = mx.default_device() == mx.cpu
     # a small pack is dense whole, except its embedding (a row gather gains nothing from F32)
-    assert loading.dense_entries(manifest) == (matrices - embeddings if on_cpu else set())
+    assert weights.dense_entries(manifest) == (matrices - embeddings if on_cpu else set())
     assert embeddings
 
     # where the copies do not fit, they stay within the budget: linears first, smaller first
@@ -86,16 +85,16 @@ def test_auto_is_dense_on_the_cpu_only_where_it_fits(synth_dir, tmp_path, monkey
         return 4 * math.prod(entries[name]["shape"]) - stored
 
     budget = sorted(added(n) for n in matrices - embeddings if entries[n]["kind"] == "linear")[5]
-    monkeypatch.setattr(loading, "DENSE_FLOOR", budget)
-    monkeypatch.setattr(loading, "DENSE_PACK_SHARE", 0.0)
-    chosen = loading.dense_entries(manifest)
+    monkeypatch.setattr(weights, "DENSE_FLOOR", budget)
+    monkeypatch.setattr(weights, "DENSE_PACK_SHARE", 0.0)
+    chosen = weights.dense_entries(manifest)
     if on_cpu:
         assert chosen and sum(added(n) for n in chosen) <= budget
         assert all(entries[n]["kind"] == "linear" for n in chosen)
         smallest_left = min(added(n) for n in matrices - embeddings - chosen if entries[n]["kind"] == "linear")
         assert smallest_left + sum(added(n) for n in chosen) > budget  # nothing else would have fit
-    monkeypatch.setattr(loading, "physical_memory", lambda: 1 << 10)  # a quarter of it, 256 bytes, is the bound
-    assert sum(added(n) for n in loading.dense_entries(manifest)) <= 256
-    monkeypatch.setattr(loading, "physical_memory", lambda: 24 << 30)
-    monkeypatch.setattr(loading.mx, "default_device", lambda: mx.gpu)  # a Mac: weights stay packed
-    assert not loading.dense_entries(manifest)
+    monkeypatch.setattr(weights, "physical_memory", lambda: 1 << 10)  # a quarter of it, 256 bytes, is the bound
+    assert sum(added(n) for n in weights.dense_entries(manifest)) <= 256
+    monkeypatch.setattr(weights, "physical_memory", lambda: 24 << 30)
+    monkeypatch.setattr(weights.mx, "default_device", lambda: mx.gpu)  # a Mac: weights stay packed
+    assert not weights.dense_entries(manifest)

@@ -20,14 +20,8 @@ from numeric import rel
 
 from monolith.checkpoint import open_checkpoint
 from monolith.launch import load_target
-from monolith.models import load_model
-from monolith.models.dspark import (
-    DraftArgs,
-    DraftError,
-    Proposal,
-    load_draft,
-    yarn_parameters,
-)
+from monolith.models import DraftError, Proposal, load_draft
+from monolith.models.draft_args import SpeculatorsDraftArgs, yarn_parameters
 from monolith.pack import PackError, build_pack, unpack_pack
 from monolith.sampling import SamplingParams, filtered_probs
 from monolith.synth import Preset, draft_sizes, write_draft, write_target
@@ -538,7 +532,8 @@ def test_reduced_vocabulary_without_d2t_and_missing_settings(world, tmp_path):
     config = json.loads((broken / "config.json").read_text())
     for field in ("mask_token_id", "block_size"):
         with pytest.raises(DraftError, match=field):
-            DraftArgs.from_pack(config, {**settings, field: None}, "dspark-speculators", "config.json")
+            SpeculatorsDraftArgs.from_pack(config, {**settings, field: None}, "dspark-speculators",
+                                            "config.json")
 
 
 # ------------------------------------------------------------------ what the pack reads from a draft's config
@@ -696,3 +691,16 @@ def test_detect_architecture_names_the_layout():
                                "c") == "dflash"
     assert detect_architecture({"architectures": ["DSparkDraftModel"], "speculators_model_type": "dspark"},
                                "c") == "dspark-speculators"
+
+
+def test_every_architecture_has_one_model_and_every_draft_one_pack_format():
+    """The architecture names live in monolith.checkpoint.config alone: the models'
+    registry covers each of them, the draft recipe's formats each draft, nothing else."""
+    from monolith.checkpoint.config import ARCHITECTURE_ROLES
+    from monolith.models import MODELS, Draft
+    from monolith.pack.draft_recipe import DRAFT_FORMATS
+
+    drafts = {name for name, role in ARCHITECTURE_ROLES.items() if role == "draft"}
+    assert set(MODELS) == set(ARCHITECTURE_ROLES) and drafts
+    assert {name for name, (model, _) in MODELS.items() if model is Draft} == drafts
+    assert set(DRAFT_FORMATS) == drafts

@@ -10,17 +10,15 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
+from decoding import plain, speculate
 from metal_emulator import requires_emulator, run_kernel
 from numeric import rel
 
 from monolith.kernels import kernel as kernel_module
-from monolith.models import load_model
-from monolith.models.dspark import load_draft
+from monolith.models import load_draft, load_model
 from monolith.pack import build_pack
-from decoding import plain
 from monolith.runtime.draft_model import DraftModelDrafter
 from monolith.sampling import SamplingParams
-from decoding import speculate
 
 pytestmark = requires_emulator
 

@@ -10,28 +10,31 @@ from pathlib import Path
 
 from .errors import CheckpointError
 
+# Our architecture names, their one home: the pack recipes and the models' registry
+# (monolith.models.loading) key on these.
+QWEN3_5_MOE = "qwen3_5_moe"  # the MoE target (35B-A3B)
+QWEN3_5 = "qwen3_5"  # the dense target (27B)
+DSPARK = "dspark"  # a DeepSpec-native draft (or its NVFP4 export)
+DSPARK_SPECULATORS = "dspark-speculators"  # a speculators-format DSpark draft
+DFLASH = "dflash"  # a z-lab DFlash draft
+TARGET_ARCHITECTURES = (QWEN3_5_MOE, QWEN3_5)
+DRAFT_ARCHITECTURES = (DSPARK, DSPARK_SPECULATORS, DFLASH)
 # our architecture name -> role
-ARCHITECTURE_ROLES = {
-    "qwen3_5_moe": "target",
-    "qwen3_5": "target",
-    "dspark": "draft",
-    "dspark-speculators": "draft",
-    "dflash": "draft",
-}
+ARCHITECTURE_ROLES = {**dict.fromkeys(TARGET_ARCHITECTURES, "target"), **dict.fromkeys(DRAFT_ARCHITECTURES, "draft")}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_ROLES)
 
 # Hugging Face class names and model types of the targets
 TARGET_CLASSES = {
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
+    "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
+    "Qwen3_5ForConditionalGeneration": QWEN3_5,
+    "Qwen3_5ForCausalLM": QWEN3_5,
 }
 TARGET_MODEL_TYPES = {
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": QWEN3_5_MOE,
+    "qwen3_5_moe_text": QWEN3_5_MOE,
+    "qwen3_5": QWEN3_5,
+    "qwen3_5_text": QWEN3_5,
 }
 
 MODELOPT_ALGOS = {"NVFP4": "modelopt-nvfp4", "W4A16_NVFP4": "modelopt-nvfp4", "MIXED_PRECISION": "modelopt-mixed"}
@@ -73,15 +76,15 @@ def detect_architecture(config: dict, where: Path) -> str:
     spec_type = config.get("speculators_model_type")
     if spec_type is not None:
         if spec_type == "dspark":
-            return "dspark-speculators"
+            return DSPARK_SPECULATORS
         raise CheckpointError(
             f"{where}: speculators_model_type {spec_type!r} is not supported "
             f"(supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     if "Qwen3DSparkModel" in archs or isinstance(config.get("dspark_config"), dict):
-        return "dspark"
+        return DSPARK
     if "DFlashDraftModel" in archs or isinstance(config.get("dflash_config"), dict):
-        return "dflash"
+        return DFLASH
     for cls in archs:
         if cls in TARGET_CLASSES:
             return TARGET_CLASSES[cls]

@@ -1,5 +1,6 @@
-"""DSpark / DFlash drafts (dspark.md sections 1-3) from draft packs: DeepSpec-native, its
-NVFP4 export, speculators (reduced vocabulary, sliding window) and z-lab DFlash.
+"""The DSpark / DFlash draft model (dspark.md sections 1-3): DeepSpec-native, its NVFP4
+export, speculators (reduced vocabulary, sliding window) and z-lab DFlash. Its arguments
+are read in draft_args.py; monolith.models.loading.load_draft loads one from a pack.
 
 The draft is a few Qwen3 decoder layers whose keys/values are [context ; block]. The
 context rows are `hidden_norm(fc(target features))`, the same for every layer, so their
@@ -15,30 +16,18 @@ before it, so proposals are drawn one after another, on the device (no host sync
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
-from ..pack import read_manifest
-from ..pack.draft_recipe import DRAFT_ARCHITECTURES
-from .cache import CacheError, DraftContext, KVCache
 from ..sampling import SamplingParams, filtered_logits
+from .cache import CacheError, DraftContext, KVCache
+from .draft_args import DraftArgs
 from .layers import Embedding, FusedLinear, Linear, cast, rms_norm
-from .loading import PackWeights, _dtype, model_arrays, open_pack
 from .qwen3_5 import MLP
+from .weights import PackWeights
 
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-# pack tensors the draft does not read: t2d is the inverse of d2t; speculators' verifier_norm
-# is a training-time copy of the target's final norm
-UNUSED_TENSORS = ("t2d", "verifier_norm")
-
-__all__ = ["Draft", "DraftArgs", "DraftContext", "DraftError", "Proposal", "load_draft", "yarn_parameters"]
-
-
-class DraftError(ValueError):
-    """The draft does not fit the target, or its config asks for something unsupported."""
+__all__ = ["Draft", "DraftContext", "Proposal"]
 
 
 @dataclass(frozen=True)
@@ -50,147 +39,6 @@ class Proposal:
     tokens: mx.array
     q: mx.array
     confidence: mx.array | None
-
-
-# ----------------------------------------------------------------------- config
-
-
-def yarn_parameters(head_dim: int, theta: float, rope: dict, max_position_embeddings=None,
-                    original_max_position_embeddings=None) -> tuple[np.ndarray, float]:
-    """(inverse frequencies float32 [head_dim / 2], attention factor) of YaRN RoPE, as
-    transformers' `_compute_yarn_parameters` (a config-level original_max_position_embeddings
-    takes priority over the rope dict's, as in its `standardize_rope_params`)."""
-    original = original_max_position_embeddings or rope.get("original_max_position_embeddings") \
-        or max_position_embeddings
-    if original is None:
-        raise DraftError("yarn rope_parameters need original_max_position_embeddings")
-    factor = rope.get("factor")
-    if factor is None:
-        factor = max_position_embeddings / original
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rope.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
-    extrapolation = 1 - np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
-    return inv_freq.astype(np.float32), float(attention_factor)
-
-
-@dataclass(frozen=True)
-class DraftArgs:
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_inv_freq: tuple[float, ...] | None  # YaRN; None = plain RoPE with rope_theta
-    rope_attention_factor: float  # YaRN scales cos and sin by this
-    sliding_windows: tuple[int | None, ...]  # per layer: context rows the block sees (None = all)
-    block_causal: tuple[bool, ...]  # per layer: slot k sees block slots <= k (else the whole block)
-    input_embedding_scale: float  # the block's input embeddings are multiplied by it
-    taps: tuple[int, ...]  # DeepSpec convention: id i = output of target layer i
-    block_size: int
-    mask_token_id: int
-    markov_rank: int
-    markov_head_type: str
-    confidence_head: bool
-    confidence_with_markov: bool
-    sample_from_anchor: bool  # every slot predicts (DSpark) or slot 0 is dropped (DFlash)
-
-    @classmethod
-    def from_pack(cls, config: dict, settings: dict, architecture: str, where: str) -> DraftArgs:
-        """From the pack's draft settings (manifest layout.draft, DeepSpec conventions)
-        and its copy of the draft's config.json (for speculators the layer fields sit
-        under transformer_layer_config). Target-only fields a qwen3 draft inherits
-        (partial_rotary_factor, mrope_*, attn_output_gate, linear_*) are never read."""
-        cfg = config.get("transformer_layer_config") or {} if architecture == "dspark-speculators" else config
-
-        def need(name, source=cfg):
-            if source.get(name) is None:
-                raise DraftError(f"{where}: the draft config has no {name}")
-            return source[name]
-
-        for field in ("block_size", "mask_token_id"):
-            need(field, settings)
-        layers = int(settings["num_layers"])
-        attention = [settings.get(f) for f in ("sliding_windows", "block_causal", "input_embedding_scale")]
-        if None in attention:
-            raise DraftError(f"{where}: the pack's draft settings have no per-layer block mask (sliding_windows, "
-                             "block_causal, input_embedding_scale): it was built by an older monolith; rebuild it")
-        windows, causal, embedding_scale = attention
-        if len(windows) != layers or len(causal) != layers:
-            raise DraftError(f"{where}: sliding_windows {windows} / block_causal {causal} do not cover the "
-                             f"draft's {layers} layers")
-        head_dim = int(need("head_dim"))  # never hidden / heads (the 35B drafts: 32 x 128 != 2048)
-        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-        theta = rope.get("rope_theta", cfg.get("rope_theta"))
-        if theta is None:
-            raise DraftError(f"{where}: the draft config has no rope_theta")
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        inv_freq, attention_factor = None, 1.0
-        if kind == "yarn":
-            inv, attention_factor = yarn_parameters(head_dim, float(theta), rope, cfg.get("max_position_embeddings"),
-                                                    cfg.get("original_max_position_embeddings"))
-            inv_freq = tuple(float(f) for f in inv)
-        elif kind != "default":
-            raise DraftError(f"{where}: draft rope_type {kind!r} is not supported (default or yarn)")
-        if cfg.get("num_hidden_layers") not in (None, layers):
-            raise DraftError(f"{where}: num_hidden_layers is {cfg['num_hidden_layers']} but the draft has "
-                             f"{layers} layers")
-        rank, head_type = int(settings.get("markov_rank") or 0), settings.get("markov_head_type") or "vanilla"
-        if head_type not in MARKOV_HEAD_TYPES:
-            raise DraftError(f"{where}: markov_head_type {head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}")
-        with_markov = bool(settings.get("confidence_head_with_markov"))
-        if settings.get("enable_confidence_head") and with_markov and rank == 0:
-            raise DraftError(f"{where}: confidence_head_with_markov needs a Markov head (markov_rank > 0)")
-        block_size = int(settings["block_size"])
-        sample_from_anchor = bool(settings.get("sample_from_anchor", True))
-        if block_size < (1 if sample_from_anchor else 2):
-            raise DraftError(f"{where}: block_size {block_size} leaves no proposal")
-        return cls(
-            architecture=architecture,
-            hidden_size=int(need("hidden_size")),
-            num_layers=layers,
-            num_heads=int(need("num_attention_heads")),
-            num_kv_heads=int(need("num_key_value_heads")),
-            head_dim=head_dim,
-            intermediate_size=int(need("intermediate_size")),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            rope_inv_freq=inv_freq,
-            rope_attention_factor=float(attention_factor),
-            sliding_windows=tuple(None if w is None else int(w) for w in windows),
-            block_causal=tuple(bool(c) for c in causal),
-            input_embedding_scale=float(embedding_scale),
-            taps=tuple(int(t) for t in settings["target_layer_ids"]),
-            block_size=block_size,
-            mask_token_id=int(settings["mask_token_id"]),
-            markov_rank=rank,
-            markov_head_type=head_type,
-            confidence_head=bool(settings.get("enable_confidence_head")),
-            confidence_with_markov=with_markov,
-            sample_from_anchor=sample_from_anchor,
-        )
 
 
 # ----------------------------------------------------------------------- pieces
@@ -498,93 +346,3 @@ class Draft:
             logits.append(row)
             embeddings.append(e)
         return mx.concatenate(tokens), mx.concatenate(logits), mx.concatenate(embeddings)
-
-
-# ----------------------------------------------------------------------- loading
-
-
-def _check_fit(args: DraftArgs, settings: dict, w: PackWeights, target, where: str) -> mx.array | None:
-    """Raise DraftError naming the field when the draft cannot run on this target; return
-    the draft -> target id map (arange + d2t) of a reduced vocabulary, else None."""
-    t = target.args
-    bad = [i for i in args.taps if not 0 <= i < t.num_hidden_layers]
-    if bad:
-        if args.architecture == "dspark-speculators":
-            raise DraftError(f"{where}: aux_hidden_state_layer_ids {[i + 1 for i in args.taps]} (target layer ids "
-                             f"{list(args.taps)}) reach beyond the target's {t.num_hidden_layers} layers")
-        raise DraftError(f"{where}: target_layer_ids {list(args.taps)} reach beyond the target's "
-                         f"{t.num_hidden_layers} layers")
-    if args.hidden_size != t.hidden_size:
-        raise DraftError(f"{where}: draft hidden_size {args.hidden_size} != the target's {t.hidden_size}")
-
-    def rows(name):
-        entry = w.entries.get(name) or w.entries.get(name + ".0")
-        if entry is None:
-            return None
-        if name in w.entries:
-            return entry["shape"][0]
-        return w.linear(name).out_features
-
-    vocab = t.vocab_size
-    if not 0 <= args.mask_token_id < vocab:
-        raise DraftError(f"{where}: mask_token_id {args.mask_token_id} is outside the target vocabulary ({vocab})")
-    embed = rows("embed_tokens")
-    if embed is not None and embed != vocab:
-        raise DraftError(f"{where}: embed_tokens has {embed} rows, the target vocabulary {vocab}")
-    lm_head = rows("lm_head")
-    reduced = settings.get("draft_vocab_size")
-    if "d2t" not in w.entries:
-        if reduced and reduced != vocab:
-            raise DraftError(f"{where}: reduced vocabulary (draft_vocab_size {reduced}) without a d2t tensor")
-        if lm_head is not None and lm_head != vocab:
-            raise DraftError(f"{where}: lm_head has {lm_head} rows but the target vocabulary is {vocab} "
-                             "and there is no d2t")
-        draft_vocab, mapping = vocab, None
-    else:
-        d2t = np.asarray(w.tensor("d2t"), dtype=np.int64)
-        draft_vocab = d2t.shape[0]
-        if lm_head is None:
-            raise DraftError(f"{where}: reduced vocabulary (d2t) without its own lm_head")
-        if lm_head != draft_vocab or (reduced and reduced != draft_vocab):
-            raise DraftError(f"{where}: lm_head has {lm_head} rows, d2t {draft_vocab}, draft_vocab_size {reduced}")
-        ids = np.arange(draft_vocab, dtype=np.int64) + d2t
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise DraftError(f"{where}: d2t maps draft ids to target ids [{ids.min()}, {ids.max()}], outside the "
-                             f"target vocabulary ({vocab})")
-        mapping = mx.array(ids.astype(np.int32))
-    if args.markov_rank:
-        w1, w2 = rows("markov_head.markov_w1"), rows("markov_head.markov_w2")
-        if w1 != vocab:
-            raise DraftError(f"{where}: markov_head.markov_w1 has {w1} rows, the target vocabulary {vocab}")
-        if w2 != draft_vocab:
-            raise DraftError(f"{where}: markov_head.markov_w2 has {w2} rows, the draft vocabulary {draft_vocab}")
-    if "t2d" in w.entries:
-        t2d = w.tensor("t2d")
-        if t2d.shape != (vocab,):
-            raise DraftError(f"{where}: t2d has shape {list(t2d.shape)}, the target vocabulary is {vocab}")
-    return mapping
-
-
-def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) -> Draft:
-    """The DSpark / DFlash draft of a pack directory for `target_model` (monolith.launch
-    resolves checkpoints and hub ids). Checked against the target at load: taps, hidden
-    size, vocabulary (DraftError names the field)."""
-    dtype = _dtype(dtype)
-    pack_dir = open_pack(pack_dir)
-    manifest = read_manifest(pack_dir)
-    where = str(pack_dir)
-    architecture = manifest.get("architecture")
-    settings = (manifest.get("layout") or {}).get("draft")
-    if architecture not in DRAFT_ARCHITECTURES or not settings:
-        raise DraftError(f"{where}: not a draft pack (architecture {architecture!r}; drafts: "
-                         f"{', '.join(DRAFT_ARCHITECTURES)})")
-    weights = PackWeights(pack_dir, dtype, dense)
-    args = DraftArgs.from_pack(weights.config, settings, architecture, f"{where}/config.json")
-    mapping = _check_fit(args, settings, weights, target_model, where)
-    draft = Draft(args, weights, target_model, mapping)
-    unused = [n for n in weights.unused() if n not in UNUSED_TENSORS]
-    if unused:
-        raise DraftError(f"{where}: tensors the draft does not use: {', '.join(unused[:8])}"
-                         + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
-    mx.eval(model_arrays(draft))
-    return draft

@@ -1,246 +1,167 @@
-"""Pack directory -> MLX arrays, manifest and config -> a target model.
+"""Pack directory -> a target model (load_model) or a draft model for a target
+(load_draft), through the one architecture registry.
 
-The pack is the only thing a model loads (formats.md 5): shards are `mx.load`ed as
-stored and every entry is read in the layout its kernels consume.
-
-Dense weights on the CPU: MLX's CPU quantized matmuls are scalar loops (an NVFP4
-256x768 product costs ~90 us per row, so an 8-row verify pays 8x a decode step) and
-BF16 matmuls have no BLAS (~7x F32), while F32 matmuls run on BLAS. So on the CPU some
-matrices are dequantized (and their tensor scale applied) into F32 once at load: the
-same values, computed with F32 accumulation as the CPU quantized kernels already do.
-Which ones (`dense_entries`): only where a copy pays, in matmuls (an embedding is a row
-gather, never copied), linears before stacked experts (a linear runs on every row of a
-verify or draft block, an expert on the few rows routed to it), smaller before larger;
-and only while it fits: the copies may add at most DENSE_PACK_SHARE of the pack's bytes
-(at least DENSE_FLOOR, so a small pack is dense whole) and DENSE_MEMORY_SHARE of
-physical memory. `dense=True/False` forces every matrix or none. On a GPU weights stay
-in pack precision.
+The architecture names are monolith.checkpoint.config's; MODELS says what each loads
+into. A new draft format touches three files: its name and detection there, its pack
+recipe's format (pack.draft_recipe.DRAFT_FORMATS) and its arguments' class
+(draft_args.DRAFT_ARGS: DraftArgs, or a subclass when its config.json differs). The
+weights are read by PackWeights (weights.py).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from ..formats.stfile import STORAGE_DTYPES
+from ..checkpoint.config import (
+    DRAFT_ARCHITECTURES,
+    QWEN3_5,
+    QWEN3_5_MOE,
+    TARGET_ARCHITECTURES,
+)
 from ..kernels import check_kernels
-from ..pack import PackError, is_pack, read_manifest
-from .layers import QUANT_MODES, Experts, FusedLinear, Linear
+from ..pack import PackError, read_manifest
+from .draft_args import DRAFT_ARGS, DraftArgs, DraftError
+from .dspark import Draft
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
-
-MODELS = {"qwen3_5": Qwen3_5, "qwen3_5_moe": Qwen3_5Moe}
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-DENSE_MEMORY_SHARE = 0.25  # dense CPU copies may take at most this share of physical memory
-DENSE_PACK_SHARE = 0.25  # ... and add at most this share of the pack's bytes
-DENSE_FLOOR = 256 << 20  # ... or this many bytes, whichever is larger
-MATRIX_TENSORS = ("weight", "scales", "tensor_scale")
-# entries a target pack may carry that the text runtime does not read
-UNUSED_PREFIXES = ("mtp.",)
+from .weights import PackWeights, compute_dtype, model_arrays, open_pack
 
 
-class PackWeights:
-    """The arrays of one pack, handed out entry by entry with shape checks; remembers
-    which tensors were used so a pack that does not match the model is caught."""
+class Architecture(NamedTuple):
+    """What a pack of one architecture loads into: the model class and the class that
+    reads its arguments from the pack."""
 
-    def __init__(self, pack_dir, dtype=mx.bfloat16, dense: bool | None = None):
-        self.path = Path(pack_dir)
-        self.manifest = read_manifest(self.path)
-        self.entries: dict = self.manifest["entries"]
-        self.dtype = dtype
-        matrices = [n for n, e in self.entries.items() if e["kind"] in ("linear", "experts")]
-        if dense is None:
-            self.dense_names = dense_entries(self.manifest)
-        else:
-            self.dense_names = set(matrices) if dense else set()
-        self.matrices = matrices
-        self.config = _read_json(self.path / "config.json", required=True)
-        self.generation_config = _read_json(self.path / "generation_config.json", required=False)
-        self.arrays: dict[str, mx.array] = {}
-        for shard in sorted(self.manifest["shards"]):
-            self.arrays.update(mx.load(str(self.path / shard)))
-        self.used: set[str] = set()
-
-    def _array(self, name: str) -> mx.array:
-        if name not in self.arrays:
-            raise PackError(f"{self.path}: pack has no tensor {name}")
-        self.used.add(name)
-        return self.arrays[name]
-
-    def _entry(self, name: str, kind: str, shape: tuple) -> dict:
-        entry = self.entries.get(name)
-        if entry is None:
-            raise PackError(f"{self.path}: pack has no entry {name}")
-        if entry["kind"] != kind:
-            raise PackError(f"{self.path}: entry {name} is a {entry['kind']}, expected a {kind}")
-        if shape is not None and tuple(entry["shape"]) != tuple(shape):
-            raise PackError(f"{self.path}: entry {name} has shape {entry['shape']}, the config implies {list(shape)}")
-        return entry
-
-    def _matrix(self, name: str, precision: str) -> tuple[mx.array, str, dict]:
-        """(weight, precision, keyword arguments) of a linear or experts entry: as stored,
-        or dense F32 (precision "f32") when it is one of self.dense_names."""
-        weight = self._array(name + ".weight")
-        mode = QUANT_MODES.get(precision)
-        dense = name in self.dense_names
-        if mode is None:
-            return (weight.astype(mx.float32), "f32", {}) if dense else (weight, precision, {"dtype": self.dtype})
-        scales, tensor_scale = self._array(name + ".scales"), self._array(name + ".tensor_scale")
-        if not dense:
-            return weight, precision, {"scales": scales, "tensor_scale": tensor_scale, "dtype": self.dtype}
-        mode, group_size, bits = mode
-        rows = mx.dequantize(weight, scales, group_size=group_size, bits=bits, mode=mode, dtype=mx.float32)
-        return rows * mx.expand_dims(tensor_scale.astype(mx.float32), -1), "f32", {}
-
-    def has_linear(self, name: str) -> bool:
-        return name in self.entries or f"{name}.0" in self.entries
-
-    def linear(self, name: str, shape: tuple | None = None) -> Linear | FusedLinear:
-        """A linear entry, or the split group NAME.0, NAME.1, ... when precisions differ."""
-        if name not in self.entries and f"{name}.0" in self.entries:
-            parts, i = [], 0
-            while f"{name}.{i}" in self.entries:
-                parts.append(self.linear(f"{name}.{i}"))
-                i += 1
-            group = FusedLinear(parts)
-            if shape is not None and (group.shape != tuple(shape) or any(p.shape[1] != shape[1] for p in parts)):
-                raise PackError(f"{self.path}: {name}.0..{i - 1} together have shape {list(group.shape)}, "
-                                f"the config implies {list(shape)}")
-            return group
-        entry = self._entry(name, "linear", shape)
-        weight, precision, arrays = self._matrix(name, entry["precision"])
-        return Linear(weight, precision, shape=entry["shape"], **arrays)
-
-    def experts(self, name: str, shape: tuple | None = None) -> Experts:
-        entry = self._entry(name, "experts", shape)
-        weight, precision, arrays = self._matrix(name, entry["precision"])
-        return Experts(weight, precision, shape=entry["shape"], **arrays)
-
-    def tensor(self, name: str, shape: tuple | None = None, dtype=None) -> mx.array:
-        entry = self._entry(name, "tensor", shape)
-        array = self._array(name)
-        if tuple(array.shape) != tuple(entry["shape"]):
-            raise PackError(f"{self.path}: tensor {name} has shape {list(array.shape)}, "
-                            f"its entry says {entry['shape']}")
-        return array if dtype is None or array.dtype == dtype else array.astype(dtype)
-
-    def dense_summary(self) -> str:
-        if not self.dense_names:
-            return "pack-precision"
-        if len(self.dense_names) == len(self.matrices):
-            return "dense F32"
-        return f"dense F32 for {len(self.dense_names)} of {len(self.matrices)} matrices, the rest pack-precision"
-
-    def unused(self) -> list[str]:
-        return sorted(n for n in self.arrays if n not in self.used and not n.startswith(UNUSED_PREFIXES))
+    model: type
+    args: type
 
 
-def dense_entries(manifest: dict) -> set[str]:
-    """The matrix entries to hold as dense F32 copies (see the module docstring): none
-    on a GPU; on the CPU, linears then experts, smaller first, while the added bytes fit."""
-    if mx.default_device() != mx.cpu:
-        return set()
-    tensors = manifest["tensors"]
-
-    def nbytes(names) -> int:
-        return sum(math.prod(tensors[n]["shape"]) * np.dtype(STORAGE_DTYPES[tensors[n]["dtype"]]).itemsize
-                   for n in names)
-
-    candidates = []
-    for name, e in manifest["entries"].items():
-        if e["kind"] not in ("linear", "experts") or name.rsplit(".", 1)[-1] == "embed_tokens":
-            continue
-        added = 4 * math.prod(e["shape"]) - nbytes(f"{name}.{t}" for t in MATRIX_TENSORS if f"{name}.{t}" in tensors)
-        candidates.append((e["kind"] != "linear", added, name))
-    budget = min(max(DENSE_PACK_SHARE * nbytes(tensors), DENSE_FLOOR), DENSE_MEMORY_SHARE * physical_memory())
-    chosen, used = set(), 0
-    for _, added, name in sorted(candidates):
-        if used + added > budget:
-            continue
-        chosen.add(name)
-        used += added
-    return chosen
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _read_json(path: Path, required: bool) -> dict | None:
-    if not path.is_file():
-        if required:
-            raise PackError(f"{path}: missing (a pack carries a copy of the source's config)")
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PackError(f"{path}: not valid JSON ({e})") from None
-
-
-def _dtype(dtype):
-    """The compute dtype: a name or mx.Dtype, or None for the device's default (float32
-    on the CPU, whose BF16 matmuls have no BLAS; bfloat16 on a GPU)."""
-    if dtype is None:
-        return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-    if isinstance(dtype, mx.Dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+# the one registry: every architecture name of monolith.checkpoint.config
+MODELS = {
+    QWEN3_5_MOE: Architecture(Qwen3_5Moe, ModelArgs),
+    QWEN3_5: Architecture(Qwen3_5, ModelArgs),
+    **{name: Architecture(Draft, args) for name, args in DRAFT_ARGS.items()},
+}
+# pack tensors the draft does not read: t2d is the inverse of d2t; speculators' verifier_norm
+# is a training-time copy of the target's final norm
+UNUSED_DRAFT_TENSORS = ("t2d", "verifier_norm")
 
 
 def load_model(pack_dir, dtype=None, dense: bool | None = None) -> Qwen3_5:
     """The target model of a pack directory (monolith.launch resolves a checkpoint
     directory or hub id into one). `dtype` is the compute dtype ("bfloat16", "float32",
     or None: the device's default); weights stay in pack precision, or are dense F32
-    (`dense`, default: on the CPU when they fit, see the module docstring)."""
-    dtype = _dtype(dtype)
+    (`dense`, default: on the CPU when they fit, see weights.py)."""
+    dtype = compute_dtype(dtype)
     pack_dir = open_pack(pack_dir)
     manifest = read_manifest(pack_dir)
     architecture = manifest.get("architecture")
-    if architecture not in MODELS:
+    if architecture not in TARGET_ARCHITECTURES:
         raise PackError(f"{pack_dir}: architecture {architecture!r} is not a supported target "
-                        f"(supported: {', '.join(sorted(MODELS))})")
+                        f"(supported: {', '.join(sorted(TARGET_ARCHITECTURES))})")
     weights = PackWeights(pack_dir, dtype, dense)
-    args = ModelArgs.from_config(weights.config, architecture, weights.generation_config,
-                                 where=str(pack_dir / "config.json"))
-    model = MODELS[architecture](args, weights)
+    model_class, args_class = MODELS[architecture]
+    args = args_class.from_config(weights.config, architecture, weights.generation_config,
+                                  where=str(pack_dir / "config.json"))
+    model = model_class(args, weights)
     unused = weights.unused()
     if unused:
-        raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {', '.join(unused[:8])}"
-                        + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
+        raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {_listed(unused)}")
     mx.eval(model_arrays(model))  # read the shards and derive F32 copies now, not in the first forward
     check_kernels(lambda: model(mx.array([0, 1, 2], dtype=mx.int32), model.make_cache(8))[0])
     return model
 
 
-def open_pack(pack_dir) -> Path:
-    """`pack_dir` as a Path, or PackError when it holds no pack."""
-    path = Path(pack_dir)
-    if not is_pack(path):
-        raise PackError(f"{path}: not a pack directory (build one with `python -m monolith.pack build`; "
-                        "the command-line tools also take checkpoints and hub ids)")
-    return path
+def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) -> Draft:
+    """The DSpark / DFlash draft of a pack directory for `target_model` (monolith.launch
+    resolves checkpoints and hub ids). Checked against the target at load: taps, hidden
+    size, vocabulary (DraftError names the field)."""
+    dtype = compute_dtype(dtype)
+    pack_dir = open_pack(pack_dir)
+    manifest = read_manifest(pack_dir)
+    where = str(pack_dir)
+    architecture = manifest.get("architecture")
+    settings = (manifest.get("layout") or {}).get("draft")
+    if architecture not in DRAFT_ARCHITECTURES or not settings:
+        raise DraftError(f"{where}: not a draft pack (architecture {architecture!r}; drafts: "
+                         f"{', '.join(DRAFT_ARCHITECTURES)})")
+    weights = PackWeights(pack_dir, dtype, dense)
+    model_class, args_class = MODELS[architecture]
+    args = args_class.from_pack(weights.config, settings, architecture, f"{where}/config.json")
+    mapping = _check_fit(args, settings, weights, target_model, where)
+    draft = model_class(args, weights, target_model, mapping)
+    unused = [n for n in weights.unused() if n not in UNUSED_DRAFT_TENSORS]
+    if unused:
+        raise DraftError(f"{where}: tensors the draft does not use: {_listed(unused)}")
+    mx.eval(model_arrays(draft))
+    return draft
 
 
-def model_arrays(obj, seen=None) -> list[mx.array]:
-    """Every mx.array a model holds (its attributes, recursively)."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, mx.array):
-        return [obj]
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, (list, tuple)):
-        children = obj
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("monolith."):
-        children = vars(obj).values()
-    else:
-        return []
-    return [a for child in children for a in model_arrays(child, seen)]
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+# ----------------------------------------------------------------------- does the draft fit the target
+
+
+def _check_fit(args: DraftArgs, settings: dict, w: PackWeights, target, where: str) -> mx.array | None:
+    """Raise DraftError naming the field when the draft cannot run on this target; return
+    the draft -> target id map (arange + d2t) of a reduced vocabulary, else None."""
+    t = target.args
+    if any(not 0 <= i < t.num_hidden_layers for i in args.taps):
+        raise DraftError(f"{where}: {args.stated_taps()} reach beyond the target's {t.num_hidden_layers} layers")
+    if args.hidden_size != t.hidden_size:
+        raise DraftError(f"{where}: draft hidden_size {args.hidden_size} != the target's {t.hidden_size}")
+    vocab = t.vocab_size
+    if not 0 <= args.mask_token_id < vocab:
+        raise DraftError(f"{where}: mask_token_id {args.mask_token_id} is outside the target vocabulary ({vocab})")
+    embed = _rows(w, "embed_tokens")
+    if embed is not None and embed != vocab:
+        raise DraftError(f"{where}: embed_tokens has {embed} rows, the target vocabulary {vocab}")
+    draft_vocab, mapping = _draft_vocabulary(settings, w, vocab, where)
+    if args.markov_rank:
+        w1, w2 = _rows(w, "markov_head.markov_w1"), _rows(w, "markov_head.markov_w2")
+        if w1 != vocab:
+            raise DraftError(f"{where}: markov_head.markov_w1 has {w1} rows, the target vocabulary {vocab}")
+        if w2 != draft_vocab:
+            raise DraftError(f"{where}: markov_head.markov_w2 has {w2} rows, the draft vocabulary {draft_vocab}")
+    if "t2d" in w.entries:
+        t2d = w.tensor("t2d")
+        if t2d.shape != (vocab,):
+            raise DraftError(f"{where}: t2d has shape {list(t2d.shape)}, the target vocabulary is {vocab}")
+    return mapping
+
+
+def _rows(w: PackWeights, name: str) -> int | None:
+    """Output rows of the linear entry `name` (or its split group name.0, ...), None when absent."""
+    entry = w.entries.get(name) or w.entries.get(name + ".0")
+    if entry is None:
+        return None
+    if name in w.entries:
+        return entry["shape"][0]
+    return w.linear(name).out_features
+
+
+def _draft_vocabulary(settings: dict, w: PackWeights, vocab: int, where: str) -> tuple[int, mx.array | None]:
+    """(draft vocabulary size, draft -> target id map or None) for a target vocabulary of `vocab`."""
+    lm_head = _rows(w, "lm_head")
+    reduced = settings.get("draft_vocab_size")
+    if "d2t" not in w.entries:
+        if reduced and reduced != vocab:
+            raise DraftError(f"{where}: reduced vocabulary (draft_vocab_size {reduced}) without a d2t tensor")
+        if lm_head is not None and lm_head != vocab:
+            raise DraftError(f"{where}: lm_head has {lm_head} rows but the target vocabulary is {vocab} "
+                             "and there is no d2t")
+        return vocab, None
+    d2t = np.asarray(w.tensor("d2t"), dtype=np.int64)
+    draft_vocab = d2t.shape[0]
+    if lm_head is None:
+        raise DraftError(f"{where}: reduced vocabulary (d2t) without its own lm_head")
+    if lm_head != draft_vocab or (reduced and reduced != draft_vocab):
+        raise DraftError(f"{where}: lm_head has {lm_head} rows, d2t {draft_vocab}, draft_vocab_size {reduced}")
+    ids = np.arange(draft_vocab, dtype=np.int64) + d2t
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise DraftError(f"{where}: d2t maps draft ids to target ids [{ids.min()}, {ids.max()}], outside the "
+                         f"target vocabulary ({vocab})")
+    return draft_vocab, mx.array(ids.astype(np.int32))

@@ -1,6 +1,6 @@
 """Qwen3.5 / Qwen3.6 hybrid targets: gated DeltaNet + gated attention decoder layers,
 with a dense SwiGLU MLP (`Qwen3_5`, the 27B) or a routed MoE block (`Qwen3_5Moe`,
-the 35B-A3B). The math is /docs/target.md; weights come from a pack (loading.py).
+the 35B-A3B). The math is /docs/target.md; weights come from a pack (weights.py).
 
 Batch size is 1: a forward takes T >= 1 new rows of one sequence, continuing at the
 cache's offset.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..checkpoint.config import QWEN3_5_MOE
 from ..kernels import (
     add_rms_norm,
     attention_prologue,
@@ -95,7 +96,7 @@ class ModelArgs:
         theta = rope.get("rope_theta", text.get("rope_theta"))
         if theta is None:
             raise ConfigError(f"{where}: no rope_theta in rope_parameters or the text config")
-        moe = architecture == "qwen3_5_moe"
+        moe = architecture == QWEN3_5_MOE
         return cls(
             architecture=architecture,
             vocab_size=need("vocab_size"),

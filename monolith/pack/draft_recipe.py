@@ -8,7 +8,9 @@ the draft settings in one convention (DeepSpec layer ids: id i = output of targe
 layer i), whatever the source format, and every decision that needs the tensors:
 the heads (a Markov head is read from the `markov_head.*` tensors, whatever the
 config's label), per layer the sliding window and whether the block is causal,
-whether slot 0 predicts (`sample_from_anchor`) and the block input's scale.
+whether slot 0 predicts (`sample_from_anchor`) and the block input's scale. Where the
+formats' configs differ is said in one place: a DraftFormat per architecture
+(DRAFT_FORMATS).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from __future__ import annotations
 import math
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.config import DFLASH, DSPARK, DSPARK_SPECULATORS
 from .recipe import PackError, Plan, Planner
 
-DRAFT_ARCHITECTURES = ("dspark", "dspark-speculators", "dflash")
 PLAIN_NORM = "draft RMSNorm weight (plain w) stored in F32"
 NESTS = ("dflash_config", "dspark_config")
 # the nested-block fields a draft may carry; any other one changes what the draft computes
@@ -43,6 +45,89 @@ def _get(cfg: dict, key: str, *nests: str):
 
 def _where(ckpt: Checkpoint) -> str:
     return f"{ckpt.path}/config.json"
+
+
+class DraftFormat:
+    """Where a draft format's config.json keeps what the pack records, and what it means
+    by what it leaves unstated. This base is z-lab DFlash: fields at the top level or
+    under dflash_config / dspark_config (vLLM's reading)."""
+
+    def taps(self, where: str, cfg: dict) -> list | None:
+        """The target layer ids, DeepSpec convention (id i = output of target layer i)."""
+        return _get(cfg, "target_layer_ids", *NESTS)
+
+    def layer_config(self, cfg: dict) -> dict:
+        """The part of config.json that holds the decoder layers' fields."""
+        return cfg
+
+    def block_causal(self, where: str, cfg: dict, layer_cfg: dict, sliding: list, windows: list) -> list:
+        """Per layer, whether the block is causal. vLLM's `_dflash_layer_causal`: top-level
+        `is_causal`, else `dflash_config.causal`, else causal exactly on the
+        sliding_attention layers."""
+        if "sliding_window_non_causal" in cfg:
+            raise PackError(f"{where}: sliding_window_non_causal is a speculators field; this draft states its "
+                            "block mask with is_causal or dflash_config.causal")
+        if any(s and w is None for s, w in zip(sliding, windows)):
+            raise PackError(f"{where}: sliding_attention layers without a window (sliding_window "
+                            f"{layer_cfg.get('sliding_window')!r}, use_sliding_window "
+                            f"{layer_cfg.get('use_sliding_window')!r})")
+        causal = cfg.get("is_causal")
+        field = "is_causal"
+        if causal is None:
+            causal, field = (cfg.get("dflash_config") or {}).get("causal"), "dflash_config.causal"
+        if causal is None:
+            return sliding
+        if not isinstance(causal, bool):
+            raise PackError(f"{where}: {field} {causal!r} must be true or false")
+        return [causal] * len(sliding)
+
+    def unstated_sample_from_anchor(self, ckpt: Checkpoint, where: str) -> bool:
+        """A plain DFlash draft drops slot 0; a DSpark head predicts from every slot, also
+        under a DFlash label (its Markov tensors say what it is)."""
+        return ckpt.has_module("markov_head.markov_w1")
+
+
+class DeepSpecFormat(DraftFormat):
+    """DeepSpec-native DSpark (and its NVFP4 export): every slot predicts unless stated."""
+
+    def unstated_sample_from_anchor(self, ckpt: Checkpoint, where: str) -> bool:
+        return True
+
+
+class SpeculatorsFormat(DraftFormat):
+    """speculators' DSpark: the layer fields under transformer_layer_config, the taps as
+    aux_hidden_state_layer_ids, the block mask from layer_types and
+    sliding_window_non_causal."""
+
+    def taps(self, where: str, cfg: dict) -> list:
+        aux = cfg.get("aux_hidden_state_layer_ids")
+        if aux is None:
+            raise PackError(f"{where}: speculators draft without aux_hidden_state_layer_ids")
+        return [int(i) - 1 for i in aux]  # speculators counts the embedding as layer 0
+
+    def layer_config(self, cfg: dict) -> dict:
+        return cfg.get("transformer_layer_config") or {}
+
+    def block_causal(self, where: str, cfg: dict, layer_cfg: dict, sliding: list, windows: list) -> list:
+        """speculators' create_anchor_block_mask_mod: `non_causal = sliding_window is None or
+        sliding_window_non_causal` per layer, the flag defaulting to false, so full-attention
+        layers are always bidirectional."""
+        for name, source in (("is_causal", cfg), ("is_causal", layer_cfg), ("dflash_config", cfg)):
+            if name in source:
+                raise PackError(f"{where}: {name} is not read by speculators (its block mask follows "
+                                "layer_types and sliding_window_non_causal); remove it")
+        flag = cfg.get("sliding_window_non_causal", False)
+        if not isinstance(flag, bool):
+            raise PackError(f"{where}: sliding_window_non_causal {flag!r} must be true or false")
+        return [w is not None and not flag for w in windows]
+
+    def unstated_sample_from_anchor(self, ckpt: Checkpoint, where: str) -> bool:
+        raise PackError(f"{where}: neither sample_from_anchor nor speculators_config speculative_tokens is given "
+                        "(speculators reads a missing sample_from_anchor as true, vLLM as false)")
+
+
+# the one place a draft architecture (monolith.checkpoint.config) meets its format
+DRAFT_FORMATS = {DSPARK: DeepSpecFormat(), DSPARK_SPECULATORS: SpeculatorsFormat(), DFLASH: DraftFormat()}
 
 
 def _check_nested(ckpt: Checkpoint, cfg: dict) -> None:
@@ -77,18 +162,14 @@ def _input_embedding_scale(ckpt: Checkpoint, cfg: dict) -> float:
     return float(scale)
 
 
-def _layer_attention(ckpt: Checkpoint, cfg: dict, layer_cfg: dict, layers: int) -> tuple[list, list]:
+def _layer_attention(ckpt: Checkpoint, fmt: DraftFormat, cfg: dict, layer_cfg: dict,
+                     layers: int) -> tuple[list, list]:
     """Per layer (context rows the block sees: an int window or None = all; whether the
-    block is causal: slot k sees block slots <= k).
+    block is causal: slot k sees block slots <= k, as the format states it).
 
     The window: a `layer_types` "sliding_attention" layer, with `sliding_window` only when
     `use_sliding_window` is true (transformers' Qwen3Config, which speculators, z-lab and
-    vLLM build the layer config with, drops the window otherwise).
-    Causality, speculators (create_anchor_block_mask_mod): `non_causal = sliding_window is
-    None or sliding_window_non_causal` per layer, the flag defaulting to false, so
-    full-attention layers are always bidirectional. Other formats (vLLM's
-    `_dflash_layer_causal`): top-level `is_causal`, else `dflash_config.causal`, else
-    causal exactly on the sliding_attention layers."""
+    vLLM build the layer config with, drops the window otherwise)."""
     where = _where(ckpt)
     types = layer_cfg.get("layer_types")
     if types is None:
@@ -105,31 +186,7 @@ def _layer_attention(ckpt: Checkpoint, cfg: dict, layer_cfg: dict, layers: int) 
         raise PackError(f"{where}: sliding_window {window!r} must be a positive integer")
     sliding = [t == "sliding_attention" for t in types]
     windows = [window if s else None for s in sliding]
-    if ckpt.architecture == "dspark-speculators":
-        for name, source in (("is_causal", cfg), ("is_causal", layer_cfg), ("dflash_config", cfg)):
-            if name in source:
-                raise PackError(f"{where}: {name} is not read by speculators (its block mask follows "
-                                "layer_types and sliding_window_non_causal); remove it")
-        flag = cfg.get("sliding_window_non_causal", False)
-        if not isinstance(flag, bool):
-            raise PackError(f"{where}: sliding_window_non_causal {flag!r} must be true or false")
-        return windows, [w is not None and not flag for w in windows]
-    if "sliding_window_non_causal" in cfg:
-        raise PackError(f"{where}: sliding_window_non_causal is a speculators field; this draft states its "
-                        "block mask with is_causal or dflash_config.causal")
-    if any(s and w is None for s, w in zip(sliding, windows)):
-        raise PackError(f"{where}: sliding_attention layers without a window (sliding_window "
-                        f"{layer_cfg.get('sliding_window')!r}, use_sliding_window "
-                        f"{layer_cfg.get('use_sliding_window')!r})")
-    causal = cfg.get("is_causal")
-    field = "is_causal"
-    if causal is None:
-        causal, field = (cfg.get("dflash_config") or {}).get("causal"), "dflash_config.causal"
-    if causal is None:
-        return windows, sliding
-    if not isinstance(causal, bool):
-        raise PackError(f"{where}: {field} {causal!r} must be true or false")
-    return windows, [causal] * layers
+    return windows, fmt.block_causal(where, cfg, layer_cfg, sliding, windows)
 
 
 def _speculative_tokens(ckpt: Checkpoint, spec: dict) -> int | None:
@@ -149,14 +206,12 @@ def _speculative_tokens(ckpt: Checkpoint, spec: dict) -> int | None:
     return tokens
 
 
-def _sample_from_anchor(ckpt: Checkpoint, cfg: dict, block_size: int) -> bool:
+def _sample_from_anchor(ckpt: Checkpoint, fmt: DraftFormat, cfg: dict, block_size: int) -> bool:
     """Whether slot 0 predicts too (DSpark) or is dropped (DFlash: the anchor is the bonus
     token). Read from every field that states it; they must agree: `sample_from_anchor`,
     vLLM's `dspark_bonus_anchor` (its negation) and block_size minus the default proposal
-    method's speculative_tokens (0: true, 1: false). Unstated: true for a DSpark draft
-    (DeepSpec, or any draft with Markov head tensors), false for a plain DFlash one; a
-    speculators draft must state it (speculators reads a missing
-    field as true, vLLM's translation as false)."""
+    method's speculative_tokens (0: true, 1: false). Unstated: as the format says
+    (DraftFormat.unstated_sample_from_anchor)."""
     where = _where(ckpt)
     stated = {}
     value = _get(cfg, "sample_from_anchor", *NESTS)
@@ -178,11 +233,7 @@ def _sample_from_anchor(ckpt: Checkpoint, cfg: dict, block_size: int) -> bool:
                         "(sample_from_anchor)")
     if stated:
         return next(iter(stated.values()))
-    if ckpt.architecture == "dspark-speculators":
-        raise PackError(f"{where}: neither sample_from_anchor nor speculators_config speculative_tokens is given "
-                        "(speculators reads a missing sample_from_anchor as true, vLLM as false)")
-    # a DSpark head predicts from every slot, also under a DFlash label (its Markov tensors say what it is)
-    return ckpt.architecture == "dspark" or ckpt.has_module("markov_head.markov_w1")
+    return fmt.unstated_sample_from_anchor(ckpt, where)
 
 
 def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
@@ -228,17 +279,10 @@ def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
 
 def draft_settings(ckpt: Checkpoint) -> dict:
     """Draft settings normalised to the DeepSpec conventions (dspark.md section 3)."""
-    cfg, where = ckpt.config, _where(ckpt)
+    cfg, where, fmt = ckpt.config, _where(ckpt), DRAFT_FORMATS[ckpt.architecture]
     _check_nested(ckpt, cfg)
-    if ckpt.architecture == "dspark-speculators":
-        aux = cfg.get("aux_hidden_state_layer_ids")
-        if aux is None:
-            raise PackError(f"{where}: speculators draft without aux_hidden_state_layer_ids")
-        taps = [int(i) - 1 for i in aux]  # speculators counts the embedding as layer 0
-        layer_cfg = cfg.get("transformer_layer_config") or {}
-    else:
-        taps = _get(cfg, "target_layer_ids", *NESTS)
-        layer_cfg = cfg
+    taps = fmt.taps(where, cfg)
+    layer_cfg = fmt.layer_config(cfg)
     if not taps:
         raise PackError(f"{where}: draft has no target_layer_ids")
     settings = {"block_size": _get(cfg, "block_size", *NESTS), "mask_token_id": _get(cfg, "mask_token_id", *NESTS)}
@@ -253,13 +297,13 @@ def draft_settings(ckpt: Checkpoint) -> dict:
         layers += 1
     if layers == 0:
         raise PackError(f"{ckpt.path}: draft has no decoder layers (layers.0.input_layernorm.weight)")
-    windows, causal = _layer_attention(ckpt, cfg, layer_cfg, layers)
+    windows, causal = _layer_attention(ckpt, fmt, cfg, layer_cfg, layers)
     return {
         "target_layer_ids": [int(t) for t in taps],
         **settings,
         **_heads(ckpt, cfg, int(hidden)),
         "draft_vocab_size": cfg.get("draft_vocab_size"),
-        "sample_from_anchor": _sample_from_anchor(ckpt, cfg, int(settings["block_size"])),
+        "sample_from_anchor": _sample_from_anchor(ckpt, fmt, cfg, int(settings["block_size"])),
         "input_embedding_scale": _input_embedding_scale(ckpt, cfg),
         "hidden_size": hidden,
         "num_hidden_layers": layer_cfg.get("num_hidden_layers"),

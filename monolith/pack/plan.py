@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.config import DRAFT_ARCHITECTURES, TARGET_ARCHITECTURES
 from .recipe import PackError, Plan
 
 
@@ -10,10 +11,10 @@ def plan_pack(ckpt: Checkpoint, quantization: str = "auto", problems: list[str] 
     """The plan. With `problems` (a dry run), failing steps are recorded there and
     planning goes on (a draft's config problems still raise: nothing can be planned
     without its settings)."""
-    from .draft_recipe import DRAFT_ARCHITECTURES, plan_draft
+    from .draft_recipe import plan_draft
     from .target_recipe import plan_target
 
-    if ckpt.architecture in ("qwen3_5_moe", "qwen3_5"):
+    if ckpt.architecture in TARGET_ARCHITECTURES:
         return plan_target(ckpt, quantization, problems)
     if ckpt.architecture in DRAFT_ARCHITECTURES:
         return plan_draft(ckpt, quantization, problems)
