@@ -59,7 +59,7 @@ from monolith.kernels import kernel as kernel_module
 from monolith.kernels.kernel import MetalKernel
 from monolith.models import qwen3_5
 from monolith.models.layers import Experts, Linear
-from monolith.models.loading import model_arrays
+from monolith.models.weights import model_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def leaf(shape, dtype) -> mx.array:
 
 
 class ShapeWeights:
-    """The weights interface of models/loading.PackWeights, at real shapes, in pack
+    """The weights interface of models/weights.PackWeights, at real shapes, in pack
     precision, as leaves that take no memory."""
 
     def __init__(self, dtype):

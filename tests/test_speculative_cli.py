@@ -121,7 +121,7 @@ def test_real_draft_greedy_speculative_equals_plain(real_pair, fmt, monkeypatch,
 
 
 def test_real_draft_cli_json(real_pair, tmp_path):
-    from monolith.models.dspark import load_draft  # noqa: F401 - the draft model must exist
+    from monolith.models import load_draft  # noqa: F401 - the draft model must exist
 
     target_pack, drafts = real_pair
     ids = ",".join(map(str, PROMPT))

@@ -14,6 +14,7 @@ weight as F32.
 from __future__ import annotations
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.config import QWEN3_5_MOE
 from .recipe import PackError, Plan, Planner
 
 ZERO_CENTRED = "zero-centred RMSNorm weight stored as 1 + w in F32"
@@ -41,7 +42,7 @@ def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None 
     p = Planner(ckpt, "target", quantization, problems)
     plan = Plan("qwen3_5-hybrid", "target", ckpt.architecture, quantization)
     src = source_prefix(ckpt)
-    moe = ckpt.architecture == "qwen3_5_moe"
+    moe = ckpt.architecture == QWEN3_5_MOE
 
     p.linear("model.embed_tokens", [src + "embed_tokens"], plan)
     for i, kind in enumerate(_layer_types(ckpt)):
