@@ -47,3 +47,14 @@ def synth_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_pack(tmp_path_factory):
+    """The pack of the default tiny synthetic target (bf16, seed 0), built once: tests
+    read it and never change it."""
+    from monolith.pack import build_pack
+    from monolith.synth import write_target
+
+    root = tmp_path_factory.mktemp("tiny")
+    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")

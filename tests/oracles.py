@@ -10,7 +10,6 @@ import pytest
 from decoding import plain
 
 from monolith.models import load_model
-from monolith.pack import build_pack
 from monolith.runtime.drafter import Proposal
 from monolith.sampling import SamplingParams
 
@@ -24,11 +23,8 @@ STATE_TOL = 1e-4  # max |a - b| / max |b| of cache arrays: verify-block vs one-f
 
 
 @pytest.fixture(scope="module")
-def target_pack(tmp_path_factory):
-    from monolith.synth import write_target
-
-    root = tmp_path_factory.mktemp("spec")
-    return build_pack(write_target(root / "target"), root / "target.pack", role="target")
+def target_pack(tiny_pack):
+    return tiny_pack
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
 from monolith.sampling import SamplingParams
 from monolith.serving.app import ServerConfig, create_app
-from monolith.synth import write_pair, write_target
+from monolith.synth import write_pair
 from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024
@@ -34,9 +34,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+def pack(tiny_pack):
+    return tiny_pack
 
 
 @pytest.fixture(scope="module")

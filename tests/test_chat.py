@@ -14,10 +14,8 @@ import pytest
 
 from monolith.chat import Conversation
 from monolith.models import load_model
-from monolith.pack import build_pack
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
-from monolith.synth import write_target
 from monolith.tokenizer import load_tokenizer
 
 STATS = re.compile(r"-- (\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens: (\d+) cached, (\d+) prefilled, "
@@ -25,9 +23,8 @@ STATS = re.compile(r"-- (\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens: (\d+)
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+def pack(tiny_pack):
+    return tiny_pack
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,8 @@ VOCAB = 512  # the tiny synthetic target's vocab_size (the tokenizer has 410 tok
 
 
 @pytest.fixture(scope="module")
-def pack_dir(tmp_path_factory):
-    from monolith.pack import build_pack
-    from monolith.synth import write_target
-
-    root = tmp_path_factory.mktemp("gen")
-    return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+def pack_dir(tiny_pack):
+    return tiny_pack
 
 
 @pytest.fixture(scope="module")
