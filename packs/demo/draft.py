@@ -146,48 +146,84 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
         z = np.load(path)
         return {k: mx.array(z[k]) for k in z.files}
     p, s = T.PRESET, SIZES
-    bsz = s.block_size
     n_generations = len(seqs)
     if windows is not None:
         seqs = np.concatenate([seqs, windows])
-    mask_id = json.loads((out / "tokenizer.json").read_text())
-    mask_id = {t["content"]: t["id"] for t in mask_id["added_tokens"]}["<|mask|>"]
+    mask_id = mask_token_id(out)
     P, frozen = init_draft(p.hidden_size, p.vocab_size, s, seed, target_P)
     t0 = time.time()
-    feats, soft_ids, soft_p, greedy = served_target_rows(out, seqs, s.target_layer_ids)
-    log(f"draft: features {feats.shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
+    served = served_target_rows(out, seqs, s.target_layer_ids)
+    log(f"draft: features {served[0].shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
     n_val = max(4, n_generations // 10)  # validation: the first generations (never trained on)
+
+    def batch_of(rng, idx):
+        return make_batch(rng, idx, seqs, served, mask_id)
+
+    P, curve, step = train_draft(P, frozen, batch_of, n_val, len(seqs), seed, steps, qat_steps, hard)
+    (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
+                                                   indent=1) + "\n")
+    np.savez(path, **{k: np.array(v) for k, v in P.items()})
+    return P
+
+
+def mask_token_id(out: Path) -> int:
+    """The id of <|mask|> in OUT/tokenizer.json (the block's inputs after the anchor)."""
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    return {t["content"]: t["id"] for t in tokenizer["added_tokens"]}["<|mask|>"]
+
+
+def make_batch(rng, idx, seqs: np.ndarray, served: tuple[np.ndarray, ...], mask_id: int):
+    """BLOCKS_PER_SEQ blocks in each sequence of `idx`, anchored at random rows: the
+    arguments of draft_loss before its weights, from the served target's rows."""
+    feats, soft_ids, soft_p, greedy = served
+    bsz = SIZES.block_size
     L = seqs.shape[1]
     # anchors after the first PROMPT_LEN rows (a generation's prompt, a window's first rows: context only)
     lo, hi = PROMPT_LEN, L - bsz
+    anchors = np.sort(rng.choice(np.arange(lo, hi), size=BLOCKS_PER_SEQ, replace=False))
+    pos, mask = block_layout(L, anchors, bsz)
+    sq = seqs[idx]
+    x_tokens = np.full((len(idx), anchors.size, bsz), mask_id, np.int32)
+    x_tokens[:, :, 0] = sq[:, anchors]
+    prev = sq[:, pos]
+    rows = np.ix_(idx, pos)  # the target's distribution at row p predicts token p + 1
+    return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev),
+            mx.array(greedy[rows]), mx.array(soft_ids[rows]), mx.array(soft_p[rows]), mx.array(pos),
+            mx.array(mask))
 
-    def make_batch(rng, idx):
-        anchors = np.sort(rng.choice(np.arange(lo, hi), size=BLOCKS_PER_SEQ, replace=False))
-        pos, mask = block_layout(L, anchors, bsz)
-        sq = seqs[idx]
-        x_tokens = np.full((len(idx), anchors.size, bsz), mask_id, np.int32)
-        x_tokens[:, :, 0] = sq[:, anchors]
-        prev = sq[:, pos]
-        rows = np.ix_(idx, pos)  # the target's distribution at row p predicts token p + 1
-        return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev),
-                mx.array(greedy[rows]), mx.array(soft_ids[rows]), mx.array(soft_p[rows]), mx.array(pos),
-                mx.array(mask))
 
+def draft_losses(frozen, hard: float):
+    """(loss, loss through the NVFP4 export's values) of (trainable params, *batch): the
+    slot weights decay along the block."""
+    bsz = SIZES.block_size
     wts = mx.array(np.tile(np.exp(-np.arange(bsz) / bsz), BLOCKS_PER_SEQ).astype(np.float32))
-    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, s, p.rope_theta, hard)  # noqa: E731
+    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, SIZES, T.PRESET.rope_theta, hard)  # noqa: E731
 
     def lf_qat(P, *b):  # the last qat_steps: the forward sees the NVFP4 export's values
         return lf({k: fake_nvfp4(v) if quantized(k) else v for k, v in P.items()}, *b)
 
+    return lf, lf_qat
+
+
+def learning_rate(step: int, steps: int) -> float:
+    """30 steps of warm-up, then a cosine down to a tenth."""
+    frac = step / steps
+    return 1e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac)))
+
+
+def train_draft(P, frozen, batch_of, n_val: int, n_seqs: int, seed: int, steps: int, qat_steps: int,
+                hard: float):
+    """AdamW on sequences n_val.. (the last qat_steps quantization-aware) -> (trained
+    params, the logged curve, steps run); every 100 steps a validation batch of the first."""
+    lf, lf_qat = draft_losses(frozen, hard)
     vg, vg_qat = mx.compile(mx.value_and_grad(lf)), mx.compile(mx.value_and_grad(lf_qat))
     opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.01, betas=[0.9, 0.95])
     rng = np.random.default_rng(seed + 3)
     curve, t0, step = [], time.time(), 0
-    train_idx = np.arange(n_val, len(seqs))
+    train_idx = np.arange(n_val, n_seqs)
     while step < steps:
-        frac = step / steps
-        opt.learning_rate = mx.array(1e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac))))
-        batch = make_batch(rng, rng.choice(train_idx, size=BATCH_SEQS, replace=False))
+        opt.learning_rate = mx.array(learning_rate(step, steps))
+        batch = batch_of(rng, rng.choice(train_idx, size=BATCH_SEQS, replace=False))
         qat = step >= steps - qat_steps
         (loss, (ce, acc, bce)), grads = (vg_qat if qat else vg)(P, *batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
@@ -198,15 +234,12 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
             entry = {"step": step, "seconds": round(time.time() - t0, 1), "ce": round(float(ce), 4),
                      "slot_acc": round(float(acc), 4), "conf_bce": round(float(bce), 4), "qat": qat}
             if step % 100 == 0:
-                vb = make_batch(np.random.default_rng(7), np.arange(min(n_val, BATCH_SEQS)))
+                vb = batch_of(np.random.default_rng(7), np.arange(min(n_val, BATCH_SEQS)))
                 _, (vce, vacc, _) = (lf_qat if qat else lf)(P, *vb)
                 entry.update(val_ce=round(float(vce), 4), val_slot_acc=round(float(vacc), 4))
             curve.append(entry)
             log(json.dumps(entry))
-    (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
-                                                   indent=1) + "\n")
-    np.savez(path, **{k: np.array(v) for k, v in P.items()})
-    return P
+    return P, curve, step
 
 
 # ---------------------------------------------------------------- stage 3: export
