@@ -19,7 +19,7 @@ from monolith.synth import write_target
 from monolith.synth.values import as_bf16
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
-RECIPE_MODULES = ("draft", "model", "train", "corpus", "tokenizer")
+RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer")
 
 
 @pytest.fixture(scope="module")

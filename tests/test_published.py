@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_speculative import PROMPT, assert_same_greedy
-from test_synth import assert_modelopt_mirror
+from synth_helpers import assert_modelopt_mirror
 
 from monolith.formats import SafetensorsFile, bf16_bits_to_f32, dequantize_fp8
 from monolith.synth.presets import PRESETS

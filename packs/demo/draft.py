@@ -19,7 +19,7 @@ Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
      the values the NVFP4 export decodes to, the gradient passes straight through)
   3. export   -> OUT/draft-bf16/ (deepspec) and OUT/draft/ (deepspec-nvfp4)
 
-Training mirrors monolith.models.dspark exactly: context C = hidden_norm(fc(taps)) of
+Training mirrors monolith.models.dspark exactly (draft_mirror.py): context C = hidden_norm(fc(taps)) of
 rows < p, block [s_p, mask x (B-1)] at positions p.., queries attend to all context rows
 < p and their whole block (no mask inside the block), slot k predicts s_{p+k+1} with
 logits lm_head(norm(h_k)) + W2 W1[s_{p+k}] (teacher-forced Markov prev), the target's
@@ -44,16 +44,16 @@ import mlx.optimizers as optim
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-import model as M  # noqa: E402
 import train as T  # noqa: E402
-
-from monolith.formats.codecs import (  # noqa: E402
-    E2M1_MAGNITUDES,
-    E2M1_MAX,
-    E4M3_MAX,
-    E4M3_MIN_SUBNORMAL,
+from draft_mirror import (  # noqa: E402
+    block_layout,
+    draft_forward,
+    draft_loss,
+    fake_nvfp4,
+    init_draft,
+    quantized,
 )
-from monolith.formats.nvfp4 import BLOCK  # noqa: E402
+
 from monolith.synth.draft_config import DraftSizes  # noqa: E402
 
 SIZES = DraftSizes(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768,
@@ -63,7 +63,6 @@ PROMPT_LEN = 64
 GEN_LEN = 192
 BLOCKS_PER_SEQ = 24
 BATCH_SEQS = 4
-EPS = 1e-6
 TOPK = 32  # target probabilities kept per row for distillation
 
 
@@ -115,138 +114,6 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
     return seqs
 
 
-# ---------------------------------------------------------------- the draft mirror
-
-
-def init_draft(h: int, vocab: int, s: DraftSizes, seed: int, target_P) -> tuple[dict, dict]:
-    """(trainable params, frozen params) with DeepSpec names."""
-    rng = np.random.default_rng(seed + 2)
-    P = {}
-
-    def lin(name, out, inp, gain=1.0):
-        P[name] = mx.array(rng.standard_normal((out, inp), dtype=np.float32) * np.float32(gain / np.sqrt(inp)))
-
-    lin("fc.weight", h, len(s.target_layer_ids) * h)
-    P["hidden_norm.weight"] = mx.ones((h,))
-    qd, kvd = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    for i in range(s.num_layers):
-        ly = f"layers.{i}"
-        P[f"{ly}.input_layernorm.weight"] = mx.ones((h,))
-        P[f"{ly}.post_attention_layernorm.weight"] = mx.ones((h,))
-        lin(f"{ly}.self_attn.q_proj.weight", qd, h)
-        lin(f"{ly}.self_attn.k_proj.weight", kvd, h)
-        lin(f"{ly}.self_attn.v_proj.weight", kvd, h)
-        lin(f"{ly}.self_attn.o_proj.weight", h, qd, 0.5)
-        P[f"{ly}.self_attn.q_norm.weight"] = mx.ones((s.head_dim,))
-        P[f"{ly}.self_attn.k_norm.weight"] = mx.ones((s.head_dim,))
-        lin(f"{ly}.mlp.gate_proj.weight", s.intermediate_size, h)
-        lin(f"{ly}.mlp.up_proj.weight", s.intermediate_size, h)
-        lin(f"{ly}.mlp.down_proj.weight", h, s.intermediate_size, 0.5)
-    P["norm.weight"] = mx.ones((h,))
-    P["markov_head.markov_w1.weight"] = mx.array(rng.standard_normal((vocab, s.markov_rank), dtype=np.float32) * 0.1)
-    P["markov_head.markov_w2.weight"] = mx.zeros((vocab, s.markov_rank))
-    P["confidence_head.proj.weight"] = mx.zeros((1, h + s.markov_rank))
-    P["confidence_head.proj.bias"] = mx.zeros((1,))
-    bf = lambda a: a.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731  (the checkpoint stores BF16 copies)
-    frozen = {"embed_tokens.weight": bf(target_P[f"{M.LM}.embed_tokens.weight"]),
-              "lm_head.weight": bf(target_P["lm_head.weight"])}
-    return P, frozen
-
-
-def block_layout(L: int, anchors: np.ndarray, bsz: int):
-    """Positions [n*B] and additive mask [n*B, L + n*B] for blocks anchored at `anchors`."""
-    n = anchors.size
-    pos = (anchors[:, None] + np.arange(bsz)[None]).reshape(-1)
-    ctx_ok = np.arange(L)[None, :] < np.repeat(anchors, bsz)[:, None]
-    blk = np.repeat(np.arange(n), bsz)
-    blk_ok = blk[:, None] == blk[None, :]
-    mask = np.where(np.concatenate([ctx_ok, blk_ok], axis=1), 0.0, -1e9).astype(np.float32)
-    return pos.astype(np.int32), mask
-
-
-def draft_forward(P, frozen, feats, x_tokens, pos, mask, s: DraftSizes, rope_theta: float):
-    """feats [B, L, n*H] (target taps), x_tokens [B, N] block inputs (anchor / mask ids),
-    pos [N] block positions, mask [N, L + N] -> final-normed hidden [B, N, H]."""
-    b_, L, _ = feats.shape
-    n = x_tokens.shape[1]
-    nh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
-    c = mx.fast.rms_norm(feats @ P["fc.weight"].T, P["hidden_norm.weight"], EPS)
-    x = frozen["embed_tokens.weight"][x_tokens]
-    ctx_pos = mx.arange(L)
-
-    def rope_at(t, positions):  # t [B, heads, T, d]; per-row positions
-        inv = 1.0 / (rope_theta ** (mx.arange(0, d, 2).astype(mx.float32) / d))
-        ang = positions.astype(mx.float32)[:, None] * inv[None]
-        cos, sin = mx.cos(ang), mx.sin(ang)
-        t1, t2 = t[..., :d // 2], t[..., d // 2:]
-        return mx.concatenate([t1 * cos - t2 * sin, t2 * cos + t1 * sin], axis=-1)
-
-    for i in range(s.num_layers):
-        ly = f"layers.{i}.self_attn"
-        hx = mx.fast.rms_norm(x, P[f"layers.{i}.input_layernorm.weight"], EPS)
-        q = (hx @ P[f"{ly}.q_proj.weight"].T).reshape(b_, n, nh, d)
-        kv_in = mx.concatenate([c, hx], axis=1)
-        k = (kv_in @ P[f"{ly}.k_proj.weight"].T).reshape(b_, L + n, kvh, d)
-        v = (kv_in @ P[f"{ly}.v_proj.weight"].T).reshape(b_, L + n, kvh, d).transpose(0, 2, 1, 3)
-        q = rope_at(mx.fast.rms_norm(q, P[f"{ly}.q_norm.weight"], EPS).transpose(0, 2, 1, 3), pos)
-        k = rope_at(mx.fast.rms_norm(k, P[f"{ly}.k_norm.weight"], EPS).transpose(0, 2, 1, 3),
-                    mx.concatenate([ctx_pos, pos]))
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=mask)
-        x = x + o.transpose(0, 2, 1, 3).reshape(b_, n, nh * d) @ P[f"{ly}.o_proj.weight"].T
-        m = f"layers.{i}.mlp"
-        hx = mx.fast.rms_norm(x, P[f"layers.{i}.post_attention_layernorm.weight"], EPS)
-        x = x + (M.silu(hx @ P[f"{m}.gate_proj.weight"].T) * (hx @ P[f"{m}.up_proj.weight"].T)) @ \
-            P[f"{m}.down_proj.weight"].T
-    return mx.fast.rms_norm(x, P["norm.weight"], EPS)
-
-
-def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, mask, weights, s, rope_theta,
-               hard: float = 0.0):
-    """Distillation CE against the target's top-TOPK distribution (soft_ids, soft_p) per slot,
-    plus `hard` x CE against the target's argmax (labels: what greedy acceptance asks for);
-    accuracy and the confidence head's target: argmax == labels."""
-    h = draft_forward(P, frozen, feats, x_tokens, pos, mask, s, rope_theta)
-    e = P["markov_head.markov_w1.weight"][prev]
-    logits = h @ frozen["lm_head.weight"].T + e @ P["markov_head.markov_w2.weight"].T
-    logq = logits - mx.logsumexp(logits, -1, keepdims=True)
-    ce = -(soft_p * mx.take_along_axis(logq, soft_ids, -1)).sum(-1)
-    if hard:
-        ce = ce - hard * mx.take_along_axis(logq, labels[..., None], -1)[..., 0]
-    loss = (ce * weights).sum() / weights.sum()
-    correct = mx.stop_gradient((mx.argmax(logits, -1) == labels).astype(mx.float32))
-    conf_in = mx.stop_gradient(mx.concatenate([h, e], axis=-1))
-    z = (conf_in @ P["confidence_head.proj.weight"].T)[..., 0] + P["confidence_head.proj.bias"]
-    bce = mx.mean(mx.logaddexp(0.0, z) - correct * z)
-    return loss + 0.1 * bce, (ce.mean(), correct.mean(), bce)
-
-
-E2M1_GRID = mx.array(E2M1_MAGNITUDES)
-E2M1_MIDPOINTS = [float(m) for m in (E2M1_MAGNITUDES[:-1] + E2M1_MAGNITUDES[1:]) / 2]  # exact in float32
-
-
-def quantized(name: str) -> bool:
-    """The trainable matrices the NVFP4 export quantizes and QAT trains through (Markov
-    W1, norms and the confidence head stay BF16; embedding and lm_head are the target's)."""
-    return name.endswith("_proj.weight") or name in ("fc.weight", "markov_head.markov_w2.weight")
-
-
-def fake_nvfp4(w: mx.array) -> mx.array:
-    """w [N, K] -> the values its ModelOpt NVFP4 export decodes to (monolith.formats.nvfp4:
-    tensor scale amax / (6 * 448), E4M3 block scales per 16 columns, E2M1 codes rounded
-    half to even), with a straight-through gradient: quantization-aware training."""
-    n, k = w.shape
-    tensor_scale = mx.max(mx.abs(w)) / (E2M1_MAX * E4M3_MAX)
-    blocks = w.reshape(n, k // BLOCK, BLOCK)
-    amax = mx.max(mx.abs(blocks), axis=-1, keepdims=True)
-    scale = mx.clip(mx.where(amax == 0, 1.0, amax / (E2M1_MAX * tensor_scale)), E4M3_MIN_SUBNORMAL, E4M3_MAX)
-    divisor = mx.from_fp8(mx.to_fp8(scale), mx.float32) * tensor_scale
-    x = mx.clip(mx.where(divisor == 0, 0.0, blocks / divisor), -E2M1_MAX, E2M1_MAX)  # an all-zero matrix stays zero
-    mag = mx.abs(x)
-    index = sum(((mag >= m) if i % 2 else (mag > m)).astype(mx.int32) for i, m in enumerate(E2M1_MIDPOINTS))
-    q = (mx.where(x < 0, -1.0, 1.0) * E2M1_GRID[index] * divisor).reshape(n, k)
-    return w + mx.stop_gradient(q - w)
-
-
 # ---------------------------------------------------------------- stage 2: training
 
 
@@ -279,48 +146,84 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
         z = np.load(path)
         return {k: mx.array(z[k]) for k in z.files}
     p, s = T.PRESET, SIZES
-    bsz = s.block_size
     n_generations = len(seqs)
     if windows is not None:
         seqs = np.concatenate([seqs, windows])
-    mask_id = json.loads((out / "tokenizer.json").read_text())
-    mask_id = {t["content"]: t["id"] for t in mask_id["added_tokens"]}["<|mask|>"]
+    mask_id = mask_token_id(out)
     P, frozen = init_draft(p.hidden_size, p.vocab_size, s, seed, target_P)
     t0 = time.time()
-    feats, soft_ids, soft_p, greedy = served_target_rows(out, seqs, s.target_layer_ids)
-    log(f"draft: features {feats.shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
+    served = served_target_rows(out, seqs, s.target_layer_ids)
+    log(f"draft: features {served[0].shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
     n_val = max(4, n_generations // 10)  # validation: the first generations (never trained on)
+
+    def batch_of(rng, idx):
+        return make_batch(rng, idx, seqs, served, mask_id)
+
+    P, curve, step = train_draft(P, frozen, batch_of, n_val, len(seqs), seed, steps, qat_steps, hard)
+    (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
+                                                   indent=1) + "\n")
+    np.savez(path, **{k: np.array(v) for k, v in P.items()})
+    return P
+
+
+def mask_token_id(out: Path) -> int:
+    """The id of <|mask|> in OUT/tokenizer.json (the block's inputs after the anchor)."""
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    return {t["content"]: t["id"] for t in tokenizer["added_tokens"]}["<|mask|>"]
+
+
+def make_batch(rng, idx, seqs: np.ndarray, served: tuple[np.ndarray, ...], mask_id: int):
+    """BLOCKS_PER_SEQ blocks in each sequence of `idx`, anchored at random rows: the
+    arguments of draft_loss before its weights, from the served target's rows."""
+    feats, soft_ids, soft_p, greedy = served
+    bsz = SIZES.block_size
     L = seqs.shape[1]
     # anchors after the first PROMPT_LEN rows (a generation's prompt, a window's first rows: context only)
     lo, hi = PROMPT_LEN, L - bsz
+    anchors = np.sort(rng.choice(np.arange(lo, hi), size=BLOCKS_PER_SEQ, replace=False))
+    pos, mask = block_layout(L, anchors, bsz)
+    sq = seqs[idx]
+    x_tokens = np.full((len(idx), anchors.size, bsz), mask_id, np.int32)
+    x_tokens[:, :, 0] = sq[:, anchors]
+    prev = sq[:, pos]
+    rows = np.ix_(idx, pos)  # the target's distribution at row p predicts token p + 1
+    return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev),
+            mx.array(greedy[rows]), mx.array(soft_ids[rows]), mx.array(soft_p[rows]), mx.array(pos),
+            mx.array(mask))
 
-    def make_batch(rng, idx):
-        anchors = np.sort(rng.choice(np.arange(lo, hi), size=BLOCKS_PER_SEQ, replace=False))
-        pos, mask = block_layout(L, anchors, bsz)
-        sq = seqs[idx]
-        x_tokens = np.full((len(idx), anchors.size, bsz), mask_id, np.int32)
-        x_tokens[:, :, 0] = sq[:, anchors]
-        prev = sq[:, pos]
-        rows = np.ix_(idx, pos)  # the target's distribution at row p predicts token p + 1
-        return (mx.array(feats[idx]), mx.array(x_tokens.reshape(len(idx), -1)), mx.array(prev),
-                mx.array(greedy[rows]), mx.array(soft_ids[rows]), mx.array(soft_p[rows]), mx.array(pos),
-                mx.array(mask))
 
+def draft_losses(frozen, hard: float):
+    """(loss, loss through the NVFP4 export's values) of (trainable params, *batch): the
+    slot weights decay along the block."""
+    bsz = SIZES.block_size
     wts = mx.array(np.tile(np.exp(-np.arange(bsz) / bsz), BLOCKS_PER_SEQ).astype(np.float32))
-    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, s, p.rope_theta, hard)  # noqa: E731
+    lf = lambda P, *b: draft_loss(P, frozen, *b, wts, SIZES, T.PRESET.rope_theta, hard)  # noqa: E731
 
     def lf_qat(P, *b):  # the last qat_steps: the forward sees the NVFP4 export's values
         return lf({k: fake_nvfp4(v) if quantized(k) else v for k, v in P.items()}, *b)
 
+    return lf, lf_qat
+
+
+def learning_rate(step: int, steps: int) -> float:
+    """30 steps of warm-up, then a cosine down to a tenth."""
+    frac = step / steps
+    return 1e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac)))
+
+
+def train_draft(P, frozen, batch_of, n_val: int, n_seqs: int, seed: int, steps: int, qat_steps: int,
+                hard: float):
+    """AdamW on sequences n_val.. (the last qat_steps quantization-aware) -> (trained
+    params, the logged curve, steps run); every 100 steps a validation batch of the first."""
+    lf, lf_qat = draft_losses(frozen, hard)
     vg, vg_qat = mx.compile(mx.value_and_grad(lf)), mx.compile(mx.value_and_grad(lf_qat))
     opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.01, betas=[0.9, 0.95])
     rng = np.random.default_rng(seed + 3)
     curve, t0, step = [], time.time(), 0
-    train_idx = np.arange(n_val, len(seqs))
+    train_idx = np.arange(n_val, n_seqs)
     while step < steps:
-        frac = step / steps
-        opt.learning_rate = mx.array(1e-3 * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * frac))))
-        batch = make_batch(rng, rng.choice(train_idx, size=BATCH_SEQS, replace=False))
+        opt.learning_rate = mx.array(learning_rate(step, steps))
+        batch = batch_of(rng, rng.choice(train_idx, size=BATCH_SEQS, replace=False))
         qat = step >= steps - qat_steps
         (loss, (ce, acc, bce)), grads = (vg_qat if qat else vg)(P, *batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
@@ -331,15 +234,12 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
             entry = {"step": step, "seconds": round(time.time() - t0, 1), "ce": round(float(ce), 4),
                      "slot_acc": round(float(acc), 4), "conf_bce": round(float(bce), 4), "qat": qat}
             if step % 100 == 0:
-                vb = make_batch(np.random.default_rng(7), np.arange(min(n_val, BATCH_SEQS)))
+                vb = batch_of(np.random.default_rng(7), np.arange(min(n_val, BATCH_SEQS)))
                 _, (vce, vacc, _) = (lf_qat if qat else lf)(P, *vb)
                 entry.update(val_ce=round(float(vce), 4), val_slot_acc=round(float(vacc), 4))
             curve.append(entry)
             log(json.dumps(entry))
-    (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
-                                                   indent=1) + "\n")
-    np.savez(path, **{k: np.array(v) for k, v in P.items()})
-    return P
+    return P, curve, step
 
 
 # ---------------------------------------------------------------- stage 3: export
