@@ -318,12 +318,11 @@ def main():
 def check_runtime(out: Path, P, seqs: np.ndarray, p_anchor: int = 100) -> float:
     """Our runtime Draft (BF16 checkpoint, F32 compute, fed by the runtime target's taps)
     vs the mirror on one block: max |hidden diff| (the mirror uses BF16-rounded weights)."""
-    from monolith.launch import load_target
-    from monolith.models.dspark import load_draft
+    from monolith.launch import load_drafter, load_target
 
     s = SIZES
     model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
-    draft = load_draft(out / "draft-bf16", model, dtype="float32", quantization="none", cache_dir=out / "packs")
+    draft = load_drafter(out / "draft-bf16", model, dtype="float32", quantization="none", cache_dir=out / "packs").draft
     seq = seqs[0]
     cache = model.make_cache(len(seq) + 8)
     _, feats = model(mx.array(seq[:p_anchor]), cache, taps=list(s.target_layer_ids))
