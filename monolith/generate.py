@@ -15,7 +15,7 @@ import sys
 from .cli import ArgumentParser
 from .launch import SetupError, add_model_arguments, load_drafter, load_engine, load_target, plan_model, \
     resolve_sources
-from .runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest
+from .runtime.events import ContextLengthError, Finished, GenerationRequest
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -74,8 +74,8 @@ def _run(args, load, load_draft, stdout, stderr) -> int:
     engine = load_engine(args, plan, lambda message: None, sources=sources, fallback=False, profile=args.json,
                          load=load, load_draft=load_draft)
     try:
-        text, finished = _generate(engine, GenerationRequest(tuple(prompt_ids), args.max_tokens, params),
-                                   None if args.json else stdout)
+        text, finished = engine.generate(GenerationRequest(tuple(prompt_ids), args.max_tokens, params),
+                                         on_text=None if args.json else lambda piece: _write(stdout, piece))
     finally:
         engine.close()
     if args.json:
@@ -98,26 +98,9 @@ def prompt_tokens(args, tokenizer) -> list[int]:
     return ids
 
 
-def _generate(engine, request: GenerationRequest, stream) -> tuple[str, Finished]:
-    """Run the request on the engine; stream its text to `stream` (if given) as it comes."""
-    events = []
-
-    def sink(event):
-        events.append(event)
-        if stream is not None and isinstance(event, Delta) and event.text:
-            stream.write(event.text)
-            stream.flush()
-
-    job = engine.submit(request, sink)
-    try:
-        job.done.wait()
-    except KeyboardInterrupt:
-        job.cancel()
-        raise
-    for event in events:
-        if isinstance(event, Failed):
-            raise event.error
-    return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
+def _write(stream, piece: str) -> None:
+    stream.write(piece)
+    stream.flush()
 
 
 def stats_line(f: Finished) -> str:

@@ -173,11 +173,24 @@ class Engine:
             self._lock.notify_all()
         return job
 
-    def generate(self, request: GenerationRequest, session: Session | None = None) -> tuple[str, Finished]:
-        """Run one request to the end (blocking): (text, Finished)."""
+    def generate(self, request: GenerationRequest, session: Session | None = None,
+                 on_text: Callable[[str], None] | None = None) -> tuple[str, Finished]:
+        """Run one request to the end (blocking): (text, Finished). `on_text(piece)` sees
+        the text as it is released (on the worker thread); an interrupt while waiting
+        (Ctrl-C) cancels the request."""
         events: list[Event] = []
-        job = self.submit(request, events.append, session)
-        job.done.wait()
+
+        def sink(event: Event) -> None:
+            events.append(event)
+            if on_text is not None and isinstance(event, Delta) and event.text:
+                on_text(event.text)
+
+        job = self.submit(request, sink, session)
+        try:
+            job.done.wait()
+        except KeyboardInterrupt:
+            job.cancel()
+            raise
         for e in events:
             if isinstance(e, Failed):
                 raise e.error
