@@ -48,7 +48,7 @@ class SpeculativeDecoder:
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False) -> Outcome:
-        model, max_context, prompt = self.model, self.max_context, list(prompt)
+        max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
