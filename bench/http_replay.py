@@ -1,0 +1,181 @@
+"""Server subprocesses and the streamed chat client of bench/prompt_cache.py.
+
+`Server` starts `python -m monolith.serve` (or `mlx_lm.server`) on a free port with its
+log in a file, waits for GET /health, and scrapes /metrics in a background thread
+while requests run (so a peak inside a prefill is seen, not only the state between
+turns). `chat` posts one streamed greedy /v1/chat/completions and times the first
+content (or tool call) delta.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serve_latency import free_port  # noqa: E402
+
+
+def parse_metrics(text: str, prefix: str = "monolith_") -> dict[str, float]:
+    """`name{labels} value` lines of a Prometheus text page whose name starts with prefix."""
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, _, value = line.rpartition(" ")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                pass
+    return values
+
+
+class Server:
+    """One server process; use as a context manager (it is terminated on exit)."""
+
+    def __init__(self, command: list[str], log: Path, env: dict | None = None, ready_timeout: float = 900,
+                 metrics: bool = True, scrape_every: float = 0.25):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = command + ["--port", str(self.port)]
+        self.log = log
+        self.env = {**os.environ, **(env or {})}
+        self.ready_timeout = ready_timeout
+        self.metrics = metrics
+        self.scrape_every = scrape_every
+        self.scrapes: list[dict[str, float]] = []
+        self.started_seconds = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> Server:
+        began = time.perf_counter()
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=ROOT)
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._log_file.close()
+                raise ServerFailed(self, f"exited with status {self.proc.returncode} during startup")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            self.stop()
+            raise ServerFailed(self, "did not become ready")
+        self.started_seconds = time.perf_counter() - began
+        if self.metrics:
+            self._thread = threading.Thread(target=self._scrape_loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> int | None:
+        """Stop scraping, then end the process gracefully (SIGTERM, then SIGKILL after 60 s)."""
+        self._stop.set()
+        if getattr(self, "_thread", None) is not None:
+            self._thread.join(10)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if not self._log_file.closed:
+            self._log_file.close()
+        return self.proc.returncode
+
+    def scrape(self) -> dict[str, float]:
+        values = parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
+        values["_time"] = time.time()
+        self.scrapes.append(values)
+        return values
+
+    def _scrape_loop(self) -> None:
+        while not self._stop.wait(self.scrape_every):
+            try:
+                self.scrape()
+            except httpx.HTTPError:
+                pass
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class ServerFailed(RuntimeError):
+    def __init__(self, server: Server, why: str):
+        tail = "\n".join(server.log_text().splitlines()[-25:])
+        super().__init__(f"{' '.join(server.command)}: {why}\n{tail}")
+        self.log_tail = tail
+
+
+@dataclass
+class Reply:
+    ttft: float  # request sent -> first content or tool-call delta (the finish, if none)
+    seconds: float  # request sent -> stream end
+    text: str
+    tool_calls: list[dict] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    finish_reason: str | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        details = self.usage.get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
+
+
+def chat(client: httpx.Client, url: str, messages: list[dict], tools: list[dict], max_tokens: int,
+         model: str | None = None) -> Reply:
+    body = {"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    first = None
+    text, calls, usage, finish = [], {}, {}, None
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"POST /v1/chat/completions: {r.status_code} {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("content") or delta.get("tool_calls"):
+                    first = first or time.perf_counter()
+                text.append(delta.get("content") or "")
+                for call in delta.get("tool_calls") or ():
+                    _merge_call(calls, call)
+                finish = choice.get("finish_reason") or finish
+    end = time.perf_counter()
+    return Reply((first or end) - start, end - start, "".join(text), [calls[i] for i in sorted(calls)], usage,
+                 finish)
+
+
+def _merge_call(calls: dict, delta: dict) -> None:
+    """Streamed tool calls arrive whole (monolith) or in argument pieces (others)."""
+    entry = calls.setdefault(delta.get("index", len(calls)),
+                             {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+    entry["id"] = delta.get("id") or entry["id"]
+    function = delta.get("function") or {}
+    entry["function"]["name"] += function.get("name") or ""
+    entry["function"]["arguments"] += function.get("arguments") or ""
