@@ -23,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_latency import free_port  # noqa: E402
+from serve_latency import free_port
 
 
 def parse_metrics(text: str, prefix: str = "monolith_") -> dict[str, float]:

@@ -47,7 +47,7 @@ def write_float_checkpoint(source: Path, out: Path, dtype: str = "F32") -> Path:
     for name in ckpt.tensor_names():
         module = name.rsplit(".", 1)[0]
         if module in quantized:
-            if name.endswith(".weight") or name.endswith(".weight_packed"):
+            if name.endswith((".weight", ".weight_packed")):
                 tensors[module + ".weight"] = stored(ckpt.dequantize(module))
             elif not name.endswith(SCALE_SUFFIXES):
                 raise ValueError(f"{source}: {name}: a tensor of quantized module {module} this copy does not know")

@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from agent_workload import TOOLS, Conversation, interleave, system_prompt  # noqa: E402
-from http_replay import Server, ServerFailed, chat  # noqa: E402
+from agent_workload import TOOLS, Conversation, interleave, system_prompt
+from http_replay import Server, ServerFailed, chat
 
 RESULTS = ROOT / "bench" / "results" / "prompt_cache.json"
 RUNS = ("cold", "warm", "restart", "memory", "sweep", "mlx-lm")
@@ -62,6 +62,7 @@ CACHE_METRICS = {"bytes": "monolith_prompt_cache_bytes", "budget": "monolith_pro
                  "disk_bytes": "monolith_prompt_cache_disk_bytes", "disk_files": "monolith_prompt_cache_disk_files",
                  "disk_hits": "monolith_prompt_cache_disk_hits_total"}
 PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
+MLX_CACHE = re.compile(r"Prompt Cache: (\d+) sequences, ([0-9.]+) GB")
 
 
 def serve_flags() -> set[str]:
@@ -133,7 +134,7 @@ class Bench:
                 log_mark = len(server.log_text())
                 reply = (chat_api or chat)(client, server.url, messages, TOOLS, self.args.max_tokens)
                 row = self.row(name, conv.turns_done, ids, shared, reply)
-                row["processed"] = _processed(server.log_text()[log_mark:])
+                row["processed"], row["server_cache_before"] = _from_log(server.log_text()[log_mark:])
                 if cold and reply.cached_tokens:
                     _flush(client, server.url)
                     again = chat(client, server.url, messages, TOOLS, self.args.max_tokens)
@@ -222,14 +223,14 @@ class Bench:
                                 add_special_tokens=False)
         rows = []
         for every in self.args.checkpoint_every:
-            with self.monolith("plain", "--prompt-cache-checkpoint-every", str(every)) as server:
-                with httpx.Client(timeout=3600) as client:
-                    first = _complete(client, server.url, ids)
-                    after_first = _cache_metrics(server.scrape())
-                    # leave A1's prompt one token before a checkpoint: the worst case
-                    q = (len(ids) - 1) // every * every - 1 if every else len(ids) - 2
-                    q = q if q > 0 else len(ids) - 2
-                    second = _complete(client, server.url, ids[:q] + other)
+            server = self.monolith("plain", "--prompt-cache-checkpoint-every", str(every))
+            with server, httpx.Client(timeout=3600) as client:
+                first = _complete(client, server.url, ids)
+                after_first = _cache_metrics(server.scrape())
+                # leave A1's prompt one token before a checkpoint: the worst case
+                q = (len(ids) - 1) // every * every - 1 if every else len(ids) - 2
+                q = q if q > 0 else len(ids) - 2
+                second = _complete(client, server.url, ids[:q] + other)
             cached = second["cached_tokens"]
             rows.append({"checkpoint_every": every, "cold_prefill_s": first["seconds"],
                          "prompt_tokens": len(ids), "checkpoints": after_first.get("checkpoints"),
@@ -249,7 +250,7 @@ class Bench:
         out = {"version": _version("mlx-lm")}
         unpacked = self.work / "unpacked"
         done = subprocess.run([sys.executable, "-m", "monolith.pack", "unpack", str(target_pack), "--out",
-                               str(unpacked)], capture_output=True, text=True, cwd=ROOT)
+                               str(unpacked)], capture_output=True, text=True, cwd=ROOT, check=False)
         out["unpack"] = {"returncode": done.returncode, "stderr": done.stderr[-2000:]}
         if done.returncode == 0:
             out["unpacked_load"] = self.mlx_lm_load(unpacked)
@@ -272,16 +273,19 @@ class Bench:
 
     def mlx_lm_load(self, path: Path) -> dict:
         code = "import sys, mlx_lm; mlx_lm.load(sys.argv[1])"
-        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT)
+        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=ROOT,
+                              check=False)
         lines = [line for line in done.stderr.splitlines() if not line.startswith("language_model.")]
         return {"returncode": done.returncode, "stderr_tail": lines[-6:],
                 "parameters_refused": len(done.stderr.splitlines()) - len(lines)}
 
 
-def _processed(log: str) -> int | None:
-    """mlx-lm's log: the prompt tokens the last progress line says it processed."""
-    found = PROGRESS.findall(log)
-    return int(found[-1][1]) if found else None
+def _from_log(log: str) -> tuple[int | None, dict | None]:
+    """mlx-lm's log of one request: the prompt tokens its last progress line says it
+    processed, and its "Prompt Cache: N sequences, X GB" line (logged as a request starts)."""
+    found, cache = PROGRESS.findall(log), MLX_CACHE.findall(log)
+    return (int(found[-1][1]) if found else None,
+            {"sequences": int(cache[-1][0]), "gb": float(cache[-1][1])} if cache else None)
 
 
 def _flush(client: httpx.Client, url: str) -> None:
@@ -435,10 +439,11 @@ def print_report(report: dict) -> None:
     mlx = report.get("mlx_lm")
     if mlx and mlx.get("turns"):
         print(f"\n### mlx-lm {mlx['version']} (its own weights: texts are not expected to match)\n\n"
-              "| turn | prompt | cached | processed (log) | new | TTFT s |\n|---|---|---|---|---|---|")
+              "| turn | prompt | cached | processed (log) | new | TTFT s | its cache before the turn (log) |\n|---|---|---|---|---|---|---|")
         for r in mlx["turns"]:
+            held = r["server_cache_before"] and f"{r['server_cache_before']['sequences']} sequences, {r['server_cache_before']['gb']} GB"
             print(f"| {r['conversation']}{r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | "
-                  f"{r['processed']} | {r['new_tokens']} | {r['ttft_s']:.3f} |")
+                  f"{r['processed']} | {r['new_tokens']} | {r['ttft_s']:.3f} | {held} |")
     elif mlx:
         print(f"\nmlx-lm: {mlx.get('failed') or mlx.get('refused')}")
     print("\n### goals\n")
