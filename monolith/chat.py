@@ -16,7 +16,13 @@ import unicodedata
 
 from .cli import ArgumentParser
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
-from .runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest
+from .runtime.events import (
+    ContextLengthError,
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+)
 from .sampling import SamplingParams
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D leaves)"
@@ -134,8 +140,9 @@ class Chat:
         events: queue.Queue = queue.Queue()
         try:
             prompt = self.conversation.prompt(user_text)
-            job = self.engine.submit(GenerationRequest(tuple(prompt), self.max_tokens, self.params), events.put,
-                                     self.session)
+            request = GenerationRequest(tuple(prompt), self.max_tokens, self.params,
+                                        boundaries=tuple(self.engine.tokenizer.message_ends(prompt)))
+            job = self.engine.submit(request, events.put, self.session)
         except ContextLengthError as e:
             self.write(f"(the conversation is {e.prompt_tokens} tokens and no longer fits the context of "
                        f"{e.max_context}; /reset starts over)\n")

@@ -15,12 +15,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cli import byte_size
 from .models import load_draft, load_model
 from .pack import build_pack, is_pack, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
-from .runtime.calibrate import BreakEven, measure_break_even, round_can_pay, round_pay_limit
+from .runtime.calibrate import (
+    BreakEven,
+    measure_break_even,
+    round_can_pay,
+    round_pay_limit,
+)
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
+from .runtime.prompt_cache import (
+    DEFAULT_CHECKPOINT_EVERY,
+    DEFAULT_MEMORY_SHARE,
+    PromptCache,
+    default_budget,
+)
+from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore, identity
 from .runtime.rounds import check_gamma
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
 from .runtime.speculative import SpeculativeDecoder
@@ -64,6 +77,17 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     help="compute dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation after loading")
+    cache = ap.add_argument_group("prompt cache (prefixes of earlier requests, reused exactly)")
+    cache.add_argument("--prompt-cache-size", type=byte_size, metavar="BYTES",
+                       help="memory for checkpoints, e.g. 4G; 0 turns the cache off (default "
+                            f"{DEFAULT_MEMORY_SHARE:.0%} of the memory free after loading)")
+    cache.add_argument("--prompt-cache-checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+                       help="also checkpoint every N prompt tokens while prefilling, besides each message's end "
+                            f"and the prompt's (default {DEFAULT_CHECKPOINT_EVERY}; 0: only those)")
+    cache.add_argument("--prompt-cache-dir", metavar="DIR",
+                       help="keep checkpoints in DIR across restarts (default: in memory only)")
+    cache.add_argument("--prompt-cache-dir-size", type=byte_size, default=DEFAULT_DIR_BYTES, metavar="BYTES",
+                       help=f"most bytes the --prompt-cache-dir files take (default {DEFAULT_DIR_BYTES >> 30}G)")
 
 
 @dataclass(frozen=True)
@@ -80,7 +104,9 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
     """Check the model flags (raise SetupError with one line); nothing is loaded."""
     for flag, value, least in (("--max-context", args.max_context, 2),
                                ("--prefill-chunk-size", args.prefill_chunk_size, 1),
-                               ("--draft-block-size", args.draft_block_size, 1)):
+                               ("--draft-block-size", args.draft_block_size, 1),
+                               ("--prompt-cache-checkpoint-every", args.prompt_cache_checkpoint_every, 0),
+                               ("--prompt-cache-dir-size", args.prompt_cache_dir_size, 1)):
         if value is not None and value < least:
             raise SetupError(f"{flag} must be at least {least}, got {value}")
     demo = args.model is None and args.pack is None
@@ -89,6 +115,11 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
         given = [f"--{n.replace('_', '-')}" for n in SPECULATIVE_FLAGS if getattr(args, n) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with a draft (--draft)")
+    if args.prompt_cache_dir is not None and args.prompt_cache_size == 0:
+        raise SetupError("--prompt-cache-dir needs a prompt cache: drop --prompt-cache-size 0")
+    if args.prompt_cache_dir is not None and Path(args.prompt_cache_dir).exists() \
+            and not Path(args.prompt_cache_dir).is_dir():
+        raise SetupError(f"--prompt-cache-dir {args.prompt_cache_dir} is not a directory")
     if args.spec_threshold is not None and args.spec_sched != "threshold":
         raise SetupError("--spec-threshold only applies with --spec-sched threshold")
     if args.spec_threshold is not None and not 0 <= args.spec_threshold <= 1:
@@ -177,14 +208,37 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
             if plan.draft_explicit:
                 raise
             log(f"the demo draft is not used, plain decoding: {e}")
+    drafter = getattr(decoder, "drafter", None)
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
-                    max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name)
+                    max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
+                    prompt_cache=prompt_cache(args, model, drafter, log))
     if not args.no_warmup:
         log("warming up")
         engine.warmup()
     log(f"ready in {time.perf_counter() - started:.1f} s: {plan.name}"
         + (f" with draft {draft_name}" if draft_name else " (plain decoding)"))
     return engine
+
+
+def prompt_cache(args, model, drafter, log) -> PromptCache | None:
+    """The prompt cache the flags ask for (None: --prompt-cache-size 0), with its store
+    when --prompt-cache-dir is given."""
+    budget = args.prompt_cache_size if args.prompt_cache_size is not None else default_budget()
+    if not budget:
+        log("prompt cache off")
+        return None
+    store = None
+    if args.prompt_cache_dir is not None:
+        try:
+            store = PromptStore(args.prompt_cache_dir, args.prompt_cache_dir_size, identity(model, drafter))
+        except OSError as e:
+            raise SetupError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}") from None
+    every = args.prompt_cache_checkpoint_every
+    log(f"prompt cache: {budget / 2**30:.2f} GiB, checkpoints at message ends"
+        + (f" and every {every} tokens" if every else "")
+        + (f", kept in {store.directory} ({store.files} files, {store.nbytes / 2**30:.2f} of "
+           f"{store.max_bytes / 2**30:.2f} GiB)" if store is not None else ""))
+    return PromptCache(budget, every, store)
 
 
 def speculative_decoder(args, model, draft: str, log, fallback: bool = True, profile: bool = False,

@@ -85,6 +85,12 @@ class Tokenizer:
         """Token ids of the rendered chat prompt (the template already holds every special token)."""
         return self.encode(self.apply_chat_template(messages, tools, **template_kwargs), add_special_tokens=False)
 
+    def message_ends(self, ids: Sequence[int]) -> list[int]:
+        """Where the chat messages of a rendered prompt end: the position after each
+        end-of-turn token (an end-of-sequence id, e.g. Qwen's <|im_end|>)."""
+        ends = frozenset(self.eos_token_ids)
+        return [i + 1 for i, t in enumerate(ids) if t in ends]
+
     @cached_property
     def _compiled_template(self):
         import jinja2

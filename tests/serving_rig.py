@@ -102,7 +102,7 @@ def server(model, tok):
 def scripted(tokens, spec=None, delay=0.0, per_token=0.0):
     """An engine decoder that 'generates' `tokens` and stops with a stop token."""
 
-    def decoder(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False):
+    def decoder(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False, boundaries=()):
         time.sleep(delay)
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         out = []

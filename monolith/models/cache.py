@@ -55,6 +55,20 @@ class KVCache:
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]
 
+    def rows(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Copies of rows [start, end) (lazy): holding them never pins this cache's buffer,
+        which would make every later update copy the whole buffer."""
+        return mx.array(self.keys[:, :, start:end]), mx.array(self.values[:, :, start:end])
+
+    def write(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Put rows (from `rows`) back at [start, start + T)."""
+        end = start + keys.shape[2]
+        if end > self.keys.shape[2] or keys.shape[:2] + keys.shape[3:] != self.keys.shape[:2] + self.keys.shape[3:]:
+            raise CacheError(f"rows of shape {tuple(keys.shape)} at {start} do not fit a cache of shape "
+                             f"{tuple(self.keys.shape)}")
+        self.keys[:, :, start:end] = keys.astype(self.keys.dtype)
+        self.values[:, :, start:end] = values.astype(self.values.dtype)
+
 
 @dataclass(frozen=True)
 class GDNTape:
@@ -195,6 +209,19 @@ class HybridCache:
         """Every state array (to mx.eval between prefill chunks)."""
         return [a for layer in self.layers for a in layer.arrays()]
 
+    @property
+    def row_layers(self) -> list[KVCache]:
+        """The attention layers' KV caches, whose rows a prompt cache copies out and back."""
+        return [layer for layer in self.layers if isinstance(layer, KVCache)]
+
+    def adopt(self, snap: Snapshot) -> None:
+        """The KV rows [0, snap.offset) were just written (`KVCache.write`): take snap's GDN
+        states there."""
+        if snap.offset > self.max_context:
+            raise CacheError(f"a snapshot at {snap.offset} rows does not fit max_context={self.max_context}")
+        self.written = snap.offset
+        self.restore(snap)
+
 
 class DraftContext:
     """Per draft layer, K/V of the committed context rows in a `KVCache` [1, kv_heads,
@@ -220,3 +247,13 @@ class DraftContext:
 
     def arrays(self) -> list[mx.array]:
         return [a for layer in self.layers for a in layer.arrays()]
+
+    @property
+    def row_layers(self) -> list[KVCache]:
+        return self.layers
+
+    def adopt(self, offset: int) -> None:
+        """The rows [0, offset) were just written (`KVCache.write`)."""
+        if not 0 <= offset <= self.max_context:
+            raise CacheError(f"cannot hold {offset} rows in a draft context of max_context={self.max_context}")
+        self.offset = offset

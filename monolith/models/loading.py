@@ -65,6 +65,7 @@ def load_model(pack_dir, dtype=None, dense: bool | None = None) -> Qwen3_5:
     args = args_class.from_config(weights.config, architecture, weights.generation_config,
                                   where=str(pack_dir / "config.json"))
     model = model_class(args, weights)
+    model.pack_sha256 = manifest.get("pack_sha256")  # what a prompt-cache checkpoint was computed with
     unused = weights.unused()
     if unused:
         raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {_listed(unused)}")
@@ -91,6 +92,7 @@ def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) ->
     args = args_class.from_pack(weights.config, settings, architecture, f"{where}/config.json")
     mapping = _check_fit(args, settings, weights, target_model, where)
     draft = model_class(args, weights, target_model, mapping)
+    draft.pack_sha256 = manifest.get("pack_sha256")
     unused = [n for n in weights.unused() if n not in UNUSED_DRAFT_TENSORS]
     if unused:
         raise DraftError(f"{where}: tensors the draft does not use: {_listed(unused)}")

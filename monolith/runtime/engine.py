@@ -47,9 +47,9 @@ from .events import (
     check_request,
 )
 from .plain import PlainDecoder
+from .prompt_cache import PromptCache
 from .session import Session
 from .textstream import TextStream
-
 
 
 def release_thread_streams() -> None:
@@ -115,7 +115,8 @@ class Engine:
     """See the module docstring. `decoder` defaults to plain decoding of `model`."""
 
     def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
-                 max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None):
+                 max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None,
+                 prompt_cache: PromptCache | None = None):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
@@ -129,7 +130,8 @@ class Engine:
         self.draft_name = draft_name
         self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(model.args, "eos_token_ids", ()))
         self.vocab_size = model.args.vocab_size
-        self.session = Session()  # the default: requests without their own session share it
+        self.prompt_cache = prompt_cache  # shared by every session
+        self.session = Session(prompt_cache)  # the default: requests without their own session share it
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
         self._running: Job | None = None
@@ -149,7 +151,7 @@ class Engine:
         return 0 if self._running is None else 1
 
     def new_session(self) -> Session:
-        return Session()
+        return Session(self.prompt_cache)
 
     @property
     def supports_logprobs(self) -> bool:
@@ -198,8 +200,8 @@ class Engine:
 
     def warmup(self) -> None:
         """One short generation on the worker thread (allocates the cache, builds the
-        kernels), then forget it."""
-        session = self.new_session()
+        kernels), then forget it (on a session of its own, outside the prompt cache)."""
+        session = Session()
         self.generate(GenerationRequest((0, 1), max_tokens=2), session)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -214,6 +216,9 @@ class Engine:
             self._emit(job, Failed(EngineClosed("the engine was closed")))
             job.done.set()
         self._thread.join(timeout)
+        store = getattr(self.prompt_cache, "store", None)
+        if store is not None:
+            store.close()  # the checkpoints queued for the disk are written
 
     # ---------------------------------------------------------------- worker
 
@@ -269,7 +274,7 @@ class Engine:
         try:
             outcome = self.decoder(job.session, request.prompt_ids, request.max_tokens, request.params,
                                    self.stop_ids, on_token, logprobs=request.logprobs,
-                                   cancelled=lambda: job.cancelled)
+                                   cancelled=lambda: job.cancelled, boundaries=request.boundaries)
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             job.session.reset()
             self._emit(job, Failed(e))

@@ -7,8 +7,15 @@ one queued step is discarded (the cache then holds one token past the output: th
 session keeps a restore point before it).
 
 A decoder is called as `decoder(session, prompt, max_tokens, params, stop_ids,
-on_token, logprobs=None, cancelled=...) -> Outcome` (the speculative decoder has the
-same call shape); its arguments were checked at the boundary (events.check_request).
+on_token, logprobs=None, cancelled=..., boundaries=()) -> Outcome` (the speculative
+decoder has the same call shape); its arguments were checked at the boundary
+(events.check_request). `boundaries` are the prompt's message ends: with a prompt
+cache, the prefill takes checkpoints there (and every N tokens, and at the prompt's end;
+`Session.stops`), and the request's whole sequence is checkpointed at its end.
+
+Prefill chunks end on multiples of the chunk size counted from the sequence's start, not
+from where a resumed prefill begins, so a prompt prefilled from a checkpoint runs the
+same chunks as a cold prefill that took that checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import mlx.core as mx
 
 from ..sampling import SamplingParams, key_chain, sample
 from .events import Outcome, TokenLogprob
-from .session import Session
+from .session import Session, chunk_ends
 
 
 class PlainDecoder:
@@ -39,7 +46,7 @@ class PlainDecoder:
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
-                 cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+                 cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = ()) -> Outcome:
         model, max_context = self.model, self.max_context
         prompt = list(prompt)
         room = max_context - len(prompt)
@@ -53,13 +60,16 @@ class PlainDecoder:
 
         start = time.perf_counter()
         cache, cached, logits = session.resume(model, prompt, max_context)
-        if logits is None:
-            logits = self._prefill(session, prompt, cached, cancelled)
+        prefilled = logits is None
+        if prefilled:
+            logits = self._prefill(session, prompt, cached, cancelled, boundaries)
             if logits is None:
                 return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
         session.mark(prompt, logits)
         pending = pick(logits)
         mx.async_eval(*pending)
+        if prefilled:
+            session.checkpoint(prompt)
         fed, out = list(prompt), []
         first_at, steps, before, stop_token = None, 0, None, False
         while True:
@@ -92,20 +102,26 @@ class PlainDecoder:
         if more:  # the last step fed one token past what it read: keep the point before it
             session.mark(fed[:-1], snapshot=before)
         session.mark(fed)
+        session.checkpoint(fed)
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, steps, stop_token)
 
-    def _prefill(self, session: Session, prompt: list[int], cached: int, cancelled) -> mx.array | None:
-        """Prefill prompt[cached:] chunk by chunk (a cancel takes effect between chunks);
-        the last row's logits, or None if cancelled."""
-        cache, chunk = session.cache, self.prefill_chunk_size
+    def _prefill(self, session: Session, prompt: list[int], cached: int, cancelled,
+                 boundaries: Sequence[int]) -> mx.array | None:
+        """Prefill prompt[cached:] chunk by chunk, checkpointing at the session's stops
+        before the prompt's end (a cancel takes effect between chunks); the last row's
+        logits, or None if cancelled."""
+        cache = session.cache
+        stops = set(session.stops(cached, len(prompt), boundaries))
         done = cached
-        while True:
-            end = min(done + chunk, len(prompt))
-            logits = self.model.prefill(mx.array(prompt[done:end], dtype=mx.int32), cache, chunk_size=chunk)
+        for end in chunk_ends(cached, len(prompt), self.prefill_chunk_size, stops):
+            logits = self.model.prefill(mx.array(prompt[done:end], dtype=mx.int32), cache,
+                                        chunk_size=self.prefill_chunk_size)
             done = end
             if done == len(prompt):
                 return logits
             mx.eval(cache.arrays())  # bound the graph between chunks
+            if done in stops:
+                session.checkpoint(prompt[:done])
             if cancelled():
                 session.mark(prompt[:done])
                 return None

@@ -33,7 +33,7 @@ before the next (to time draft, verify and commit separately) at the price of tw
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -44,6 +44,7 @@ from ..sampling import SamplingParams, filtered_probs, key_chain, sample
 from .accept import accept_greedy, accept_sampled
 from .drafter import Drafter, Proposal
 from .scheduler import Fallback, FixedScheduler, Scheduler
+from .session import chunk_ends
 from .stats import SpecStats
 
 DEFAULT_GAMMA = 7  # proposals per round: 8 verify rows
@@ -115,19 +116,27 @@ class Rounds:
     def _key(self) -> mx.array | None:
         return None if self.keys is None else next(self.keys)
 
-    def prefill(self, prompt: Sequence[int], chunk_size: int = 512) -> int:
-        """Run the prompt in chunks, handing every row's features to the drafter; return
-        the first generated token (the first anchor)."""
-        tokens = mx.array(list(prompt), dtype=mx.int32)
-        total = tokens.shape[0]
+    def prefill(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
+                on_stop: Callable[[int], None] | None = None) -> int:
+        """Run `tokens` (the prompt past the cached rows) in chunks ending on multiples of
+        chunk_size from row 0 and at `stops` (positions in the sequence), handing every
+        row's features to the drafter and calling `on_stop(position)` once the cache and
+        the drafter hold the rows up to each stop; return the first generated token (the
+        first anchor)."""
         cache, taps = self.cache, self.drafter.taps  # the engine checked that the prompt fits
-        for start in range(0, total, chunk_size):
-            last = start + chunk_size >= total
-            logits, features = self.model.forward(tokens[start:start + chunk_size], cache, taps=taps,
+        begin, total = cache.offset, cache.offset + len(tokens)
+        ids = mx.array(list(tokens), dtype=mx.int32)
+        done = begin
+        for end in chunk_ends(begin, total, chunk_size, stops):
+            last = end == total
+            logits, features = self.model.forward(ids[done - begin:end - begin], cache, taps=taps,
                                                   logits="last" if last else "none")
             self.drafter.observe(features)
+            done = end
             if not last:
-                mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph, as model.prefill does
+                mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph between chunks
+            if end in stops and on_stop is not None:
+                on_stop(end)
         self.anchor = int(sample(logits[-1], self.params, self._key()).item())
         return self.anchor
 

@@ -1,6 +1,7 @@
 """A sequence kept between requests: the target's cache, the tokens in it, restore points,
 and what a speculative decoder keeps with them (the drafter's context snapshot and the
-conversation's fallback state)."""
+conversation's fallback state); with a prompt cache (prompt_cache.py), the checkpoints
+of every earlier sequence too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from .prompt_cache import PromptCache, common_prefix
 
 MAX_RESTORE_POINTS = 6  # besides the empty cache; each holds references to the recurrent states
 
@@ -20,35 +23,96 @@ class _Point:
 
 
 class Session:
-    """A new prompt resumes from the longest restore point it extends exactly; anything
-    else starts from the empty cache. Restoring is free: KV rows past the offset are
+    """A new prompt resumes from the longest restore point it extends exactly, or from a
+    deeper checkpoint of the prompt cache (loaded into the live cache); anything else
+    starts from the empty cache. Restoring a point is free: KV rows past the offset are
     ignored and the recurrent states are held by reference."""
 
-    def __init__(self):
+    def __init__(self, prompt_cache: PromptCache | None = None):
         self.cache = None
         self.tokens: list[int] = []
         self._points: list[_Point] = []
         self.draft_snapshot = None  # the drafter's context, in step with the cache
         self.fallback = None  # the speculative decoder's scheduler.Fallback: a conversation that goes on keeps it
+        self.prompt_cache = prompt_cache
 
-    def resume(self, model, prompt: Sequence[int], max_context: int, new_tokens: int = 0):
+    def resume(self, model, prompt: Sequence[int], max_context: int, new_tokens: int = 0, drafter=None):
         """Put the cache at the longest restore point `prompt` extends that leaves at
-        least `new_tokens` tokens to prefill; return (cache, cached token count, the
-        logits there or None). A point equal to the whole prompt counts only if it
-        kept its logits."""
+        least `new_tokens` tokens to prefill (a point equal to the whole prompt counts
+        only if it kept its logits), or at a deeper checkpoint of the prompt cache (which
+        leaves at least one); return (cache, cached token count, the logits there or
+        None). With a `drafter` (a speculative decoder's), a checkpoint also fills the
+        drafter's context, session.draft_snapshot."""
         if self.cache is None or self.cache.max_context != max_context:
             self.cache = model.make_cache(max_context)
             self.tokens, self._points = [], [_Point(0, self.cache.snapshot(), None)]
+            self.draft_snapshot = None
+        prompt = list(prompt)
         best = self._points[0]
         for point in self._points[1:]:
             n = point.length
             if (n > best.length and n <= len(prompt) - new_tokens and (n < len(prompt) or point.logits is not None)
-                    and self.tokens[:n] == list(prompt[:n])):
+                    and self.tokens[:n] == prompt[:n]):
                 best = point
+        stored = self._checkpoint_for(prompt, best.length, max(new_tokens, 1), drafter, max_context)
+        if stored is not None:
+            return self.cache, stored, None
         self.cache.restore(best.snapshot)
-        self.tokens = list(prompt[:best.length])
+        self._count(best.length)
+        self.tokens = prompt[:best.length]
         self._points = [p for p in self._points if p.length <= best.length]  # later ones get overwritten
         return self.cache, best.length, best.logits
+
+    def _checkpoint_for(self, prompt: list[int], live: int, new_tokens: int, drafter, max_context: int) -> int | None:
+        """Load the prompt cache's deepest checkpoint of `prompt` if it lies past `live`
+        tokens (the live cache's best point); its length, or None."""
+        cache = self.prompt_cache
+        if cache is None or not cache.budget:
+            return None
+        draft = None
+        if drafter is not None:
+            draft = self.draft_snapshot
+            if draft is None or draft.max_context != max_context:
+                drafter.start(max_context)
+                draft = drafter.snapshot()
+            if draft is None:  # this drafter cannot resume: nothing to load its context into
+                return None
+        node = cache.lookup(prompt, len(prompt) - new_tokens, self.cache, draft)
+        if node is None or node.end <= live:
+            return None
+        held = common_prefix(self.tokens, prompt, node.end)
+        draft_held = 0 if draft is None or draft is not self.draft_snapshot else min(held, draft.offset)
+        cache.load(node, self.cache, draft, held, draft_held)
+        self.tokens = prompt[:node.end]
+        self._points = [p for p in self._points if p.length <= held]
+        self._points.append(_Point(node.end, node.state, None))
+        self.draft_snapshot = draft
+        self._count(node.end)
+        return node.end
+
+    def _count(self, cached: int) -> None:
+        if self.prompt_cache is not None:
+            stats = self.prompt_cache.stats
+            if cached:
+                stats.hits += 1
+            else:
+                stats.misses += 1
+
+    def checkpoint(self, tokens: Sequence[int], snapshot=None, draft=None) -> None:
+        """Keep the cache's state after `tokens` in the prompt cache (if any): the cache
+        holds their rows and is at len(tokens) rows (or was, at `snapshot`); `draft` is
+        the drafter's context holding them too, when the engine drafts."""
+        if self.prompt_cache is None:
+            return
+        state = self.cache.snapshot() if snapshot is None else snapshot
+        self.prompt_cache.insert(list(tokens), self.cache, state, draft)
+
+    def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
+        """Where prefilling rows [start, end) takes checkpoints: end, and with a prompt
+        cache its interval's multiples and the message `boundaries` in between."""
+        if self.prompt_cache is None or not self.prompt_cache.budget:
+            return [end] if end > start else []
+        return self.prompt_cache.stops(start, end, boundaries)
 
     def mark(self, tokens: Sequence[int], logits: mx.array | None = None, snapshot=None) -> None:
         """Record a restore point: the cache holds exactly `tokens` (or held them at
@@ -72,3 +136,13 @@ class Session:
     @property
     def restore_points(self) -> list[int]:
         return [p.length for p in self._points]
+
+
+def chunk_ends(start: int, end: int, chunk_size: int, stops=()) -> list[int]:
+    """Where the prefill chunks of rows [start, end) end: at the multiples of chunk_size
+    (counted from row 0) and at `stops`, each chunk at most chunk_size rows."""
+    ends = set(range((start // chunk_size + 1) * chunk_size, end, chunk_size))
+    ends.update(s for s in stops if start < s < end)
+    ends.add(end)
+    return sorted(ends) if end > start else []
+

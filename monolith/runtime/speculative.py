@@ -47,14 +47,21 @@ class SpeculativeDecoder:
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
-                 cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+                 cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = ()) -> Outcome:
         max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
         rounds = self._resume(session, prompt, params)
         cached = rounds.cache.offset
-        emitted = [rounds.prefill(prompt[cached:], self.prefill_chunk_size)]
+        context = self.drafter.snapshot()
+
+        def checkpoint(end: int) -> None:
+            if context is not None:
+                session.checkpoint(prompt[:end], draft=context)
+
+        emitted = [rounds.prefill(prompt[cached:], self.prefill_chunk_size,
+                                  session.stops(cached, len(prompt), boundaries), checkpoint)]
         session.mark(prompt)
         first_at = time.perf_counter()
         try:
@@ -70,7 +77,7 @@ class SpeculativeDecoder:
     def _resume(self, session: Session, prompt: list[int], params: SamplingParams) -> Rounds:
         """The sequence's rounds on the session's cache, at the longest point both the
         cache and the drafter's context can resume from."""
-        cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1)
+        cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
         rounds = Rounds(self.model, self.drafter, params, self.max_context, self.gamma, self.scheduler,
                         self.profile, cache=cache)
         if cached and not self.drafter.restore(session.draft_snapshot, cached):
@@ -90,6 +97,7 @@ class SpeculativeDecoder:
         if snapshot is not None and rounds.cache.offset == len(committed):
             session.mark(committed)
             session.draft_snapshot, session.fallback = snapshot, rounds.fallback
+            session.checkpoint(committed, draft=snapshot)
         else:
             session.reset()
 

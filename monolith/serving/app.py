@@ -204,7 +204,8 @@ class _Handlers:
 
         prompt_ids = await anyio.to_thread.run_sync(encode)
         fmt = ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools)
-        return await self._generate(request, engine, prompt_ids, req, fmt, "messages", started)
+        return await self._generate(request, engine, prompt_ids, req, fmt, "messages", started,
+                                    engine.tokenizer.message_ends(prompt_ids))
 
     async def completions(self, request: Request) -> Response:
         engine = self._engine()
@@ -249,8 +250,9 @@ class _Handlers:
         return model
 
     async def _generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
-                        started: float) -> Response:
-        gen = GenerationRequest(tuple(prompt_ids), req.max_tokens, req.params, req.stop, req.logprobs)
+                        started: float, boundaries: list[int] = ()) -> Response:
+        gen = GenerationRequest(tuple(prompt_ids), req.max_tokens, req.params, req.stop, req.logprobs,
+                                tuple(boundaries))
         events = _EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
             job = engine.submit(gen, events.put)

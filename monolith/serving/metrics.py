@@ -13,6 +13,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..runtime.events import Finished
@@ -53,9 +54,10 @@ class Metrics:
                                              ["position"], registry=r)
 
     def bind(self, engine) -> None:
-        """Read the queue gauges from the engine at scrape time."""
+        """Read the queue gauges and the prompt cache's series from the engine at scrape time."""
         self.running.set_function(lambda: engine.running)
         self.waiting.set_function(lambda: engine.waiting)
+        self.registry.register(PromptCacheCollector(engine.prompt_cache))
 
     def observe(self, finished: Finished, first_token_seconds: float | None, total_seconds: float) -> None:
         usage = finished.usage
@@ -79,3 +81,32 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PromptCacheCollector:
+    """The prompt cache's counters and sizes (all zero when the cache is off)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        cache = self.cache
+        stats = None if cache is None else cache.stats
+        store = None if cache is None else cache.store
+        for name, doc, value in (
+                ("hits", "Requests that resumed from a cached prefix", stats and stats.hits),
+                ("misses", "Requests that prefilled from the first token", stats and stats.misses),
+                ("evictions", "Checkpoints dropped to stay within the memory budget", stats and stats.evictions),
+                ("disk_hits", "Checkpoints loaded from --prompt-cache-dir", stats and stats.disk_hits)):
+            family = CounterMetricFamily(f"monolith_prompt_cache_{name}", doc)
+            family.add_metric([], value or 0)
+            yield family
+        for name, doc, value in (
+                ("checkpoints", "Checkpoints held in memory", cache and cache.checkpoints),
+                ("bytes", "Bytes of KV rows and recurrent states the prompt cache holds", cache and cache.nbytes),
+                ("budget_bytes", "The prompt cache's memory budget (--prompt-cache-size)", cache and cache.budget),
+                ("disk_files", "Checkpoint files in --prompt-cache-dir", store and store.files),
+                ("disk_bytes", "Bytes of checkpoint files in --prompt-cache-dir", store and store.nbytes)):
+            family = GaugeMetricFamily(f"monolith_prompt_cache_{name}", doc)
+            family.add_metric([], value or 0)
+            yield family

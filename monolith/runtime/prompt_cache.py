@@ -1,0 +1,337 @@
+"""The prompt cache: checkpoints of earlier sequences in a radix tree keyed by tokens, so a
+request resumes from the deepest checkpoint its prompt shares, from any conversation.
+
+A checkpoint at position p is exact: the attention KV rows [0, p), the gated DeltaNet
+states after p rows (conv and recurrent; they cannot be rebuilt from the KV) and the
+draft context's rows [0, p) when the engine drafts. Each tree node owns the KV rows of
+its edge only ([parent's end, end), one copy per token however many checkpoints lie
+past it) and, when it is a checkpoint, the GDN states at its end (fixed-size references
+to immutable arrays). A node without states is a branch point: a resume point needs
+states, so `lookup` returns the deepest node with states whose tokens the prompt starts
+with, at or before `limit`.
+
+Loading a checkpoint writes its rows into the session's live cache, skipping the rows
+the live cache already holds for the same tokens. Rows are copied out of the live
+cache when a checkpoint is taken (`KVCache.rows`), never referenced: a view would pin
+the live buffer and make every later update copy all of it.
+
+Memory: `budget` bytes (every row and state array counted; 0 disables the cache), LRU
+by leaf: using a node touches its ancestors, so the least recently used leaf goes
+first, and a branch point left without children goes with it. An optional `store`
+(prompt_store.PromptStore) persists checkpoints and answers lookups the tree misses.
+One engine thread uses a PromptCache; the counters may be read from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..models.cache import DraftContext, HybridCache, KVCache, Snapshot
+
+DEFAULT_CHECKPOINT_EVERY = 1024  # tokens between prefill checkpoints (bench/prompt_cache.py measures it)
+DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
+
+
+@dataclass(eq=False)
+class Node:
+    start: int  # the parent's end
+    tokens: tuple[int, ...]  # the edge: tokens [start, end)
+    parent: Node | None
+    rows: list[tuple[mx.array, mx.array]]  # per row layer (target's, then the draft's): rows [start, end)
+    state: Snapshot | None  # GDN states after `end` rows; None: a branch point
+    children: dict[int, Node] = field(default_factory=dict)
+    used: int = 0
+    nbytes: int = 0
+    evicted: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    def path(self) -> list[Node]:
+        """The nodes from the root's first child down to this one."""
+        chain, node = [], self
+        while node.parent is not None:
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def prefix(self) -> list[int]:
+        return [t for node in self.path() for t in node.tokens]
+
+    def measure(self) -> int:
+        arrays = [a for pair in self.rows for a in pair]
+        if self.state is not None:
+            arrays += [a for pair in self.state.states for a in pair]
+        self.nbytes = sum(a.nbytes for a in arrays)
+        return self.nbytes
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # requests that resumed from a cached prefix (the tree, the store or the live session)
+    misses: int = 0  # requests that prefilled from the first token
+    evictions: int = 0  # checkpoints dropped for the budget
+    disk_hits: int = 0  # checkpoints loaded from the store
+
+
+class PromptCache:
+    def __init__(self, budget: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, store=None):
+        if budget < 0 or checkpoint_every < 0:
+            raise ValueError(f"budget and checkpoint_every must be >= 0, got {budget} and {checkpoint_every}")
+        self.budget = budget
+        self.checkpoint_every = checkpoint_every
+        self.store = store
+        self.root = Node(0, (), None, [], None)
+        self.nbytes = 0
+        self.stats = CacheStats()
+        self._ticks = itertools.count(1)
+        self._leaves: set[Node] = set()
+        self._layout: Layout | None = None  # what the first checkpoint held
+        self._checkpoints = 0
+
+    def __repr__(self) -> str:
+        return (f"PromptCache({self.checkpoints} checkpoints, {self.nbytes} of {self.budget} bytes, "
+                f"every {self.checkpoint_every} tokens)")
+
+    @property
+    def checkpoints(self) -> int:
+        return self._checkpoints
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ---------------------------------------------------------------- where to checkpoint
+
+    def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
+        """Positions in (start, end] to checkpoint while prefilling rows [start, end): the
+        multiples of checkpoint_every, the given message boundaries, and end."""
+        every = self.checkpoint_every
+        wanted = {b for b in boundaries if start < b < end}
+        if every:
+            wanted.update(range((start // every + 1) * every, end, every))
+        return sorted(wanted) + [end] if end > start else []
+
+    # ---------------------------------------------------------------- lookup and load
+
+    def lookup(self, tokens: Sequence[int], limit: int, cache: HybridCache, draft: DraftContext | None) -> Node | None:
+        """The deepest checkpoint (a node with states, end <= limit) whose tokens `tokens`
+        starts with, from the tree or, when it has one deeper, the store; touched. `cache`
+        and `draft` are the live caches it will load into (a stored checkpoint must fit them)."""
+        node, pos, best = self.root, 0, None
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None or child.end > limit or tuple(tokens[pos:child.end]) != child.tokens:
+                break
+            node, pos = child, child.end
+            if node.state is not None:
+                best = node
+        if self.store is not None and self.budget:
+            found = self.store.find(tokens, limit, 0 if best is None else best.end, self.layout(cache, draft))
+            loaded = None if found is None else self._add(found.tokens, found.state, found.rows)
+            if loaded is not None:
+                best = loaded
+                self.stats.disk_hits += 1
+        if best is not None:
+            self._touch(best)
+        return best
+
+    def load(self, node: Node, cache: HybridCache, draft: DraftContext | None, held: int = 0,
+             draft_held: int = 0) -> None:
+        """Put checkpoint `node` into the live caches: write its rows past the first `held`
+        (the target's; `draft_held` the draft's), which the live caches already hold for the
+        same tokens, then take its states there."""
+        layers = self._row_layers(cache, draft)
+        if len(layers) != len(node.rows):
+            raise ValueError(f"the checkpoint holds rows of {len(node.rows)} layers, the caches have {len(layers)}")
+        targets = len(cache.row_layers)
+        for item in node.path():
+            for i, (layer, (keys, values)) in enumerate(zip(layers, item.rows)):
+                skip = max(0, (held if i < targets else draft_held) - item.start)
+                if skip < len(item.tokens):
+                    layer.write(item.start + skip, keys[:, :, skip:], values[:, :, skip:])
+        cache.adopt(node.state)
+        if draft is not None:
+            draft.adopt(node.end)
+
+    # ---------------------------------------------------------------- insert
+
+    def insert(self, tokens: Sequence[int], cache: HybridCache, state: Snapshot,
+               draft: DraftContext | None) -> Node | None:
+        """Checkpoint `tokens`: the live caches hold their rows and `state` is the GDN
+        states after them. Returns the node, or None when the budget cannot hold it."""
+        if not self.budget or not tokens:
+            return None
+        if state.offset != len(tokens):
+            raise ValueError(f"a checkpoint of {len(tokens)} tokens with states after {state.offset} rows")
+        layers = self._row_layers(cache, draft)
+        layout = self.layout(cache, draft)
+        if self._layout is None:
+            self._layout = layout
+        elif layout != self._layout:
+            raise ValueError("a checkpoint's layers differ from the earlier checkpoints' (one prompt cache serves "
+                             "one target and draft)")
+        node = self._add(tokens, state, lambda start, end: [layer.rows(start, end) for layer in layers])
+        if node is not None and self.store is not None:
+            self.store.save(node)
+        return node
+
+    def _add(self, tokens: Sequence[int], state: Snapshot, rows) -> Node:
+        """The node of `tokens` with `state`, made from `rows(start, end)` (rows per layer
+        for [start, end), lazy) where the tree holds none; then the budget is enforced."""
+        node, pos = self._descend(tokens)
+        end = len(tokens)
+        if pos == end:
+            if node.state is None:  # a branch point becomes a checkpoint
+                node.state = state
+                self.nbytes += node.measure() - node.nbytes
+                self._checkpoints += 1
+        else:
+            copies = rows(pos, end)
+            mx.eval([a for pair in copies for a in pair])
+            node = Node(pos, tuple(tokens[pos:end]), node, copies, state)
+            node.parent.children[node.tokens[0]] = node
+            self._leaves.discard(node.parent)
+            self._leaves.add(node)
+            self.nbytes += node.measure()
+            self._checkpoints += 1
+        self._touch(node)
+        self._evict()
+        return None if node.evicted else node
+
+    def _descend(self, tokens: Sequence[int]) -> tuple[Node, int]:
+        """The node where `tokens` leaves the tree (splitting an edge it leaves in the
+        middle of) and its end."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = common_prefix(child.tokens, tokens[pos:child.end])
+            if common < len(child.tokens):
+                return self._split(child, common), pos + common
+            node, pos = child, child.end
+        return node, pos
+
+    def _split(self, child: Node, k: int) -> Node:
+        """Cut child's edge after k tokens: a branch point owning the first k rows."""
+        parent = child.parent
+        head = Node(child.start, child.tokens[:k], parent,
+                    [(mx.array(keys[:, :, :k]), mx.array(values[:, :, :k])) for keys, values in child.rows], None,
+                    used=child.used)
+        child.rows = [(mx.array(keys[:, :, k:]), mx.array(values[:, :, k:])) for keys, values in child.rows]
+        mx.eval([a for node in (head, child) for pair in node.rows for a in pair])
+        child.start, child.tokens, child.parent = child.start + k, child.tokens[k:], head
+        head.children[child.tokens[0]] = child
+        parent.children[head.tokens[0]] = head
+        before = child.nbytes
+        self.nbytes += head.measure() + child.measure() - before
+        return head
+
+    # ---------------------------------------------------------------- memory
+
+    def _touch(self, node: Node) -> None:
+        tick = next(self._ticks)
+        while node is not None:
+            node.used = tick
+            node = node.parent
+
+    def _evict(self) -> None:
+        while self.nbytes > self.budget and self._leaves:
+            self._remove(min(self._leaves, key=lambda n: n.used))
+            self.stats.evictions += 1
+
+    def _remove(self, leaf: Node) -> None:
+        while True:
+            parent = leaf.parent
+            del parent.children[leaf.tokens[0]]
+            self._leaves.discard(leaf)
+            self.nbytes -= leaf.nbytes
+            self._checkpoints -= leaf.state is not None
+            leaf.evicted = True
+            if parent.parent is None:
+                return
+            if parent.children:
+                return
+            if parent.state is not None:
+                self._leaves.add(parent)
+                return
+            leaf = parent  # a branch point with nothing past it
+
+    def clear(self) -> None:
+        for node in self._nodes():
+            node.evicted = True
+        self.root.children.clear()
+        self._leaves.clear()
+        self.nbytes = self._checkpoints = 0
+
+    # ---------------------------------------------------------------- layout
+
+    @staticmethod
+    def _row_layers(cache: HybridCache, draft: DraftContext | None) -> list[KVCache]:
+        return cache.row_layers + ([] if draft is None else draft.row_layers)
+
+    @classmethod
+    def layout(cls, cache: HybridCache, draft: DraftContext | None) -> Layout:
+        """What a checkpoint for these caches holds: per row layer (kv heads, head dim,
+        dtype); per GDN layer the (conv, recurrent) shapes."""
+        rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
+                     for layer in cls._row_layers(cache, draft))
+        states = tuple((tuple(conv.shape), tuple(recurrent.shape)) for conv, recurrent in cache.snapshot().states)
+        return Layout(rows, states, len(cache.row_layers))
+
+
+@dataclass(frozen=True)
+class Layout:
+    rows: tuple  # per row layer (target's, then the draft's): (kv heads, head dim, dtype)
+    states: tuple  # per GDN layer: (conv shape, recurrent shape)
+    target_layers: int  # how many of `rows` are the target's
+
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Length of the common prefix of a and b (at most `limit`)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def default_budget() -> int:
+    """DEFAULT_MEMORY_SHARE of the memory free now (after the model loaded)."""
+    return int(DEFAULT_MEMORY_SHARE * available_memory())
+
+
+def available_memory() -> int:
+    """Bytes the system can give without swapping: Linux's MemAvailable; on macOS the
+    free, inactive, speculative and purgeable pages (vm_stat); else half the physical
+    memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5, check=True).stdout
+        page = int(out.split("page size of")[1].split()[0])
+        counts = {line.split(":")[0].strip(): int(line.split(":")[1].strip().rstrip("."))
+                  for line in out.splitlines()[1:] if ":" in line and line.split(":")[1].strip().rstrip(".").isdigit()}
+        pages = sum(counts.get(f"Pages {kind}", 0) for kind in ("free", "inactive", "speculative", "purgeable"))
+        if pages:
+            return pages * page
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
