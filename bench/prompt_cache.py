@@ -414,7 +414,14 @@ def goals(report: dict, interval: int | None) -> list[dict]:
     return out
 
 
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+
+
 def print_report(report: dict) -> None:
+    st = report["settings"]
+    print(f"\n{st['model']}: system prompt {st['system_tokens']} tokens with {st['tools']} tools, {st['turns']} turns "
+          f"per conversation, max_tokens {st['max_tokens']}, checkpoint interval {st['checkpoint_every_used']}\n")
     cold = report.get("cold", {}).get("turns", [])
     runs = {f"warm {v}": r["turns"] for v, r in report.get("warm", {}).items()}
     if report.get("restart", {}).get("turns"):
@@ -423,14 +430,18 @@ def print_report(report: dict) -> None:
         print("\n".join(turn_table("TTFT and tokens prefilled per turn", cold, runs)))
     elif cold:
         print("\n".join(turn_table("cold", cold, {"cold": cold})))
-    print("### hit rate and memory\n\n| run | requests hit | token hit rate | peak bytes held |\n|---|---|---|---|")
+    print("### hit rate and memory\n\n| run | requests hit | token hit rate | peak held | budget | checkpoints "
+          "(end) | evictions (end) |\n|---|---|---|---|---|---|---|")
     for name, run in [("cold", report.get("cold", {}))] + [(f"warm {v}", r) for v, r in
                                                              report.get("warm", {}).items()] + \
             [("restart", report.get("restart", {})), ("memory", report.get("memory", {}))]:
         if run.get("turns"):
             h = run["hit_rate"]
             rate = "-" if h["token_hit_rate"] is None else f"{h['token_hit_rate']:.1%}"
-            print(f"| {name} | {h['requests_hit']}/{h['requests']} | {rate} | {run.get('peak', run.get('peak_first'))} |")
+            end = (run.get("after_restart") or run["turns"])[-1].get("metrics", {})
+            print(f"| {name} | {h['requests_hit']}/{h['requests']} | {rate} | "
+                  f"{_mib(run.get('peak', run.get('peak_first')))} | {_mib(end.get('budget'))} | "
+                  f"{end.get('checkpoints', '-')} | {end.get('evictions', '-')} |")
     if report.get("sweep"):
         print("\n### checkpoint interval\n\n| every | cold prefill s | overhead vs 0 | checkpoints | bytes | "
               "worst-case extra prefilled |\n|---|---|---|---|---|---|")
@@ -440,7 +451,7 @@ def print_report(report: dict) -> None:
                 continue
             overhead = "-" if r["overhead_vs_0"] is None else f"{r['overhead_vs_0']:+.1%}"
             print(f"| {r['checkpoint_every']} | {r['cold_prefill_s']:.2f} | {overhead} | {r['checkpoints']} | "
-                  f"{r['bytes']} | {r['extra_prefilled']} |")
+                  f"{_mib(r['bytes'])} | {r['extra_prefilled']} |")
     mlx = report.get("mlx_lm")
     if mlx and mlx.get("turns"):
         print(f"\n### mlx-lm {mlx['version']} (its own weights: texts are not expected to match)\n\n"
