@@ -151,15 +151,7 @@ class PromptCache:
         """Put checkpoint `node` into the live caches: write its rows past the first `held`
         (the target's; `draft_held` the draft's), which the live caches already hold for the
         same tokens, then take its states there."""
-        layers = self._row_layers(cache, draft)
-        if len(layers) != len(node.rows):
-            raise ValueError(f"the checkpoint holds rows of {len(node.rows)} layers, the caches have {len(layers)}")
-        targets = len(cache.row_layers)
-        for item in node.path():
-            for i, (layer, (keys, values)) in enumerate(zip(layers, item.rows)):
-                skip = max(0, (held if i < targets else draft_held) - item.start)
-                if skip < len(item.tokens):
-                    layer.write(item.start + skip, keys[:, :, skip:], values[:, :, skip:])
+        put_rows(cache, draft, [(item.start, item.rows) for item in node.path()], held, draft_held)
         cache.adopt(node.state)
         if draft is not None:
             draft.adopt(node.end)
@@ -174,7 +166,7 @@ class PromptCache:
             return None
         if state.offset != len(tokens):
             raise ValueError(f"a checkpoint of {len(tokens)} tokens with states after {state.offset} rows")
-        layers = self._row_layers(cache, draft)
+        layers = row_layers(cache, draft)
         layout = self.layout(cache, draft)
         if self._layout is None:
             self._layout = layout
@@ -278,15 +270,11 @@ class PromptCache:
     # ---------------------------------------------------------------- layout
 
     @staticmethod
-    def _row_layers(cache: HybridCache, draft: DraftContext | None) -> list[KVCache]:
-        return cache.row_layers + ([] if draft is None else draft.row_layers)
-
-    @classmethod
-    def layout(cls, cache: HybridCache, draft: DraftContext | None) -> Layout:
+    def layout(cache: HybridCache, draft: DraftContext | None) -> Layout:
         """What a checkpoint for these caches holds: per row layer (kv heads, head dim,
         dtype); per GDN layer the (conv, recurrent) shapes."""
         rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
-                     for layer in cls._row_layers(cache, draft))
+                     for layer in row_layers(cache, draft))
         states = tuple((tuple(conv.shape), tuple(recurrent.shape)) for conv, recurrent in cache.snapshot().states)
         return Layout(rows, states, len(cache.row_layers))
 
@@ -297,6 +285,35 @@ class Layout:
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
     target_layers: int  # how many of `rows` are the target's
 
+
+
+def layout_of(model, drafter=None) -> Layout:
+    """The Layout of a checkpoint for `model` (and the drafter's context)."""
+    draft = None
+    if drafter is not None:
+        drafter.start(1)
+        draft = drafter.snapshot()
+    return PromptCache.layout(model.make_cache(1), draft)
+
+
+def row_layers(cache: HybridCache, draft: DraftContext | None) -> list[KVCache]:
+    """The KV caches a checkpoint copies rows of: the target's attention layers, then the draft's."""
+    return cache.row_layers + ([] if draft is None else draft.row_layers)
+
+
+def put_rows(cache: HybridCache, draft: DraftContext | None, pieces, held: int = 0, draft_held: int = 0) -> None:
+    """Write `pieces` = [(start, rows per row layer: the target's, then the draft's)] into
+    the caches' rows, skipping the first `held` rows of the target's (`draft_held` of the
+    draft's), which they hold already."""
+    layers = row_layers(cache, draft)
+    targets = len(cache.row_layers)
+    for start, rows in pieces:
+        if len(rows) != len(layers):
+            raise ValueError(f"a checkpoint holds rows of {len(rows)} layers, the caches have {len(layers)}")
+        for i, (layer, (keys, values)) in enumerate(zip(layers, rows)):
+            skip = max(0, (held if i < targets else draft_held) - start)
+            if skip < keys.shape[2]:
+                layer.write(start + skip, keys[:, :, skip:], values[:, :, skip:])
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
