@@ -28,9 +28,9 @@ from .runtime.calibrate import (
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.prompt_cache import (
-    DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_MEMORY_SHARE,
     PromptCache,
+    checkpoint_interval,
     default_budget,
 )
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore, identity
@@ -81,9 +81,10 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     cache.add_argument("--prompt-cache-size", type=byte_size, metavar="BYTES",
                        help="memory for checkpoints, e.g. 4G; 0 turns the cache off (default "
                             f"{DEFAULT_MEMORY_SHARE:.0%}% of the memory free after loading)")
-    cache.add_argument("--prompt-cache-checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+    cache.add_argument("--prompt-cache-checkpoint-every", type=int, metavar="N",
                        help="also checkpoint every N prompt tokens while prefilling, besides each message's end "
-                            f"and the prompt's (default {DEFAULT_CHECKPOINT_EVERY}; 0: only those)")
+                            "and the prompt's (default: the fewest tokens, a multiple of --prefill-chunk-size, "
+                            "whose KV takes the bytes of one checkpoint's recurrent states; 0: only those)")
     cache.add_argument("--prompt-cache-dir", metavar="DIR",
                        help="keep checkpoints in DIR across restarts (default: in memory only)")
     cache.add_argument("--prompt-cache-dir-size", type=byte_size, default=DEFAULT_DIR_BYTES, metavar="BYTES",
@@ -238,6 +239,8 @@ def prompt_cache(args, model, drafter, log, by_default: bool = True) -> PromptCa
         except OSError as e:
             raise SetupError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}") from None
     every = args.prompt_cache_checkpoint_every
+    if every is None:
+        every = checkpoint_interval(model, drafter, args.prefill_chunk_size)
     log(f"prompt cache: {budget / 2**30:.2f} GiB, checkpoints at message ends"
         + (f" and every {every} tokens" if every else "")
         + (f", kept in {store.directory} ({store.files} files, {store.nbytes / 2**30:.2f} of "

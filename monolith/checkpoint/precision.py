@@ -19,7 +19,6 @@ import math
 import re
 from dataclasses import dataclass, field
 
-
 from .errors import CheckpointError
 
 BLOCK = 16

@@ -25,6 +25,7 @@ One engine thread uses a PromptCache; the counters may be read from any thread.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 from collections.abc import Sequence
@@ -34,7 +35,6 @@ import mlx.core as mx
 
 from ..models.cache import DraftContext, HybridCache, KVCache, Snapshot
 
-DEFAULT_CHECKPOINT_EVERY = 1024  # tokens between prefill checkpoints (bench/prompt_cache.py measures it)
 DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
 
 
@@ -82,7 +82,7 @@ class CacheStats:
 
 
 class PromptCache:
-    def __init__(self, budget: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, store=None):
+    def __init__(self, budget: int, checkpoint_every: int = 0, store=None):
         if budget < 0 or checkpoint_every < 0:
             raise ValueError(f"budget and checkpoint_every must be >= 0, got {budget} and {checkpoint_every}")
         self.budget = budget
@@ -285,6 +285,19 @@ class Layout:
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
     target_layers: int  # how many of `rows` are the target's
 
+
+
+def checkpoint_interval(model, drafter=None, chunk_size: int = 512) -> int:
+    """The default prefill checkpoint interval: the fewest tokens, a multiple of the
+    prefill chunk, whose KV rows take at least the bytes of one checkpoint's GDN states,
+    so interval checkpoints at most double the memory of the rows they cover (on a
+    multiple of the chunk a checkpoint adds no chunk boundary, so prefill time does not
+    change: bench/prompt_cache.py). Qwen3.6-35B-A3B in BF16: 62.8 MiB of states, 20 KiB
+    of KV per token -> 3584; the demo pair (F32) -> 512."""
+    layout = layout_of(model, drafter)
+    per_token = sum(2 * heads * dim * mx.zeros((), dtype).itemsize for heads, dim, dtype in layout.rows)
+    states = sum(4 * (math.prod(conv) + math.prod(recurrent)) for conv, recurrent in layout.states)
+    return max(1, math.ceil(states / max(per_token, 1) / chunk_size)) * chunk_size
 
 
 def layout_of(model, drafter=None) -> Layout:
