@@ -13,15 +13,8 @@ import json
 import sys
 
 from .cli import ArgumentParser
-from .launch import (
-    SetupError,
-    add_model_arguments,
-    load_drafter,
-    load_engine,
-    load_target,
-    plan_model,
-    resolve_sources,
-)
+from .launch import SetupError, add_model_arguments, load_drafter, load_engine, load_target, plan_model, \
+    resolve_sources
 from .runtime.events import ContextLengthError, Finished, GenerationRequest
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer

@@ -19,6 +19,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+
 from .errors import CheckpointError
 
 BLOCK = 16

@@ -10,21 +10,10 @@ from .codecs import (
     pack_nibbles,
     unpack_nibbles,
 )
-from .compressed import (
-    from_compressed_nvfp4,
-    quantize_compressed_nvfp4,
-    tensor_scale_from_global,
-)
+from .compressed import from_compressed_nvfp4, quantize_compressed_nvfp4, tensor_scale_from_global
 from .fp8 import dequantize_fp8, encode_fp8, quantize_fp8
 from .mlx_layout import fp8_to_words, mxfp8_unit_scales, nvfp4_to_words, words_to_bytes
-from .nvfp4 import (
-    BLOCK,
-    FormatError,
-    NVFP4Weight,
-    check_nvfp4_shapes,
-    dequantize_nvfp4,
-    quantize_nvfp4,
-)
+from .nvfp4 import BLOCK, FormatError, NVFP4Weight, check_nvfp4_shapes, dequantize_nvfp4, quantize_nvfp4
 from .stfile import SafetensorsFile, write_safetensors
 
 __all__ = [

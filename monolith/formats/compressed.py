@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codecs import (
-    E2M1_MAX,
-    E4M3_MAX,
-    e2m1_encode,
-    e4m3_decode,
-    e4m3_encode,
-    pack_nibbles,
-)
+from .codecs import E2M1_MAX, E4M3_MAX, e2m1_encode, e4m3_decode, e4m3_encode, pack_nibbles
 from .nvfp4 import BLOCK, FormatError, NVFP4Weight, check_nvfp4_shapes
 
 ZERO_SCALE_REPLACEMENT = 0x20  # compressed-tensors replaces a zero E4M3 scale by 0.125

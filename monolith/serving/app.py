@@ -35,15 +35,7 @@ from ..runtime.engine import (
     QueueTimeout,
     release_thread_streams,
 )
-from ..runtime.events import (
-    ContextLengthError,
-    Delta,
-    Failed,
-    Finished,
-    GenerationRequest,
-    RequestError,
-    Started,
-)
+from ..runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest, RequestError, Started
 from .metrics import CONTENT_TYPE, Metrics
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json, sse
 from .schemas import (

@@ -97,16 +97,7 @@ def corpus_text() -> str:
 @functools.lru_cache(maxsize=1)
 def tokenizer_json() -> str:
     """tokenizer.json text (trained once per process)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        trainers,
-    )
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     corpus = corpus_text()
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
