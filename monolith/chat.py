@@ -2,17 +2,22 @@
 
 Replies stream as they are generated, then one line of speed and acceptance. The
 conversation's cache is kept across turns, so each turn prefills only its new
-tokens. Commands: /reset, /system TEXT, /stats, /quit. Ctrl-C stops the current
-reply (the conversation keeps what was shown); Ctrl-D or /quit leaves.
+tokens. Commands: /reset, /system TEXT, /stats, /save FILE, /load FILE, /quit. /save
+writes the conversation and its cached state to FILE (a checkpoint: safetensors with
+SHA-256s, prompt_store.py) and /load reads one back, checked against this model and
+draft, so a long conversation goes on without prefilling it again. Ctrl-C stops the
+current reply (the conversation keeps what was shown); Ctrl-D or /quit leaves.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 import secrets
 import signal
 import sys
 import unicodedata
+from pathlib import Path
 
 from .cli import ArgumentParser
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
@@ -23,9 +28,20 @@ from .runtime.events import (
     Finished,
     GenerationRequest,
 )
+from .runtime.prompt_cache import layout_of
+from .runtime.prompt_store import (
+    CheckpointFileError,
+    device_rows,
+    device_snapshot,
+    host_arrays,
+    identity,
+    read_checkpoint,
+    write_checkpoint,
+)
 from .sampling import SamplingParams
 
-HELP = "commands: /reset  /system TEXT  /stats  /quit   (Ctrl-C stops a reply, Ctrl-D leaves)"
+HELP = ("commands: /reset  /system TEXT  /stats  /save FILE  /load FILE  /quit   "
+        "(Ctrl-C stops a reply, Ctrl-D leaves)")
 
 
 def build_parser() -> ArgumentParser:
@@ -128,9 +144,58 @@ class Chat:
             self.write("(system prompt " + ("set" if rest.strip() else "cleared") + "; new conversation)\n")
         elif name == "/stats":
             self.write(self.stats() + "\n")
+        elif name in ("/save", "/load") and not rest.strip():
+            self.write(f"usage: {name} FILE\n")
+        elif name == "/save":
+            self.write(self.save(Path(rest.strip()).expanduser()) + "\n")
+        elif name == "/load":
+            self.write(self.load(Path(rest.strip()).expanduser()) + "\n")
         else:
             self.write(f"unknown command {name}; {HELP}\n")
         return False
+
+    def _drafter(self):
+        return getattr(self.engine.decoder, "drafter", None)
+
+    def save(self, path: Path) -> str:
+        """/save: the conversation and the state the session holds for it, in one checkpoint file."""
+        conversation, engine = self.conversation, self.engine
+        if not conversation.tokens:
+            return "(nothing to save yet)"
+        drafter = self._drafter()
+        try:
+            held, rows, snapshot = engine.call(lambda: self.session.export(conversation.tokens, drafter is not None))
+            host_rows, host_states = engine.call(lambda: host_arrays(rows, snapshot.states))
+            about = {"system": conversation.system, "turns": conversation.turns, "tokens": conversation.tokens,
+                     "template_kwargs": conversation.template_kwargs}
+            size = write_checkpoint(path, identity(engine.model, drafter), conversation.tokens[:held], 0, host_rows,
+                                    host_states, {"conversation": json.dumps(about)})
+        except (OSError, ValueError) as e:
+            return f"(cannot save: {e})"
+        return f"(saved {conversation.turns} turns, {held} tokens of state, {size / 2**20:.1f} MiB to {path})"
+
+    def load(self, path: Path) -> str:
+        """/load: a conversation saved by /save, checked against this model and draft."""
+        engine, drafter = self.engine, self._drafter()
+
+        def read():
+            stored = read_checkpoint(path, identity(engine.model, drafter), layout_of(engine.model, drafter))
+            about = json.loads(stored.metadata.get("conversation", "null") or "null")
+            if not isinstance(about, dict) or stored.start or about.get("tokens", [])[:stored.end] != stored.tokens:
+                raise CheckpointFileError(f"{path}: not a conversation saved by /save")
+            layout = layout_of(engine.model, drafter)
+            self.session.adopt(engine.model, engine.max_context, stored.tokens, device_rows(stored, layout),
+                               device_snapshot(stored), drafter)
+            return about
+
+        try:
+            about = engine.call(read)
+        except (OSError, ValueError) as e:
+            return f"(cannot load: {e})"
+        conversation = Conversation(engine.tokenizer, about.get("system"), about.get("template_kwargs") or {})
+        conversation.tokens, conversation.turns = [int(t) for t in about["tokens"]], int(about.get("turns", 0))
+        self.conversation = conversation
+        return f"(loaded {conversation.turns} turns, {len(conversation.tokens)} tokens from {path})"
 
     def reset(self) -> None:
         self.session.reset()

@@ -72,7 +72,7 @@ def _run(args, load, load_draft, stdout, stderr) -> int:
     if len(prompt_ids) + 1 > args.max_context:  # checked before loading the model
         raise ContextLengthError(len(prompt_ids), args.max_context)
     engine = load_engine(args, plan, lambda message: None, sources=sources, fallback=False, profile=args.json,
-                         load=load, load_draft=load_draft)
+                         load=load, load_draft=load_draft, cache_by_default=False)
     try:
         text, finished = engine.generate(GenerationRequest(tuple(prompt_ids), args.max_tokens, params),
                                          on_text=None if args.json else lambda piece: _write(stdout, piece))

@@ -28,9 +28,9 @@ from .runtime.calibrate import (
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.prompt_cache import (
-    DEFAULT_CHECKPOINT_EVERY,
     DEFAULT_MEMORY_SHARE,
     PromptCache,
+    checkpoint_interval,
     default_budget,
 )
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore, identity
@@ -80,10 +80,11 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     cache = ap.add_argument_group("prompt cache (prefixes of earlier requests, reused exactly)")
     cache.add_argument("--prompt-cache-size", type=byte_size, metavar="BYTES",
                        help="memory for checkpoints, e.g. 4G; 0 turns the cache off (default "
-                            f"{DEFAULT_MEMORY_SHARE:.0%} of the memory free after loading)")
-    cache.add_argument("--prompt-cache-checkpoint-every", type=int, default=DEFAULT_CHECKPOINT_EVERY, metavar="N",
+                            f"{DEFAULT_MEMORY_SHARE:.0%}% of the memory free after loading)")
+    cache.add_argument("--prompt-cache-checkpoint-every", type=int, metavar="N",
                        help="also checkpoint every N prompt tokens while prefilling, besides each message's end "
-                            f"and the prompt's (default {DEFAULT_CHECKPOINT_EVERY}; 0: only those)")
+                            "and the prompt's (default: the fewest tokens, a multiple of --prefill-chunk-size, "
+                            "whose KV takes the bytes of one checkpoint's recurrent states; 0: only those)")
     cache.add_argument("--prompt-cache-dir", metavar="DIR",
                        help="keep checkpoints in DIR across restarts (default: in memory only)")
     cache.add_argument("--prompt-cache-dir-size", type=byte_size, default=DEFAULT_DIR_BYTES, metavar="BYTES",
@@ -189,11 +190,13 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
 
 def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int = 64, queue_timeout: float = 300.0,
                 sources: Sources | None = None, fallback: bool = True, profile: bool = False,
-                load=load_target, load_draft=load_drafter) -> Engine:
+                load=load_target, load_draft=load_drafter, cache_by_default: bool = True) -> Engine:
     """Resolve and load the target (and draft), build the Engine, warm it up. `log(text)`
     reports each stage; pack builds and downloads show their own progress bars. With
     `fallback` and no --spec-sched, rounds take plain steps while drafting does not pay
-    (serve, chat); generate always drafts. `load` / `load_draft` make the models."""
+    (serve, chat); generate always drafts. `load` / `load_draft` make the models. Without
+    `cache_by_default` (generate: one request per process) the prompt cache is on only
+    when a --prompt-cache flag asks for it."""
     started = time.perf_counter()
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype)
@@ -211,7 +214,7 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     drafter = getattr(decoder, "drafter", None)
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
-                    prompt_cache=prompt_cache(args, model, drafter, log))
+                    prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default))
     if not args.no_warmup:
         log("warming up")
         engine.warmup()
@@ -220,9 +223,11 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     return engine
 
 
-def prompt_cache(args, model, drafter, log) -> PromptCache | None:
-    """The prompt cache the flags ask for (None: --prompt-cache-size 0), with its store
-    when --prompt-cache-dir is given."""
+def prompt_cache(args, model, drafter, log, by_default: bool = True) -> PromptCache | None:
+    """The prompt cache the flags ask for (None: --prompt-cache-size 0, or no flag and not
+    `by_default`), with its store when --prompt-cache-dir is given."""
+    if not by_default and args.prompt_cache_size is None and args.prompt_cache_dir is None:
+        return None
     budget = args.prompt_cache_size if args.prompt_cache_size is not None else default_budget()
     if not budget:
         log("prompt cache off")
@@ -234,6 +239,8 @@ def prompt_cache(args, model, drafter, log) -> PromptCache | None:
         except OSError as e:
             raise SetupError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}") from None
     every = args.prompt_cache_checkpoint_every
+    if every is None:
+        every = checkpoint_interval(model, drafter, args.prefill_chunk_size)
     log(f"prompt cache: {budget / 2**30:.2f} GiB, checkpoints at message ends"
         + (f" and every {every} tokens" if every else "")
         + (f", kept in {store.directory} ({store.files} files, {store.nbytes / 2**30:.2f} of "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import signal
+import subprocess
 import sys
 
 import pexpect
@@ -89,7 +89,10 @@ def test_two_turns_prefill_only_the_new_tokens_and_commands(pack, tok):
     child.expect(r"\(new conversation\)")
     child.expect("> ")
     _, prompt3, cached3, _, _ = turn(child, "Hello there")
-    assert prompt3 == prompt1 and cached3 == 0  # /reset forgets the cache too
+    # /reset forgets the conversation; the prompt cache still holds the first turn's
+    # checkpoints, the deepest before the prompt's last token at its message's end
+    first = tok.encode_chat([{"role": "user", "content": "Hello there"}])
+    assert prompt3 == prompt1 and cached3 == tok.message_ends(first)[-1] < prompt3
 
     child.sendline("/system You are a pirate.")
     child.expect(r"\(system prompt set; new conversation\)")
@@ -200,3 +203,122 @@ def test_chat_with_a_draft_reports_acceptance(tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+# ------------------------------------------------------------------ /save and /load
+
+
+def chat_args(max_tokens=8):
+    import argparse
+
+    return argparse.Namespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, max_tokens=max_tokens,
+                              no_thinking=False, system="Be brief.")
+
+
+def run_chat(engine, lines):
+    """Run a Chat on `lines` (then end of input); (the chat, what it wrote)."""
+    import io
+
+    from monolith.chat import Chat
+
+    out, pending = io.StringIO(), list(lines)
+
+    def read(prompt):
+        if not pending:
+            raise EOFError
+        return pending.pop(0)
+
+    chat = Chat(engine, chat_args(), "tiny", out)
+    chat.run(read)
+    return chat, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(pack):
+    return load_model(pack, dtype="float32")
+
+
+def test_save_then_load_goes_on_like_one_conversation(tiny_model, tok, tmp_path):
+    engine = Engine(tiny_model, tok, max_context=512)
+    try:
+        whole, _ = run_chat(engine, ["Hello there", "Tell me more"])
+    finally:
+        engine.close()
+    saved = tmp_path / "conversation.safetensors"
+    engine = Engine(tiny_model, tok, max_context=512)
+    try:
+        first, text = run_chat(engine, ["Hello there", f"/save {saved}"])
+    finally:
+        engine.close()
+    assert "(saved 1 turns" in text and saved.is_file()
+    engine = Engine(tiny_model, tok, max_context=512)  # a new process, as far as the caches go
+    try:
+        second, text = run_chat(engine, [f"/load {saved}", "Tell me more"])
+    finally:
+        engine.close()
+    assert f"(loaded 1 turns, {len(first.conversation.tokens)} tokens" in text
+    assert second.conversation.tokens == whole.conversation.tokens  # the same reply, token for token
+    prompt, cached, prefilled = (int(x) for x in re.search(r"prompt (\d+) tokens: (\d+) cached, (\d+) prefilled",
+                                                            text).groups())
+    assert cached >= len(first.conversation.tokens) - 1 and cached + prefilled == prompt  # nothing prefilled again
+
+
+def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_path):
+    saved = tmp_path / "c.safetensors"
+    engine = Engine(tiny_model, tok, max_context=512)
+    try:
+        run_chat(engine, ["Hello there", f"/save {saved}"])
+        data = saved.read_bytes()
+        corrupt, truncated, foreign = tmp_path / "corrupt", tmp_path / "truncated", tmp_path / "foreign"
+        corrupt.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+        truncated.write_bytes(data[:len(data) // 2])
+        foreign.write_bytes(data.replace(tiny_model.pack_sha256.encode(), b"0" * 64))
+        chat, text = run_chat(engine, [f"/load {corrupt}", f"/load {truncated}", f"/load {foreign}",
+                                       f"/load {tmp_path / 'missing'}", "/load", "/stats"])
+    finally:
+        engine.close()
+    lines = [line for line in text.splitlines() if line.startswith("(cannot load") or line.startswith("usage")]
+    assert len(lines) == 5, text
+    assert str(corrupt) in lines[0] and "SHA-256" in lines[0]
+    assert str(truncated) in lines[1] and "truncated" in lines[1]
+    assert str(foreign) in lines[2] and "pack_sha256" in lines[2]
+    assert "missing" in lines[3] and lines[4] == "usage: /load FILE"
+    assert chat.conversation.tokens == [] and "turns: 0" in text  # nothing was loaded
+
+
+def test_save_and_load_with_a_draft(tmp_path, monkeypatch):
+    from monolith.launch import load_drafter, load_target
+    from monolith.runtime.speculative import SpeculativeDecoder
+    from monolith.synth import write_pair
+
+    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
+    target, draft = write_pair(tmp_path / "pair")
+    model = load_target(target, dtype="float32")
+    drafter = load_drafter(draft, model, dtype="float32", quantization="none")
+    tok = load_tokenizer(target)
+    saved = tmp_path / "c.safetensors"
+
+    def engine():
+        return Engine(model, tok, max_context=512, decoder=SpeculativeDecoder(model, drafter, 512))
+
+    runs = {}
+    for name, lines in (("whole", ["Hello there", "Tell me more"]), ("first", ["Hello there", f"/save {saved}"]),
+                        ("second", [f"/load {saved}", "Tell me more"])):
+        e = engine()
+        try:
+            runs[name] = run_chat(e, lines)
+        finally:
+            e.close()
+    assert "(saved 1 turns" in runs["first"][1] and "(loaded 1 turns" in runs["second"][1]
+    assert runs["second"][0].conversation.tokens == runs["whole"][0].conversation.tokens
+    # the draft's context came back too: turn 2 drafts and accepts exactly as in one conversation
+    totals = {name: run[0].totals for name, run in runs.items()}
+    for key in ("drafts", "accepted"):
+        assert totals["second"][key] == totals["whole"][key] - totals["first"][key]
+    assert totals["second"]["drafts"] > 0
+    plain = Engine(model, tok, max_context=512)  # a file with the draft's rows is not this engine's
+    try:
+        _, text = run_chat(plain, [f"/load {saved}"])
+    finally:
+        plain.close()
+    assert "cannot load" in text and "draft_sha256" in text

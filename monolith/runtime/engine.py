@@ -101,6 +101,8 @@ class Job:
         self.done = threading.Event()
         self._engine = engine
         self._cancelled = threading.Event()
+        self.task: Callable[[], object] | None = None  # Engine.call's work instead of a request
+        self.result = self.error = None
 
     @property
     def cancelled(self) -> bool:
@@ -198,6 +200,21 @@ class Engine:
                 raise e.error
         return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
 
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run fn() on the worker thread between requests (the thread that owns the MLX
+        state: sessions, caches); its result, or its exception raised here."""
+        job = Job(self, None, lambda event: None, self.session, 1e12)
+        job.task = fn
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is closed")
+            self._queue.append(job)
+            self._lock.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
     def warmup(self) -> None:
         """One short generation on the worker thread (allocates the cache, builds the
         kernels), then forget it (on a session of its own, outside the prompt cache)."""
@@ -213,7 +230,8 @@ class Engine:
                 self._running._cancelled.set()
             self._lock.notify_all()
         for job in queued:
-            self._emit(job, Failed(EngineClosed("the engine was closed")))
+            job.error = EngineClosed("the engine was closed")
+            self._emit(job, Failed(job.error))
             job.done.set()
         self._thread.join(timeout)
         store = getattr(self.prompt_cache, "store", None)
@@ -246,7 +264,12 @@ class Engine:
                     return
                 job = self._running = self._queue.popleft()
             try:
-                if job.cancelled:
+                if job.task is not None:
+                    try:
+                        job.result = job.task()
+                    except Exception as e:  # noqa: BLE001 - raised again in the calling thread
+                        job.error = e
+                elif job.cancelled:
                     self._emit(job, Finished("cancelled", Usage(len(job.request.prompt_ids), 0, 0), ()))
                 elif time.monotonic() > job.deadline:
                     self._emit(job, Failed(QueueTimeout(

@@ -25,6 +25,7 @@ One engine thread uses a PromptCache; the counters may be read from any thread.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 from collections.abc import Sequence
@@ -34,7 +35,6 @@ import mlx.core as mx
 
 from ..models.cache import DraftContext, HybridCache, KVCache, Snapshot
 
-DEFAULT_CHECKPOINT_EVERY = 1024  # tokens between prefill checkpoints (bench/prompt_cache.py measures it)
 DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
 
 
@@ -82,7 +82,7 @@ class CacheStats:
 
 
 class PromptCache:
-    def __init__(self, budget: int, checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY, store=None):
+    def __init__(self, budget: int, checkpoint_every: int = 0, store=None):
         if budget < 0 or checkpoint_every < 0:
             raise ValueError(f"budget and checkpoint_every must be >= 0, got {budget} and {checkpoint_every}")
         self.budget = budget
@@ -151,15 +151,7 @@ class PromptCache:
         """Put checkpoint `node` into the live caches: write its rows past the first `held`
         (the target's; `draft_held` the draft's), which the live caches already hold for the
         same tokens, then take its states there."""
-        layers = self._row_layers(cache, draft)
-        if len(layers) != len(node.rows):
-            raise ValueError(f"the checkpoint holds rows of {len(node.rows)} layers, the caches have {len(layers)}")
-        targets = len(cache.row_layers)
-        for item in node.path():
-            for i, (layer, (keys, values)) in enumerate(zip(layers, item.rows)):
-                skip = max(0, (held if i < targets else draft_held) - item.start)
-                if skip < len(item.tokens):
-                    layer.write(item.start + skip, keys[:, :, skip:], values[:, :, skip:])
+        put_rows(cache, draft, [(item.start, item.rows) for item in node.path()], held, draft_held)
         cache.adopt(node.state)
         if draft is not None:
             draft.adopt(node.end)
@@ -174,7 +166,7 @@ class PromptCache:
             return None
         if state.offset != len(tokens):
             raise ValueError(f"a checkpoint of {len(tokens)} tokens with states after {state.offset} rows")
-        layers = self._row_layers(cache, draft)
+        layers = row_layers(cache, draft)
         layout = self.layout(cache, draft)
         if self._layout is None:
             self._layout = layout
@@ -278,15 +270,11 @@ class PromptCache:
     # ---------------------------------------------------------------- layout
 
     @staticmethod
-    def _row_layers(cache: HybridCache, draft: DraftContext | None) -> list[KVCache]:
-        return cache.row_layers + ([] if draft is None else draft.row_layers)
-
-    @classmethod
-    def layout(cls, cache: HybridCache, draft: DraftContext | None) -> Layout:
+    def layout(cache: HybridCache, draft: DraftContext | None) -> Layout:
         """What a checkpoint for these caches holds: per row layer (kv heads, head dim,
         dtype); per GDN layer the (conv, recurrent) shapes."""
         rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
-                     for layer in cls._row_layers(cache, draft))
+                     for layer in row_layers(cache, draft))
         states = tuple((tuple(conv.shape), tuple(recurrent.shape)) for conv, recurrent in cache.snapshot().states)
         return Layout(rows, states, len(cache.row_layers))
 
@@ -297,6 +285,48 @@ class Layout:
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
     target_layers: int  # how many of `rows` are the target's
 
+
+
+def checkpoint_interval(model, drafter=None, chunk_size: int = 512) -> int:
+    """The default prefill checkpoint interval: the fewest tokens, a multiple of the
+    prefill chunk, whose KV rows take at least the bytes of one checkpoint's GDN states,
+    so interval checkpoints at most double the memory of the rows they cover (on a
+    multiple of the chunk a checkpoint adds no chunk boundary, so prefill time does not
+    change: bench/prompt_cache.py). Qwen3.6-35B-A3B in BF16: 62.8 MiB of states, 20 KiB
+    of KV per token -> 3584; the demo pair (F32) -> 512."""
+    layout = layout_of(model, drafter)
+    per_token = sum(2 * heads * dim * mx.zeros((), dtype).itemsize for heads, dim, dtype in layout.rows)
+    states = sum(4 * (math.prod(conv) + math.prod(recurrent)) for conv, recurrent in layout.states)
+    return max(1, math.ceil(states / max(per_token, 1) / chunk_size)) * chunk_size
+
+
+def layout_of(model, drafter=None) -> Layout:
+    """The Layout of a checkpoint for `model` (and the drafter's context)."""
+    draft = None
+    if drafter is not None:
+        drafter.start(1)
+        draft = drafter.snapshot()
+    return PromptCache.layout(model.make_cache(1), draft)
+
+
+def row_layers(cache: HybridCache, draft: DraftContext | None) -> list[KVCache]:
+    """The KV caches a checkpoint copies rows of: the target's attention layers, then the draft's."""
+    return cache.row_layers + ([] if draft is None else draft.row_layers)
+
+
+def put_rows(cache: HybridCache, draft: DraftContext | None, pieces, held: int = 0, draft_held: int = 0) -> None:
+    """Write `pieces` = [(start, rows per row layer: the target's, then the draft's)] into
+    the caches' rows, skipping the first `held` rows of the target's (`draft_held` of the
+    draft's), which they hold already."""
+    layers = row_layers(cache, draft)
+    targets = len(cache.row_layers)
+    for start, rows in pieces:
+        if len(rows) != len(layers):
+            raise ValueError(f"a checkpoint holds rows of {len(rows)} layers, the caches have {len(layers)}")
+        for i, (layer, (keys, values)) in enumerate(zip(layers, rows)):
+            skip = max(0, (held if i < targets else draft_held) - start)
+            if skip < keys.shape[2]:
+                layer.write(start + skip, keys[:, :, skip:], values[:, :, skip:])
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:

@@ -408,13 +408,16 @@ class PromptStore:
     # ---------------------------------------------------------------- the bound
 
     def _touch(self, entry: _Entry) -> None:
-        try:
-            os.utime(entry.path)
-            entry.used = entry.path.stat().st_mtime
-            with self._lock:
-                self._sizes[entry.path] = (entry.size, entry.used)
-        except OSError:
-            pass
+        """Mark a file used (its mtime), unless the bound deleted it meanwhile."""
+        with self._lock:
+            if entry.path not in self._sizes:
+                return
+            try:
+                os.utime(entry.path)
+                entry.used = entry.path.stat().st_mtime
+            except OSError:
+                return
+            self._sizes[entry.path] = (entry.size, entry.used)
 
     def _bound(self) -> None:
         """Delete the least recently used files (and those built on them) while the

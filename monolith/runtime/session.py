@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .prompt_cache import PromptCache, common_prefix
+from ..models.cache import Snapshot
+from .prompt_cache import PromptCache, common_prefix, put_rows, row_layers
 
 MAX_RESTORE_POINTS = 6  # besides the empty cache; each holds references to the recurrent states
 
@@ -125,6 +126,44 @@ class Session:
         self._points.sort(key=lambda p: p.length)
         if len(self._points) > MAX_RESTORE_POINTS + 1:  # keep the empty cache and the newest points
             self._points = [self._points[0]] + self._points[-MAX_RESTORE_POINTS:]
+
+    def export(self, tokens: Sequence[int], drafting: bool = False) -> tuple[int, list, Snapshot]:
+        """The state after the longest restore point `tokens` extends: (its length n,
+        copies of the KV rows [0, n) per row layer (the draft context's too, `drafting`),
+        the GDN snapshot there). ValueError if the session holds none."""
+        tokens = list(tokens)
+        held = [p for p in self._points if 0 < p.length <= len(tokens) and self.tokens[:p.length] == tokens[:p.length]]
+        draft = self.draft_snapshot if drafting else None
+        if drafting:
+            held = [p for p in held if draft is not None and draft.offset >= p.length]
+        if not held:
+            raise ValueError("the session does not hold this conversation's state")
+        point = max(held, key=lambda p: p.length)
+        rows = [layer.rows(0, point.length) for layer in row_layers(self.cache, draft)]
+        mx.eval([a for pair in rows for a in pair])
+        return point.length, rows, point.snapshot
+
+    def adopt(self, model, max_context: int, tokens: Sequence[int], rows: list, snapshot: Snapshot,
+              drafter=None) -> None:
+        """Hold exactly `tokens`, from an exported state (rows per row layer, the draft's
+        after the target's with a `drafter`, and the GDN snapshot after them)."""
+        if len(tokens) + 1 > max_context:
+            raise ValueError(f"the saved state holds {len(tokens)} tokens; the context is {max_context}")
+        self.cache = model.make_cache(max_context)
+        empty = self.cache.snapshot()
+        draft = None
+        if drafter is not None:
+            drafter.start(max_context)
+            draft = drafter.snapshot()
+            if draft is None:
+                raise ValueError("this drafter cannot resume a saved state")
+        put_rows(self.cache, draft, [(0, rows)])
+        self.cache.adopt(snapshot)
+        if draft is not None:
+            draft.adopt(len(tokens))
+        self.tokens = list(tokens)
+        self._points = [_Point(0, empty, None), _Point(len(tokens), snapshot, None)]
+        self.draft_snapshot, self.fallback = draft, None
 
     def reset(self) -> None:
         """Forget everything (the next request prefills from scratch)."""

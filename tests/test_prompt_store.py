@@ -1,0 +1,166 @@
+"""--prompt-cache-dir: checkpoints written as hashed safetensors survive a restart, and a
+corrupt, truncated or foreign file is never loaded. References: a cold run (a fresh
+Session, no prompt cache) for outputs; the directory's bytes for the bound."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from monolith.models import load_model
+from monolith.runtime import prompt_store
+from monolith.runtime.engine import Engine
+from monolith.runtime.events import GenerationRequest
+from monolith.runtime.prompt_cache import PromptCache
+from monolith.runtime.prompt_store import PromptStore, identity
+from monolith.tokenizer import load_tokenizer
+
+SYSTEM = "You are a careful agent. " * 12
+
+
+@pytest.fixture(scope="module")
+def model(tiny_pack):
+    return load_model(tiny_pack, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_pack):
+    return load_tokenizer(tiny_pack)
+
+
+def prompt(tok, question):
+    ids = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+    return ids, tuple(tok.message_ends(ids))
+
+
+def ask(engine, ids, boundaries, max_tokens=6):
+    _, finished = engine.generate(GenerationRequest(tuple(ids), max_tokens, boundaries=boundaries))
+    return finished
+
+
+def cold(model, tok, ids):
+    engine = Engine(model, tok, max_context=512)
+    try:
+        return ask(engine, ids, ()).token_ids
+    finally:
+        engine.close()
+
+
+def server(model, tok, directory, max_bytes=1 << 30, every=32):
+    """An engine as serve makes it with --prompt-cache-dir (a fresh process as far as
+    caches go: nothing in memory)."""
+    store = PromptStore(directory, max_bytes, identity(model))
+    return Engine(model, tok, max_context=512, prompt_cache=PromptCache(1 << 30, every, store))
+
+
+def test_checkpoints_survive_a_restart(model, tok, tmp_path):
+    first, first_ends = prompt(tok, "List the files.")
+    engine = server(model, tok, tmp_path)
+    try:
+        assert ask(engine, first, first_ends).usage.cached_tokens == 0
+    finally:
+        engine.close()  # writes what is queued
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert files and not list(tmp_path.glob(".tmp-*"))
+    second, ends = prompt(tok, "Now read the first one.")
+    engine = server(model, tok, tmp_path)
+    try:
+        finished = ask(engine, second, ends)
+        stats = engine.prompt_cache.stats
+    finally:
+        engine.close()
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    # the deepest checkpoint the first request took before the prompts part: a message end or a multiple of 32
+    deepest = max([e for e in first_ends if e <= common] + [common // 32 * 32])
+    assert finished.usage.cached_tokens == deepest > 0 and stats.disk_hits == 1
+    assert finished.token_ids == cold(model, tok, second)
+
+
+def damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "corrupt":
+        path.write_bytes(data[:-9] + bytes([data[-9] ^ 0x40]) + data[-8:])
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) * 2 // 3])
+    else:  # computed with another pack: the same file with another pack_sha256 in its identity
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        ident = json.loads(header["__metadata__"]["identity"])
+        ident["pack_sha256"] = "f" * 64
+        header["__metadata__"]["identity"] = json.dumps(ident, sort_keys=True)
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
+def test_a_bad_file_is_ignored_with_a_warning(model, tok, tmp_path, caplog, how):
+    first, ends = prompt(tok, "List the files.")
+    engine = server(model, tok, tmp_path)
+    try:
+        ask(engine, first, ends)
+    finally:
+        engine.close()
+    for path in tmp_path.glob("*.safetensors"):  # every checkpoint: nothing valid is left
+        damage(path, how)
+    second, second_ends = prompt(tok, "Now read the first one.")
+    with caplog.at_level(logging.WARNING, logger="monolith.prompt_cache"):
+        engine = server(model, tok, tmp_path)
+        try:
+            finished = ask(engine, second, second_ends)
+            stats = engine.prompt_cache.stats
+        finally:
+            engine.close()
+    assert finished.usage.cached_tokens == 0 and stats.disk_hits == 0
+    assert finished.token_ids == cold(model, tok, second)
+    if how != "foreign":  # a foreign file is another model's: not this server's to read or warn about
+        assert any("ignoring prompt-cache file" in r.getMessage() and str(tmp_path) in r.getMessage()
+                   for r in caplog.records)
+
+
+def test_a_write_that_fails_leaves_nothing(model, tok, tmp_path, monkeypatch):
+    def fail(path, tensors, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(prompt_store, "write_safetensors", fail)
+    ids, ends = prompt(tok, "List the files.")
+    engine = server(model, tok, tmp_path)
+    try:
+        ask(engine, ids, ends)
+    finally:
+        engine.close()
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / ".tmp-abc.safetensors").write_bytes(b"a write that died")  # a crash before the rename
+    PromptStore(tmp_path, 1 << 20, identity(model)).close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_directory_keeps_its_bound(model, tok, tmp_path):
+    engine = server(model, tok, tmp_path, max_bytes=1 << 40)
+    try:
+        ask(engine, *prompt(tok, "List the files."))
+        one = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    finally:
+        engine.close()
+    bound = one * 3 // 2
+    for directory in (tmp_path / "bounded",):
+        engine = server(model, tok, directory, max_bytes=bound)
+        try:
+            for question in ("List the files.", "Read a.py.", "Read b.py.", "Run the tests."):
+                ask(engine, *prompt(tok, question))
+                engine.prompt_cache.store.flush()
+                held = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+                assert held <= bound and held == engine.prompt_cache.store.nbytes
+        finally:
+            engine.close()
+    # what is left loads: every file's chain of earlier files is still there
+    store = PromptStore(tmp_path / "bounded", bound, identity(model))
+    try:
+        for entry in store._entries.values():
+            assert entry.start == 0 or entry.base in store._entries
+    finally:
+        store.close()
