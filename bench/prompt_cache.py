@@ -26,7 +26,7 @@ Every turn's text is compared with the cold server's (greedy: equal token for to
 Prints markdown tables and writes bench/results/prompt_cache.json.
 
     python bench/prompt_cache.py [--model M --draft D] [--turns 10] [--system-tokens 8192]
-        [--max-tokens 32] [--variants plain,spec] [--checkpoint-every 0,256,1024,4096]
+        [--max-tokens 32] [--variants plain,spec] [--checkpoint-every 0,256,512,2048]
         [--runs cold,warm,restart,memory,sweep,mlx-lm] [--json PATH]
 """
 
@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -73,12 +74,13 @@ def serve_flags() -> set[str]:
     return {flag for flag in build_parser()._option_string_actions if flag.startswith("--")}
 
 
-def default_interval() -> int | None:
-    try:
-        from monolith.runtime.prompt_cache import DEFAULT_CHECKPOINT_EVERY
-    except ImportError:
-        return None
-    return DEFAULT_CHECKPOINT_EVERY
+INTERVAL = re.compile(r"prompt cache: .*checkpoints at message ends(?: and every (\d+) tokens)?")
+
+
+def logged_interval(log: str) -> int | None:
+    """The prefill checkpoint interval a monolith server says it uses (0: message ends only)."""
+    found = INTERVAL.search(log)
+    return None if found is None else int(found.group(1) or 0)
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -179,7 +181,7 @@ class Bench:
             rows = self.replay(server, convs, interleave(["A", "B"], self.args.turns), seen)
             rows += self.replay(server, convs, ["C", "A"], seen)
         return {"variant": variant, "flags": flags, "turns": rows, "peak": _peak(server.scrapes),
-                "startup_s": server.started_seconds}
+                "startup_s": server.started_seconds, "interval": logged_interval(server.log_text())}
 
     def interval_flags(self) -> list[str]:
         if self.args.interval is not None and self.has("--prompt-cache-checkpoint-every"):
@@ -201,6 +203,7 @@ class Bench:
                 "files_after_first": len(files), "dir_bytes": sum(p.stat().st_size for p in directory.rglob("*")
                                                                    if p.is_file()),
                 "peak_first": _peak(first.scrapes), "peak_second": _peak(second.scrapes),
+                "interval": logged_interval(second.log_text()),
                 "startup_s": [first.started_seconds, second.started_seconds]}
 
     def memory(self, warm_peak: float | None) -> dict:
@@ -215,7 +218,8 @@ class Bench:
         budgets = {s.get(CACHE_METRICS["budget"]) for s in server.scrapes if CACHE_METRICS["budget"] in s}
         return {"variant": "plain", "flags": flags, "budget": budget, "turns": rows, "scrapes": len(held),
                 "max_bytes": max(held, default=None), "budget_reported": sorted(budgets),
-                "within_budget": bool(held) and max(held) <= budget, "peak": _peak(server.scrapes)}
+                "within_budget": bool(held) and max(held) <= budget, "peak": _peak(server.scrapes),
+                "interval": logged_interval(server.log_text())}
 
     def sweep(self, ids: list[int]) -> list[dict]:
         if not self.has("--prompt-cache-checkpoint-every"):
@@ -248,7 +252,7 @@ class Bench:
     def mlx_lm(self, target: Path, target_pack: Path) -> dict:
         from mlx_lm_checkpoint import write_float_checkpoint
 
-        out = {"version": _version("mlx-lm")}
+        out = {"version": _version("mlx-lm"), "source_load": self.mlx_lm_load(target)}
         unpacked = self.work / "unpacked"
         done = subprocess.run([sys.executable, "-m", "monolith.pack", "unpack", str(target_pack), "--out",
                                str(unpacked)], capture_output=True, text=True, cwd=ROOT, check=False)
@@ -368,7 +372,7 @@ def hit_rate(rows: list[dict]) -> dict:
             "prompt_tokens": prompt, "cached_tokens": cached, "token_hit_rate": cached / prompt if prompt else None}
 
 
-def goals(report: dict, interval: int | None) -> list[dict]:
+def goals(report: dict) -> list[dict]:
     cold = {key(r): r for r in report["cold"]["turns"]} if "turns" in report.get("cold", {}) else {}
     out = []
 
@@ -386,6 +390,7 @@ def goals(report: dict, interval: int | None) -> list[dict]:
             goal(f"warm TTFT <= 10% of cold ({variant}, the median turn)", median <= 0.10,
                  f"warm/cold TTFT over {len(ratios)} turns: median {median:.1%}, worst {max(ratios.values()):.1%}"
                  + (f"; above 10%: {', '.join(above)}" if above else ""))
+        interval = run.get("interval")
         step = interval or 0
         over = [r for r in rows if r["prefilled"] is None or r["prefilled"] > r["new_tokens"] + step]
         goal(f"prefilled per warm turn <= new + one interval ({variant})", not over,
@@ -480,7 +485,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-draft", action="store_true", help="plain only (same as --variants plain)")
     ap.add_argument("--interval", type=int, help="--prompt-cache-checkpoint-every of the warm, restart and "
                                                  "memory runs (default: the server's)")
-    ap.add_argument("--checkpoint-every", default="0,256,1024,4096", help="intervals the sweep measures")
+    ap.add_argument("--checkpoint-every", default="0,256,512,2048", help="intervals the sweep measures "
+                                                                          "(default 0,256,512,2048)")
     ap.add_argument("--memory-budget", type=int, help="--prompt-cache-size of the memory run "
                                                       "(default: --memory-share of the warm run's peak)")
     ap.add_argument("--memory-share", type=float, default=0.5)
@@ -490,6 +496,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the server logs and cache directory here")
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     args.checkpoint_every = [int(x) for x in args.checkpoint_every.split(",") if x.strip()]
     variants = ["plain"] if args.no_draft else [v for v in args.variants.split(",") if v]
     runs = [r for r in args.runs.split(",") if r]
@@ -512,7 +519,6 @@ def main(argv=None) -> int:
         return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS, add_generation_prompt=False))
 
     system = system_prompt(count, args.system_tokens)
-    interval = args.interval if args.interval is not None else default_interval()
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
@@ -525,7 +531,7 @@ def main(argv=None) -> int:
                               "mlx": _version("mlx"), "cpus": os.cpu_count()},
                   "settings": {"model": args.model or "demo pair", "draft": args.draft, "turns": args.turns,
                                "system_tokens": count(system), "tools": len(TOOLS), "max_tokens": args.max_tokens,
-                               "variants": variants, "checkpoint_every_used": interval,
+                               "variants": variants,
                                "openblas": args.openblas,
                                "server_prompt_cache_flags": sorted(f for f in bench.flags if "prompt-cache" in f)}}
         if "cold" in runs:
@@ -553,7 +559,10 @@ def main(argv=None) -> int:
     for run in [report.get("cold"), *report.get("warm", {}).values(), report.get("restart"), report.get("memory")]:
         if run and run.get("turns"):
             run["hit_rate"] = hit_rate(run["turns"] + run.get("after_restart", []))
-    report["goals"] = goals(report, interval)
+    report["settings"]["checkpoint_every_used"] = next(
+        (r["interval"] for r in [*report.get("warm", {}).values(), report.get("restart", {})] if r.get("interval")
+         is not None), args.interval)
+    report["goals"] = goals(report)
     report["seconds"] = time.perf_counter() - began
     print_report(report)
     print(f"\n{report['seconds']:.0f} s in all")
