@@ -26,11 +26,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 from serve_latency import free_port
 
 
-def parse_metrics(text: str, prefix: str = "monolith_") -> dict[str, float]:
-    """`name{labels} value` lines of a Prometheus text page whose name starts with prefix."""
+def parse_metrics(text: str, prefixes: tuple[str, ...] = ("monolith_", "spec_decode_")) -> dict[str, float]:
+    """`name{labels} value` lines of a Prometheus text page whose name starts with one of prefixes."""
     values = {}
     for line in text.splitlines():
-        if line.startswith(prefix):
+        if line.startswith(prefixes):
             name, _, value = line.rpartition(" ")
             try:
                 values[name] = float(value)

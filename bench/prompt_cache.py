@@ -61,7 +61,9 @@ CACHE_METRICS = {"bytes": "monolith_prompt_cache_bytes", "budget": "monolith_pro
                  "misses": "monolith_prompt_cache_misses_total",
                  "evictions": "monolith_prompt_cache_evictions_total",
                  "disk_bytes": "monolith_prompt_cache_disk_bytes", "disk_files": "monolith_prompt_cache_disk_files",
-                 "disk_hits": "monolith_prompt_cache_disk_hits_total"}
+                 "disk_hits": "monolith_prompt_cache_disk_hits_total",
+                 "spec_drafts": "spec_decode_num_drafts_total",  # speculative rounds: does the spec variant draft?
+                 "spec_accepted": "spec_decode_num_accepted_tokens_total"}
 PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
 MLX_CACHE = re.compile(r"Prompt Cache: (\d+) sequences, ([0-9.]+) GB")
 
