@@ -22,8 +22,12 @@ Runs (each a fresh server on the bundled demo pair, or --model / --draft):
   prompt that leaves A1's one token before a checkpoint (tokens re-prefilled).
 - mlx-lm: mlx_lm.server on the same workload (the demo target dequantized to F32,
   bench/mlx_lm_checkpoint.py), its cached_tokens and prompt tokens processed per turn.
-Every turn's text is compared with the cold server's (greedy: equal token for token).
-Prints markdown tables and writes bench/results/prompt_cache.json.
+Every turn's text and tool calls are compared with the cold (plain) server's, the
+speculative variant's too: greedy output must not depend on what was cached. (The text
+stands for the tokens: the stream carries no token ids.) Prints markdown tables and
+writes bench/results/prompt_cache.json. On the demo pair here (MLX's CPU backend, 2
+shared cores) an 8K prefill takes 25-40 s and the default run about 27 minutes, most of
+it the cold run's 22 full prefills; --turns, --runs and --system-tokens shorten it.
 
     python bench/prompt_cache.py [--model M --draft D] [--turns 10] [--system-tokens 8192]
         [--max-tokens 32] [--variants plain,spec] [--checkpoint-every 0,256,512,2048]
