@@ -5,8 +5,9 @@ A checkpoint at position p is exact: the attention KV rows [0, p), the gated Del
 states after p rows (conv and recurrent; they cannot be rebuilt from the KV) and the
 draft context's rows [0, p) when the engine drafts. Each tree node owns the KV rows of
 its edge only ([parent's end, end), one copy per token however many checkpoints lie
-past it) and, when it is a checkpoint, the GDN states at its end (fixed-size references
-to immutable arrays). A node without states is a branch point: a resume point needs
+past it) and, when it is a checkpoint, the GDN states at its end (small fixed-size
+copies: a conv state is a view of its forward's whole pre-conv window, which a
+reference would keep alive). A node without states is a branch point: a resume point needs
 states, so `lookup` returns the deepest node with states whose tokens the prompt starts
 with, at or before `limit`.
 
@@ -173,6 +174,9 @@ class PromptCache:
         elif layout != self._layout:
             raise ValueError("a checkpoint's layers differ from the earlier checkpoints' (one prompt cache serves "
                              "one target and draft)")
+        # copies: a conv state is a view of its forward's whole pre-conv window (K-1+T rows)
+        state = Snapshot(state.offset, tuple((mx.array(conv), mx.array(recurrent)) for conv, recurrent in state.states))
+        mx.eval([a for pair in state.states for a in pair])
         node = self._add(tokens, state, lambda start, end: [layer.rows(start, end) for layer in layers])
         if node is not None and self.store is not None:
             self.store.save(node)
