@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from monolith.formats.stfile import SafetensorsFile
 from monolith.models import load_model
 from monolith.runtime import prompt_store
 from monolith.runtime.engine import Engine
@@ -164,3 +165,39 @@ def test_the_directory_keeps_its_bound(model, tok, tmp_path):
             assert entry.start == 0 or entry.base in store._entries
     finally:
         store.close()
+
+
+def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, monkeypatch):
+    from monolith.launch import load_drafter, load_target
+    from monolith.runtime.speculative import SpeculativeDecoder
+    from monolith.synth import write_pair
+
+    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "packs"))
+    target, draft = write_pair(tmp_path / "pair")
+    model = load_target(target, dtype="float32")
+    drafter = load_drafter(draft, model, dtype="float32", quantization="none")
+    tok = load_tokenizer(target)
+    directory = tmp_path / "checkpoints"
+
+    def engine(cache: bool):
+        prompt_cache = None
+        if cache:
+            prompt_cache = PromptCache(1 << 30, 32, PromptStore(directory, 1 << 30, identity(model, drafter)))
+        return Engine(model, tok, max_context=512, decoder=SpeculativeDecoder(model, drafter, 512),
+                      prompt_cache=prompt_cache)
+
+    first, first_ends = prompt(tok, "List the files.")
+    second, ends = prompt(tok, "Now read the first one.")
+    runs = []
+    for cache, ids, boundaries in ((True, first, first_ends), (True, second, ends), (False, second, ())):
+        e = engine(cache)
+        try:
+            runs.append(ask(e, ids, boundaries, max_tokens=12))
+        finally:
+            e.close()
+    restarted, cold_run = runs[1], runs[2]
+    assert restarted.usage.cached_tokens > 0 and restarted.token_ids == cold_run.token_ids
+    # the draft proposed from the stored context as from its own: the same rounds, the same acceptance
+    assert restarted.spec.drafts == cold_run.spec.drafts and restarted.spec.accepted_tokens == cold_run.spec.accepted_tokens
+    names = {json.loads(SafetensorsFile(p).metadata["identity"])["draft_sha256"] for p in directory.glob("*.safetensors")}
+    assert names == {drafter.draft.pack_sha256}
