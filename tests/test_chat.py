@@ -277,7 +277,7 @@ def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_p
                                        f"/load {tmp_path / 'missing'}", "/load", "/stats"])
     finally:
         engine.close()
-    lines = [line for line in text.splitlines() if line.startswith("(cannot load") or line.startswith("usage")]
+    lines = [line for line in text.splitlines() if line.startswith(("(cannot load", "usage"))]
     assert len(lines) == 5, text
     assert str(corrupt) in lines[0] and "SHA-256" in lines[0]
     assert str(truncated) in lines[1] and "truncated" in lines[1]

@@ -6,7 +6,6 @@ mx.fast.gated_delta_update against the recurrence of target.md."""
 from __future__ import annotations
 
 import gc
-
 import json
 import shutil
 
