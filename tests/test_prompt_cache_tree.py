@@ -193,6 +193,7 @@ def test_an_evicting_insert_that_cannot_fit_returns_none():
     (16, 5, 70, [3, 20, 32]),
     (16, 16, 17, []),
     (16, 16, 16, [16]),
+    (16, 20, 40, [20, 30, 40]),  # a boundary at the start is already held
     (0, 0, 40, [10, 25, 40]),
     (0, 12, 40, [10, 25]),
     (1, 3, 7, []),
