@@ -154,7 +154,7 @@ def test_a_resumed_conversation_on_a_new_session(loaded, decoder):
     prompt1, _, out1 = talk.ask(first)
     assert out1.cached_tokens == 0
     # turn 2 on a session that never saw turn 1: only the prompt cache can resume it
-    prompt2, _, out2 = talk.ask(first + [talk.reply(out1), user(ASKS[2])], session=Session(talk.cache))
+    _, _, out2 = talk.ask(first + [talk.reply(out1), user(ASKS[2])], session=Session(talk.cache))
     assert out2.cached_tokens >= len(prompt1)
     # a client that re-renders the reply (as a template dropping the reasoning does) parts right after turn 1's prompt
     edited = {"role": "assistant", "content": "def fib(n):"}
@@ -360,3 +360,5 @@ def test_metrics_and_usage_report_the_cache(loaded):
         assert metric("monolith_prompt_cache_checkpoints") == cache.checkpoints > 0
         assert metric("monolith_prompt_cache_bytes") == cache.nbytes == held_bytes(cache)
         assert metric("monolith_prompt_cache_budget_bytes") == BIG
+        assert metric("monolith_prompt_cache_disk_hits_total") == stats.disk_hits == 0  # no --prompt-cache-dir
+        assert metric("monolith_prompt_cache_disk_files") == metric("monolith_prompt_cache_disk_bytes") == 0
