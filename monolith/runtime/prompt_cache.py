@@ -190,7 +190,8 @@ class PromptCache:
         if pos == end:
             if node.state is None:  # a branch point becomes a checkpoint
                 node.state = state
-                self.nbytes += node.measure() - node.nbytes
+                before = node.nbytes
+                self.nbytes += node.measure() - before
                 self._checkpoints += 1
         else:
             copies = rows(pos, end)
