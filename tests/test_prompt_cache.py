@@ -212,6 +212,28 @@ def test_eviction_under_a_small_budget(loaded, decoder):
     assert talk.cache.stats.evictions > 0
 
 
+def test_a_checkpoint_of_another_sequence_drops_the_live_points_it_overwrites(loaded, decoder):
+    """The live session holds X; a checkpoint of Y (which parts from X at d) is loaded and
+    Y goes on past X's length; then Z = Y up to past X's end, then other tokens. X's
+    restore points past d would look valid for Z's tokens (the session's tokens are Y's
+    now) but hold X's recurrent states: Z must resume elsewhere and give the cold output."""
+    model, _, tok = loaded
+    rng = np.random.default_rng(7)
+    vocab = [int(t) for t in rng.integers(10, 1500, size=400)]
+    y1 = vocab[:100]
+    x = y1[:10] + vocab[100:160]
+    y2 = y1 + vocab[160:190]
+    z = y2[:len(x) + 4] + vocab[190:210]
+    cache = PromptCache(BIG, 0)
+    other, live = Session(cache), Session(cache)
+    run(decoder, other, y1)  # the tree holds Y1's end
+    run(decoder, live, x)  # the live session holds X
+    assert run(decoder, live, y2).cached_tokens >= len(y1)  # from the tree
+    warm, cold = run(decoder, live, z), run(decoder, Session(), z)
+    assert warm.cached_tokens < len(x)  # no X point survived
+    assert_same_greedy(model, z, warm.token_ids, cold.token_ids)
+
+
 def held_bytes(cache: PromptCache) -> int:
     """The bytes of every array the tree holds, counted from the arrays."""
     total, stack = 0, list(cache.root.children.values())
