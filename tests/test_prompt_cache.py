@@ -15,17 +15,12 @@ import pytest
 from oracles import GREEDY, assert_same_greedy
 from serving_rig import Server
 
-from monolith.launch import load_drafter
-from monolith.models import load_model
 from monolith.models.cache import HybridCache, KVCache
-from monolith.pack import resolve_pack
-from monolith.pack.demo import demo_pair
 from monolith.runtime.engine import Engine
 from monolith.runtime.plain import PlainDecoder
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
 from monolith.runtime.speculative import SpeculativeDecoder
-from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 512
 CHUNK = 64
@@ -42,14 +37,8 @@ ASKS = ["Write a function that returns the n-th Fibonacci number iteratively.",
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MONOLITH_CACHE", str(tmp_path_factory.mktemp("cache")))
-        target, draft = demo_pair()
-        pack = resolve_pack(target, role="target")
-        model = load_model(pack, dtype="float32")
-        drafter = load_drafter(draft, model, dtype="float32")
-    return model, drafter, load_tokenizer(pack)
+def loaded(demo_f32):
+    return demo_f32
 
 
 @pytest.fixture(scope="module", params=["plain", "speculative"])
