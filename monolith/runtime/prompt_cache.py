@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..models.cache import DraftContext, HybridCache, KVCache, Snapshot
+from ..models.cache import DraftContext, GDNState, HybridCache, KVCache, Snapshot
 
 DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
 
@@ -280,16 +280,15 @@ class PromptCache:
         dtype); per GDN layer the (conv, recurrent) shapes."""
         rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
                      for layer in row_layers(cache, draft))
-        states = tuple((tuple(conv.shape), tuple(recurrent.shape)) for conv, recurrent in cache.snapshot().states)
-        return Layout(rows, states, len(cache.row_layers))
+        states = tuple((tuple(layer.conv.shape), tuple(layer.recurrent.shape)) for layer in cache.layers
+                       if isinstance(layer, GDNState))
+        return Layout(rows, states)
 
 
 @dataclass(frozen=True)
 class Layout:
     rows: tuple  # per row layer (target's, then the draft's): (kv heads, head dim, dtype)
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
-    target_layers: int  # how many of `rows` are the target's
-
 
 
 def checkpoint_interval(model, drafter=None, chunk_size: int = 512) -> int:
