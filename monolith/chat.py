@@ -4,7 +4,7 @@ Replies stream as they are generated, then one line of speed and acceptance. The
 conversation's cache is kept across turns, so each turn prefills only its new
 tokens. Commands: /reset, /system TEXT, /stats, /save FILE, /load FILE, /quit. /save
 writes the conversation and its cached state to FILE (a checkpoint: safetensors with
-SHA-256s, prompt_store.py) and /load reads one back, checked against this model and
+SHA-256s, runtime/checkpoint_file.py) and /load reads one back, checked against this model and
 draft, so a long conversation goes on without prefilling it again. Ctrl-C stops the
 current reply (the conversation keeps what was shown); Ctrl-D or /quit leaves.
 """
@@ -21,15 +21,7 @@ from pathlib import Path
 
 from .cli import ArgumentParser
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
-from .runtime.events import (
-    ContextLengthError,
-    Delta,
-    Failed,
-    Finished,
-    GenerationRequest,
-)
-from .runtime.prompt_cache import layout_of
-from .runtime.prompt_store import (
+from .runtime.checkpoint_file import (
     CheckpointFileError,
     device_rows,
     device_snapshot,
@@ -38,6 +30,14 @@ from .runtime.prompt_store import (
     read_checkpoint,
     write_checkpoint,
 )
+from .runtime.events import (
+    ContextLengthError,
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+)
+from .runtime.prompt_cache import layout_of
 from .sampling import SamplingParams
 
 HELP = ("commands: /reset  /system TEXT  /stats  /save FILE  /load FILE  /quit   "

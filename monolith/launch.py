@@ -25,6 +25,7 @@ from .runtime.calibrate import (
     round_can_pay,
     round_pay_limit,
 )
+from .runtime.checkpoint_file import identity
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.prompt_cache import (
@@ -33,7 +34,7 @@ from .runtime.prompt_cache import (
     checkpoint_interval,
     default_budget,
 )
-from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore, identity
+from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
 from .runtime.rounds import check_gamma
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
 from .runtime.speculative import SpeculativeDecoder

@@ -58,3 +58,38 @@ def tiny_pack(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+
+
+def _loaded_pair(cache_dir, target, draft, quantization="auto"):
+    """(model, drafter, tokenizer) of a target and draft, float32, packed into cache_dir."""
+    from monolith.launch import load_drafter, load_target
+    from monolith.tokenizer import load_tokenizer
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(cache_dir))
+        model = load_target(target, dtype="float32")
+        drafter = load_drafter(draft, model, dtype="float32", quantization=quantization)
+        return model, drafter, load_tokenizer(target)
+
+
+@pytest.fixture(scope="session")
+def demo_f32(tmp_path_factory):
+    """The bundled demo pair, float32: (model, drafter, tokenizer). Shared: never change it."""
+    from monolith.pack.demo import demo_pair
+
+    cache = tmp_path_factory.mktemp("demo-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(cache))
+        target, draft = demo_pair()
+    return _loaded_pair(cache, target, draft)
+
+
+@pytest.fixture(scope="session")
+def synth_pair_f32(tmp_path_factory):
+    """The default synthetic target and draft (monolith.synth.write_pair), float32, the
+    draft in BF16: (model, drafter, tokenizer)."""
+    from monolith.synth import write_pair
+
+    root = tmp_path_factory.mktemp("pair")
+    target, draft = write_pair(root / "pair")
+    return _loaded_pair(root / "cache", target, draft, quantization="none")

@@ -277,7 +277,7 @@ def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_p
                                        f"/load {tmp_path / 'missing'}", "/load", "/stats"])
     finally:
         engine.close()
-    lines = [line for line in text.splitlines() if line.startswith("(cannot load") or line.startswith("usage")]
+    lines = [line for line in text.splitlines() if line.startswith(("(cannot load", "usage"))]
     assert len(lines) == 5, text
     assert str(corrupt) in lines[0] and "SHA-256" in lines[0]
     assert str(truncated) in lines[1] and "truncated" in lines[1]
@@ -286,16 +286,10 @@ def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_p
     assert chat.conversation.tokens == [] and "turns: 0" in text  # nothing was loaded
 
 
-def test_save_and_load_with_a_draft(tmp_path, monkeypatch):
-    from monolith.launch import load_drafter, load_target
+def test_save_and_load_with_a_draft(tmp_path, synth_pair_f32):
     from monolith.runtime.speculative import SpeculativeDecoder
-    from monolith.synth import write_pair
 
-    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
-    target, draft = write_pair(tmp_path / "pair")
-    model = load_target(target, dtype="float32")
-    drafter = load_drafter(draft, model, dtype="float32", quantization="none")
-    tok = load_tokenizer(target)
+    model, drafter, tok = synth_pair_f32
     saved = tmp_path / "c.safetensors"
 
     def engine():

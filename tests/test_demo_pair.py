@@ -11,17 +11,14 @@ import struct
 
 import pytest
 
-from monolith.models import load_model
 from monolith.pack import build_pack, resolve_pack, verify_pack
 from monolith.pack.manifest import sha256_file
 from decoding import plain
-from monolith.launch import load_drafter
 from monolith.sampling import SamplingParams
 from monolith.runtime.scheduler import make_scheduler
 from decoding import speculate
 from monolith.pack import demo
 from monolith.pack.demo import DEMO_PACKS, DemoError, bundle_dir, demo_pair
-from monolith.tokenizer import load_tokenizer
 
 BUNDLE = bundle_dir()
 EXPECTED = json.loads((BUNDLE / demo.EXPECTED).read_text())
@@ -145,14 +142,8 @@ def test_a_missing_bundle_is_an_error_not_a_fallback(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MONOLITH_CACHE", str(tmp_path_factory.mktemp("cache")))
-        target, draft = demo_pair()
-        pack = resolve_pack(target, role="target")
-        model = load_model(pack, dtype="float32")
-        drafter = load_drafter(draft, model, dtype="float32")
-    return model, drafter, load_tokenizer(pack)
+def loaded(demo_f32):
+    return demo_f32
 
 
 def test_greedy_speculative_equals_plain_with_tau_above_the_floor(loaded):

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from monolith.formats.stfile import SafetensorsFile
 from monolith.models import load_model
-from monolith.runtime import prompt_store
+from monolith.runtime import checkpoint_file
+from monolith.runtime.checkpoint_file import identity
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.prompt_cache import PromptCache
-from monolith.runtime.prompt_store import PromptStore, identity
+from monolith.runtime.prompt_store import PromptStore
 from monolith.tokenizer import load_tokenizer
 
 SYSTEM = "You are a careful agent. " * 12
@@ -41,12 +43,17 @@ def ask(engine, ids, boundaries, max_tokens=6):
     return finished
 
 
-def cold(model, tok, ids):
-    engine = Engine(model, tok, max_context=512)
+def ask_once(engine, ids, boundaries, max_tokens=6):
+    """One request on a new engine, closed after it (which writes what is queued for the
+    disk); (Finished, the prompt cache's stats)."""
     try:
-        return ask(engine, ids, ()).token_ids
+        return ask(engine, ids, boundaries, max_tokens), engine.prompt_cache and engine.prompt_cache.stats
     finally:
         engine.close()
+
+
+def cold(model, tok, ids):
+    return ask_once(Engine(model, tok, max_context=512), ids, ())[0].token_ids
 
 
 def server(model, tok, directory, max_bytes=1 << 30, every=32):
@@ -58,20 +65,11 @@ def server(model, tok, directory, max_bytes=1 << 30, every=32):
 
 def test_checkpoints_survive_a_restart(model, tok, tmp_path):
     first, first_ends = prompt(tok, "List the files.")
-    engine = server(model, tok, tmp_path)
-    try:
-        assert ask(engine, first, first_ends).usage.cached_tokens == 0
-    finally:
-        engine.close()  # writes what is queued
+    assert ask_once(server(model, tok, tmp_path), first, first_ends)[0].usage.cached_tokens == 0
     files = sorted(tmp_path.glob("*.safetensors"))
     assert files and not list(tmp_path.glob(".tmp-*"))
     second, ends = prompt(tok, "Now read the first one.")
-    engine = server(model, tok, tmp_path)
-    try:
-        finished = ask(engine, second, ends)
-        stats = engine.prompt_cache.stats
-    finally:
-        engine.close()
+    finished, stats = ask_once(server(model, tok, tmp_path), second, ends)
     common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
     # the deepest checkpoint the first request took before the prompts part: a message end or a multiple of 32
     deepest = max([e for e in first_ends if e <= common] + [common // 32 * 32])
@@ -98,22 +96,12 @@ def damage(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
 def test_a_bad_file_is_ignored_with_a_warning(model, tok, tmp_path, caplog, how):
-    first, ends = prompt(tok, "List the files.")
-    engine = server(model, tok, tmp_path)
-    try:
-        ask(engine, first, ends)
-    finally:
-        engine.close()
+    ask_once(server(model, tok, tmp_path), *prompt(tok, "List the files."))
     for path in tmp_path.glob("*.safetensors"):  # every checkpoint: nothing valid is left
         damage(path, how)
     second, second_ends = prompt(tok, "Now read the first one.")
     with caplog.at_level(logging.WARNING, logger="monolith.prompt_cache"):
-        engine = server(model, tok, tmp_path)
-        try:
-            finished = ask(engine, second, second_ends)
-            stats = engine.prompt_cache.stats
-        finally:
-            engine.close()
+        finished, stats = ask_once(server(model, tok, tmp_path), second, second_ends)
     assert finished.usage.cached_tokens == 0 and stats.disk_hits == 0
     assert finished.token_ids == cold(model, tok, second)
     if how != "foreign":  # a foreign file is another model's: not this server's to read or warn about
@@ -126,13 +114,8 @@ def test_a_write_that_fails_leaves_nothing(model, tok, tmp_path, monkeypatch):
         Path(path).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(prompt_store, "write_safetensors", fail)
-    ids, ends = prompt(tok, "List the files.")
-    engine = server(model, tok, tmp_path)
-    try:
-        ask(engine, ids, ends)
-    finally:
-        engine.close()
+    monkeypatch.setattr(checkpoint_file, "write_safetensors", fail)
+    ask_once(server(model, tok, tmp_path), *prompt(tok, "List the files."))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / ".tmp-abc.safetensors").write_bytes(b"a write that died")  # a crash before the rename
     PromptStore(tmp_path, 1 << 20, identity(model)).close()
@@ -140,12 +123,8 @@ def test_a_write_that_fails_leaves_nothing(model, tok, tmp_path, monkeypatch):
 
 
 def test_the_directory_keeps_its_bound(model, tok, tmp_path):
-    engine = server(model, tok, tmp_path, max_bytes=1 << 40)
-    try:
-        ask(engine, *prompt(tok, "List the files."))
-        one = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
-    finally:
-        engine.close()
+    ask_once(server(model, tok, tmp_path, max_bytes=1 << 40), *prompt(tok, "List the files."))
+    one = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     bound = one * 3 // 2
     for directory in (tmp_path / "bounded",):
         engine = server(model, tok, directory, max_bytes=bound)
@@ -164,3 +143,28 @@ def test_the_directory_keeps_its_bound(model, tok, tmp_path):
             assert entry.start == 0 or entry.base in store._entries
     finally:
         store.close()
+
+
+def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, synth_pair_f32):
+    from monolith.runtime.speculative import SpeculativeDecoder
+
+    model, drafter, tok = synth_pair_f32
+    directory = tmp_path / "checkpoints"
+
+    def engine(cache: bool):
+        prompt_cache = None
+        if cache:
+            prompt_cache = PromptCache(1 << 30, 32, PromptStore(directory, 1 << 30, identity(model, drafter)))
+        return Engine(model, tok, max_context=512, decoder=SpeculativeDecoder(model, drafter, 512),
+                      prompt_cache=prompt_cache)
+
+    first, first_ends = prompt(tok, "List the files.")
+    second, ends = prompt(tok, "Now read the first one.")
+    ask_once(engine(True), first, first_ends, max_tokens=12)
+    restarted, _ = ask_once(engine(True), second, ends, max_tokens=12)
+    cold_run, _ = ask_once(engine(False), second, (), max_tokens=12)
+    assert restarted.usage.cached_tokens > 0 and restarted.token_ids == cold_run.token_ids
+    # the draft proposed from the stored context as from its own: the same rounds, the same acceptance
+    assert restarted.spec.drafts == cold_run.spec.drafts and restarted.spec.accepted_tokens == cold_run.spec.accepted_tokens
+    names = {json.loads(SafetensorsFile(p).metadata["identity"])["draft_sha256"] for p in directory.glob("*.safetensors")}
+    assert names == {drafter.draft.pack_sha256}

@@ -161,6 +161,8 @@ class GatedDeltaNet:
         pre = gdn_premix(proj, state.conv, self.conv_weight, self.neg_decay, self.dt_bias, self.hk, self.dk, self.hv,
                          self.dv)
         state.conv = pre.window[:, t:]  # the last K-1 pre-conv rows
+        if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
+            state.conv = mx.array(state.conv)
         # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
         if state.record:
             state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)

@@ -19,7 +19,9 @@ context. Its life over one sequence:
 `taps` are the target decoder layers whose outputs the drafter reads; `max_proposals`
 bounds gamma; `arrays()` gives the context state to evaluate between prefill chunks (so
 a long prompt's features are not all held until the first proposal). A drafter whose
-`snapshot()` is None cannot resume: every prompt is then prefilled whole.
+`snapshot()` is None cannot resume: every prompt is then prefilled whole. A snapshot
+that is a `models.cache.DraftContext` (the draft model's) also lets the prompt cache
+copy the context's rows into its checkpoints and back (prompt_cache.py).
 
 A `Proposal` (monolith.models.dspark, the draft model's output) holds gamma
 target-vocabulary tokens, their filtered draft distributions q (one-hot under greedy

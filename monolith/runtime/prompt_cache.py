@@ -5,8 +5,9 @@ A checkpoint at position p is exact: the attention KV rows [0, p), the gated Del
 states after p rows (conv and recurrent; they cannot be rebuilt from the KV) and the
 draft context's rows [0, p) when the engine drafts. Each tree node owns the KV rows of
 its edge only ([parent's end, end), one copy per token however many checkpoints lie
-past it) and, when it is a checkpoint, the GDN states at its end (fixed-size references
-to immutable arrays). A node without states is a branch point: a resume point needs
+past it) and, when it is a checkpoint, the GDN states at its end (small fixed-size
+copies: a conv state is a view of its forward's whole pre-conv window, which a
+reference would keep alive). A node without states is a branch point: a resume point needs
 states, so `lookup` returns the deepest node with states whose tokens the prompt starts
 with, at or before `limit`.
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..models.cache import DraftContext, HybridCache, KVCache, Snapshot
+from ..models.cache import DraftContext, GDNState, HybridCache, KVCache, Snapshot
 
 DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
 
@@ -173,6 +174,9 @@ class PromptCache:
         elif layout != self._layout:
             raise ValueError("a checkpoint's layers differ from the earlier checkpoints' (one prompt cache serves "
                              "one target and draft)")
+        # copies: a conv state is a view of its forward's whole pre-conv window (K-1+T rows)
+        state = Snapshot(state.offset, tuple((mx.array(conv), mx.array(recurrent)) for conv, recurrent in state.states))
+        mx.eval([a for pair in state.states for a in pair])
         node = self._add(tokens, state, lambda start, end: [layer.rows(start, end) for layer in layers])
         if node is not None and self.store is not None:
             self.store.save(node)
@@ -186,7 +190,8 @@ class PromptCache:
         if pos == end:
             if node.state is None:  # a branch point becomes a checkpoint
                 node.state = state
-                self.nbytes += node.measure() - node.nbytes
+                before = node.nbytes
+                self.nbytes += node.measure() - before
                 self._checkpoints += 1
         else:
             copies = rows(pos, end)
@@ -275,16 +280,15 @@ class PromptCache:
         dtype); per GDN layer the (conv, recurrent) shapes."""
         rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
                      for layer in row_layers(cache, draft))
-        states = tuple((tuple(conv.shape), tuple(recurrent.shape)) for conv, recurrent in cache.snapshot().states)
-        return Layout(rows, states, len(cache.row_layers))
+        states = tuple((tuple(layer.conv.shape), tuple(layer.recurrent.shape)) for layer in cache.layers
+                       if isinstance(layer, GDNState))
+        return Layout(rows, states)
 
 
 @dataclass(frozen=True)
 class Layout:
     rows: tuple  # per row layer (target's, then the draft's): (kv heads, head dim, dtype)
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
-    target_layers: int  # how many of `rows` are the target's
-
 
 
 def checkpoint_interval(model, drafter=None, chunk_size: int = 512) -> int:

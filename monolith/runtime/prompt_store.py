@@ -1,218 +1,48 @@
-"""Prompt-cache checkpoints on disk (`--prompt-cache-dir`), and the file format a chat's
-/save writes.
+"""Prompt-cache checkpoints on disk (`--prompt-cache-dir`): checkpoint files
+(checkpoint_file.py) named by the SHA-256 of the identity and of the token prefix, so a
+lookup hashes the prompt's prefixes and opens only files that can match.
 
-A checkpoint file is a safetensors file holding one stretch of a sequence, tokens
-[start, end): `tokens` (I32), the KV rows of that stretch per row layer
-(`rows.{i}.keys` / `rows.{i}.values`, the target's layers then the draft's) and the GDN
-states after `end` rows (`state.{j}.conv` / `state.{j}.recurrent`, F32). Its metadata
-holds the identity it was computed with (the target's pack_sha256, the draft pack's, the
-compute dtype, the device and the MLX version), the SHA-256 of the token prefix
-[0, end) and of [0, start) (the file that holds the rows before it; "" when start is
-0), and the SHA-256 of every tensor's bytes. The file is named by the SHA-256 of the
-identity and the prefix hash, so a lookup hashes the prompt's prefixes and opens only
-files that can match.
-
-Reading checks all of it (the header, the identity, the tokens against the prompt, every
-tensor's hash, names, shapes and dtypes against the live caches): a corrupt, truncated or
-foreign file raises CheckpointFileError naming the file and what is wrong, and the store
-ignores it with a warning. Writes go to a temporary file in the directory, are fsynced
-and renamed into place, on a writer thread (the engine thread only copies the arrays to
-the host). The directory keeps at most `max_bytes` of checkpoint files: the least recently
-used go first (a load touches a file), with the files that build on them.
+A file that fails its checks (corrupt, truncated, foreign) is ignored with a warning and
+never loaded. Writes happen on a writer thread (the engine thread only copies the arrays
+to the host), each atomically. The directory keeps at most `max_bytes` of checkpoint
+files: the least recently used go first (a load touches a file), with the files that
+build on them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import queue
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..formats.nvfp4 import FormatError
-from ..formats.stfile import SafetensorsFile, write_safetensors
+from ..formats.stfile import SafetensorsFile
 from ..models.cache import Snapshot
+from .checkpoint_file import (
+    FORMAT,
+    SUFFIX,
+    CheckpointFileError,
+    Stored,
+    device_rows,
+    device_snapshot,
+    file_key,
+    host_arrays,
+    prefix_hashes,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 log = logging.getLogger("monolith.prompt_cache")
 
-FORMAT = "monolith-prompt-checkpoint"
-VERSION = "1"
-SUFFIX = ".safetensors"
 DEFAULT_DIR_BYTES = 16 << 30
-_STORED = {mx.float32: ("F32", np.float32), mx.float16: ("F16", np.float16), mx.bfloat16: ("BF16", np.uint16)}
 _WRITES_WAITING = 8  # checkpoints queued for the writer thread; more are not persisted
-
-
-class CheckpointFileError(ValueError):
-    """A checkpoint file that must not be loaded; the message names the file and why."""
-
-
-def identity(model, drafter=None) -> dict[str, str]:
-    """What a checkpoint's values depend on besides its tokens."""
-    draft = getattr(getattr(drafter, "draft", None), "pack_sha256", None) if drafter is not None else None
-    return {"pack_sha256": str(getattr(model, "pack_sha256", None)), "draft_sha256": str(draft or ""),
-            "dtype": str(model.dtype).replace("mlx.core.", ""), "device": str(mx.default_device()),
-            "mlx": mx.__version__}
-
-
-def prefix_hash(tokens: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(tokens, dtype="<i4").tobytes()).hexdigest()
-
-
-def prefix_hashes(tokens: Sequence[int], ends: Sequence[int]) -> dict[int, str]:
-    """{end: prefix_hash(tokens[:end])} for sorted `ends`, in one pass."""
-    h, done, out = hashlib.sha256(), 0, {}
-    data = np.asarray(tokens, dtype="<i4")
-    for end in ends:
-        h.update(data[done:end].tobytes())
-        done = end
-        out[end] = h.copy().hexdigest()
-    return out
-
-
-def file_key(ident: dict[str, str], prefix: str) -> str:
-    material = json.dumps(ident, sort_keys=True) + "\n" + prefix
-    return hashlib.sha256(material.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A checkpoint file's contents, checked: tokens [start, end), rows per layer (numpy,
-    [1, heads, end - start, dim]) and the GDN states after end (numpy)."""
-
-    start: int
-    tokens: list[int]
-    rows: list[tuple[np.ndarray, np.ndarray]]
-    states: list[tuple[np.ndarray, np.ndarray]]
-    metadata: dict[str, str]
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-
-# ------------------------------------------------------------------ one file
-
-
-def host_arrays(rows: list[tuple[mx.array, mx.array]], states) -> tuple[list, list]:
-    """The rows and states on the host as (safetensors dtype, stored bits) pairs."""
-    def host(a: mx.array):
-        dtype, storage = _STORED[a.dtype]
-        if a.dtype == mx.bfloat16:
-            a = a.view(mx.uint16)
-        return dtype, np.array(a, dtype=storage)
-
-    return ([(host(k), host(v)) for k, v in rows], [(host(c), host(r)) for c, r in states])
-
-
-def write_checkpoint(path: Path, ident: dict[str, str], tokens: Sequence[int], start: int, rows, states,
-                     extra: dict[str, str] | None = None) -> int:
-    """Write the checkpoint of tokens[start:] (host_arrays) at `path`, atomically; its size."""
-    tensors = {"tokens": ("I32", np.asarray(tokens[start:], dtype=np.int32))}
-    for i, (keys, values) in enumerate(rows):
-        tensors[f"rows.{i}.keys"], tensors[f"rows.{i}.values"] = keys, values
-    for j, (conv, recurrent) in enumerate(states):
-        tensors[f"state.{j}.conv"], tensors[f"state.{j}.recurrent"] = conv, recurrent
-    hashes = {name: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for name, (_, a) in tensors.items()}
-    metadata = {"format": FORMAT, "version": VERSION, "identity": json.dumps(ident, sort_keys=True),
-                "start": str(start), "end": str(len(tokens)), "prefix_sha256": prefix_hash(tokens),
-                "base_sha256": prefix_hash(tokens[:start]) if start else "",
-                "tensors_sha256": json.dumps(hashes, sort_keys=True), **(extra or {})}
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
-    os.close(fd)
-    try:
-        write_safetensors(tmp, tensors, metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path.stat().st_size
-
-
-def read_checkpoint(path: Path, ident: dict[str, str], layout, tokens: Sequence[int] | None = None) -> Stored:
-    """The checked contents of one checkpoint file (CheckpointFileError otherwise):
-    `layout` (prompt_cache.Layout) is what the live caches hold; `tokens`, when given,
-    must start with the file's token prefix."""
-    path = Path(path)
-
-    def bad(reason: str) -> CheckpointFileError:
-        return CheckpointFileError(f"{path}: {reason}")
-
-    try:
-        f = SafetensorsFile(path)
-    except (FormatError, OSError) as e:
-        raise bad(f"not a readable safetensors file ({e})") from None
-    meta = f.metadata
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise bad(f"not a monolith prompt checkpoint (format {meta.get('format')!r} version {meta.get('version')!r})")
-    try:
-        theirs = json.loads(meta["identity"])
-        start, end = int(meta["start"]), int(meta["end"])
-        hashes = json.loads(meta["tensors_sha256"])
-    except (KeyError, ValueError, TypeError) as e:
-        raise bad(f"malformed metadata ({e})") from None
-    if theirs != ident:
-        diff = sorted(k for k in set(theirs) | set(ident) if theirs.get(k) != ident.get(k))
-        raise bad(f"computed with another {', '.join(diff)} ({', '.join(f'{k}={theirs.get(k)}' for k in diff)}; "
-                  f"this server has {', '.join(f'{k}={ident.get(k)}' for k in diff)})")
-    n_rows, n_states = len(layout.rows), len(layout.states)
-    expected = {"tokens"} | {f"rows.{i}.{kv}" for i in range(n_rows) for kv in ("keys", "values")} \
-        | {f"state.{j}.{s}" for j in range(n_states) for s in ("conv", "recurrent")}
-    if set(f.names()) != expected or set(hashes) != expected:
-        raise bad(f"holds tensors {sorted(set(f.names()) ^ expected)[:4]} that do not match the caches' "
-                  f"{n_rows} row layers and {n_states} GDN layers")
-    arrays = {}
-    for name in sorted(expected):
-        data = f.read(name, copy=True)
-        if hashlib.sha256(data.tobytes()).hexdigest() != hashes[name]:
-            raise bad(f"tensor {name} does not match its SHA-256 (the file is corrupt)")
-        arrays[name] = data
-    f.close()
-    ids = arrays["tokens"].tolist()
-    if f.dtype("tokens") != "I32" or len(ids) != end - start or start < 0:
-        raise bad(f"tokens hold {len(ids)} ids for [{start}, {end})")
-    if tokens is not None and (len(tokens) < end or list(tokens[start:end]) != ids
-                               or meta.get("prefix_sha256") != prefix_hash(tokens[:end])):
-        raise bad("its tokens are not the prompt's")
-    rows = []
-    for i, (heads, dim, dtype) in enumerate(layout.rows):
-        pair = tuple(arrays[f"rows.{i}.{kv}"] for kv in ("keys", "values"))
-        want = _STORED[dtype][0]
-        for kv, a in zip(("keys", "values"), pair):
-            if a.shape != (1, heads, end - start, dim) or f.dtype(f"rows.{i}.{kv}") != want:
-                raise bad(f"rows.{i}.{kv} is {f.dtype(f'rows.{i}.{kv}')}{list(a.shape)}, the cache holds "
-                          f"{want}[1, {heads}, {end - start}, {dim}]")
-        rows.append(pair)
-    states = []
-    for j, (conv, recurrent) in enumerate(layout.states):
-        pair = (arrays[f"state.{j}.conv"], arrays[f"state.{j}.recurrent"])
-        if (pair[0].shape, pair[1].shape) != (conv, recurrent) or pair[0].dtype != np.float32 \
-                or pair[1].dtype != np.float32:
-            raise bad(f"state.{j} has shapes {pair[0].shape}, {pair[1].shape}; the cache holds {conv}, {recurrent}")
-        states.append(pair)
-    return Stored(start, ids, rows, states, meta)
-
-
-def device_rows(stored: Stored, layout) -> list[tuple[mx.array, mx.array]]:
-    def device(a: np.ndarray, dtype) -> mx.array:
-        return mx.array(a).view(mx.bfloat16) if dtype == mx.bfloat16 else mx.array(a)
-
-    return [(device(k, dtype), device(v, dtype)) for (k, v), (_, _, dtype) in zip(stored.rows, layout.rows)]
-
-
-def device_snapshot(stored: Stored) -> Snapshot:
-    return Snapshot(stored.end, tuple((mx.array(c), mx.array(r)) for c, r in stored.states))
 
 
 # ------------------------------------------------------------------ the directory

@@ -84,6 +84,8 @@ class Session:
         held = common_prefix(self.tokens, prompt, node.end)
         draft_held = 0 if draft is None or draft is not self.draft_snapshot else min(held, draft.offset)
         cache.load(node, self.cache, draft, held, draft_held)
+        if held < len(self.tokens):  # another sequence's checkpoint: the drafting state was the live one's
+            self.fallback = None
         self.tokens = prompt[:node.end]
         self._points = [p for p in self._points if p.length <= held]
         self._points.append(_Point(node.end, node.state, None))

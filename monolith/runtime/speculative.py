@@ -81,9 +81,10 @@ class SpeculativeDecoder:
         rounds = Rounds(self.model, self.drafter, params, self.max_context, self.gamma, self.scheduler,
                         self.profile, cache=cache)
         if cached and not self.drafter.restore(session.draft_snapshot, cached):
-            session.reset()  # no draft context for this point: start over
-            session.resume(self.model, prompt, self.max_context, new_tokens=1)
-            cached = 0
+            session.reset()  # no draft context for this point: a checkpoint (which holds one), or start over
+            _, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
+            if cached:
+                self.drafter.restore(session.draft_snapshot, cached)
         if self.break_even is not None:
             kept = session.fallback if cached else None
             rounds.fallback = kept if kept is not None else Fallback(self.break_even)

@@ -93,20 +93,20 @@ class PromptCacheCollector:
         cache = self.cache
         stats = None if cache is None else cache.stats
         store = None if cache is None else cache.store
-        for name, doc, value in (
-                ("hits", "Requests that resumed from a cached prefix", stats and stats.hits),
-                ("misses", "Requests that prefilled from the first token", stats and stats.misses),
-                ("evictions", "Checkpoints dropped to stay within the memory budget", stats and stats.evictions),
-                ("disk_hits", "Checkpoints loaded from --prompt-cache-dir", stats and stats.disk_hits)):
-            family = CounterMetricFamily(f"monolith_prompt_cache_{name}", doc)
-            family.add_metric([], value or 0)
-            yield family
-        for name, doc, value in (
-                ("checkpoints", "Checkpoints held in memory", cache and cache.checkpoints),
-                ("bytes", "Bytes of KV rows and recurrent states the prompt cache holds", cache and cache.nbytes),
-                ("budget_bytes", "The prompt cache's memory budget (--prompt-cache-size)", cache and cache.budget),
-                ("disk_files", "Checkpoint files in --prompt-cache-dir", store and store.files),
-                ("disk_bytes", "Bytes of checkpoint files in --prompt-cache-dir", store and store.nbytes)):
-            family = GaugeMetricFamily(f"monolith_prompt_cache_{name}", doc)
-            family.add_metric([], value or 0)
-            yield family
+        series = (
+            (CounterMetricFamily, "hits", "Requests that resumed from a cached prefix", stats and stats.hits),
+            (CounterMetricFamily, "misses", "Requests that prefilled from the first token", stats and stats.misses),
+            (CounterMetricFamily, "evictions", "Checkpoints dropped to stay within the memory budget",
+             stats and stats.evictions),
+            (CounterMetricFamily, "disk_hits", "Checkpoints loaded from --prompt-cache-dir", stats and stats.disk_hits),
+            (GaugeMetricFamily, "checkpoints", "Checkpoints held in memory", cache and cache.checkpoints),
+            (GaugeMetricFamily, "bytes", "Bytes of KV rows and recurrent states the prompt cache holds",
+             cache and cache.nbytes),
+            (GaugeMetricFamily, "budget_bytes", "The prompt cache's memory budget (--prompt-cache-size)",
+             cache and cache.budget),
+            (GaugeMetricFamily, "disk_files", "Checkpoint files in --prompt-cache-dir", store and store.files),
+            (GaugeMetricFamily, "disk_bytes", "Bytes of checkpoint files in --prompt-cache-dir", store and store.nbytes))
+        for family, name, doc, value in series:
+            metric = family(f"monolith_prompt_cache_{name}", doc)
+            metric.add_metric([], value or 0)
+            yield metric
