@@ -126,16 +126,20 @@ def test_the_directory_keeps_its_bound(model, tok, tmp_path):
     ask_once(server(model, tok, tmp_path, max_bytes=1 << 40), *prompt(tok, "List the files."))
     one = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     bound = one * 3 // 2
+    (tmp_path / "bounded").mkdir()
+    theirs = tmp_path / "bounded" / "weights.safetensors"  # not a checkpoint: never counted or deleted
+    theirs.write_bytes(b"x" * 10)
     for directory in (tmp_path / "bounded",):
         engine = server(model, tok, directory, max_bytes=bound)
         try:
             for question in ("List the files.", "Read a.py.", "Read b.py.", "Run the tests."):
                 ask(engine, *prompt(tok, question))
                 engine.prompt_cache.store.flush()
-                held = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+                held = sum(p.stat().st_size for p in directory.glob("*.safetensors") if p != theirs)
                 assert held <= bound and held == engine.prompt_cache.store.nbytes
         finally:
             engine.close()
+    assert theirs.read_bytes() == b"x" * 10
     # what is left loads: every file's chain of earlier files is still there
     store = PromptStore(tmp_path / "bounded", bound, identity(model))
     try:

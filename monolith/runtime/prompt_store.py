@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ log = logging.getLogger("monolith.prompt_cache")
 
 DEFAULT_DIR_BYTES = 16 << 30
 _WRITES_WAITING = 8  # checkpoints queued for the writer thread; more are not persisted
+_NAME = re.compile(r"[0-9a-f]{64}")  # file_key(): what a checkpoint file is called
 
 
 # ------------------------------------------------------------------ the directory
@@ -101,6 +103,8 @@ class PromptStore:
         for path in self.directory.glob(".tmp-*" + SUFFIX):  # a write that died before its rename
             path.unlink(missing_ok=True)
         for path in sorted(self.directory.glob("*" + SUFFIX)):
+            if not _NAME.fullmatch(path.stem):  # not a checkpoint file's name: not ours to count or delete
+                continue
             stat = path.stat()
             self._sizes[path] = (stat.st_size, stat.st_mtime)
             try:
