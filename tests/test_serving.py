@@ -16,7 +16,6 @@ from serving_rig import (
     NAME,
     TOOLS,
     Server,
-    assert_error,
     chat_ids,
     expected,
     model,  # noqa: F401 - a module fixture
@@ -31,6 +30,7 @@ from monolith.launch import load_drafter
 from monolith.models import load_model
 from monolith.runtime.calibrate import measure_break_even
 from monolith.runtime.engine import Engine
+from monolith.runtime.plain import PlainDecoder
 from monolith.runtime.session import Session
 from monolith.runtime.speculative import SpeculativeDecoder
 from monolith.runtime.textstream import TextStream
@@ -307,7 +307,17 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(pair):
         assert s.metric("spec_decode_num_accepted_tokens_total") == sum(
             s.metric(f'spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}')
             for i in range(decoder.gamma))
-        assert_error(s.post("/v1/chat/completions", {"messages": messages, "logprobs": True}), 400, "logprobs")
+        # logprobs with a draft: those of plain decoding (the target's verify rows)
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+        plain_lps = []
+        PlainDecoder(model, MAX_CONTEXT)(Session(), tok.encode_chat(messages), 12, SamplingParams(), (),
+                                         lambda token, lp: plain_lps.append(lp) or True, logprobs=2)
+        entries = r.choices[0].logprobs.content
+        assert len(entries) == len(plain_lps) == 12
+        assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in plain_lps], abs=1e-4)
+        assert [[t.logprob for t in e.top_logprobs] for e in entries] == [
+            pytest.approx([v for _, v in lp.top], abs=1e-4) for lp in plain_lps]
         ids = tok.encode_chat(messages)  # a prompt that extends the last one resumes its cache
         longer = ids + tok.encode(" more words")
         r = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)

@@ -332,3 +332,39 @@ def test_sampled_speculative_is_reproducible_with_a_seed(model):
     runs = [speculate(model, SamplingOracle(PROMPT, model), PROMPT, 12, params, [], 64).token_ids
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+@pytest.mark.parametrize(("error_at", "break_even"), [(None, None), (0, None), (3, None), (3, 100.0)])
+def test_logprobs_with_a_draft_equal_plain(model, error_at, break_even):
+    """The logprobs of every emitted token (accepted, corrected, bonus, and, with a
+    fallback that pays never, plain rounds) come from the target's rows: they equal plain
+    decoding's, top tokens included."""
+    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.session import Session
+
+    max_context = len(PROMPT) + 30
+    reference = plain_greedy(model, PROMPT, 30, max_context)
+
+    def run(decoder):
+        seen = []
+        out = decoder(Session(), PROMPT, 30, GREEDY, frozenset(), lambda token, lp: seen.append(lp) or True,
+                      logprobs=3)
+        return out, seen
+
+    want, want_lps = run(PlainDecoder(model, max_context, CHUNK))
+    oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at)
+    decoder = SpeculativeDecoder(model, oracle, max_context, CHUNK, GAMMA, break_even=break_even)
+    assert decoder.logprobs
+    got, got_lps = run(decoder)
+    assert got.token_ids == want.token_ids
+    if break_even is None:
+        assert got.speculative.rounds > 0
+    else:
+        assert got.speculative.plain_rounds > 0
+    assert len(got_lps) == len(want_lps) == len(want.token_ids)
+    for ours, theirs in zip(got_lps, want_lps):
+        assert ours.token_id == theirs.token_id
+        assert abs(ours.logprob - theirs.logprob) < 1e-4
+        assert len(ours.top) == 3
+        assert np.allclose([v for _, v in ours.top], [v for _, v in theirs.top], atol=1e-4)
+        assert {t for t, _ in ours.top} == {t for t, _ in theirs.top}

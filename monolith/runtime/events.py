@@ -60,7 +60,7 @@ def check_request(prompt_ids: Sequence[int], max_tokens, logprobs: int | None, v
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError("logprobs", f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
     if logprobs is not None and not logprobs_available:
-        raise RequestError("logprobs", "logprobs are not available with speculative decoding")
+        raise RequestError("logprobs", "logprobs are not available with this decoder")
     return prompt
 
 

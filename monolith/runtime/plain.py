@@ -56,7 +56,7 @@ class PlainDecoder:
 
         def pick(row):
             token = sample(row, params, None if keys is None else next(keys))
-            return (token, *_logprob_arrays(row, token, logprobs))
+            return (token, *logprob_arrays(row, token, logprobs))
 
         start = time.perf_counter()
         cache, cached, logits = session.resume(model, prompt, max_context)
@@ -91,7 +91,7 @@ class PlainDecoder:
                 finish, stop_token = "stop", True
                 break
             out.append(token_id)
-            if not on_token(token_id, _read_logprob(pending)) or cancelled():
+            if not on_token(token_id, read_logprob(pending)) or cancelled():
                 finish = "abort"
                 break
             if not more:
@@ -127,7 +127,9 @@ class PlainDecoder:
                 return None
 
 
-def _logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:
+def logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:
+    """(the sampled token's logprob, and with k the k likeliest ids and their logprobs),
+    lazy, under `row`'s raw distribution; () without logprobs (k None)."""
     if k is None:
         return ()
     logprobs = row - mx.logsumexp(row, keepdims=True)
@@ -138,7 +140,8 @@ def _logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:
     return chosen, top, logprobs[top]
 
 
-def _read_logprob(pending: tuple) -> TokenLogprob | None:
+def read_logprob(pending: tuple) -> TokenLogprob | None:
+    """The TokenLogprob of (token, *logprob_arrays(...)), or None without logprobs."""
     if len(pending) == 1:
         return None
     token_id, chosen = int(pending[0].item()), float(pending[1].item())

@@ -43,6 +43,8 @@ from ..models.cache import Snapshot
 from ..sampling import SamplingParams, filtered_probs, key_chain, sample
 from .accept import accept_greedy, accept_sampled
 from .drafter import Drafter, Proposal
+from .events import TokenLogprob
+from .plain import logprob_arrays, read_logprob
 from .scheduler import Fallback, FixedScheduler, Scheduler
 from .session import chunk_ends
 from .stats import SpecStats
@@ -63,6 +65,7 @@ class Block:
     snapshot: Snapshot | None = None  # the GDN states before the verify
     features: mx.array | None = None  # tap features of the l + 1 verified rows
     plain: bool = False  # a Fallback chose a one-row round: no draft
+    logprob_arrays: tuple = ()  # with logprobs: per verified row, see Rounds.verify
 
     @property
     def size(self) -> int:
@@ -82,6 +85,7 @@ class Queued:
     token: mx.array  # int32 [1]
     features: mx.array
     snapshot: Snapshot | None  # taken only for the step queued past a run
+    logprob: tuple = ()  # plain.logprob_arrays of the token, with logprobs
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class RoundResult:
     tokens: list[int]  # emitted: the accepted proposals then the bonus (accepted + 1 tokens)
     proposed: int  # l, proposals verified
     accepted: int  # a
+    logprobs: list[TokenLogprob] | None = None  # per token, under the target's raw distribution (with logprobs)
 
 
 class Rounds:
@@ -97,8 +102,10 @@ class Rounds:
 
     def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int, gamma: int,
                  scheduler: Scheduler | None = None, profile: bool = False, fallback: Fallback | None = None,
-                 cache=None):
-        """`gamma`: the proposals per round, 1..drafter.max_proposals (check_gamma)."""
+                 cache=None, logprobs: int | None = None):
+        """`gamma`: the proposals per round, 1..drafter.max_proposals (check_gamma);
+        `logprobs` (None: off; k: with the k likeliest) makes every emitted token carry
+        its TokenLogprob from the target's row that chose it."""
         self.model, self.drafter, self.params = model, drafter, params
         self.max_context = max_context
         self.gamma = gamma
@@ -111,6 +118,8 @@ class Rounds:
         self.cache = model.make_cache(max_context) if cache is None else cache
         self.stats = SpecStats(self.gamma)
         self.anchor: int | None = None
+        self.logprobs = logprobs
+        self.first_logprob: TokenLogprob | None = None  # the prefill's token's
         drafter.start(max_context)
 
     def _key(self) -> mx.array | None:
@@ -137,7 +146,9 @@ class Rounds:
                 mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph between chunks
             if end in stops and on_stop is not None:
                 on_stop(end)
-        self.anchor = int(sample(logits[-1], self.params, self._key()).item())
+        token = sample(logits[-1], self.params, self._key())
+        self.first_logprob = read_logprob((token, *logprob_arrays(logits[-1], token, self.logprobs)))
+        self.anchor = int(token.item())
         return self.anchor
 
     def round(self, max_new: int) -> RoundResult:
@@ -151,7 +162,9 @@ class Rounds:
         else:
             mx.async_eval(block.proposed)  # the draft runs while the host builds the verify
         drafted = time.perf_counter()
-        read = np.array(self.verify(block))  # the round's one host sync
+        verdict = self.verify(block)
+        mx.eval(verdict, *block.logprob_arrays)
+        read = np.array(verdict)  # the round's one host sync
         verified = time.perf_counter()
         result = self.commit(block, read)
         if self.profile:
@@ -185,12 +198,14 @@ class Rounds:
 
         def step(token: mx.array, snapshot: Snapshot | None = None) -> Queued:
             logits, features = self.model.forward(token, cache, taps=taps)
-            token = sample(logits[-1], self.params, self._key()).reshape(1).astype(mx.int32)
-            mx.async_eval(token, features)
-            return Queued(token, features, snapshot)
+            token = sample(logits[-1], self.params, self._key())
+            logprob = logprob_arrays(logits[-1], token, self.logprobs)
+            token = token.reshape(1).astype(mx.int32)
+            mx.async_eval(token, features, *logprob)
+            return Queued(token, features, snapshot, logprob)
 
         pending = self.queued or step(mx.array([self.anchor], dtype=mx.int32))
-        self.queued, tokens = None, []
+        self.queued, tokens, logprobs = None, [], []
         for i in range(n):
             current = pending
             if i + 1 < n:
@@ -198,10 +213,11 @@ class Rounds:
             elif queue_next and cache.offset + 1 < self.max_context:
                 self.queued = step(current.token, cache.snapshot())
             tokens.append(int(current.token.item()))
+            logprobs.append(read_logprob((current.token, *current.logprob)))
             self.unobserved.append(current.features)
         self.anchor = tokens[-1]
         self.stats.plain_rounds += n
-        return RoundResult(tokens, 0, 0)
+        return RoundResult(tokens, 0, 0, logprobs if self.logprobs is not None else None)
 
     # The round's stages, separately (the benchmarks time and count each one).
 
@@ -242,6 +258,8 @@ class Rounds:
         else:
             q = block.proposal.q[:l] if l else mx.zeros((0, logits.shape[-1]), mx.float32)
             verdict = accept_sampled(block.proposed, filtered_probs(logits, self.params), q, block.accept_key)
+        if self.logprobs is not None:
+            block.logprob_arrays = verify_logprobs(logits, block.proposed, verdict[-1], self.logprobs)
         return mx.concatenate([block.proposed, verdict])
 
     def commit(self, block: Block, read: np.ndarray) -> RoundResult:
@@ -257,7 +275,9 @@ class Rounds:
             self.scheduler.update(l, accepted, block.confidence)
             if self.fallback is not None:
                 self.fallback.update(accepted + 1)
-        return RoundResult([int(t) for t in read[:accepted]] + [bonus], l, accepted)
+        tokens = [int(t) for t in read[:accepted]] + [bonus]
+        logprobs = read_verify_logprobs(block.logprob_arrays, tokens) if block.logprob_arrays else None
+        return RoundResult(tokens, l, accepted, logprobs)
 
     def sync_drafter(self) -> None:
         """Drop a queued plain step (its row leaves the cache) and hand the drafter the
@@ -279,3 +299,31 @@ def check_gamma(gamma: int | None, max_proposals: int) -> int:
         raise ValueError(f"the draft block size must be an integer in 1..{max_proposals} "
                          f"(the draft's proposals per block), got {gamma!r}")
     return gamma
+
+
+def verify_logprobs(logits: mx.array, proposed: mx.array, bonus: mx.array, k: int) -> tuple:
+    """Lazy, per verify row i (l + 1 rows): the logprob of proposal i + 1 (rows 0..l-1),
+    of the bonus, and with k > 0 the k likeliest ids and their logprobs; under the raw
+    distribution of the target's rows, as plain decoding reports them."""
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    l = proposed.shape[0]
+    chosen = mx.take_along_axis(lp[:l], proposed.astype(mx.int32)[:, None], axis=-1)[:, 0] if l \
+        else mx.zeros((0,), lp.dtype)
+    arrays = (chosen, lp[:, bonus])
+    if k:
+        top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        arrays += (top, mx.take_along_axis(lp, top, axis=-1))
+    return arrays
+
+
+def read_verify_logprobs(arrays: tuple, tokens: list[int]) -> list[TokenLogprob]:
+    """The TokenLogprobs of a round's emitted tokens (the accepted proposals, then the
+    bonus from the row after them), from verify_logprobs' evaluated arrays."""
+    chosen, bonus = np.array(arrays[0]), np.array(arrays[1])
+    top = [np.array(a) for a in arrays[2:]]
+    out = []
+    for row, token in enumerate(tokens):
+        value = float(bonus[row] if row == len(tokens) - 1 else chosen[row])
+        pairs = sorted(zip(top[0][row].tolist(), top[1][row].tolist()), key=lambda p: -p[1]) if top else []
+        out.append(TokenLogprob(token, value, tuple(pairs)))
+    return out

@@ -2,7 +2,9 @@
 
 A prompt that extends the session's tokens prefills only its new ones here too: the
 drafter's context snapshot is kept with the session (a drafter that cannot resume
-prefills every prompt whole). No logprobs: the round does not keep the target's rows.
+prefills every prompt whole). Logprobs come from the target's rows that chose each
+token: the verify rows for accepted, corrected and bonus tokens, the step's row in a
+plain round.
 With a `break_even` (calibrate.measure_break_even), each conversation gets a
 scheduler.Fallback: rounds become plain steps while drafting does not pay; a prompt
 that extends the session (the next turn) goes on with the state the last request left.
@@ -23,7 +25,7 @@ from .session import Session
 
 
 class SpeculativeDecoder:
-    logprobs = False
+    logprobs = True  # from the target's verify rows (rounds.verify_logprobs)
 
     def __init__(self, model, drafter: Drafter, max_context: int, prefill_chunk_size: int = 512,
                  gamma: int | None = None, scheduler: Scheduler | None = None, break_even: float | None = None,
@@ -52,7 +54,7 @@ class SpeculativeDecoder:
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
-        rounds = self._resume(session, prompt, params)
+        rounds = self._resume(session, prompt, params, logprobs)
         cached = rounds.cache.offset
         context = self.drafter.snapshot()
 
@@ -66,7 +68,7 @@ class SpeculativeDecoder:
         first_at = time.perf_counter()
         try:
             out, finish, read = run_rounds(rounds, emitted, max_tokens, frozenset(stop_ids),
-                                           lambda token_id: on_token(token_id, None) and not cancelled(),
+                                           lambda token_id, logprob: on_token(token_id, logprob) and not cancelled(),
                                            self.on_round)
         finally:
             self._keep(session, rounds, prompt + emitted[:-1])
@@ -74,12 +76,12 @@ class SpeculativeDecoder:
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, finish == "stop",
                        rounds.stats)
 
-    def _resume(self, session: Session, prompt: list[int], params: SamplingParams) -> Rounds:
+    def _resume(self, session: Session, prompt: list[int], params: SamplingParams, logprobs: int | None) -> Rounds:
         """The sequence's rounds on the session's cache, at the longest point both the
         cache and the drafter's context can resume from."""
         cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
         rounds = Rounds(self.model, self.drafter, params, self.max_context, self.gamma, self.scheduler,
-                        self.profile, cache=cache)
+                        self.profile, cache=cache, logprobs=logprobs)
         if cached and not self.drafter.restore(session.draft_snapshot, cached):
             session.reset()  # no draft context for this point: a checkpoint (which holds one), or start over
             _, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
@@ -104,21 +106,21 @@ class SpeculativeDecoder:
 
 
 def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset[int],
-               on_token: Callable[[int], bool],
+               on_token: Callable[[int, TokenLogprob | None], bool],
                on_round: Callable[[RoundResult, Rounds], None] | None = None) -> tuple[list[int], str, int]:
     """Hand out the tokens in `emitted` (the prefill's first one), then those of rounds,
-    which `emitted` collects, each to `on_token`, until a stop token (not output: "stop"),
-    `budget` output tokens ("length") or `on_token` returning False ("abort"). Returns
-    (output, finish reason, tokens read, a stop token included)."""
+    which `emitted` collects, each with its logprob (None without) to `on_token`, until a
+    stop token (not output: "stop"), `budget` output tokens ("length") or `on_token`
+    returning False ("abort"). Returns (output, finish reason, tokens read)."""
     out: list[int] = []
-    pending, read = list(emitted), 0
+    pending, logprobs, read = list(emitted), [rounds.first_logprob] * len(emitted), 0
     while True:
-        for token in pending:
+        for token, logprob in zip(pending, logprobs):
             read += 1
             if token in stops:
                 return out, "stop", read
             out.append(token)
-            if not on_token(token):
+            if not on_token(token, logprob):
                 return out, "abort", read
         if len(out) >= budget:
             return out, "length", read
@@ -126,4 +128,5 @@ def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset
         if on_round is not None:
             on_round(result, rounds)
         pending = result.tokens
+        logprobs = result.logprobs or [None] * len(pending)
         emitted += pending

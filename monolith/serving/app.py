@@ -261,9 +261,6 @@ class _Handlers:
                       "tokens and the prompt plus at least one generated token must fit", prompt_param,
                       "context_length_exceeded") from None
         except RequestError as e:
-            if e.field == "logprobs" and req.logprobs is not None and not engine.supports_logprobs:
-                raise bad("logprobs are not available with speculative decoding (a server started with --draft)",
-                          "logprobs") from None
             raise bad(str(e), prompt_param if e.field == "prompt" else e.field) from None
         except QueueFull as e:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
