@@ -370,3 +370,33 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     # a prompt that does not extend the session starts afresh
     outcome = decoder(session, tok.encode("Another topic"), 12, SamplingParams(), [], lambda t, _: True)
     assert outcome.cached_tokens == 0 and outcome.spec.drafts >= 1 and session.fallback is not kept
+
+
+def reasoning_and_content(client, messages, **kw):
+    """(reasoning_content, content, tool calls) of a reply, non-streamed and streamed."""
+    m = client.chat.completions.create(model=NAME, messages=messages, **kw).choices[0].message
+    whole = ((m.model_extra or {}).get("reasoning_content"), m.content, [c.function.name for c in m.tool_calls or []])
+    chunks = [c for c in client.chat.completions.create(model=NAME, messages=messages, stream=True, **kw) if c.choices]
+    streamed = ("".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks) or None,
+                "".join(c.choices[0].delta.content or "" for c in chunks) or None,
+                [tc.function.name for c in chunks for tc in (c.choices[0].delta.tool_calls or [])])
+    return whole, streamed
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("<think>\nThe user greets me.\n</think>\n\nHello!", ("The user greets me.\n", "Hello!", [])),
+    ("No thinking, just the answer.", (None, "No thinking, just the answer.", [])),
+    ("<think>\nA call would be <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>\n</think>\n\n"
+     "No call after all.", ("A call would be <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>\n",
+                           "No call after all.", [])),
+    ("<think>I will call it.</think>\n\n" + JSON_CALL, ("I will call it.", "Let me check.", ["get_weather"])),
+])
+def test_reasoning_goes_to_reasoning_content(model, tok, text, want):
+    """Qwen's <think> block is message.reasoning_content (delta.reasoning_content when
+    streamed), never content; tool calls are read from the content only."""
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode(text)))) as s:
+        client = s.wait_ready().client()
+        whole, streamed = reasoning_and_content(client, [{"role": "user", "content": "Hi"}], tools=TOOLS)
+    assert whole == want
+    # streamed, the content before a tool call keeps its newline (as without reasoning)
+    assert (streamed[0], streamed[1] and streamed[1].rstrip("\n"), streamed[2]) == want

@@ -37,6 +37,7 @@ from ..runtime.engine import (
 )
 from ..runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest, RequestError, Started
 from .metrics import CONTENT_TYPE, Metrics
+from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json, sse
 from .schemas import (
     APIError,
@@ -196,14 +197,15 @@ class _Handlers:
         req = parse_chat_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
 
-        def encode() -> list[int]:
+        def encode() -> tuple[list[int], bool]:
             try:
-                return engine.tokenizer.encode_chat(req.messages, req.tools, **req.template_kwargs)
+                text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
             except ValueError as e:  # TokenizerError: the template refused the conversation
                 raise bad(str(e), "messages") from None
+            return engine.tokenizer.encode(text, add_special_tokens=False), prompt_opens_reasoning(text)
 
-        prompt_ids = await anyio.to_thread.run_sync(encode)
-        fmt = ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools)
+        prompt_ids, reasoning_open = await anyio.to_thread.run_sync(encode)
+        fmt = ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open)
         return await self._generate(request, engine, prompt_ids, req, fmt, "messages", started,
                                     engine.tokenizer.message_ends(prompt_ids))
 

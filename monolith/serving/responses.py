@@ -9,6 +9,7 @@ import time
 import uuid
 
 from ..runtime.events import Delta, Finished
+from .reasoning import ReasoningSplitter
 from .tools import ToolCallParser, parse_tool_calls
 
 NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
@@ -34,7 +35,9 @@ def reason_of(finished: Finished) -> str:
 class ChatFormat:
     """chat.completion and chat.completion.chunk bodies."""
 
-    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None):
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None,
+                 reasoning_open: bool = False):
+        """`reasoning_open`: the prompt left a think block open (reasoning.py)."""
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -42,6 +45,7 @@ class ChatFormat:
         self.logprobs = logprobs
         self.tools = tools
         self.parser = ToolCallParser(tools) if tools else None
+        self.splitter = ReasoningSplitter(reasoning_open)  # reasoning_content | content
         self.texts: list[str] = []
         self.entries: list[dict] = []  # logprobs not yet sent (streaming) / all of them
         self.calls_sent = 0
@@ -51,13 +55,17 @@ class ChatFormat:
         self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
 
     def response(self, finished: Finished) -> dict:
-        text = "".join(self.texts)
+        reasoning, text = self.splitter.feed("".join(self.texts))
+        more_reasoning, more_text = self.splitter.finish()
+        reasoning, text = reasoning + more_reasoning, text + more_text
         calls = []
-        if self.tools:
+        if self.tools:  # tool calls are read from the content, never from the reasoning
             content, calls = parse_tool_calls(text, self.tools)
         else:
             content = text
         message = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
         reason = "tool_calls" if calls and finished.finish_reason == "stop" else reason_of(finished)
@@ -81,19 +89,26 @@ class ChatFormat:
 
     def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
         self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
+        return self._split(self.splitter.feed(delta.text), include_usage)
+
+    def _split(self, pieces: tuple[str, str], include_usage: bool) -> list[dict]:
+        """Chunks for a (reasoning, content) pair: the reasoning as delta.reasoning_content,
+        the content through the tool-call parser."""
+        reasoning, text = pieces
+        chunks = [self._chunk({"reasoning_content": reasoning}, include_usage=include_usage)] if reasoning else []
         if self.parser is None:
-            content, calls = delta.text, []
+            content, calls = text, []
         else:
-            content, calls = self.parser.feed(delta.text)
-        return self._pieces(content, calls, include_usage)
+            content, calls = self.parser.feed(text)
+        return chunks + self._pieces(content, calls, include_usage)
 
     def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
-        chunks = []
+        chunks = self._split(self.splitter.finish(), include_usage)
         if self.parser is not None:
             content, calls = self.parser.finish()
             if self.parser.calls and not content.strip():
                 content = ""  # whitespace after the calls
-            chunks = self._pieces(content, calls, include_usage)
+            chunks += self._pieces(content, calls, include_usage)
         reason = "tool_calls" if self.parser and self.parser.calls and finished.finish_reason == "stop" \
             else reason_of(finished)
         chunks.append(self._chunk({}, reason, include_usage))
