@@ -2,7 +2,9 @@
 
 Replies stream as they are generated, then one line of speed and acceptance. The
 conversation's cache is kept across turns, so each turn prefills only its new
-tokens. Commands: /reset, /system TEXT, /stats, /save FILE, /load FILE, /quit. /save
+tokens. The model's reasoning (Qwen's <think> block) shows dimmed, or collapsed to one
+line with /think off. Commands: /reset, /system TEXT, /stats, /think on|off, /save FILE,
+/load FILE, /quit. /save
 writes the conversation and its cached state to FILE (a checkpoint: safetensors with
 SHA-256s, runtime/checkpoint_file.py) and /load reads one back, checked against this model and
 draft, so a long conversation goes on without prefilling it again. Ctrl-C stops the
@@ -38,10 +40,12 @@ from .runtime.events import (
     GenerationRequest,
 )
 from .runtime.prompt_cache import layout_of
+from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from .sampling import SamplingParams
 
-HELP = ("commands: /reset  /system TEXT  /stats  /save FILE  /load FILE  /quit   "
+HELP = ("commands: /reset  /system TEXT  /stats  /think on|off  /save FILE  /load FILE  /quit   "
         "(Ctrl-C stops a reply, Ctrl-D leaves)")
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # how a terminal shows the model's reasoning
 
 
 def build_parser() -> ArgumentParser:
@@ -104,6 +108,7 @@ class Chat:
         self.conversation = Conversation(engine.tokenizer, args.system, self.template_kwargs)
         self.totals = {"prompt": 0, "cached": 0, "generated": 0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0,
                        "drafts": 0, "accepted": 0}
+        self.show_thinking = True  # /think on|off: the reasoning shown dimmed, or collapsed to a marker
 
     def write(self, text: str) -> None:
         self.out.write(text)
@@ -144,6 +149,12 @@ class Chat:
             self.write("(system prompt " + ("set" if rest.strip() else "cleared") + "; new conversation)\n")
         elif name == "/stats":
             self.write(self.stats() + "\n")
+        elif name == "/think":
+            if rest.strip() not in ("on", "off"):
+                self.write("usage: /think on|off\n")
+            else:
+                self.show_thinking = rest.strip() == "on"
+                self.write("(reasoning " + ("shown, dimmed" if self.show_thinking else "collapsed") + ")\n")
         elif name in ("/save", "/load") and not rest.strip():
             self.write(f"usage: {name} FILE\n")
         elif name == "/save":
@@ -215,7 +226,9 @@ class Chat:
         except ValueError as e:
             self.write(f"(error: {e})\n")
             return
-        finished, stopped, text = None, False, []
+        finished, stopped = None, False
+        tail = self.engine.tokenizer.decode(prompt[-8:], skip_special_tokens=False)
+        shown = _Shown(self, ReasoningSplitter(prompt_opens_reasoning(tail)))
         while finished is None:
             try:
                 try:
@@ -223,11 +236,11 @@ class Chat:
                 except queue.Empty:
                     continue
                 if isinstance(event, Delta):
-                    text.append(event.text)
-                    self.write(_printable(event.text))
+                    shown.feed(event.text)
                 elif isinstance(event, Finished):
                     finished = event
                 elif isinstance(event, Failed):
+                    shown.finish()
                     self.write(f"\n(error: {event.error})\n")
                     self.session.reset()
                     self.conversation = Conversation(self.engine.tokenizer, self.conversation.system,
@@ -236,6 +249,7 @@ class Chat:
             except KeyboardInterrupt:
                 stopped = True
                 job.cancel()
+        shown.finish()
         self.conversation.commit(prompt, finished.token_ids)
         self.write("\n" + ("[stopped] " if stopped else "") + self.reply_line(finished) + "\n")
 
@@ -272,6 +286,45 @@ class Chat:
                 f"prompt tokens: {t['prompt']} ({t['cached']} cached, {prefilled} prefilled), {prefill:.1f} tok/s\n"
                 f"generated: {t['generated']} tokens, {decode:.1f} tok/s\n"
                 f"acceptance: {acceptance}")
+
+
+class _Shown:
+    """A reply on the terminal: its reasoning dimmed (or, collapsed, one marker), then
+    its content on a line of its own."""
+
+    def __init__(self, chat: Chat, splitter: ReasoningSplitter):
+        self.chat, self.splitter = chat, splitter
+        self.styled = getattr(chat.out, "isatty", lambda: False)()
+        self.reasoned = self.collapsed = self.answered = self.dimmed = False
+
+    def feed(self, text: str) -> None:
+        self.show(*self.splitter.feed(text))
+
+    def finish(self) -> None:
+        self.show(*self.splitter.finish())
+        self._undim()
+
+    def show(self, reasoning: str, content: str) -> None:
+        if reasoning and self.chat.show_thinking:
+            if self.styled and not self.dimmed:
+                self.chat.write(DIM)
+                self.dimmed = True
+            self.chat.write(_printable(reasoning))
+            self.reasoned = True
+        elif reasoning and not self.collapsed:
+            self.chat.write("[thinking... /think on shows it]\n")
+            self.collapsed = True
+        if content:
+            self._undim()
+            if self.reasoned and not self.answered:
+                self.chat.write("\n")
+            self.answered = True
+            self.chat.write(_printable(content))
+
+    def _undim(self) -> None:
+        if self.dimmed:
+            self.chat.write(PLAIN)
+            self.dimmed = False
 
 
 def _printable(text: str) -> str:

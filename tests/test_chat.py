@@ -316,3 +316,30 @@ def test_save_and_load_with_a_draft(tmp_path, synth_pair_f32):
     finally:
         plain.close()
     assert "cannot load" in text and "draft_sha256" in text
+
+
+def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
+    """A reply's <think> block shows dimmed on a terminal (/think on, the default) or as
+    one marker line (/think off); the answer follows on its own line either way."""
+    import io
+
+    from monolith.chat import DIM, PLAIN, Chat
+    from serving_rig import scripted
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    reply = "<think>\nweighing it\n</think>\n\nThe answer."
+    engine = Engine(tiny_model, tok, max_context=512, decoder=scripted(tok.encode(reply)))
+    try:
+        out, lines = Terminal(), ["Hi", "/think off", "Hi again", "/think maybe"]
+        chat = Chat(engine, chat_args(max_tokens=64), "tiny", out)
+        chat.run(lambda prompt: lines.pop(0) if lines else (_ for _ in ()).throw(EOFError))
+    finally:
+        engine.close()
+    text = out.getvalue()
+    first, second = text.split("(reasoning collapsed)")
+    assert f"{DIM}weighing it\n{PLAIN}\nThe answer." in first
+    assert "weighing it" not in second and "[thinking... /think on shows it]\nThe answer." in second
+    assert "usage: /think on|off" in second
