@@ -273,6 +273,28 @@ def test_a_cancelled_prefill_leaves_only_complete_exact_checkpoints(loaded):
     assert_same_greedy(model, prompt, warm.token_ids, cold.token_ids)
 
 
+def test_a_cancelled_speculative_prefill_stops_between_chunks(loaded):
+    """A client gone during a long prefill with a draft stops it at the next chunk: no
+    token, and the session (cache and draft context) resumes from where it stopped."""
+    model, drafter, tok = loaded
+    chunk = 16
+    decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT, chunk)
+    prompt = tok.encode_chat([system(), user(ASKS[1] + " " + ASKS[3])])
+    boundaries = tok.message_ends(prompt)
+    stop_at = boundaries[0] + 20
+    assert stop_at + chunk < len(prompt)
+    cache = PromptCache(BIG, 32)
+    session = Session(cache)
+    out = run(decoder, session, prompt, boundaries, cancelled=lambda: session.cache.offset >= stop_at)
+    done = session.cache.offset
+    assert out.finish_reason == "abort" and out.token_ids == [] and stop_at <= done < stop_at + chunk
+    assert max(n.end for n in checkpoint_nodes(cache)) <= done
+    warm, cold = run(decoder, session, prompt, boundaries), run(decoder, Session(), prompt, boundaries)
+    assert warm.cached_tokens == done
+    assert_same_greedy(model, prompt, warm.token_ids, cold.token_ids)
+    assert warm.speculative.accepted_per_round == cold.speculative.accepted_per_round  # the draft's context too
+
+
 def checkpoint_nodes(cache: PromptCache):
     found, stack = [], list(cache.root.children.values())
     while stack:

@@ -126,12 +126,14 @@ class Rounds:
         return None if self.keys is None else next(self.keys)
 
     def prefill(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
-                on_stop: Callable[[int], None] | None = None) -> int:
+                on_stop: Callable[[int], None] | None = None,
+                cancelled: Callable[[], bool] = lambda: False) -> int | None:
         """Run `tokens` (the prompt past the cached rows) in chunks ending on multiples of
         chunk_size from row 0 and at `stops` (positions in the sequence), handing every
         row's features to the drafter and calling `on_stop(position)` once the cache and
         the drafter hold the rows up to each stop; return the first generated token (the
-        first anchor)."""
+        first anchor), or None when `cancelled()` turned true between chunks (the cache
+        and the drafter then hold the rows prefilled so far)."""
         cache, taps = self.cache, self.drafter.taps  # the engine checked that the prompt fits
         begin, total = cache.offset, cache.offset + len(tokens)
         ids = mx.array(list(tokens), dtype=mx.int32)
@@ -146,6 +148,8 @@ class Rounds:
                 mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph between chunks
             if end in stops and on_stop is not None:
                 on_stop(end)
+            if not last and cancelled():
+                return None
         token = sample(logits[-1], self.params, self._key())
         self.first_logprob = read_logprob((token, *logprob_arrays(logits[-1], token, self.logprobs)))
         self.anchor = int(token.item())

@@ -62,8 +62,12 @@ class SpeculativeDecoder:
             if context is not None:
                 session.checkpoint(prompt[:end], draft=context)
 
-        emitted = [rounds.prefill(prompt[cached:], self.prefill_chunk_size,
-                                  session.stops(cached, len(prompt), boundaries), checkpoint)]
+        first = rounds.prefill(prompt[cached:], self.prefill_chunk_size,
+                               session.stops(cached, len(prompt), boundaries), checkpoint, cancelled)
+        if first is None:  # cancelled between prefill chunks: keep what was prefilled
+            self._keep(session, rounds, prompt[:rounds.cache.offset])
+            return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
+        emitted = [first]
         session.mark(prompt)
         first_at = time.perf_counter()
         try:
