@@ -175,8 +175,11 @@ class Chat:
             return "(nothing to save yet)"
         drafter = self._drafter()
         try:
-            held, rows, snapshot = engine.call(lambda: self.session.export(conversation.tokens, drafter is not None))
-            host_rows, host_states = engine.call(lambda: host_arrays(rows, snapshot.states))
+            def export():
+                held, rows, snapshot = self.session.export(conversation.tokens, drafter is not None)
+                return held, *host_arrays(rows, snapshot.states)
+
+            held, host_rows, host_states = engine.call(export)
             about = {"system": conversation.system, "turns": conversation.turns, "tokens": conversation.tokens,
                      "template_kwargs": conversation.template_kwargs}
             size = write_checkpoint(path, identity(engine.model, drafter), conversation.tokens[:held], 0, host_rows,

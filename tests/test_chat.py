@@ -215,20 +215,21 @@ def chat_args(max_tokens=8):
                               no_thinking=False, system="Be brief.")
 
 
-def run_chat(engine, lines):
-    """Run a Chat on `lines` (then end of input); (the chat, what it wrote)."""
+def run_chat(engine, lines, out=None, max_tokens=8):
+    """Run a Chat on `lines` (then end of input), writing to `out` (default a StringIO);
+    (the chat, what it wrote)."""
     import io
 
     from monolith.chat import Chat
 
-    out, pending = io.StringIO(), list(lines)
+    out, pending = out or io.StringIO(), list(lines)
 
     def read(prompt):
         if not pending:
             raise EOFError
         return pending.pop(0)
 
-    chat = Chat(engine, chat_args(), "tiny", out)
+    chat = Chat(engine, chat_args(max_tokens), "tiny", out)
     chat.run(read)
     return chat, out.getvalue()
 
@@ -323,7 +324,7 @@ def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
     one marker line (/think off); the answer follows on its own line either way."""
     import io
 
-    from monolith.chat import DIM, PLAIN, Chat
+    from monolith.chat import DIM, PLAIN
     from serving_rig import scripted
 
     class Terminal(io.StringIO):
@@ -333,12 +334,9 @@ def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
     reply = "<think>\nweighing it\n</think>\n\nThe answer."
     engine = Engine(tiny_model, tok, max_context=512, decoder=scripted(tok.encode(reply)))
     try:
-        out, lines = Terminal(), ["Hi", "/think off", "Hi again", "/think maybe"]
-        chat = Chat(engine, chat_args(max_tokens=64), "tiny", out)
-        chat.run(lambda prompt: lines.pop(0) if lines else (_ for _ in ()).throw(EOFError))
+        _, text = run_chat(engine, ["Hi", "/think off", "Hi again", "/think maybe"], Terminal(), max_tokens=64)
     finally:
         engine.close()
-    text = out.getvalue()
     first, second = text.split("(reasoning collapsed)")
     assert f"{DIM}weighing it\n{PLAIN}\nThe answer." in first
     assert "weighing it" not in second and "[thinking... /think on shows it]\nThe answer." in second

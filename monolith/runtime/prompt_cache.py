@@ -105,13 +105,6 @@ class PromptCache:
     def checkpoints(self) -> int:
         return self._checkpoints
 
-    def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
     # ---------------------------------------------------------------- where to checkpoint
 
     def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
@@ -264,13 +257,6 @@ class PromptCache:
                 self._leaves.add(parent)
                 return
             leaf = parent  # a branch point with nothing past it
-
-    def clear(self) -> None:
-        for node in self._nodes():
-            node.evicted = True
-        self.root.children.clear()
-        self._leaves.clear()
-        self.nbytes = self._checkpoints = 0
 
     # ---------------------------------------------------------------- layout
 
