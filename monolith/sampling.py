@@ -20,6 +20,7 @@ Everything stays in MLX ops; reading the sampled token is the caller's one sync.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import secrets
@@ -119,6 +120,28 @@ def sample(logits: mx.array, params: SamplingParams, key: mx.array | None) -> mx
     if key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key (see key_chain)")
     return mx.random.categorical(filtered_logits(logits, params), axis=-1, key=key).astype(mx.int32)
+
+
+@functools.cache
+def _bit_index(width: int) -> tuple[mx.array, mx.array]:
+    ids = mx.arange(width, dtype=mx.int32)
+    return ids // 32, ids % 32
+
+
+def allowed(words, width: int) -> mx.array:
+    """Bool [..., width] from int32 words [..., ceil(width / 32)]: bit i % 32 of word
+    i // 32 says whether token i is allowed (llguidance's bitmask layout)."""
+    word, bit = _bit_index(width)
+    return (mx.right_shift(mx.take(mx.array(words), word, axis=-1), bit) & 1).astype(mx.bool_)
+
+
+def mask_logits(logits: mx.array, words) -> mx.array:
+    """Logits [..., V] with the tokens the bitmask `words` [..., ceil(V / 32)] does not
+    allow at -inf (a grammar's constraint, applied before temperature and the filters);
+    `words` None: unchanged."""
+    if words is None:
+        return logits
+    return mx.where(allowed(words, logits.shape[-1]), logits, NEG_INF)
 
 
 def key_chain(seed: int | None) -> Iterator[mx.array]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..sampling import SamplingParams, filtered_logits
+from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
 from .cache import CacheError, DraftContext, KVCache
 from .draft_args import DraftArgs
 from .layers import Embedding, FusedLinear, Linear, cast, rms_norm
@@ -309,15 +309,83 @@ class Draft:
             prev_embeddings = None
         else:
             tokens, logits, prev_embeddings = self._markov_chain(u, h, prev, params, key)
-        q = mx.softmax(logits, axis=-1)
-        if self.draft_to_target is not None:
-            q_target = mx.zeros((gamma, self.target_vocab), mx.float32)
-            q_target[:, self.draft_to_target] = q
-            q = q_target
+        q = self._to_target(mx.softmax(logits, axis=-1))
         confidence = None
         if self.confidence_head is not None:
             confidence = mx.sigmoid(self.confidence_head.logits(h, prev_embeddings))
         return Proposal(tokens, q, confidence)
+
+    def propose_guided(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams, key, guide,
+                       limit: int) -> Proposal:
+        """Up to `limit` proposals after `anchor`, each legal under `guide` (grammar.Guide:
+        words() / forced() / push()) given the ones before it, which the guide consumes
+        (the caller rolls back what the round rejects). A position where the grammar
+        allows one token takes it without a draw and without counting against `gamma`
+        (and may lie past the draft's block); at most `gamma` others are drawn through
+        the Markov chain from the draft's logits masked by the grammar, each read before
+        the next position's mask exists (one host sync per drawn token). Ends after an
+        end token, and early where the draft's vocabulary holds no allowed token."""
+        if not params.greedy and key is None:
+            raise ValueError("sampling with temperature > 0 needs a PRNG key (see key_chain)")
+        first = 0 if self.args.sample_from_anchor else 1
+        slots = min(limit, self.max_proposals)
+        h = self.forward(ctx, anchor)[first:first + slots]
+        u = cast(self.lm_head(h), mx.float32)
+        m = self.markov
+        pre, state = (m.prepare(h), m.initial_state()) if m is not None else (None, None)
+        keys = None if params.greedy else mx.random.split(key, slots)
+        prev = mx.array([int(anchor)], mx.int32)
+        tokens, qs, embeddings, drafted = [], [], [], 0
+        for k in range(limit):
+            forced = guide.forced()
+            if forced is None and (drafted == gamma or k >= slots):
+                break
+            e = bias = None
+            if m is not None and k < slots:
+                e = m.w1(prev)
+                bias, state = m.step(e, None if pre is None else pre[k:k + 1], state)
+            if forced is not None:
+                token, q = forced, mx.zeros((1, self.target_vocab), mx.float32)
+                q[0, forced] = 1.0
+            else:
+                raw = u[k:k + 1] if bias is None else u[k:k + 1] + bias
+                words = guide.words()  # None: no constraint here (before it starts)
+                if words is not None:
+                    ok = allowed(words, self.target_vocab)
+                    if self.draft_to_target is not None:
+                        ok = ok[self.draft_to_target]
+                    if not ok.any().item():
+                        break
+                    raw = mx.where(ok, raw, NEG_INF)
+                row = filtered_logits(raw, params)
+                token = int(self._draw(raw if params.greedy else row, params,
+                                       None if keys is None else keys[k]).item())
+                q = self._to_target(mx.softmax(row, axis=-1))
+                drafted += 1
+            guide.push(token)
+            prev = mx.array([token], mx.int32)
+            tokens.append(token)
+            qs.append(q)
+            embeddings.append(e)
+            if guide.ended:  # an end token: nothing after it is emitted
+                break
+        n = len(tokens)
+        q = mx.concatenate(qs) if n else mx.zeros((0, self.target_vocab), mx.float32)
+        confidence = None
+        if self.confidence_head is not None and n:
+            on_block = min(n, slots)
+            e = mx.concatenate(embeddings[:on_block]) if m is not None and embeddings[0] is not None else None
+            c = mx.sigmoid(self.confidence_head.logits(h[:on_block], e))
+            confidence = mx.concatenate([c, mx.ones((n - on_block,), c.dtype)]) if n > on_block else c
+        return Proposal(mx.array(tokens, mx.int32), q, confidence)
+
+    def _to_target(self, q: mx.array) -> mx.array:
+        """Draft-vocabulary rows [k, V_draft] -> target-vocabulary rows [k, V_target]."""
+        if self.draft_to_target is None:
+            return q
+        out = mx.zeros((q.shape[0], self.target_vocab), mx.float32)
+        out[:, self.draft_to_target] = q
+        return out
 
     def _draw(self, logits: mx.array, params: SamplingParams, key) -> mx.array:
         """Draft ids from filtered logits [k, V_draft] -> target ids int32 [k]."""

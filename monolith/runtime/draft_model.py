@@ -31,6 +31,10 @@ class DraftModelDrafter:
     def propose(self, anchor: int, gamma: int, params: SamplingParams, key: mx.array | None) -> Proposal:
         return self.draft.propose(self._context(), anchor, gamma, params, key=key)
 
+    def propose_guided(self, anchor: int, gamma: int, params: SamplingParams, key: mx.array | None, guide,
+                       limit: int) -> Proposal:
+        return self.draft.propose_guided(self._context(), anchor, gamma, params, key, guide, limit)
+
     def arrays(self) -> list[mx.array]:
         return self._context().arrays()
 

@@ -13,6 +13,11 @@ context. Its life over one sequence:
     p = drafter.propose(anchor, gamma, params, key)
                                             # `anchor` = the last emitted token, which sits at
                                             #   position (rows observed so far)
+    p = drafter.propose_guided(anchor, gamma, params, key, guide, limit)
+                                            # under a grammar (grammar.Guide): up to `limit`
+                                            #   proposals, each legal given the ones before it,
+                                            #   which `guide` has consumed (optional: a drafter
+                                            #   without it cannot serve grammar requests)
     snap = drafter.snapshot()               # the context so far, to resume the sequence later
     drafter.restore(snap, rows)             #   from its first `rows` rows (False: it cannot)
 

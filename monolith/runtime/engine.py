@@ -22,6 +22,7 @@ serve, chat, generate and the benchmarks all run requests through an Engine;
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import threading
 import time
@@ -46,6 +47,7 @@ from .events import (
     Usage,
     check_request,
 )
+from .grammar import GrammarTokenizer
 from .plain import PlainDecoder
 from .prompt_cache import PromptCache
 from .session import Session
@@ -158,6 +160,12 @@ class Engine:
     @property
     def supports_logprobs(self) -> bool:
         return getattr(self.decoder, "logprobs", False)
+
+    @functools.cached_property
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The vocabulary for grammars (built on first use: about a second at 248K tokens);
+        a grammar may end the output with any of the stop tokens."""
+        return GrammarTokenizer.of(self.tokenizer, self.vocab_size, self.stop_ids)
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None], session: Session | None = None,
                timeout: float | None = None) -> Job:
@@ -295,9 +303,10 @@ class Engine:
             return not (text.stopped or job.cancelled)
 
         try:
+            constrained = {} if request.grammar is None else {"guide": self.grammar_tokenizer.guide(request.grammar)}
             outcome = self.decoder(job.session, request.prompt_ids, request.max_tokens, request.params,
                                    self.stop_ids, on_token, logprobs=request.logprobs,
-                                   cancelled=lambda: job.cancelled, boundaries=request.boundaries)
+                                   cancelled=lambda: job.cancelled, boundaries=request.boundaries, **constrained)
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             job.session.reset()
             self._emit(job, Failed(e))

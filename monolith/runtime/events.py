@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..sampling import SamplingParams
+from .grammar import Grammar
 from .stats import SpecStats
 
 MAX_TOP_LOGPROBS = 20
@@ -72,6 +73,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the k most likely
     boundaries: tuple[int, ...] = ()  # where the prompt's chat messages end: prompt-cache checkpoints
+    grammar: Grammar | None = None  # constrains the output (runtime.grammar)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,12 @@ on_token, logprobs=None, cancelled=..., boundaries=()) -> Outcome` (the speculat
 decoder has the same call shape); its arguments were checked at the boundary
 (events.check_request). `boundaries` are the prompt's message ends: with a prompt
 cache, the prefill takes checkpoints there (and every N tokens, and at the prompt's end;
-`Session.stops`), and the request's whole sequence is checkpointed at its end.
+`Session.stops`), and the request's whole sequence is checkpointed at its end. A `guide`
+(grammar.Guide) constrains the output: each token is sampled from the logits masked by
+the grammar, so the token must be read before the next one can be chosen (the forward is
+still queued before the mask is computed), and where the grammar allows exactly one
+token it is emitted without sampling and fed with the tokens before it in one forward
+(jump-forward).
 
 Prefill chunks end on multiples of the chunk size counted from the sequence's start, not
 from where a resumed prefill begins, so a prompt prefilled from a checkpoint runs the
@@ -25,8 +30,9 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from ..sampling import SamplingParams, key_chain, sample
+from ..sampling import SamplingParams, key_chain, mask_logits, sample
 from .events import Outcome, TokenLogprob
+from .grammar import Guide
 from .session import Session, chunk_ends
 
 
@@ -46,7 +52,8 @@ class PlainDecoder:
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
-                 cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = ()) -> Outcome:
+                 cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
+                 guide: Guide | None = None) -> Outcome:
         model, max_context = self.model, self.max_context
         prompt = list(prompt)
         room = max_context - len(prompt)
@@ -66,6 +73,11 @@ class PlainDecoder:
             if logits is None:
                 return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
         session.mark(prompt, logits)
+        if guide is not None:
+            if prefilled:
+                session.checkpoint(prompt)
+            return self._guided(session, prompt, logits, guide, max_tokens, stops, pick, logprobs, on_token,
+                                cancelled, start, cached)
         pending = pick(logits)
         mx.async_eval(*pending)
         if prefilled:
@@ -103,6 +115,54 @@ class PlainDecoder:
             session.mark(fed[:-1], snapshot=before)
         session.mark(fed)
         session.checkpoint(fed)
+        return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, steps, stop_token)
+
+    def _guided(self, session: Session, prompt: list[int], row: mx.array, guide: Guide, max_tokens: int,
+                stops: frozenset[int], pick, logprobs: int | None, on_token, cancelled, start: float,
+                cached: int) -> Outcome:
+        """The loop under a grammar: sample from the masked row (or take the forced
+        token), then feed it with the forced tokens after it in one forward."""
+        fed, out = list(prompt), []
+        first_at, steps, stop_token, finish = None, 0, False, "length"
+        while len(out) < max_tokens:
+            forced = guide.forced()
+            if forced is None:
+                chosen = pick(mask_logits(row, guide.words()))
+            else:
+                token = mx.array(forced, dtype=mx.int32)
+                chosen = (token, *logprob_arrays(row, token, logprobs))
+            token_id = int(chosen[0].item())
+            if first_at is None:
+                first_at = time.perf_counter()
+            if token_id in stops:
+                finish, stop_token = "stop", True
+                break
+            guide.push(token_id)
+            run, logprob = [token_id], read_logprob(chosen)
+            while len(out) + len(run) < max_tokens and (forced := guide.forced()) is not None and forced not in stops:
+                guide.push(forced)
+                run.append(forced)
+            out.append(token_id)
+            if not on_token(token_id, logprob) or cancelled():
+                finish = "abort"
+                break
+            rows, _ = self.model(mx.array(run, dtype=mx.int32), session.cache)
+            fed += run
+            steps += 1
+            for i, token_id in enumerate(run[1:]):  # forced: their logprobs from the rows before them
+                out.append(token_id)
+                if not on_token(token_id, read_logprob((mx.array(token_id), *logprob_arrays(
+                        rows[i], mx.array(token_id), logprobs)))) or cancelled():
+                    finish = "abort"
+                    break
+            if finish == "abort":
+                break
+            row = rows[-1]
+            mx.async_eval(row)  # the next forward runs while the host computes the next mask
+        end = time.perf_counter()
+        session.mark(fed)
+        session.checkpoint(fed)
+        first_at = first_at or end
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, steps, stop_token)
 
     def _prefill(self, session: Session, prompt: list[int], cached: int, cancelled,

@@ -21,6 +21,15 @@ sequence, prompt + output, stays within max_context, as in plain decoding), so t
 block shrinks near the end and committed rows never pass max_context - 1; a stop token
 ends the output where it is read, and nothing after it is emitted.
 
+Under a grammar (`guide`, grammar.Guide): the first token and every bonus are sampled
+from the target's rows masked by the grammar; the drafter proposes along the grammar
+(`propose_guided`: each proposal legal given the ones before it, a position the grammar
+forces taken without a draw); the verify rows are masked by the grammar along the same
+path, and acceptance compares the masked distributions, so the output follows plain
+constrained sampling exactly. Rejected proposals are rolled back in the guide. Rounds
+never fall back to plain steps then, and drafting reads each drawn proposal (one host
+sync per drawn token).
+
 Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The draft and the commit
 are queued with mx.async_eval as soon as their graphs exist, so the GPU works while the
 host builds the next stage (as plain decoding overlaps its steps; on MLX's CPU stream
@@ -40,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..models.cache import Snapshot
-from ..sampling import SamplingParams, filtered_probs, key_chain, sample
+from ..sampling import SamplingParams, filtered_probs, key_chain, mask_logits, sample
 from .accept import accept_greedy, accept_sampled
 from .drafter import Drafter, Proposal
 from .events import TokenLogprob
@@ -66,6 +75,7 @@ class Block:
     features: mx.array | None = None  # tap features of the l + 1 verified rows
     plain: bool = False  # a Fallback chose a one-row round: no draft
     logprob_arrays: tuple = ()  # with logprobs: per verified row, see Rounds.verify
+    masks: np.ndarray | None = None  # under a grammar: the verify rows' masks (Guide.masks)
 
     @property
     def size(self) -> int:
@@ -102,10 +112,15 @@ class Rounds:
 
     def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int, gamma: int,
                  scheduler: Scheduler | None = None, profile: bool = False, fallback: Fallback | None = None,
-                 cache=None, logprobs: int | None = None):
+                 cache=None, logprobs: int | None = None, guide=None):
         """`gamma`: the proposals per round, 1..drafter.max_proposals (check_gamma);
         `logprobs` (None: off; k: with the k likeliest) makes every emitted token carry
-        its TokenLogprob from the target's row that chose it."""
+        its TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
+        constrains the output (see the module doc)."""
+        if guide is not None and not hasattr(drafter, "propose_guided"):
+            raise ValueError(f"{drafter!r} cannot propose under a grammar (no propose_guided)")
+        if guide is not None:
+            fallback = None
         self.model, self.drafter, self.params = model, drafter, params
         self.max_context = max_context
         self.gamma = gamma
@@ -116,10 +131,11 @@ class Rounds:
         self.profile = profile
         self.keys = None if params.greedy else key_chain(params.seed)
         self.cache = model.make_cache(max_context) if cache is None else cache
-        self.stats = SpecStats(self.gamma)
+        self.stats = SpecStats(self.gamma if guide is None else 2 * self.gamma)  # forced positions come on top
         self.anchor: int | None = None
         self.logprobs = logprobs
         self.first_logprob: TokenLogprob | None = None  # the prefill's token's
+        self.guide = guide
         drafter.start(max_context)
 
     def _key(self) -> mx.array | None:
@@ -150,9 +166,12 @@ class Rounds:
                 on_stop(end)
             if not last and cancelled():
                 return None
-        token = sample(logits[-1], self.params, self._key())
-        self.first_logprob = read_logprob((token, *logprob_arrays(logits[-1], token, self.logprobs)))
+        row = logits[-1]
+        token = sample(row if self.guide is None else mask_logits(row, self.guide.words()), self.params, self._key())
+        self.first_logprob = read_logprob((token, *logprob_arrays(row, token, self.logprobs)))
         self.anchor = int(token.item())
+        if self.guide is not None:
+            self.guide.push(self.anchor)
         return self.anchor
 
     def round(self, max_new: int) -> RoundResult:
@@ -241,13 +260,25 @@ class Rounds:
         self.sync_drafter()  # drops a queued plain step
         if gamma == 0:  # one row left: a plain decode step
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key)
-        proposal = self.drafter.propose(self.anchor, gamma, self.params, draft_key)
+        guide = self.guide
+        if guide is None:
+            proposal, limit = self.drafter.propose(self.anchor, gamma, self.params, draft_key), gamma
+        else:  # forced positions come on top of gamma, within twice gamma and the room
+            limit = min(room - 1, 2 * self.gamma)
+            proposal = self.drafter.propose_guided(self.anchor, gamma, self.params, draft_key, guide, limit)
+            limit = proposal.tokens.shape[0]
+            if limit == 0:
+                return Block(None, None, mx.zeros((0,), mx.int32), accept_key, masks=guide.masks(0))
         confidence = None
         if self.scheduler.uses_confidence and proposal.confidence is not None:
-            confidence = np.array(proposal.confidence[:gamma], dtype=np.float32)
-        l = min(gamma, self.scheduler.choose(gamma, confidence))
+            confidence = np.array(proposal.confidence[:limit], dtype=np.float32)
+        l = min(limit, self.scheduler.choose(limit, confidence))
         proposed = proposal.tokens[:l].astype(mx.int32) if l else mx.zeros((0,), mx.int32)
-        return Block(proposal, confidence, proposed, accept_key)
+        masks = None
+        if guide is not None:
+            guide.rollback(limit - l)
+            masks = guide.masks(l)
+        return Block(proposal, confidence, proposed, accept_key, masks=masks)
 
     def verify(self, block: Block) -> mx.array:
         """One target forward over [anchor, x_1..x_l] (GDN tapes recorded when there are
@@ -257,13 +288,16 @@ class Rounds:
         block.snapshot = cache.snapshot(record=l > 0)  # a one-row round keeps its row: no replay
         rows = mx.concatenate([mx.array([self.anchor], dtype=mx.int32), block.proposed])
         logits, block.features = self.model.forward(rows, cache, taps=self.drafter.taps)
+        raw = logits
+        if block.masks is not None:
+            logits = mask_logits(logits, block.masks)
         if self.params.greedy:
             verdict = accept_greedy(block.proposed, logits)
         else:
             q = block.proposal.q[:l] if l else mx.zeros((0, logits.shape[-1]), mx.float32)
             verdict = accept_sampled(block.proposed, filtered_probs(logits, self.params), q, block.accept_key)
         if self.logprobs is not None:
-            block.logprob_arrays = verify_logprobs(logits, block.proposed, verdict[-1], self.logprobs)
+            block.logprob_arrays = verify_logprobs(raw, block.proposed, verdict[-1], self.logprobs)
         return mx.concatenate([block.proposed, verdict])
 
     def commit(self, block: Block, read: np.ndarray) -> RoundResult:
@@ -271,6 +305,9 @@ class Rounds:
         host): cache, drafter context, anchor, scheduler."""
         l = block.size
         accepted, bonus = int(read[l]), int(read[l + 1])
+        if self.guide is not None:
+            self.guide.rollback(l - accepted)
+            self.guide.push(bonus)
         self.cache.commit(block.snapshot, accepted + 1)
         self.sync_drafter()  # rows in order
         self.drafter.observe(block.features[:accepted + 1])

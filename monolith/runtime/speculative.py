@@ -8,6 +8,7 @@ plain round.
 With a `break_even` (calibrate.measure_break_even), each conversation gets a
 scheduler.Fallback: rounds become plain steps while drafting does not pay; a prompt
 that extends the session (the next turn) goes on with the state the last request left.
+A `guide` (grammar.Guide) constrains the output through speculation (rounds.py).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ class SpeculativeDecoder:
 
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
-                 cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = ()) -> Outcome:
+                 cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
+                 guide=None) -> Outcome:
         max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
-        rounds = self._resume(session, prompt, params, logprobs)
+        rounds = self._resume(session, prompt, params, logprobs, guide)
         cached = rounds.cache.offset
         context = self.drafter.snapshot()
 
@@ -80,18 +82,19 @@ class SpeculativeDecoder:
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, finish == "stop",
                        rounds.stats)
 
-    def _resume(self, session: Session, prompt: list[int], params: SamplingParams, logprobs: int | None) -> Rounds:
+    def _resume(self, session: Session, prompt: list[int], params: SamplingParams, logprobs: int | None,
+                guide) -> Rounds:
         """The sequence's rounds on the session's cache, at the longest point both the
         cache and the drafter's context can resume from."""
         cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
         rounds = Rounds(self.model, self.drafter, params, self.max_context, self.gamma, self.scheduler,
-                        self.profile, cache=cache, logprobs=logprobs)
+                        self.profile, cache=cache, logprobs=logprobs, guide=guide)
         if cached and not self.drafter.restore(session.draft_snapshot, cached):
             session.reset()  # no draft context for this point: a checkpoint (which holds one), or start over
             _, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
             if cached:
                 self.drafter.restore(session.draft_snapshot, cached)
-        if self.break_even is not None:
+        if self.break_even is not None and guide is None:  # under a grammar every round drafts
             kept = session.fallback if cached else None
             rounds.fallback = kept if kept is not None else Fallback(self.break_even)
         return rounds

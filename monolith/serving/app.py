@@ -35,7 +35,17 @@ from ..runtime.engine import (
     QueueTimeout,
     release_thread_streams,
 )
-from ..runtime.events import ContextLengthError, Delta, Failed, Finished, GenerationRequest, RequestError, Started
+from ..runtime.events import (
+    ContextLengthError,
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestError,
+    Started,
+)
+from ..runtime.grammar import Grammar
+from . import structured
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json, sse
@@ -197,17 +207,22 @@ class _Handlers:
         req = parse_chat_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
 
-        def encode() -> tuple[list[int], bool]:
+        def encode() -> tuple[list[int], bool, Grammar | None]:
             try:
                 text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
             except ValueError as e:  # TokenizerError: the template refused the conversation
                 raise bad(str(e), "messages") from None
-            return engine.tokenizer.encode(text, add_special_tokens=False), prompt_opens_reasoning(text)
+            reasoning = prompt_opens_reasoning(text)
+            constraint = None
+            if req.structure is not None:
+                constraint = structured.grammar(req.structure, engine.tokenizer, reasoning)
+                structured.check(req.structure, constraint, engine.grammar_tokenizer)
+            return engine.tokenizer.encode(text, add_special_tokens=False), reasoning, constraint
 
-        prompt_ids, reasoning_open = await anyio.to_thread.run_sync(encode)
+        prompt_ids, reasoning_open, constraint = await anyio.to_thread.run_sync(encode)
         fmt = ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open)
         return await self._generate(request, engine, prompt_ids, req, fmt, "messages", started,
-                                    engine.tokenizer.message_ends(prompt_ids))
+                                    engine.tokenizer.message_ends(prompt_ids), constraint)
 
     async def completions(self, request: Request) -> Response:
         engine = self._engine()
@@ -252,9 +267,9 @@ class _Handlers:
         return model
 
     async def _generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
-                        started: float, boundaries: list[int] = ()) -> Response:
+                        started: float, boundaries: list[int] = (), constraint: Grammar | None = None) -> Response:
         gen = GenerationRequest(tuple(prompt_ids), req.max_tokens, req.params, req.stop, req.logprobs,
-                                tuple(boundaries))
+                                tuple(boundaries), constraint)
         events = _EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
             job = engine.submit(gen, events.put)

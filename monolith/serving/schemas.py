@@ -2,7 +2,7 @@
 or an `APIError` whose message names the field (`param`).
 
 Fields a client may send that would change the result but are not implemented
-(penalties, logit_bias, n > 1, echo, constrained output, ...) are refused, never
+(penalties, logit_bias, n > 1, echo, ...) are refused, never
 ignored; fields that change nothing (user, metadata, ...) are accepted. A JSON null
 means "not given", as the OpenAI API treats it.
 """
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from ..runtime.events import MAX_TOP_LOGPROBS
 from ..sampling import SamplingError, SamplingParams
+from .errors import APIError, bad
+from .structured import Structure, response_format, tool_choice
 
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
@@ -32,32 +34,6 @@ CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logpr
                                  "chat_template_kwargs", "response_format"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI error body {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type or _default_type(status)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _default_type(status: int) -> str:
-    if status == 429:
-        return "rate_limit_error"
-    return "server_error" if status >= 500 else "invalid_request_error"
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
 
 
 @dataclass(frozen=True)
@@ -101,6 +77,7 @@ class ChatRequest(GenerationFields):
     messages: list[dict]
     tools: list[dict] | None  # None when tool calls are off (no tools, or tool_choice "none")
     template_kwargs: dict
+    structure: Structure | None = None  # response_format or tool_choice constrains the output
 
 
 @dataclass(frozen=True)
@@ -122,23 +99,19 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
     _check_fields(body, CHAT_FIELDS)
     fields = _generation_fields(body, defaults, chat=True)
     messages = _messages(body.get("messages"))
-    response_format = _optional(body, "response_format", dict, "an object like {\"type\": \"text\"}")
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise bad(f"response_format type {response_format.get('type')!r} is not supported (only \"text\": "
-                  "structured output needs constrained decoding, which does not exist yet)", "response_format")
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        if choice == "required" or isinstance(choice, dict):
-            raise bad("tool_choice \"required\" or a named function needs constrained decoding, which does not "
-                      "exist yet; use \"auto\" or \"none\"", "tool_choice")
-        raise bad(f"tool_choice must be \"auto\" or \"none\", got {choice!r}", "tool_choice")
+    structure = tool_choice(choice, tools)
+    form = response_format(body.get("response_format"))
+    if form is not None and structure is not None:
+        raise bad("response_format and a tool_choice that forces a call cannot both constrain the output",
+                  "response_format")
     kwargs = _optional(body, "chat_template_kwargs", dict, "an object") or {}
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise bad(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
     return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
-                       template_kwargs=dict(kwargs))
+                       template_kwargs=dict(kwargs), structure=structure or form)
 
 
 def parse_completion_request(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> CompletionRequest:

@@ -1,0 +1,151 @@
+"""Grammar-constrained decoding over llguidance (issue 16; why llguidance:
+bench/results/grammar_engines.md).
+
+A `Grammar` is an llguidance grammar (from a JSON schema or a Lark text; the serving layer
+builds them) and, for a prompt that leaves Qwen's reasoning block open, the token that
+closes it: the model reasons freely and the constraint starts after that token.
+`GrammarTokenizer` is the model's vocabulary as llguidance reads it (built once per
+model: about a second at 248K tokens), sized to the logits' width so that ids past the
+tokenizer's are never allowed. A `Guide` follows one sequence: `words()` is the next
+token's allowed set as a bitmask (int32 words, bit i of word i // 32 = token i, as
+llguidance writes it), `push(token)` consumes a token, `rollback(n)` takes the last n
+back (the speculative round's rejected proposals), `forced()` the one allowed token when
+there is exactly one (jump-forward: emitted without sampling).
+
+`sampling.mask_logits` applies a bitmask to logits rows on the device: disallowed tokens
+go to -inf before temperature and the filters, so greedy is the argmax over the allowed
+tokens and sampling follows the target's distribution renormalized over them (vLLM and
+sglang apply the grammar before the sampler too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance refuses (an unsupported JSON-schema feature, a bad regex...)."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    text: str  # an llguidance grammar (LLMatcher.grammar_from_json_schema / _from_lark)
+    starts_after: int | None = None  # a token id: unconstrained until it was emitted
+
+
+class GrammarTokenizer:
+    """The model's vocabulary for llguidance: `width` = the logits' width, `eos_ids` the
+    tokens that end the output (allowed once the grammar is complete)."""
+
+    def __init__(self, tokenizer_json: str, width: int, eos_ids):
+        import llguidance
+
+        self._llg = llguidance
+        self.width = width
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=width, eos_token=list(eos_ids))
+
+    @classmethod
+    def of(cls, tokenizer, width: int, eos_ids=None) -> GrammarTokenizer:
+        """From a monolith.tokenizer.Tokenizer (its tokenizer.json; its end tokens unless
+        `eos_ids` are given)."""
+        return cls((tokenizer.path / "tokenizer.json").read_text(encoding="utf-8"), width,
+                   sorted(tokenizer.eos_token_ids if eos_ids is None else eos_ids))
+
+    def check(self, grammar: Grammar) -> None:
+        """Raise GrammarError with llguidance's message when the grammar cannot be used."""
+        failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar.text, self.tokenizer)
+        if failed:
+            raise GrammarError(messages[0] if messages else "the grammar is invalid")
+
+    def guide(self, grammar: Grammar) -> Guide:
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar.text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Guide(matcher, self.width, self.tokenizer.eos_tokens, grammar.starts_after)
+
+
+class Guide:
+    """One sequence's position in its grammar (see the module doc)."""
+
+    def __init__(self, matcher, width: int, end_ids, starts_after: int | None = None):
+        self.matcher, self.width, self.end_ids = matcher, width, frozenset(end_ids)
+        self.waiting = starts_after is not None  # before the token that starts the constraint
+        self.starts_after = starts_after
+        self.history: list[tuple[str, np.ndarray | None]] = []  # per push: how it went (below), its mask
+        self._words: np.ndarray | None = None  # the current position's mask, computed once
+
+    def words(self) -> np.ndarray | None:
+        """The allowed next tokens as int32 words [ceil(width / 32)], or None while the
+        constraint has not started and once it ended (an end token was consumed: nothing
+        after it is emitted, so a speculative round may verify any token there)."""
+        if self.waiting or self.ended:
+            return None
+        if self._words is None:
+            self._words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy()
+            if self.matcher.is_error():
+                raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
+            if not self._words.any():
+                raise RuntimeError("the grammar allows no next token (llguidance: "
+                                   f"{self.matcher.get_error() or 'empty mask'})")
+        return self._words
+
+    def forced(self) -> int | None:
+        """The only allowed next token, or None when there are several (or no constraint)."""
+        words = self.words()
+        if words is None:
+            return None
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        if int(bits.sum()) != 1:
+            return None
+        return int(np.flatnonzero(bits)[0])
+
+    def push(self, token: int) -> None:
+        """Consume `token` (it must be allowed)."""
+        words, self._words = self.words(), None
+        if self.waiting:  # "wait": before the constraint
+            self.history.append(("wait", None))
+            self.waiting = token != self.starts_after
+        elif self.ended:  # "after": past the end token
+            self.history.append(("after", None))
+        elif token in self.end_ids and _allows(words, token):
+            # "end": kept from the matcher, whose rollback does not count end tokens
+            self.history.append(("end", words))
+        elif self.matcher.consume_token(int(token)):
+            self.history.append(("match", words))
+        else:
+            raise RuntimeError(f"token {token} is not allowed by the grammar: {self.matcher.get_error()}")
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n pushes."""
+        if n <= 0:
+            return
+        taken, self.history = self.history[-n:], self.history[:-n]
+        consumed = sum(kind == "match" for kind, _ in taken)
+        if consumed and not self.matcher.rollback(consumed):
+            raise RuntimeError(f"grammar matcher cannot roll back {consumed} tokens: {self.matcher.get_error()}")
+        if taken[0][0] == "wait":  # the constraint had not started at the first undone push
+            self.waiting = True
+        self._words = None
+
+    @property
+    def ended(self) -> bool:
+        """An end token was consumed: the output is complete."""
+        return bool(self.history) and self.history[-1][0] in ("end", "after")
+
+    def masks(self, n: int) -> np.ndarray | None:
+        """int32 [n + 1, words]: the masks the last n pushes met, then the current one
+        (all ones where there was no constraint): the verify rows' masks; None when no
+        row has a constraint."""
+        rows = [w for _, w in self.history[len(self.history) - n:]] if n else []
+        rows.append(self.words())
+        known = [w for w in rows if w is not None]
+        if not known:
+            return None
+        full = np.full_like(known[0], -1)
+        return np.stack([full if w is None else w for w in rows])
+
+
+def _allows(words: np.ndarray, token: int) -> bool:
+    return bool((int(words[token // 32]) >> (token % 32)) & 1)

@@ -1,0 +1,169 @@
+"""Structured output: `response_format` and `tool_choice` -> a grammar (runtime.grammar).
+
+- `{"type": "json_object"}`: any JSON object; `{"type": "json_schema", "json_schema":
+  {"name", "schema", "strict", "description"}}`: an instance of the schema (enforced
+  whatever `strict` says). llguidance compiles the schema; a keyword it does not
+  implement is refused with a 400 naming it (its compiler is not lenient), never ignored.
+- `tool_choice: "required"`: one or more tool calls, each to one of the tools with
+  arguments valid for its `parameters`; a named function: one call to it. The calls are
+  written in the chat template's own format: Qwen3's `<tool_call>{"name": ..,
+  "arguments": ..}</tool_call>`, or, when the template writes `<function=`, Qwen3.5/3.6's
+  `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`
+  (parameters in the schema's order, optional ones may be left out; a string value is
+  raw text, other values JSON, as serving/tools.py reads them back).
+
+Between JSON tokens the grammar allows one space, or a newline and up to 20 blanks of
+indentation (llama.cpp's JSON grammars bound whitespace the same way: unbounded
+whitespace lets a model loop on it until max_tokens). The output may begin with up to 4
+blanks. When the prompt leaves Qwen's reasoning open, the constraint starts after the
+`</think>` token: the model reasons freely first.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+
+from ..runtime.grammar import Grammar, GrammarError
+from .errors import APIError, bad
+
+WHITESPACE = r"(?:\n[ \t]{0,20}| )?"
+LEADING = r"/[ \t\r\n]{0,4}/"
+JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+THINK_END = "</think>"
+
+
+@dataclass(frozen=True)
+class Structure:
+    """What the output must be: "json" (an instance of `schema`) or "tools" (calls to
+    `tools`, at least one; `single`: exactly one)."""
+
+    kind: str
+    param: str  # the request field it came from, for errors
+    schema: dict | None = None
+    tools: tuple = ()
+    single: bool = False
+
+
+def response_format(value) -> Structure | None:
+    """The Structure a `response_format` asks for (None: plain text)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("response_format must be an object like {\"type\": \"json_schema\", ...}", "response_format")
+    kind = value.get("type", "text")
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra:
+        raise bad(f"response_format has unsupported field(s): {', '.join(extra)}", f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json", "response_format", {"type": "object"})
+    if kind != "json_schema":
+        raise bad(f"response_format.type must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}",
+                  "response_format.type")
+    spec = value.get("json_schema")
+    at = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad(f"{at} must be an object with a \"schema\"", at)
+    extra = sorted(set(spec) - JSON_SCHEMA_KEYS)
+    if extra:
+        raise bad(f"{at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict) and not isinstance(schema, bool):
+        raise bad(f"{at}.schema must be a JSON schema (an object)", f"{at}.schema")
+    for key, kind in (("name", str), ("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise bad(f"{at}.{key} must be a {kind.__name__}", f"{at}.{key}")
+    return Structure("json", f"{at}.schema", schema)
+
+
+def tool_choice(choice, tools: list[dict] | None) -> Structure | None:
+    """The Structure a `tool_choice` asks for (None: "auto", "none" or absent)."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required":
+        if not tools:
+            raise bad("tool_choice \"required\" needs tools", "tool_choice")
+        return Structure("tools", "tools", tools=tuple(tools))
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        named = [t for t in tools or () if t["function"]["name"] == name]
+        if not named:
+            raise bad(f"tool_choice names function {name!r}, which is not in tools", "tool_choice.function.name")
+        return Structure("tools", "tools", tools=tuple(named[:1]), single=True)
+    raise bad("tool_choice must be \"auto\", \"none\", \"required\" or "
+              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+
+
+def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
+    """The Grammar for `structure` with the model's tokenizer (monolith.tokenizer):
+    Lark text for llguidance. Compile errors surface in `check`."""
+    if structure.kind == "json":
+        body = _json(structure.schema)
+    else:
+        xml = "<function=" in (tokenizer.chat_template or "")
+        calls = [(_xml_call if xml else _json_call)(tool["function"], i, tokenizer)
+                 for i, tool in enumerate(structure.tools)]
+        rules = "\n".join(rule for _, rule in calls)
+        names = " | ".join(name for name, _ in calls)
+        repeat = "" if structure.single else ' ("\\n" call)*'
+        body = f"call{repeat}\ncall: {names}\n{rules}"
+    starts_after = tokenizer.token_to_id(THINK_END) if reasoning_open else None
+    return Grammar(f"start: {LEADING} {body}", starts_after)
+
+
+def check(structure: Structure, grammar_: Grammar, grammar_tokenizer) -> None:
+    """A 400 naming what llguidance refuses (e.g. an unimplemented schema keyword)."""
+    try:
+        grammar_tokenizer.check(grammar_)
+    except GrammarError as e:
+        raise APIError(400, f"{structure.param}: not supported: {_short(str(e))}", structure.param) from None
+
+
+def _short(message: str) -> str:
+    return message.strip().splitlines()[0][:500] if message.strip() else "the grammar is invalid"
+
+
+def _json(schema) -> str:
+    schema = {"x-guidance": {"whitespace_pattern": WHITESPACE}} if schema is True else copy.deepcopy(schema)
+    if isinstance(schema, dict):
+        options = schema.setdefault("x-guidance", {})
+        if isinstance(options, dict):
+            options.setdefault("whitespace_pattern", WHITESPACE)
+    return "%json " + json.dumps(schema)
+
+
+def _tag(tokenizer, text: str) -> str:
+    """A tag as its single token when the vocabulary has one (Qwen's tags are), else text."""
+    token = tokenizer.token_to_id(text)
+    return f"<[{token}]>" if token is not None else json.dumps(text)
+
+
+def _json_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
+    schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                               "arguments": fn.get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    rule = f"call_{index}: {_tag(tokenizer, '<tool_call>')} \"\\n\" {_json(schema)} \"\\n\" {_tag(tokenizer, '</tool_call>')}"
+    return f"call_{index}", rule
+
+
+def _xml_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
+    parameters = fn.get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    required = parameters.get("required") or ()
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        raise bad(f"tool {fn['name']!r}: parameters.properties must be an object and parameters.required a list",
+                  "tools")
+    parts, rules = [], []
+    for j, (key, schema) in enumerate(properties.items()):
+        name = f"param_{index}_{j}"
+        value = "TEXT" if isinstance(schema, dict) and schema.get("type") == "string" else _json(schema)
+        rules.append(f"{name}: {json.dumps(f'<parameter={key}>')} \"\\n\" {value} \"\\n</parameter>\\n\"")
+        parts.append(name if key in required else f"{name}?")
+    head = json.dumps(f"\n<function={fn['name']}>\n")
+    rule = (f"call_{index}: {_tag(tokenizer, '<tool_call>')} {head} {' '.join(parts)} "
+            f"\"</function>\\n\" {_tag(tokenizer, '</tool_call>')}")
+    text = 'TEXT: /(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/'
+    return f"call_{index}", "\n".join([rule, *rules, text] if index == 0 else [rule, *rules])
