@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decoding import plain, speculate
-from numeric import rel
+from numeric import chi_square_ok, rel
 from oracles import (
     CHUNK,
     GAMMA,
@@ -29,7 +29,6 @@ from oracles import (
     target_pack,  # noqa: F401
     plain_greedy,
 )
-from scipy import stats as scipy_stats
 
 from monolith.models.cache import GDNState, KVCache
 from monolith.runtime.accept import accept_greedy, accept_sampled
@@ -69,22 +68,6 @@ def emitted_first(p, q, proposed, draws, seed=0):
         a, bonus = np.array(accept_sampled(mx.array(proposed, dtype=mx.int32), p, q, keys[i])).tolist()
         out.append(proposed[0] if a > 0 else bonus)
     return np.bincount(out, minlength=p.shape[1])
-
-
-def chi_square_ok(counts, probs, alpha=1e-3) -> float:
-    """p-value of counts against probs, merging cells expected below 5 (must exceed alpha)."""
-    probs = np.asarray(probs, np.float64)
-    counts, expected = np.asarray(counts, np.float64), probs / probs.sum() * np.sum(counts)
-    small = expected < 5
-    if small.any():
-        counts = np.append(counts[~small], counts[small].sum())
-        expected = np.append(expected[~small], expected[small].sum())
-    if expected[-1] == 0:
-        assert counts[-1] == 0
-        counts, expected = counts[:-1], expected[:-1]
-    pvalue = scipy_stats.chisquare(counts, expected).pvalue
-    assert pvalue > alpha, (pvalue, counts, expected)
-    return pvalue
 
 
 def test_rejection_sampling_exact_distribution():

@@ -335,7 +335,7 @@ class Draft:
         pre, state = (m.prepare(h), m.initial_state()) if m is not None else (None, None)
         keys = None if params.greedy else mx.random.split(key, slots)
         prev = mx.array([int(anchor)], mx.int32)
-        tokens, qs, embeddings, drafted = [], [], [], 0
+        tokens, qs, embeddings, drafted, forced_at = [], [], [], 0, []
         for k in range(limit):
             forced = guide.forced()
             if forced is None and (drafted == gamma or k >= slots):
@@ -364,6 +364,7 @@ class Draft:
                 drafted += 1
             guide.push(token)
             prev = mx.array([token], mx.int32)
+            forced_at.append(forced is not None)
             tokens.append(token)
             qs.append(q)
             embeddings.append(e)
@@ -376,7 +377,8 @@ class Draft:
             on_block = min(n, slots)
             e = mx.concatenate(embeddings[:on_block]) if m is not None and embeddings[0] is not None else None
             c = mx.sigmoid(self.confidence_head.logits(h[:on_block], e))
-            confidence = mx.concatenate([c, mx.ones((n - on_block,), c.dtype)]) if n > on_block else c
+            c = mx.concatenate([c, mx.ones((n - on_block,), c.dtype)]) if n > on_block else c
+            confidence = mx.where(mx.array(forced_at), 1.0, c)  # a forced token always survives
         return Proposal(mx.array(tokens, mx.int32), q, confidence)
 
     def _to_target(self, q: mx.array) -> mx.array:

@@ -258,9 +258,10 @@ class Rounds:
         if gamma and self.fallback is not None and not self.fallback.speculate():
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         self.sync_drafter()  # drops a queued plain step
-        if gamma == 0:  # one row left: a plain decode step
-            return Block(None, None, mx.zeros((0,), mx.int32), accept_key)
         guide = self.guide
+        if gamma == 0:  # one row left: a plain decode step
+            return Block(None, None, mx.zeros((0,), mx.int32), accept_key,
+                         masks=None if guide is None else guide.masks(0))
         if guide is None:
             proposal, limit = self.drafter.propose(self.anchor, gamma, self.params, draft_key), gamma
         else:  # forced positions come on top of gamma, within twice gamma and the room

@@ -152,18 +152,23 @@ def _json_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
 def _xml_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
     parameters = fn.get("parameters") or {}
     properties = parameters.get("properties") or {}
-    required = parameters.get("required") or ()
+    required = parameters.get("required") or []
     if not isinstance(properties, dict) or not isinstance(required, list):
         raise bad(f"tool {fn['name']!r}: parameters.properties must be an object and parameters.required a list",
                   "tools")
     parts, rules = [], []
     for j, (key, schema) in enumerate(properties.items()):
         name = f"param_{index}_{j}"
-        value = "TEXT" if isinstance(schema, dict) and schema.get("type") == "string" else _json(schema)
-        rules.append(f"{name}: {json.dumps(f'<parameter={key}>')} \"\\n\" {value} \"\\n</parameter>\\n\"")
+        if isinstance(schema, dict) and schema.get("type") == "string":
+            value = "TEXT_CLOSED"  # the raw text and its closing tag, one lexeme
+        else:
+            value = f'{_json(schema)} "\\n</parameter>\\n"'
+        rules.append(f"{name}: {json.dumps(f'<parameter={key}>')} \"\\n\" {value}")
         parts.append(name if key in required else f"{name}?")
     head = json.dumps(f"\n<function={fn['name']}>\n")
     rule = (f"call_{index}: {_tag(tokenizer, '<tool_call>')} {head} {' '.join(parts)} "
             f"\"</function>\\n\" {_tag(tokenizer, '</tool_call>')}")
-    text = 'TEXT: /(?s:.*)/ & ~/(?s:.*<\\/parameter>.*)/'
+    # text ending in its closing tag, which it holds nowhere else (a lexeme is matched
+    # longest-first, so the tag must be in it: text then a separate tag would swallow it)
+    text = 'TEXT_CLOSED: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)<\\/parameter>(?s:.){2,}/'
     return f"call_{index}", "\n".join([rule, *rules, text] if index == 0 else [rule, *rules])

@@ -1,0 +1,199 @@
+"""Grammar-constrained decoding (runtime/grammar.py) on the demo pair: the output under
+a grammar is distributed as plain constrained sampling, through speculation too (chi-
+square against the exact distribution computed from the target's own rows and
+llguidance's masks); forced tokens are emitted without sampling and without a draft
+slot (jump-forward); greedy speculative == greedy plain == a reference loop of full
+forwards; the constraint starts after </think>; Qwen3.5/3.6's XML tool calls."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import jsonschema
+import llguidance
+import mlx.core as mx
+import numpy as np
+import pytest
+from numeric import chi_square_ok
+
+from monolith.runtime.engine import generate
+from monolith.runtime.grammar import Grammar, GrammarTokenizer
+from monolith.runtime.plain import PlainDecoder
+from monolith.runtime.session import Session
+from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.sampling import SamplingParams, filtered_probs, mask_logits
+from monolith.serving import structured
+from monolith.serving.tools import parse_tool_calls
+
+MAX_CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def demo(demo_f32):
+    model, drafter, tok = demo_f32
+    return model, drafter, tok, GrammarTokenizer.of(tok, model.args.vocab_size)
+
+
+def stops(tok):
+    return frozenset(tok.eos_token_ids)
+
+
+def lark(text: str) -> Grammar:
+    return Grammar(llguidance.LLMatcher.grammar_from_lark(text))
+
+
+def run(decoder, prompt, max_tokens, params, tok, guide):
+    out = decoder(Session(), prompt, max_tokens, params, stops(tok), lambda token, logprob: True, guide=guide)
+    return out
+
+
+def last_logits(model, tokens) -> mx.array:
+    logits, _ = model(mx.array(tokens, dtype=mx.int32), model.make_cache(MAX_CONTEXT))
+    return logits[-1]
+
+
+def reference_greedy(model, tok, gt, grammar, prompt, max_tokens) -> list[int]:
+    """Greedy constrained decoding by full forwards: argmax over the allowed tokens."""
+    guide, out = gt.guide(grammar), []
+    while len(out) < max_tokens:
+        token = int(mx.argmax(mask_logits(last_logits(model, prompt + out), guide.words())).item())
+        if token in stops(tok):
+            break
+        guide.push(token)
+        out.append(token)
+    return out
+
+
+FORCED = "start: <[2005]> <[2006]> <[2007]> WORD\nWORD: /[a-e ]{1,40}/"
+
+
+def test_forced_tokens_jump_forward_and_greedy_equals_reference(demo):
+    model, drafter, tok, gt = demo
+    grammar = lark(FORCED)
+    prompt = tok.encode_chat([{"role": "user", "content": "Write letters."}])
+    want = reference_greedy(model, tok, gt, grammar, prompt, 24)
+    assert want[:3] == [2005, 2006, 2007]
+    plain = run(PlainDecoder(model, MAX_CONTEXT), prompt, 24, SamplingParams(), tok, gt.guide(grammar))
+    assert plain.token_ids == want
+    # the three forced tokens took one forward
+    assert plain.decode_steps == len(want) - 2  # 6 tokens, 4 forwards
+    spec = run(SpeculativeDecoder(model, drafter, MAX_CONTEXT), prompt, 24, SamplingParams(), tok, gt.guide(grammar))
+    assert spec.token_ids == want
+    text = tok.decode(want[3:])
+    assert set(text) <= set("abcde ")
+
+
+def test_a_forced_position_costs_no_draft_slot(demo):
+    model, drafter, tok, gt = demo
+    guide = gt.guide(lark(FORCED))
+    prompt = tok.encode_chat([{"role": "user", "content": "Write letters."}])
+    drafter.start(MAX_CONTEXT)
+    _, features = model.forward(mx.array(prompt, dtype=mx.int32), model.make_cache(MAX_CONTEXT), taps=drafter.taps)
+    drafter.observe(features)
+    proposal = drafter.propose_guided(int(prompt[-1]), 1, SamplingParams(), None, guide, limit=6)
+    tokens = np.array(proposal.tokens).tolist()
+    assert tokens[:3] == [2005, 2006, 2007] and len(tokens) == 4  # 3 forced + the one drafted (gamma 1)
+    q = np.array(proposal.q)
+    assert (q[np.arange(3), tokens[:3]] == 1).all() and (q[:3].sum(axis=1) == 1).all()
+    assert len(guide.history) == 4
+    guide.rollback(4)
+    assert guide.forced() == 2005
+
+
+def test_sampled_output_under_a_grammar_follows_plain_constrained_sampling(demo):
+    """Chi-square of 3-token outputs over seeds, speculative (the real draft, proposals
+    along the grammar) and plain, against the exact distribution: the product of the
+    target's rows masked by the grammar and filtered (temperature 1, top-k 3)."""
+    model, drafter, tok, gt = demo
+    grammar = lark("start: <[2005]> WORD\nWORD: /[a-e ]{1,40}/")
+    params = SamplingParams(temperature=1.0, top_k=3)
+    prompt = tok.encode_chat([{"role": "user", "content": "Letters:"}])
+    n_tokens = 3
+    cells: dict[tuple, float] = {}
+
+    def expand(seq, prob):
+        if len(seq) == n_tokens or (seq and seq[-1] in stops(tok)):
+            cells[tuple(t for t in seq if t not in stops(tok))] = prob
+            return
+        guide = gt.guide(grammar)
+        for t in seq:
+            guide.push(t)
+        p = np.array(filtered_probs(mask_logits(last_logits(model, prompt + seq), guide.words()), params), np.float64)
+        for t in np.flatnonzero(p):
+            expand(seq + [int(t)], prob * p[t])
+
+    expand([], 1.0)
+    assert 3 <= len(cells) <= 9 and abs(sum(cells.values()) - 1) < 1e-5
+    index = {seq: i for i, seq in enumerate(cells)}
+    expected = np.array(list(cells.values()))
+    spec_counts, plain_counts = np.zeros(len(cells)), np.zeros(len(cells))
+    spec_decoder, plain_decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT), PlainDecoder(model, MAX_CONTEXT)
+    proposed = accepted = 0
+    for seed in range(240):
+        seeded = SamplingParams(temperature=1.0, top_k=3, seed=seed)
+        r = run(spec_decoder, prompt, n_tokens, seeded, tok, gt.guide(grammar))
+        spec_counts[index[tuple(r.token_ids)]] += 1
+        proposed += sum(r.speculative.proposed_per_round)
+        accepted += sum(r.speculative.accepted_per_round)
+        if seed % 2 == 0:
+            plain_counts[index[tuple(run(plain_decoder, prompt, n_tokens, seeded, tok, gt.guide(grammar)).token_ids)]] += 1
+    assert 0 < accepted < proposed  # acceptance and rejection both ran
+    chi_square_ok(spec_counts, expected)
+    chi_square_ok(plain_counts, expected)
+
+
+def test_the_constraint_starts_after_the_reasoning(demo):
+    model, drafter, tok, gt = demo
+    think_end = tok.token_to_id("</think>")
+    form = structured.response_format({"type": "json_object"})
+    grammar = structured.grammar(form, tok, reasoning_open=True)
+    assert grammar.starts_after == think_end
+    guide = gt.guide(grammar)
+    free = tok.encode("anything at all, even { or ]", add_special_tokens=False)
+    for t in free:
+        assert guide.words() is None
+        guide.push(t)
+    guide.push(think_end)
+    body = tok.encode('\n\n{"a": [1, 2]}', add_special_tokens=False)
+    for t in body:
+        words = guide.words()
+        assert words is not None and (int(words[t // 32]) >> (t % 32)) & 1
+        guide.push(t)
+    assert (int(guide.words()[tok.eos_token_ids[0] // 32]) >> (tok.eos_token_ids[0] % 32)) & 1
+    guide.rollback(len(body) + 1)  # back before </think>: free again
+    assert guide.words() is None
+    with pytest.raises(RuntimeError, match="not allowed"):
+        guide.push(think_end)
+        guide.push(tok.encode("x", add_special_tokens=False)[0])
+
+
+def test_qwen35_xml_tool_calls(demo):
+    """A template that writes <function=...> (Qwen3.5/3.6) gets calls in that format, which
+    serving/tools.py reads back into arguments valid for the schema."""
+    model, drafter, tok, gt = demo
+    xml_tok = SimpleNamespace(chat_template="... <function=NAME> ...", token_to_id=tok.token_to_id)
+    tools = [{"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "steps": {"type": "integer", "minimum": 1, "maximum": 5},
+        "force": {"type": "boolean"}}, "required": ["path", "steps"]}}}]
+    grammar = structured.grammar(structured.tool_choice("required", tools), xml_tok, reasoning_open=False)
+    gt.check(grammar)
+
+    def accepts(text):
+        guide = gt.guide(grammar)
+        for t in tok.encode(text, add_special_tokens=False):
+            words = guide.words()
+            if not (int(words[t // 32]) >> (t % 32)) & 1:
+                return False
+            guide.push(t)
+        return bool((int(guide.words()[tok.eos_token_ids[0] // 32]) >> (tok.eos_token_ids[0] % 32)) & 1)
+
+    good = "<tool_call>\n<function=move>\n<parameter=path>\na/b <c>.txt\n</parameter>\n" \
+           "<parameter=steps>\n3\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(good)
+    assert not accepts(good.replace("3", "9"))  # steps above its maximum
+    assert not accepts(good.replace("function=move", "function=jump"))
+    assert not accepts(good.replace("<parameter=steps>\n3\n</parameter>\n", ""))  # a required parameter missing
+    content, calls = parse_tool_calls(good, tools)
+    assert [c.name for c in calls] == ["move"]
+    jsonschema.validate(json.loads(calls[0].arguments), tools[0]["function"]["parameters"])
