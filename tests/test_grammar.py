@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from numeric import chi_square_ok
 
-from monolith.runtime.engine import generate
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.plain import PlainDecoder
 from monolith.runtime.session import Session
@@ -144,7 +143,7 @@ def test_sampled_output_under_a_grammar_follows_plain_constrained_sampling(demo)
 
 
 def test_the_constraint_starts_after_the_reasoning(demo):
-    model, drafter, tok, gt = demo
+    _, _, tok, gt = demo
     think_end = tok.token_to_id("</think>")
     form = structured.response_format({"type": "json_object"})
     grammar = structured.grammar(form, tok, reasoning_open=True)
@@ -171,7 +170,7 @@ def test_the_constraint_starts_after_the_reasoning(demo):
 def test_qwen35_xml_tool_calls(demo):
     """A template that writes <function=...> (Qwen3.5/3.6) gets calls in that format, which
     serving/tools.py reads back into arguments valid for the schema."""
-    model, drafter, tok, gt = demo
+    _, _, tok, gt = demo
     xml_tok = SimpleNamespace(chat_template="... <function=NAME> ...", token_to_id=tok.token_to_id)
     tools = [{"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {
         "path": {"type": "string"}, "steps": {"type": "integer", "minimum": 1, "maximum": 5},
@@ -194,6 +193,6 @@ def test_qwen35_xml_tool_calls(demo):
     assert not accepts(good.replace("3", "9"))  # steps above its maximum
     assert not accepts(good.replace("function=move", "function=jump"))
     assert not accepts(good.replace("<parameter=steps>\n3\n</parameter>\n", ""))  # a required parameter missing
-    content, calls = parse_tool_calls(good, tools)
+    _, calls = parse_tool_calls(good, tools)
     assert [c.name for c in calls] == ["move"]
     jsonschema.validate(json.loads(calls[0].arguments), tools[0]["function"]["parameters"])
