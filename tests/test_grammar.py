@@ -196,3 +196,42 @@ def test_qwen35_xml_tool_calls(demo):
     _, calls = parse_tool_calls(good, tools)
     assert [c.name for c in calls] == ["move"]
     jsonschema.validate(json.loads(calls[0].arguments), tools[0]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("fmt, head, vocab", [("speculators", "vanilla", 460), ("deepspec", "gated", None),
+                                              ("deepspec", "rnn", None)])
+def test_greedy_speculation_under_a_grammar_equals_reference_for_draft_kinds(tmp_path, fmt, head, vocab):
+    """A reduced draft vocabulary (d2t) and the gated / rnn Markov heads under a JSON
+    schema: greedy speculative output equals the reference loop of full forwards."""
+    from dataclasses import replace
+
+    from monolith.launch import load_drafter, load_target
+    from monolith.synth import write_draft, write_target
+    from monolith.synth.draft_config import draft_sizes
+    from monolith.tokenizer import load_tokenizer
+
+    target_dir = write_target(tmp_path / "target", format="bf16", seed=0)
+    sizes = draft_sizes(json.loads((target_dir / "config.json").read_text())["text_config"])
+    if vocab is not None:
+        sizes = replace(sizes, draft_vocab_size=vocab)
+    draft_dir = write_draft(tmp_path / "draft", target_dir, format=fmt, seed=3, markov_head_type=head, sizes=sizes)
+    model = load_target(target_dir, dtype="float32", cache_dir=tmp_path / "cache")
+    drafter = load_drafter(draft_dir, model, dtype="float32", quantization="none", cache_dir=tmp_path / "cache")
+    tok = load_tokenizer(target_dir)
+    gt = GrammarTokenizer.of(tok, model.args.vocab_size)
+    schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd", "ef"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+              "required": ["k", "n"], "additionalProperties": False}
+    grammar = structured.grammar(structured.Structure("json", "test", schema), tok, reasoning_open=False)
+    prompt = tok.encode_chat([{"role": "user", "content": "json"}])
+    want = reference_greedy(model, tok, gt, grammar, prompt, 40)
+    spec = run(SpeculativeDecoder(model, drafter, MAX_CONTEXT), prompt, 40, SamplingParams(), tok, gt.guide(grammar))
+    assert spec.token_ids == want
+    sampled = run(SpeculativeDecoder(model, drafter, MAX_CONTEXT), prompt, 40,
+                  SamplingParams(temperature=0.9, seed=1), tok, gt.guide(grammar))
+    replay = gt.guide(grammar)  # every sampled token was legal where it stands
+    for t in sampled.token_ids:
+        assert (int(replay.words()[t // 32]) >> (t % 32)) & 1
+        replay.push(t)
+    if sampled.finish_reason == "stop":
+        jsonschema.validate(json.loads(tok.decode(sampled.token_ids)), schema)

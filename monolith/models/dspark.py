@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
 from .cache import CacheError, DraftContext, KVCache
@@ -219,6 +220,7 @@ class Draft:
         self.lm_head = w.linear("lm_head") if w.has_linear("lm_head") else target.lm_head
         self.draft_vocab = self.lm_head.out_features
         self.draft_to_target = draft_to_target
+        self._draft_ids = None  # draft_to_target on the host, for grammar masks
         self.fc = w.linear("fc", (h, len(a.taps) * target.args.hidden_size))
         self.hidden_norm = w.tensor("hidden_norm", (h,), mx.float32)
         self.norm = w.tensor("norm", (h,), mx.float32)
@@ -353,9 +355,9 @@ class Draft:
                 if words is not None:
                     ok = allowed(words, self.target_vocab)
                     if self.draft_to_target is not None:
+                        if not self._reaches(words):
+                            break
                         ok = ok[self.draft_to_target]
-                    if not ok.any().item():
-                        break
                     raw = mx.where(ok, raw, NEG_INF)
                 row = filtered_logits(raw, params)
                 token = int(self._draw(raw if params.greedy else row, params,
@@ -380,6 +382,13 @@ class Draft:
             c = mx.concatenate([c, mx.ones((n - on_block,), c.dtype)]) if n > on_block else c
             confidence = mx.where(mx.array(forced_at), 1.0, c)  # a forced token always survives
         return Proposal(mx.array(tokens, mx.int32), q, confidence)
+
+    def _reaches(self, words) -> bool:
+        """Whether the draft's reduced vocabulary holds a token the bitmask allows (host)."""
+        if self._draft_ids is None:
+            self._draft_ids = np.array(self.draft_to_target, dtype=np.int64)
+        ids = self._draft_ids
+        return bool(((np.asarray(words)[ids // 32] >> (ids % 32)) & 1).any())
 
     def _to_target(self, q: mx.array) -> mx.array:
         """Draft-vocabulary rows [k, V_draft] -> target-vocabulary rows [k, V_target]."""
