@@ -146,6 +146,8 @@ class PlainDecoder:
             if not on_token(token_id, logprob) or cancelled():
                 finish = "abort"
                 break
+            if len(run) == 1 and len(out) == max_tokens:  # the last token: nothing reads its row
+                break
             rows, _ = self.model(mx.array(run, dtype=mx.int32), session.cache)
             fed += run
             steps += 1

@@ -87,6 +87,24 @@ class ServerState:
         self.metrics.bind(engine)
         self.engine = engine
         self.status = "ready"
+        # the grammar vocabulary (seconds at 248K tokens) is built now, not on the first
+        # structured request
+        threading.Thread(target=_prepare_grammars, args=(engine,), name="monolith-grammar", daemon=True).start()
+
+
+def _prepare_grammars(engine) -> None:
+    try:
+        engine.grammar_tokenizer
+    except Exception as e:  # noqa: BLE001 - reported; structured requests then get a clear error
+        log.warning("structured output is unavailable: llguidance cannot read this tokenizer: %s", e)
+
+
+def _grammar_tokenizer(engine):
+    try:
+        return engine.grammar_tokenizer
+    except Exception as e:  # noqa: BLE001 - llguidance refused the tokenizer
+        raise APIError(500, f"structured output is unavailable: llguidance cannot read this tokenizer: {e}",
+                       "response_format") from None
 
 
 def create_app(load: Callable[[], object], config: ServerConfig,
@@ -216,7 +234,7 @@ class _Handlers:
             constraint = None
             if req.structure is not None:
                 constraint = structured.grammar(req.structure, engine.tokenizer, reasoning)
-                structured.check(req.structure, constraint, engine.grammar_tokenizer)
+                structured.check(req.structure, constraint, _grammar_tokenizer(engine))
             return engine.tokenizer.encode(text, add_special_tokens=False), reasoning, constraint
 
         prompt_ids, reasoning_open, constraint = await anyio.to_thread.run_sync(encode)

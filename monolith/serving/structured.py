@@ -123,7 +123,9 @@ def check(structure: Structure, grammar_: Grammar, grammar_tokenizer) -> None:
 
 
 def _short(message: str) -> str:
-    return message.strip().splitlines()[0][:500] if message.strip() else "the grammar is invalid"
+    """llguidance's message without the grammar listing it appends (lines with "|")."""
+    lines = [line.strip() for line in message.strip().splitlines()[:6] if "|" not in line and line.strip()]
+    return " ".join(lines)[:500] or "the grammar is invalid"
 
 
 def _json(schema) -> str:
