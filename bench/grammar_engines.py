@@ -13,24 +13,35 @@ $XDG_CACHE_HOME/monolith-bench (--cache), never in the repository. Its SHA-256 i
 per engine: both runs must see the same file. Unlike Qwen's, this vocabulary is mostly
 English and code (no CJK pieces).
 
+The machine here is shared (2 cores, other jobs running): in four runs the means moved by
+up to 1.7x between runs; the orderings in the conclusion held in all of them.
+
 Per schema (CASES; hand-written instances, checked with the `jsonschema` package when it
 is installed): compile the schema (llguidance: grammar_from_json_schema + LLMatcher;
 xgrammar: GrammarCompiler(max_threads=1, no cache).compile_json_schema + GrammarMatcher),
 then walk the tokens of a valid instance, timing the next-token mask at every position
 (llguidance.numpy.fill_next_token_bitmask / GrammarMatcher.fill_next_token_bitmask into one
 preallocated int32 row) before consuming the token, plus the last mask (where the end token
-must be allowed). The first walk is on the fresh matcher ("cold": caches empty), a second
-one after reset() ("warm"). Then an instance that breaks the feature is fed: a feature is
-"enforced" when it is refused, "IGNORED" when the engine compiled the schema and accepted
-the instance (silently dropped), "error" when compiling refused the schema (the message is
-kept). All single-threaded (RAYON_NUM_THREADS=1, torch threads 1).
+must be allowed). The first walk is on the fresh matcher ("cold": caches empty), then
+WARM_WALKS more after reset() ("warm": each position's median). Then an instance that
+breaks the feature is fed: a feature is "enforced" when it is refused, "IGNORED" when the
+engine compiled the schema and accepted the instance (silently dropped), "error" when
+compiling refused the schema (the message is kept). All single-threaded
+(RAYON_NUM_THREADS=1, torch threads 1).
 
 Each engine runs in the interpreter that has it: xgrammar needs torch, transformers,
-triton, pydantic and apache-tvm-ffi, so it is measured from a separate venv:
+triton, pydantic and apache-tvm-ffi, which must not enter monolith's environment, so it
+is measured from a separate venv (torch pinned first: the CPU build, not a CUDA one):
 
-    python bench/grammar_engines.py                      # /work/venv: llguidance
-    /work/xg-venv/bin/python bench/grammar_engines.py    # xgrammar (and llguidance again)
+    python3.11 -m venv /work/xg-venv
+    /work/xg-venv/bin/pip install torch==2.13.0
+    /work/xg-venv/bin/pip install xgrammar llguidance numpy jsonschema
+
+    python bench/grammar_engines.py                                    # monolith's venv: llguidance
+    /work/xg-venv/bin/python bench/grammar_engines.py --engine xgrammar
         [--engine llguidance|xgrammar] [--cases a,b] [--no-wheels] [--cache DIR] [--json PATH]
+
+(without --engine, every engine installed in the interpreter runs.)
 
 Each run merges its engines into bench/results/grammar_engines.json and rewrites
 bench/results/grammar_engines.md from the whole file. Unless --no-wheels, it also asks
@@ -326,8 +337,8 @@ def reference_check(cases: list[Case]) -> dict:
             raise SystemExit(f"case {case.name!r}: its valid instance fails jsonschema: {errors[0].message}")
         if v.is_valid(case.invalid):
             unjudged.append(case.name)
-    return {"checked": True, "jsonschema": jsonschema.__version__ if hasattr(jsonschema, "__version__")
-            else importlib.metadata.version("jsonschema"), "invalid_not_refused_by_reference": unjudged}
+    return {"checked": True, "jsonschema": importlib.metadata.version("jsonschema"),
+            "invalid_not_refused_by_reference": unjudged}
 
 
 def dumps(instance) -> str:
@@ -360,6 +371,13 @@ class Llguidance:
 
     def fill(self, matcher, mask: np.ndarray) -> None:
         self.llnp.fill_next_token_bitmask(matcher, mask)
+
+    def fill_bytes(self, matcher, mask: np.ndarray) -> None:
+        """The other API: compute_bitmask() returns a new bytes object (what
+        monolith/runtime/grammar.py calls), copied into the row. At a vocabulary that is
+        a multiple of 32 it holds one word more than ceil(vocab / 32) (zero: no token)."""
+        words = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)
+        mask[0] = words[: mask.shape[1]]
 
     def consume(self, matcher, token: int) -> bool:
         return matcher.consume_token(token)
@@ -411,13 +429,14 @@ def allowed(mask: np.ndarray, token: int) -> bool:
     return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
 
 
-def walk(engine, matcher, tokens: list[int], eos: int, mask: np.ndarray, timed: bool) -> dict:
+def walk(engine, matcher, tokens: list[int], eos: int, mask: np.ndarray, timed: bool, fill=None) -> dict:
     """Feed `tokens` then the end token, computing the mask before each. Returns the mask
     times (µs), how far the matcher followed and whether the end was allowed."""
     times, fed = [], 0
+    fill = fill or engine.fill
     for tok in tokens + [eos]:
         t0 = time.perf_counter_ns()
-        engine.fill(matcher, mask)
+        fill(matcher, mask)
         if timed:
             times.append((time.perf_counter_ns() - t0) / 1000)
         if not allowed(mask, tok):
@@ -437,6 +456,9 @@ def stats(times: list[float]) -> dict:
             "p99_us": round(p99, 1), "max_us": round(xs[-1], 1), "first_us": round(times[0], 1), "n": len(xs)}
 
 
+WARM_WALKS = 5  # warm: each position's median over this many walks (the machine is shared)
+
+
 def run_case(engine, case: Case, encode, eos: int) -> dict:
     mask = np.full((1, (VOCAB_SIZE + 31) // 32), -1, dtype=np.int32)
     valid, invalid = encode(dumps(case.valid)), encode(dumps(case.invalid))
@@ -452,13 +474,20 @@ def run_case(engine, case: Case, encode, eos: int) -> dict:
         out.update(verdict="rejects valid", valid_tokens_followed=cold["fed"],
                    mask_and_matcher_agree=cold["mask_and_matcher_agree"])
         return out
-    engine.reset(matcher)
-    warm = walk(engine, matcher, valid, eos, mask, timed=True)
+    walks = []
+    for _ in range(WARM_WALKS):
+        engine.reset(matcher)
+        walks.append(walk(engine, matcher, valid, eos, mask, timed=True)["times_us"])
+    warm = {"times_us": [statistics.median(ts) for ts in zip(*walks)]}
+    other = {}
+    if hasattr(engine, "fill_bytes"):
+        engine.reset(matcher)
+        other = {"warm_compute_bitmask": stats(walk(engine, matcher, valid, eos, mask, True, engine.fill_bytes)["times_us"])}
     engine.reset(matcher)
     bad = walk(engine, matcher, invalid, eos, mask, timed=False)
     refused = bad["fed"] < len(invalid) or not bad["end_allowed"]
     out.update(verdict="enforced" if refused else "IGNORED", cold=stats(cold["times_us"]),
-               warm=stats(warm["times_us"]), cold_times_us=[round(t, 1) for t in cold["times_us"]],
+               warm=stats(warm["times_us"]), **other, cold_times_us=[round(t, 1) for t in cold["times_us"]],
                invalid_refused_at=f"token {bad['fed']} of {len(invalid)}" if bad["fed"] < len(invalid)
                else ("the end" if refused else None))
     return out
@@ -521,6 +550,11 @@ def run_engine(cls, tokenizer_json: str, cases: list[Case]) -> dict:
     t0 = time.perf_counter_ns()
     engine.fill(warmup, mask)
     first_mask_us = (time.perf_counter_ns() - t0) / 1000
+    extra = {}
+    if cls is Llguidance:
+        words = np.frombuffer(warmup.compute_bitmask(), dtype=np.int32)
+        extra["compute_bitmask_words"] = {"words": len(words), "ceil_vocab_32": mask.shape[1],
+                                          "extra_words_nonzero": bool(words[mask.shape[1]:].any())}
     results = {}
     for case in cases:
         r = run_case(engine, case, encode, eos)
@@ -535,7 +569,7 @@ def run_engine(cls, tokenizer_json: str, cases: list[Case]) -> dict:
             "installed_closure": installed_closure(cls.name),
             "python": platform.python_version(), "interpreter": sys.executable, "machine": platform.machine(),
             "system": platform.system(), "how": engine.how, "tokenizer_setup_s": round(engine.setup_s, 2),
-            "first_mask_in_process_us": round(first_mask_us, 1),
+            "first_mask_in_process_us": round(first_mask_us, 1), **extra,
             "special_tokens_allowed_inside_a_string": special_token_in_string(engine, specials, encode),
             "cases": results, **({"vocab_type": engine.vocab_type} if hasattr(engine, "vocab_type") else {})}
 
@@ -604,6 +638,7 @@ def summary(engine: dict) -> dict:
         verdicts[r["verdict"]] = verdicts.get(r["verdict"], 0) + 1
     cold = [t for r in cases if "cold" in r for t in [r["cold"]["mean_us"]]]
     warm = [r["warm"]["mean_us"] for r in cases if "warm" in r]
+    other = [r["warm_compute_bitmask"]["mean_us"] for r in cases if "warm_compute_bitmask" in r]
     p99 = [r["cold"]["p99_us"] for r in cases if "cold" in r]
     comp = [r["compile_ms"] for r in cases if "cold" in r]
     pooled = sorted(t for r in cases if r["group"] == "core" and "cold_times_us" in r for t in r["cold_times_us"])
@@ -615,6 +650,7 @@ def summary(engine: dict) -> dict:
             "rejects_valid": sorted(n for n, r in engine["cases"].items() if r["verdict"] == "rejects valid"),
             "median_cold_mean_us": round(statistics.median(cold), 1) if cold else None,
             "median_warm_mean_us": round(statistics.median(warm), 1) if warm else None,
+            "median_warm_compute_bitmask_mean_us": round(statistics.median(other), 1) if other else None,
             "worst_p99_us": max(p99) if p99 else None,
             "median_compile_ms": round(statistics.median(comp), 1) if comp else None,
             "max_compile_ms": max(comp) if comp else None,
@@ -640,7 +676,8 @@ def markdown(report: dict) -> str:
             "breaks the feature refused; **IGNORED** = compiled and that instance accepted (the keyword was "
             "dropped silently); **error** = the engine refused the schema when compiling; **rejects valid** = "
             "the valid instance was not followed. Mask µs: per position of the valid instance (n = its tokens "
-            "+ the end), cold = first walk on a fresh matcher, warm = the same walk after reset(). Instances "
+            "+ the end), cold = first walk on a fresh matcher, warm = the same walk after reset() (each "
+            f"position's median over {WARM_WALKS} walks). Instances "
             "are checked with the `jsonschema` package (it cannot judge the date-time one without its "
             "optional rfc3339 checker)."), "", "## Per engine", ""]
     for e in engines:
@@ -653,7 +690,10 @@ def markdown(report: dict) -> str:
                 f"{', '.join(s['rejects_valid']) or 'none'}. Mask per token over all {pool.get('n')} positions of "
                 f"the core schemas (cold): mean {pool.get('mean_us')} µs, p50 {pool.get('p50_us')}, p99 "
                 f"{pool.get('p99_us')}, max {pool.get('max_us')}; warm, median of the schemas' means: "
-                f"{s['median_warm_mean_us']} µs. Compile: median {s['median_compile_ms']} ms, max "
+                f"{s['median_warm_mean_us']} µs"
+                + (f" (with compute_bitmask(), a new bytes object per mask, copied: "
+                   f"{s['median_warm_compute_bitmask_mean_us']} µs)" if s["median_warm_compute_bitmask_mean_us"] else "")
+                + f". Compile: median {s['median_compile_ms']} ms, max "
                 f"{s['max_compile_ms']} ms. Tokenizer setup {r['tokenizer_setup_s']} s; the process's first mask "
                 f"{r.get('first_mask_in_process_us')} µs (before the cases). Control tokens allowed "
                 "inside a free JSON string: "
@@ -736,9 +776,9 @@ def conclusion(report: dict) -> str:
         f"xgrammar mean {xp['mean_us']} µs, p50 {xp['p50_us']}, p99 {xp['p99_us']}, max {xp['max_us']}. "
         f"Compile: llguidance median {lg['median_compile_ms']} ms (max {lg['max_compile_ms']}), xgrammar "
         f"median {xg['median_compile_ms']} ms (max {xg['max_compile_ms']}). xgrammar precomputes token masks "
-        "when compiling: its median mask is tiny, but every new request schema with a free-text string "
-        "waits ~0.1 s (more with a complex regex) before its first token, and free-string positions cost it a "
-        "few hundred µs. llguidance compiles in milliseconds and computes masks as it goes; its slowest are "
+        f"when compiling: its median mask is tiny, but a new request schema waits for that compile (median "
+        f"{xg['median_compile_ms']} ms here; a few ms without free-text strings, longest with a complex regex such as format email) "
+        "before its first token, and free-string positions cost it a few hundred µs. llguidance compiles in milliseconds and computes masks as it goes; its slowest are "
         f"strings under a complex regex ({slowest(engines['llguidance'])}), cold and warm alike. The mean of "
         "either is well under a millisecond; its share of a decode step is bench/structured.py's measure. "
         "Mask time does not decide between them."),
