@@ -61,6 +61,7 @@ import hashlib
 import importlib.metadata
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,7 @@ VOCAB_SIZE = 248_320  # Qwen3.5/3.6 vocab_size (docs/target.md)
 CORPUS_CHARS = 200_000_000  # enough text for 248K merges at min_frequency 2 here
 CORPUS_EXTENSIONS = ("py", "pyi", "rst", "txt", "md", "json")
 ENGINES = ("llguidance", "xgrammar")
+MANYLINUX = re.compile(r"manylinux_2_(\d+)")
 PLATFORMS = {  # pip download --platform tags tried for each (pip matches tags exactly)
     "macos_arm64": ["macosx_11_0_arm64", "macosx_12_0_arm64", "macosx_14_0_arm64"],
     "linux_x86_64": [f"manylinux_2_{m}_x86_64" for m in (17, 24, 27, 28, 31, 34, 35, 39)] + ["manylinux2014_x86_64"],
@@ -736,6 +738,12 @@ def wheel_facts(report: dict, pkg: str) -> str:
     abi = "abi3 (one wheel for every CPython from its minimum)" if names and all("abi3" in n for n in names) \
         else "one wheel per CPython version"
     reqs = wheel_requires(w)
+    glibc = []
+    for plat in PLATFORMS:
+        tags = [int(m) for m in MANYLINUX.findall(w[plat].get("wheel") or "")]
+        if tags:
+            glibc.append(f"{plat.split('_', 1)[1]} 2.{min(tags)}")
+    abi += f"; glibc needed: {', '.join(glibc)}" if glibc else ""
     return (f"wheels for {', '.join(p for p in PLATFORMS if w[p].get('wheel'))}"
             f"{' (none for ' + ', '.join(missing) + ')' if missing else ''}, {abi}; requires "
             f"{', '.join(reqs) if reqs else 'nothing'}")
@@ -758,17 +766,20 @@ def conclusion(report: dict) -> str:
     def names(xs):
         return ", ".join(xs) or "none"
 
+    pattern_note = (" (it matches a patternProperties regex against the whole key: `^x-` admits only the key "
+                    "`x-`, where JSON Schema searches the key)") if "patternProperties" in xg["rejects_valid"] else ""
+    lspecial = [t for t, ok in engines["llguidance"]["special_tokens_allowed_inside_a_string"].items() if ok]
+    xspecial = [t for t, ok in engines["xgrammar"]["special_tokens_allowed_inside_a_string"].items() if ok]
     return "\n".join([
-        "**llguidance**, for these reasons (numbers above):",
+        "The pick: **llguidance**, for these reasons (numbers above):",
         "",
         (f"1. Unsupported features are refused, never dropped. llguidance refused {len(lg['errors'])} of the "
         f"tried keywords when compiling, naming them ({names(lg['errors'])}), and silently ignored "
         f"{len(lg['ignored'])} ({names(lg['ignored'])}). xgrammar compiled {len(xg['ignored'])} of them and "
         f"then accepted output that violates them ({names(xg['ignored'])}), refused {len(xg['errors'])} "
-        f"({names(xg['errors'])}), and rejected a valid instance for {names(xg['rejects_valid'])} (it matches "
-        "the key regex against the whole key: `^x-` admits only the key `x-`). The issue requires a 400 that "
-        "names an unsupported feature; with xgrammar the server would have to re-implement the keyword "
-        "check itself."),
+        f"({names(xg['errors'])}), and rejected a valid instance for {names(xg['rejects_valid'])}{pattern_note}. "
+        "The issue requires a 400 that names an unsupported feature; with xgrammar the server would have to "
+        "re-implement the keyword check itself."),
         (f"2. Coverage of what the issue lists: both enforce the core set (llguidance {lg['core_enforced']}/"
         f"{lg['core']}, xgrammar {xg['core_enforced']}/{xg['core']})."),
         (f"3. Mask time per token at 248,320 ids, one thread, all positions of the core schemas (cold): "
@@ -776,22 +787,20 @@ def conclusion(report: dict) -> str:
         f"xgrammar mean {xp['mean_us']} µs, p50 {xp['p50_us']}, p99 {xp['p99_us']}, max {xp['max_us']}. "
         f"Compile: llguidance median {lg['median_compile_ms']} ms (max {lg['max_compile_ms']}), xgrammar "
         f"median {xg['median_compile_ms']} ms (max {xg['max_compile_ms']}). xgrammar precomputes token masks "
-        f"when compiling: its median mask is tiny, but a new request schema waits for that compile (median "
-        f"{xg['median_compile_ms']} ms here; a few ms without free-text strings, longest with a complex regex such as format email) "
-        "before its first token, and free-string positions cost it a few hundred µs. llguidance compiles in milliseconds and computes masks as it goes; its slowest are "
-        f"strings under a complex regex ({slowest(engines['llguidance'])}), cold and warm alike. The mean of "
-        "either is well under a millisecond; its share of a decode step is bench/structured.py's measure. "
-        "Mask time does not decide between them."),
+        "when compiling: its median mask is tiny, but a new request schema waits for that compile before its "
+        "first token (a few ms without free-text strings, longest with a complex regex such as format email), "
+        "and free-string positions cost it a few hundred µs. llguidance compiles in milliseconds and computes "
+        f"masks as it goes; its slowest schemas: {slowest(engines['llguidance'])}. The mean of either is well "
+        "under a millisecond; its share of a decode step is bench/structured.py's measure. Mask time does not "
+        "decide between them."),
         (f"4. Wheels and dependencies: llguidance {engines['llguidance']['version']}: "
         f"{wheel_facts(report, 'llguidance')}; installed {lc['mib']} MiB in {len(lc['distributions'])} "
         f"distribution(s). xgrammar {engines['xgrammar']['version']}: {wheel_facts(report, 'xgrammar')}; "
         f"installed with its dependencies {xc['mib']} MiB in {len(xc['distributions'])} distributions, "
         "torch and transformers among them, which monolith (MLX) does not need at run time."),
-        (f"5. Control tokens: with TokenizerInfo.from_huggingface xgrammar reads the vocabulary's special "
-        f"tokens as their literal text and allows "
-        f"{names([t for t, ok in engines['xgrammar']['special_tokens_allowed_inside_a_string'].items() if ok])} "
-        "inside a JSON string; llguidance allows "
-        f"{names([t for t, ok in engines['llguidance']['special_tokens_allowed_inside_a_string'].items() if ok])}."),
+        ("5. Control tokens: with TokenizerInfo.from_huggingface xgrammar reads the vocabulary's special tokens "
+        f"as their literal text and allows {names(xspecial)} inside a JSON string; llguidance allows "
+        f"{names(lspecial)}."),
     ])
 
 
