@@ -316,6 +316,7 @@ CASES = [
     Case("contains", "hard",
          _obj({"xs": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 0}}}),
          {"xs": [3, 0, 4]}, {"xs": [3, 4]}),
+    Case("required without properties", "hard", {"type": "object", "required": ["a"]}, {"a": 1}, {}),
     Case("minProperties", "hard",
          {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
          {"a": 1, "b": 2}, {"a": 1}),
@@ -473,8 +474,11 @@ def run_case(engine, case: Case, encode, eos: int) -> dict:
     cold = walk(engine, matcher, valid, eos, mask, timed=True)
     out = {"compile_ms": round(compile_ms, 2), "tokens": len(valid)}
     if cold["fed"] < len(valid) or not cold["end_allowed"]:
+        engine.reset(matcher)
+        bad = walk(engine, matcher, invalid, eos, mask, timed=False)
         out.update(verdict="rejects valid", valid_tokens_followed=cold["fed"],
-                   mask_and_matcher_agree=cold["mask_and_matcher_agree"])
+                   mask_and_matcher_agree=cold["mask_and_matcher_agree"],
+                   invalid_accepted=bad["fed"] == len(invalid) and bad["end_allowed"])
         return out
     walks = []
     for _ in range(WARM_WALKS):
@@ -707,7 +711,8 @@ def markdown(report: dict) -> str:
                 out.append(f"  - {n}: `{c['error'][:160].replace('`', chr(39)).replace(chr(10), ' ')}`")
             elif c["verdict"] == "rejects valid":
                 out.append(f"  - {n}: the valid instance stopped after {c['valid_tokens_followed']} of "
-                           f"{c['tokens']} tokens")
+                           f"{c['tokens']} tokens; the invalid one was "
+                           f"{'accepted' if c.get('invalid_accepted') else 'refused'}")
     for e in ENGINES:
         if e not in report["engines"]:
             out.append(f"- **{e}**: not measured yet (not installed in the interpreters run so far).")
@@ -766,8 +771,14 @@ def conclusion(report: dict) -> str:
     def names(xs):
         return ", ".join(xs) or "none"
 
-    pattern_note = (" (it matches a patternProperties regex against the whole key: `^x-` admits only the key "
-                    "`x-`, where JSON Schema searches the key)") if "patternProperties" in xg["rejects_valid"] else ""
+    notes, required = [], engines["xgrammar"]["cases"].get("required without properties", {})
+    if "patternProperties" in xg["rejects_valid"]:
+        notes.append("it matches a patternProperties regex against the whole key: `^x-` admits only the key "
+                     "`x-`, where JSON Schema searches the key")
+    if required.get("verdict") == "rejects valid" and required.get("invalid_accepted"):
+        notes.append('`{"type": "object", "required": ["a"]}` compiles to the empty object only: `{}`, which '
+                     'breaks `required`, passes and `{"a": 1}` fails')
+    note = f" ({'; '.join(notes)})" if notes else ""
     lspecial = [t for t, ok in engines["llguidance"]["special_tokens_allowed_inside_a_string"].items() if ok]
     xspecial = [t for t, ok in engines["xgrammar"]["special_tokens_allowed_inside_a_string"].items() if ok]
     return "\n".join([
@@ -777,7 +788,7 @@ def conclusion(report: dict) -> str:
         f"tried keywords when compiling, naming them ({names(lg['errors'])}), and silently ignored "
         f"{len(lg['ignored'])} ({names(lg['ignored'])}). xgrammar compiled {len(xg['ignored'])} of them and "
         f"then accepted output that violates them ({names(xg['ignored'])}), refused {len(xg['errors'])} "
-        f"({names(xg['errors'])}), and rejected a valid instance for {names(xg['rejects_valid'])}{pattern_note}. "
+        f"({names(xg['errors'])}), and rejected a valid instance for {names(xg['rejects_valid'])}{note}. "
         "The issue requires a 400 that names an unsupported feature; with xgrammar the server would have to "
         "re-implement the keyword check itself."),
         (f"2. Coverage of what the issue lists: both enforce the core set (llguidance {lg['core_enforced']}/"
