@@ -83,7 +83,9 @@ class Guide:
         if self.waiting or self.ended:
             return None
         if self._words is None:
-            self._words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32).copy()
+            words = np.empty((self.width + 31) // 32, np.int32)
+            self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)  # no bytes copy
+            self._words = words
             if self.matcher.is_error():
                 raise RuntimeError(f"grammar matcher failed: {self.matcher.get_error()}")
             if not self._words.any():
