@@ -20,7 +20,6 @@ Everything stays in MLX ops; reading the sampled token is the caller's one sync.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import secrets
@@ -122,17 +121,16 @@ def sample(logits: mx.array, params: SamplingParams, key: mx.array | None) -> mx
     return mx.random.categorical(filtered_logits(logits, params), axis=-1, key=key).astype(mx.int32)
 
 
-@functools.cache
-def _bit_index(width: int) -> tuple[mx.array, mx.array]:
-    ids = mx.arange(width, dtype=mx.int32)
-    return ids // 32, ids % 32
+_SHIFTS = mx.arange(32, dtype=mx.uint32)
 
 
 def allowed(words, width: int) -> mx.array:
     """Bool [..., width] from int32 words [..., ceil(width / 32)]: bit i % 32 of word
-    i // 32 says whether token i is allowed (llguidance's bitmask layout)."""
-    word, bit = _bit_index(width)
-    return (mx.right_shift(mx.take(mx.array(words), word, axis=-1), bit) & 1).astype(mx.bool_)
+    i // 32 says whether token i is allowed (llguidance's bitmask layout). Each word is
+    shifted 32 ways and flattened (no gather)."""
+    w = mx.array(words).view(mx.uint32)
+    bits = (mx.right_shift(w[..., None], _SHIFTS) & 1).reshape(*w.shape[:-1], -1)
+    return bits[..., :width].astype(mx.bool_)
 
 
 def mask_logits(logits: mx.array, words) -> mx.array:

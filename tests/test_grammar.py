@@ -235,3 +235,26 @@ def test_greedy_speculation_under_a_grammar_equals_reference_for_draft_kinds(tmp
         replay.push(t)
     if sampled.finish_reason == "stop":
         jsonschema.validate(json.loads(tok.decode(sampled.token_ids)), schema)
+
+
+@pytest.mark.parametrize("width", [33, 64, 2048, 2050])
+def test_bitmask_layout_matches_numpy_packbits(width):
+    """sampling.allowed reads llguidance's layout (bit i % 32 of word i // 32, little
+    endian), checked against numpy's packbits; Guide.forced finds a lone bit anywhere."""
+    from monolith.runtime.grammar import Guide
+    from monolith.sampling import allowed
+
+    rng = np.random.default_rng(width)
+    bits = rng.integers(0, 2, (3, width)).astype(bool)
+    padded = np.zeros((3, -(-width // 32) * 32), bool)
+    padded[:, :width] = bits
+    words = np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
+    assert (np.array(allowed(words, width)) == bits).all()
+    guide = Guide(None, width, ())
+    for token in (0, 31, width - 1):
+        one = np.zeros(padded.shape[1], bool)
+        one[token] = True
+        guide._words = np.packbits(one, bitorder="little").view(np.int32)
+        assert guide.forced() == token
+    guide._words = words[0]
+    assert guide.forced() is None

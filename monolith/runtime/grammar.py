@@ -98,10 +98,13 @@ class Guide:
         words = self.words()
         if words is None:
             return None
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-        if int(bits.sum()) != 1:
+        nonzero = np.flatnonzero(words)
+        if len(nonzero) != 1:
             return None
-        return int(np.flatnonzero(bits)[0])
+        word = int(words[nonzero[0]]) & 0xFFFFFFFF
+        if word & (word - 1):  # more than one bit
+            return None
+        return int(nonzero[0]) * 32 + word.bit_length() - 1
 
     def push(self, token: int) -> None:
         """Consume `token` (it must be allowed)."""
