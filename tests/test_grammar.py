@@ -258,3 +258,25 @@ def test_bitmask_layout_matches_numpy_packbits(width):
         assert guide.forced() == token
     guide._words = words[0]
     assert guide.forced() is None
+
+
+def test_logprobs_under_a_grammar_are_the_raw_rows_plain_and_speculative(demo):
+    """Logprobs report the model's raw distribution (as without a grammar), for sampled
+    and forced tokens alike, equal between plain and speculative decoding."""
+    model, drafter, tok, gt = demo
+    grammar = lark(FORCED)
+    prompt = tok.encode_chat([{"role": "user", "content": "Write letters."}])
+    got = {}
+    for name, decoder in (("plain", PlainDecoder(model, MAX_CONTEXT)),
+                          ("speculative", SpeculativeDecoder(model, drafter, MAX_CONTEXT))):
+        seen = []
+        decoder(Session(), prompt, 12, SamplingParams(), stops(tok), lambda t, lp, seen=seen: seen.append(lp) or True,
+                logprobs=2, guide=gt.guide(grammar))
+        got[name] = seen
+    tokens = [lp.token_id for lp in got["plain"]]
+    assert [lp.token_id for lp in got["speculative"]] == tokens and tokens[:3] == [2005, 2006, 2007]
+    for i, (a, b) in enumerate(zip(got["plain"], got["speculative"])):
+        row = last_logits(model, prompt + tokens[:i])
+        want = float((row - mx.logsumexp(row))[tokens[i]].item())
+        assert abs(a.logprob - want) < 1e-4 and abs(b.logprob - want) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]

@@ -76,7 +76,10 @@ class PlainDecoder:
         if guide is not None:
             if prefilled:
                 session.checkpoint(prompt)
-            return self._guided(session, prompt, logits, guide, max_tokens, stops, pick, logprobs, on_token,
+            def draw(masked):
+                return sample(masked, params, None if keys is None else next(keys))
+
+            return self._guided(session, prompt, logits, guide, max_tokens, stops, draw, logprobs, on_token,
                                 cancelled, start, cached)
         pending = pick(logits)
         mx.async_eval(*pending)
@@ -118,19 +121,17 @@ class PlainDecoder:
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, steps, stop_token)
 
     def _guided(self, session: Session, prompt: list[int], row: mx.array, guide: Guide, max_tokens: int,
-                stops: frozenset[int], pick, logprobs: int | None, on_token, cancelled, start: float,
+                stops: frozenset[int], draw, logprobs: int | None, on_token, cancelled, start: float,
                 cached: int) -> Outcome:
-        """The loop under a grammar: sample from the masked row (or take the forced
-        token), then feed it with the forced tokens after it in one forward."""
+        """The loop under a grammar: `draw` from the masked row (or take the forced
+        token), then feed it with the forced tokens after it in one forward. Logprobs are
+        the raw row's, as without a grammar."""
         fed, out = list(prompt), []
         first_at, steps, stop_token, finish = None, 0, False, "length"
         while len(out) < max_tokens:
             forced = guide.forced()
-            if forced is None:
-                chosen = pick(mask_logits(row, guide.words()))
-            else:
-                token = mx.array(forced, dtype=mx.int32)
-                chosen = (token, *logprob_arrays(row, token, logprobs))
+            token = draw(mask_logits(row, guide.words())) if forced is None else mx.array(forced, dtype=mx.int32)
+            chosen = (token, *logprob_arrays(row, token, logprobs))
             token_id = int(chosen[0].item())
             if first_at is None:
                 first_at = time.perf_counter()
