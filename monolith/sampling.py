@@ -121,15 +121,12 @@ def sample(logits: mx.array, params: SamplingParams, key: mx.array | None) -> mx
     return mx.random.categorical(filtered_logits(logits, params), axis=-1, key=key).astype(mx.int32)
 
 
-_SHIFTS = mx.arange(32, dtype=mx.uint32)
-
-
 def allowed(words, width: int) -> mx.array:
     """Bool [..., width] from int32 words [..., ceil(width / 32)]: bit i % 32 of word
     i // 32 says whether token i is allowed (llguidance's bitmask layout). Each word is
     shifted 32 ways and flattened (no gather)."""
-    w = mx.array(words).view(mx.uint32)
-    bits = (mx.right_shift(w[..., None], _SHIFTS) & 1).reshape(*w.shape[:-1], -1)
+    w = mx.array(words).view(mx.uint32)  # (made per call: MLX arrays belong to a thread's stream)
+    bits = (mx.right_shift(w[..., None], mx.arange(32, dtype=mx.uint32)) & 1).reshape(*w.shape[:-1], -1)
     return bits[..., :width].astype(mx.bool_)
 
 

@@ -48,9 +48,10 @@ from ..runtime.grammar import Grammar
 from . import structured
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
-from .responses import ChatFormat, CompletionFormat, TokenText, read_json, sse
+from .responses import ChatFormat, CompletionFormat, TokenText, read_json
 from .schemas import (
     APIError,
+    ChatRequest,
     SamplingDefaults,
     bad,
     parse_chat_request,
@@ -94,7 +95,7 @@ class ServerState:
 
 def _prepare_grammars(engine) -> None:
     try:
-        engine.grammar_tokenizer
+        _ = engine.grammar_tokenizer
     except Exception as e:  # noqa: BLE001 - reported; structured requests then get a clear error
         log.warning("structured output is unavailable: llguidance cannot read this tokenizer: %s", e)
 
@@ -159,19 +160,20 @@ class _Handlers:
     def __init__(self, state: ServerState):
         self.state = state
 
-    def endpoint(self, name: str, handler):
-        """Authorization, OpenAI error bodies for every failure, request counting."""
+    def endpoint(self, name: str, handler, render: Callable[[APIError], Response] = error_response):
+        """Authorization, error bodies for every failure (`render`: OpenAI's shape unless
+        the API has its own), request counting."""
 
         async def run(request: Request) -> Response:
             try:
                 self._authorize(request)
                 response = await handler(request)
             except APIError as e:
-                response = error_response(e)
-            except Exception:  # noqa: BLE001 - never a stack trace to the client
+                response = render(e)
+            except Exception:
                 log.exception("%s %s failed", request.method, request.url.path)
-                response = error_response(APIError(500, "internal server error (the server log has the details)",
-                                                   code="internal_error"))
+                response = render(APIError(500, "internal server error (the server log has the details)",
+                                           code="internal_error"))
             self.state.metrics.requests.labels(name, str(response.status_code)).inc()
             return response
 
@@ -182,9 +184,10 @@ class _Handlers:
         if not key:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())):
-            raise APIError(401, "missing or invalid API key: send the header Authorization: Bearer KEY",
-                           code="invalid_api_key")
+        given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "missing or invalid API key: send the header Authorization: Bearer KEY "
+                           "(or x-api-key: KEY)", code="invalid_api_key")
 
     def _engine(self):
         state = self.state
@@ -225,6 +228,15 @@ class _Handlers:
         req = parse_chat_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
 
+        def chat_format(reasoning_open: bool) -> ChatFormat:
+            return ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open)
+
+        return await self.generate_chat(request, engine, req, chat_format, started)
+
+    async def encode_chat(self, engine, req: ChatRequest) -> tuple[list[int], bool, Grammar | None]:
+        """(prompt ids, the prompt opens reasoning, the output's grammar) of a chat request,
+        on a worker thread (the template, the tokenizer and a grammar's check take time)."""
+
         def encode() -> tuple[list[int], bool, Grammar | None]:
             try:
                 text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
@@ -237,10 +249,15 @@ class _Handlers:
                 structured.check(req.structure, constraint, _grammar_tokenizer(engine))
             return engine.tokenizer.encode(text, add_special_tokens=False), reasoning, constraint
 
-        prompt_ids, reasoning_open, constraint = await anyio.to_thread.run_sync(encode)
-        fmt = ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open)
-        return await self._generate(request, engine, prompt_ids, req, fmt, "messages", started,
-                                    engine.tokenizer.message_ends(prompt_ids), constraint)
+        return await anyio.to_thread.run_sync(encode)
+
+    async def generate_chat(self, request: Request, engine, req: ChatRequest, make_format, started: float,
+                            prompt_param: str = "messages") -> Response:
+        """A chat request through the engine, its reply in the format `make_format(reasoning
+        open)` builds (OpenAI's chat.completion here; other APIs bring their own)."""
+        prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req)
+        return await self._generate(request, engine, prompt_ids, req, make_format(reasoning_open), prompt_param,
+                                    started, engine.tokenizer.message_ends(prompt_ids), constraint)
 
     async def completions(self, request: Request) -> Response:
         engine = self._engine()
@@ -348,24 +365,24 @@ class _Handlers:
         keepalive = self.state.config.keepalive_seconds
         try:
             for chunk in fmt.stream_start(include_usage):
-                yield sse(chunk)
+                yield fmt.event(chunk)
             while True:
                 try:
                     event = await asyncio.wait_for(events.get(), keepalive)
                 except asyncio.TimeoutError:
-                    yield ": keep-alive\n\n"
+                    yield fmt.keepalive()
                     continue
                 if isinstance(event, Delta):
                     for chunk in fmt.stream_delta(event, include_usage):
-                        yield sse(chunk)
+                        yield fmt.event(chunk)
                 elif isinstance(event, Finished):
                     for chunk in fmt.stream_finish(event, include_usage):
-                        yield sse(chunk)
+                        yield fmt.event(chunk)
                     break
                 elif isinstance(event, Failed):
-                    yield sse(_engine_error(event.error).body())
+                    yield fmt.failure(_engine_error(event.error))
                     break
-            yield "data: [DONE]\n\n"
+            yield fmt.end()
         finally:
             job.cancel()  # the client went away (the task is cancelled) or we are done (a no-op)
 

@@ -32,7 +32,24 @@ def reason_of(finished: Finished) -> str:
 # ------------------------------------------------------------------ response formats
 
 
-class ChatFormat:
+class OpenAIEvents:
+    """How an OpenAI stream is written: `data:` lines, comment keep-alives, a final
+    `data: [DONE]`, an error as one more `data:` line (other APIs override these)."""
+
+    def event(self, chunk: dict) -> str:
+        return sse(chunk)
+
+    def keepalive(self) -> str:
+        return ": keep-alive\n\n"
+
+    def failure(self, error) -> str:
+        return sse(error.body())
+
+    def end(self) -> str:
+        return "data: [DONE]\n\n"
+
+
+class ChatFormat(OpenAIEvents):
     """chat.completion and chat.completion.chunk bodies."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None,
@@ -128,7 +145,7 @@ class ChatFormat:
         return chunks
 
 
-class CompletionFormat:
+class CompletionFormat(OpenAIEvents):
     """text_completion bodies (the legacy completions API)."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool):
