@@ -280,3 +280,22 @@ def test_logprobs_under_a_grammar_are_the_raw_rows_plain_and_speculative(demo):
         want = float((row - mx.logsumexp(row))[tokens[i]].item())
         assert abs(a.logprob - want) < 1e-4 and abs(b.logprob - want) < 1e-4
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_masks_work_on_any_thread():
+    """The engine samples on its worker thread: masking must not use an MLX array made
+    on the importing thread (MLX streams are per thread)."""
+    import threading
+
+    from monolith.sampling import mask_logits
+
+    words = np.packbits(np.arange(64) % 3 == 0, bitorder="little").view(np.int32)
+    out = {}
+
+    def work():
+        out["row"] = np.array(mask_logits(mx.zeros((64,)), words))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert (np.isfinite(out["row"]) == (np.arange(64) % 3 == 0)).all()
