@@ -138,6 +138,8 @@ def test_unsupported_schema_feature_is_refused_naming_it(servers):
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}},
      "response_format.json_schema.extra"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"x-guidance": {"lenient": True}}}}},
+     "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
@@ -146,3 +148,16 @@ def test_bad_structure_requests_are_400(servers, body, param):
     response = servers["plain"].post("/v1/chat/completions", {
         "model": NAME, "messages": [{"role": "user", "content": "x"}], **body})
     assert_error(response, 400, param=param)
+
+
+def test_a_schema_nested_too_deeply_is_a_400(demo_f32):
+    from monolith.serving import structured
+    from monolith.serving.errors import APIError
+
+    schema = {"type": "object"}
+    for _ in range(2000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    form = structured.response_format({"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}})
+    with pytest.raises(APIError) as e:
+        structured.grammar(form, demo_f32[2], reasoning_open=False)
+    assert e.value.status == 400 and "nested too deeply" in e.value.message

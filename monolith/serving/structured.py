@@ -21,7 +21,6 @@ blanks. When the prompt leaves Qwen's reasoning open, the constraint starts afte
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 
@@ -129,12 +128,16 @@ def _short(message: str) -> str:
 
 
 def _json(schema) -> str:
-    schema = {"x-guidance": {"whitespace_pattern": WHITESPACE}} if schema is True else copy.deepcopy(schema)
+    if schema is True:
+        schema = {}
     if isinstance(schema, dict):
-        options = schema.setdefault("x-guidance", {})
-        if isinstance(options, dict):
-            options.setdefault("whitespace_pattern", WHITESPACE)
-    return "%json " + json.dumps(schema)
+        if "x-guidance" in schema:  # llguidance's options (e.g. "lenient" would drop keywords silently)
+            raise bad("the schema may not set x-guidance (llguidance's compiler options)", "response_format")
+        schema = {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+    try:
+        return "%json " + json.dumps(schema)
+    except RecursionError:
+        raise bad("the schema is nested too deeply", "response_format") from None
 
 
 def _tag(tokenizer, text: str) -> str:
