@@ -130,9 +130,11 @@ class Guide:
         consumed = sum(kind == "match" for kind, _ in taken)
         if consumed and not self.matcher.rollback(consumed):
             raise RuntimeError(f"grammar matcher cannot roll back {consumed} tokens: {self.matcher.get_error()}")
-        if taken[0][0] == "wait":  # the constraint had not started at the first undone push
+        kind, words = taken[0]
+        if kind == "wait":  # the constraint had not started at the first undone push
             self.waiting = True
-        self._words = None
+        # the first undone push met the mask of the state rolled back to: no recomputing
+        self._words = words if kind in ("match", "end") else None
 
     @property
     def ended(self) -> bool:
