@@ -264,6 +264,7 @@ HOSTILE = [
     {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
     {"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
     {"messages": [{"role": "user", "content": "x", "name": "me"}]},
+    {"messages": [*HELLO, {"role": "assistant", "content": "The best answer is ("}]},
     {"system": 5}, {"system": [{"type": "image"}]}, {"system": [{"type": "text", "text": 3}]},
     {"tools": {}}, {"tools": [5]}, {"tools": [{"name": "f"}]}, {"tools": [{"name": "", "input_schema": {}}]},
     {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
@@ -301,3 +302,41 @@ def test_malformed_bodies_and_deep_nesting(servers):
     assert server.post("/v1/messages", nested).status_code == 200  # metadata changes nothing
     huge = httpx.post(server.url + "/v1/messages", content=b"{" + b" " * (9 * 2**20) + b"}", timeout=30)
     _anthropic_error(huge, 413, "request_too_large")
+
+
+def test_raw_events_pings_and_a_failure_mid_stream(demo_f32):
+    model, _, tok = demo_f32
+    slow = scripted(tok.encode("late"), delay=1.0)
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow), model_names=(NAME,),
+                keepalive_seconds=0.2) as s:
+        s.wait_ready()
+        with httpx.stream("POST", s.url + "/v1/messages", timeout=60,
+                          json={**BASE, "max_tokens": 50, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            frames = r.read().decode().split("\n\n")
+    assert frames[-1] == ""  # no [DONE]: the stream ends after message_stop
+    events = []
+    for frame in frames[:-1]:
+        head, data = frame.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: ")
+        payload = json.loads(data[6:])
+        assert payload["type"] == head[7:]
+        events.append(payload)
+    kinds = [e["type"] for e in events]
+    assert kinds.count("ping") >= 3 and kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    order = [k for i, k in enumerate(kinds) if k != "ping" and not (k == "content_block_delta" == kinds[i - 1])]
+    assert order == ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert {d["type"] for d in deltas} == {"text_delta"} and "".join(d["text"] for d in deltas) == "late"
+    assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+
+    def broken(*args, **kw):
+        raise RuntimeError("the decoder broke")
+
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=broken), model_names=(NAME,)) as s:
+        with pytest.raises(anthropic.APIStatusError) as e:
+            with client(s.wait_ready()).messages.stream(model=NAME, max_tokens=5, messages=HELLO) as stream:
+                stream.get_final_message()
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+        assert "Traceback" not in str(e.value.body) and "broke" not in str(e.value.body)

@@ -236,6 +236,10 @@ def _messages(value) -> list[dict]:
             out += _user_blocks(content, f"{at}.content")
         else:
             out.append(_assistant_blocks(content, f"{at}.content"))
+    if value[-1].get("role") == "assistant":
+        raise bad(f"messages[{len(value) - 1}]: a conversation ending with an assistant message (a prefill the "
+                  "reply continues) is not supported: the template closes that turn and opens a new one",
+                  f"messages[{len(value) - 1}]")
     return out
 
 
