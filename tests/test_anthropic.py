@@ -12,11 +12,14 @@ from dataclasses import replace
 import anthropic
 import httpx
 import jsonschema
+import numpy as np
 import pytest
 from serving_rig import Server, scripted
 
 from monolith.runtime.engine import Engine
+from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024
 NAME = "demo"
@@ -181,6 +184,70 @@ def test_thinking_blocks_from_the_reasoning(demo_f32):
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in reply.content]
 
 
+OPENS_THINKING = "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking %}<think>\n{%- endif %}"
+
+
+@pytest.fixture(scope="module")
+def thinking_servers(demo_f32):
+    """The demo pair with a template whose generation prompt opens the think block (as
+    Qwen3.6's does with thinking on): the reasoning budget can be enforced."""
+    model, drafter, tok = demo_f32
+    tok = load_tokenizer(tok.path)  # a copy: the shared one is never changed
+    tok.chat_template += OPENS_THINKING
+    plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
+    spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
+                                 decoder=SpeculativeDecoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
+    with plain as p, spec as s:
+        yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}, tok
+
+
+def test_thinking_budget_ends_the_reasoning(thinking_servers):
+    servers, tok = thinking_servers
+    thinking = {"type": "enabled", "budget_tokens": 3}
+    seen = {}
+    for kind, server in servers.items():
+        c = client(server)
+        free = c.messages.create(model=NAME, max_tokens=40, **GREEDY, messages=HELLO,
+                                 thinking={"type": "enabled", "budget_tokens": 40})
+        assert free.content[0].type == "thinking"
+        capped = c.messages.create(model=NAME, max_tokens=40, **GREEDY, messages=HELLO, thinking=thinking)
+        assert [b.type for b in capped.content][:1] == ["thinking"] and capped.content[0].thinking
+        # greedy under the grammar is greedy until the budget: the same first tokens
+        assert free.content[0].thinking.startswith(capped.content[0].thinking)
+        assert len(tok.encode(capped.content[0].thinking)) <= 3
+        assert len(tok.encode(free.content[0].thinking)) > 3  # the model would have thought on: it was cut
+        assert [b.type for b in capped.content] == ["thinking", "text"] and capped.content[1].text
+        with c.messages.stream(model=NAME, max_tokens=40, **GREEDY, messages=HELLO, thinking=thinking) as stream:
+            assert [b.model_dump() for b in stream.get_final_message().content] == \
+                [b.model_dump() for b in capped.content]
+        forced = c.messages.create(model=NAME, max_tokens=300, **GREEDY, messages=HELLO, thinking=thinking,
+                                   tools=TOOLS, tool_choice={"type": "tool", "name": "add"})
+        assert forced.stop_reason == "tool_use" and [b.type for b in forced.content] == ["thinking", "tool_use"]
+        jsonschema.validate(forced.content[1].input, SCHEMAS["add"])
+        seen[kind] = [capped.model_dump()["content"], forced.content[0].thinking, forced.content[1].input]
+    assert seen["plain"] == seen["speculative"]
+
+
+def test_guide_budget_forces_the_start_token_and_rolls_back(demo_f32):
+    tok = demo_f32[2]
+    end = tok.token_to_id("</think>")
+    vocab = GrammarTokenizer.of(tok, tok.vocab_size)
+    guide = vocab.guide(Grammar('start: "ok"', end, budget=3))
+    word = tok.encode("a")[0]
+    for _ in range(3):
+        assert guide.words() is None and guide.forced() is None
+        guide.push(word)
+    assert guide.forced() == end and np.count_nonzero(guide.words()) == 1
+    with pytest.raises(RuntimeError, match="budget"):
+        guide.push(word)
+    guide.rollback(2)  # a speculative round's rejected proposals
+    assert guide.forced() is None and guide.waited == 1
+    guide.push(word), guide.push(word)
+    assert guide.masks(1)[0].all() and guide.masks(1)[1].tolist() == guide.words().tolist()
+    guide.push(guide.forced())
+    assert not guide.waiting and guide.forced() is not None  # the grammar's "ok" now
+
+
 def test_thinking_switch_reaches_the_template(servers, demo_f32):
     tok = demo_f32[2]
     c = client(servers["plain"])
@@ -189,7 +256,7 @@ def test_thinking_switch_reaches_the_template(servers, demo_f32):
                                  thinking={"type": "enabled", "budget_tokens": 2048}).input_tokens
     assert off == len(tok.encode_chat(HELLO, enable_thinking=False))
     assert on == len(tok.encode_chat(HELLO, enable_thinking=True))
-    with pytest.raises(anthropic.BadRequestError) as e:  # a budget below max_tokens cannot be honoured
+    with pytest.raises(anthropic.BadRequestError) as e:  # this template opens no think block: no budget
         c.messages.create(model=NAME, max_tokens=4096, messages=HELLO,
                           thinking={"type": "enabled", "budget_tokens": 1024})
     assert "budget_tokens" in e.value.message

@@ -10,10 +10,13 @@ functions with `parameters`; `tool_choice` any -> "required", tool -> the named
 function (both grammar-constrained, schemas.py / structured.py); `thinking` ->
 chat_template_kwargs enable_thinking.
 
-`thinking.budget_tokens` cannot be enforced apart from max_tokens (the engine has no
-separate cap on the reasoning), so a budget below max_tokens is refused; one at or
-above it is honoured by max_tokens itself. `cache_control` marks are accepted: the
-prompt cache keeps every prefix on its own, so they change nothing.
+`thinking.budget_tokens` below max_tokens is enforced (`budget_grammar`): after that many
+reasoning tokens the `</think>` token is forced (runtime.grammar's budget; through
+speculation too), then the answer follows, free or as the tool calls any/tool ask for.
+It needs a template that opens the think block (Qwen3.6's does with thinking on), else
+it is refused. A budget at or above max_tokens is max_tokens itself. `cache_control`
+marks are accepted: the prompt cache keeps every prefix on its own, so they change
+nothing.
 
 `MessagesFormat` writes the reply: content blocks in the order the model wrote them
 (`thinking` from the reasoning split, `text`, `tool_use` with the parsed input),
@@ -30,10 +33,11 @@ import uuid
 from dataclasses import dataclass, replace
 
 from ..runtime.events import Delta, Finished
+from ..runtime.grammar import Grammar, GrammarError
 from .errors import APIError, bad
 from .reasoning import ReasoningSplitter
 from .schemas import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_request
-from .structured import Structure
+from .structured import THINK_END, Structure
 from .tools import ToolCallParser
 
 MESSAGE_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
@@ -51,6 +55,7 @@ class MessagesRequest:
     chat: ChatRequest  # what the engine runs
     model: str
     tools: list[dict] | None  # OpenAI-shaped, for the tool-call parser (None: calls are not read)
+    budget: int | None = None  # thinking.budget_tokens when it is below max_tokens (budget_grammar)
 
 
 # ------------------------------------------------------------------ errors
@@ -95,27 +100,27 @@ def parse_messages_request(body: dict, defaults: SamplingDefaults) -> MessagesRe
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad("metadata must be an object like {\"user_id\": ...}", "metadata")
-    thinking = _thinking(body.get("thinking"), body["max_tokens"])
+    thinking, budget = _thinking(body.get("thinking"))
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
-    return _request(chat, single, defaults)
+    return _request(chat, single, defaults, budget if budget is not None and budget < body["max_tokens"] else None)
 
 
 def parse_count_tokens_request(body: dict, defaults: SamplingDefaults) -> MessagesRequest:
     _check_fields(body, COUNT_FIELDS, "")
     chat, single = _chat_body(body)
-    thinking = _thinking(body.get("thinking"), None)
+    thinking, _ = _thinking(body.get("thinking"))
     if thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     return _request(chat, single, defaults)
 
 
-def _request(chat: dict, single: bool, defaults: SamplingDefaults) -> MessagesRequest:
+def _request(chat: dict, single: bool, defaults: SamplingDefaults, budget: int | None = None) -> MessagesRequest:
     req = parse_chat_request(chat, defaults)
     if single:
         s = req.structure
         req = replace(req, structure=Structure(s.kind, s.param, s.schema, s.tools, single=True))
-    return MessagesRequest(req, chat["model"], req.tools)
+    return MessagesRequest(req, chat["model"], req.tools, budget)
 
 
 def _chat_body(body: dict) -> tuple[dict, bool]:
@@ -149,26 +154,42 @@ def _check_type(value: dict, name: str, kind, want: str, where: str = "") -> Non
         raise bad(f"{where}{name} must be {want}, got {json.dumps(v)[:60]}", f"{where}{name}")
 
 
-def _thinking(value, max_tokens: int | None) -> bool | None:
-    """enable_thinking for the template (None: the template's default)."""
+def _thinking(value) -> tuple[bool | None, int | None]:
+    """(enable_thinking for the template (None: the template's default), the budget)."""
     if value is None:
-        return None
+        return None, None
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled"):
         raise bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}",
                   "thinking")
     if value["type"] == "disabled":
         _check_fields(value, {"type"}, "thinking.")
-        return False
+        return False, None
     _check_fields(value, {"type", "budget_tokens"}, "thinking.")
     _check_type(value, "budget_tokens", int, "an integer >= 1", "thinking.")
     budget = value["budget_tokens"]
     if budget < 1:
         raise bad(f"thinking.budget_tokens must be >= 1, got {budget}", "thinking.budget_tokens")
-    if max_tokens is not None and budget < max_tokens:
-        raise bad(f"thinking.budget_tokens {budget} is below max_tokens {max_tokens}: this server cannot cap "
-                  "the reasoning apart from the whole reply; send budget_tokens >= max_tokens (max_tokens then "
-                  "bounds the thinking and the answer together)", "thinking.budget_tokens")
-    return True
+    return True, budget
+
+
+def budget_grammar(req: MessagesRequest, reasoning_open: bool, constraint: Grammar | None, tokenizer,
+                   grammar_tokenizer) -> Grammar:
+    """The grammar that ends the reasoning after req.budget tokens (the `</think>` token
+    is then forced: runtime.grammar's budget), then lets the answer be free text, or
+    what `constraint` (which starts after `</think>`) asks for."""
+    end = tokenizer.token_to_id(THINK_END)
+    if not reasoning_open or end is None:
+        raise bad(f"thinking.budget_tokens {req.budget} is below max_tokens, but this model's chat template does "
+                  "not open a reasoning block, so the budget cannot be enforced; send budget_tokens >= max_tokens",
+                  "thinking.budget_tokens")
+    if constraint is not None:
+        return replace(constraint, budget=req.budget)
+    grammar = Grammar("start: /(?s:.*)/", end, req.budget)
+    try:
+        grammar_tokenizer.check(grammar)
+    except GrammarError as e:  # not expected: the grammar allows any text
+        raise APIError(500, f"the reasoning budget's grammar was refused: {e}") from None
+    return grammar
 
 
 def _system(value) -> list[dict]:

@@ -273,6 +273,9 @@ class _Handlers:
         req = anthropic.parse_messages_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
         prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req.chat)
+        if req.budget is not None:  # thinking.budget_tokens: a grammar ends the reasoning
+            constraint = anthropic.budget_grammar(req, reasoning_open, constraint, engine.tokenizer,
+                                                  _grammar_tokenizer(engine))
         fmt = anthropic.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer)
         return await self._generate(request, engine, prompt_ids, req.chat, fmt, "messages", started,
                                     engine.tokenizer.message_ends(prompt_ids), constraint)
