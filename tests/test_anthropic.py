@@ -126,7 +126,8 @@ def test_stop_sequences_end_the_text_and_are_reported(servers):
 def test_tool_use_round_trip(servers, demo_f32, choice):
     tok = demo_f32[2]
     question = {"role": "user", "content": "What is the weather in Paris?"}
-    for server in servers.values():
+    chosen = [servers["speculative"]] if choice.get("disable_parallel_tool_use") else servers.values()
+    for server in chosen:
         c = client(server)
         reply = c.messages.create(model=NAME, max_tokens=300, **GREEDY, tools=TOOLS, tool_choice=choice,
                                   messages=[question])
@@ -242,7 +243,8 @@ def test_guide_budget_forces_the_start_token_and_rolls_back(demo_f32):
         guide.push(word)
     guide.rollback(2)  # a speculative round's rejected proposals
     assert guide.forced() is None and guide.waited == 1
-    guide.push(word), guide.push(word)
+    guide.push(word)
+    guide.push(word)
     assert guide.masks(1)[0].all() and guide.masks(1)[1].tolist() == guide.words().tolist()
     guide.push(guide.forced())
     assert not guide.waiting and guide.forced() is not None  # the grammar's "ok" now
@@ -402,8 +404,8 @@ def test_raw_events_pings_and_a_failure_mid_stream(demo_f32):
         raise RuntimeError("the decoder broke")
 
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=broken), model_names=(NAME,)) as s:
-        with pytest.raises(anthropic.APIStatusError) as e:
-            with client(s.wait_ready()).messages.stream(model=NAME, max_tokens=5, messages=HELLO) as stream:
-                stream.get_final_message()
+        stream = client(s.wait_ready()).messages.stream(model=NAME, max_tokens=5, messages=HELLO)
+        with pytest.raises(anthropic.APIStatusError) as e, stream as events:
+            events.get_final_message()
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
         assert "Traceback" not in str(e.value.body) and "broke" not in str(e.value.body)

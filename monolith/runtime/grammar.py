@@ -3,7 +3,9 @@ bench/results/grammar_engines.md).
 
 A `Grammar` is an llguidance grammar (from a JSON schema or a Lark text; the serving layer
 builds them) and, for a prompt that leaves Qwen's reasoning block open, the token that
-closes it: the model reasons freely and the constraint starts after that token.
+closes it: the model reasons freely and the constraint starts after that token; with a
+`budget`, for at most that many tokens, after which the closing token is forced (a
+thinking budget).
 `GrammarTokenizer` is the model's vocabulary as llguidance reads it (built once per
 model: about a second at 248K tokens), sized to the logits' width so that ids past the
 tokenizer's are never allowed. A `Guide` follows one sequence: `words()` is the next
@@ -89,7 +91,7 @@ class Guide:
                 return None
             if self._words is None:
                 self._words = np.zeros((self.width + 31) // 32, np.int32)
-                self._words[self.starts_after // 32] = np.int32(np.uint32(1 << (self.starts_after % 32)).view(np.int32))
+                self._words.view(np.uint32)[self.starts_after // 32] = 1 << (self.starts_after % 32)
             return self._words
         if self.ended:
             return None
