@@ -3,7 +3,9 @@ bench/results/grammar_engines.md).
 
 A `Grammar` is an llguidance grammar (from a JSON schema or a Lark text; the serving layer
 builds them) and, for a prompt that leaves Qwen's reasoning block open, the token that
-closes it: the model reasons freely and the constraint starts after that token.
+closes it: the model reasons freely and the constraint starts after that token; with a
+`budget`, for at most that many tokens, after which the closing token is forced (a
+thinking budget).
 `GrammarTokenizer` is the model's vocabulary as llguidance reads it (built once per
 model: about a second at 248K tokens), sized to the logits' width so that ids past the
 tokenizer's are never allowed. A `Guide` follows one sequence: `words()` is the next
@@ -33,6 +35,7 @@ class GrammarError(ValueError):
 class Grammar:
     text: str  # an llguidance grammar (LLMatcher.grammar_from_json_schema / _from_lark)
     starts_after: int | None = None  # a token id: unconstrained until it was emitted
+    budget: int | None = None  # at most this many tokens before starts_after, which is then forced
 
 
 class GrammarTokenizer:
@@ -63,24 +66,34 @@ class GrammarTokenizer:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar.text, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Guide(matcher, self.width, self.tokenizer.eos_tokens, grammar.starts_after)
+        return Guide(matcher, self.width, self.tokenizer.eos_tokens, grammar.starts_after, grammar.budget)
 
 
 class Guide:
     """One sequence's position in its grammar (see the module doc)."""
 
-    def __init__(self, matcher, width: int, end_ids, starts_after: int | None = None):
+    def __init__(self, matcher, width: int, end_ids, starts_after: int | None = None, budget: int | None = None):
         self.matcher, self.width, self.end_ids = matcher, width, frozenset(end_ids)
         self.waiting = starts_after is not None  # before the token that starts the constraint
         self.starts_after = starts_after
+        self.budget = budget  # pushes allowed while waiting; then only starts_after is
+        self.waited = 0  # pushes while waiting
         self.history: list[tuple[str, np.ndarray | None]] = []  # per push: how it went (below), its mask
         self._words: np.ndarray | None = None  # the current position's mask, computed once
 
     def words(self) -> np.ndarray | None:
         """The allowed next tokens as int32 words [ceil(width / 32)], or None while the
         constraint has not started and once it ended (an end token was consumed: nothing
-        after it is emitted, so a speculative round may verify any token there)."""
-        if self.waiting or self.ended:
+        after it is emitted, so a speculative round may verify any token there). A
+        waiting guide whose budget is spent allows only the token that starts it."""
+        if self.waiting:
+            if self.budget is None or self.waited < self.budget:
+                return None
+            if self._words is None:
+                self._words = np.zeros((self.width + 31) // 32, np.int32)
+                self._words.view(np.uint32)[self.starts_after // 32] = 1 << (self.starts_after % 32)
+            return self._words
+        if self.ended:
             return None
         if self._words is None:
             words = np.empty((self.width + 31) // 32, np.int32)
@@ -110,8 +123,12 @@ class Guide:
         """Consume `token` (it must be allowed)."""
         words, self._words = self.words(), None
         if self.waiting:  # "wait": before the constraint
-            self.history.append(("wait", None))
+            if words is not None and token != self.starts_after:
+                raise RuntimeError(f"token {token} is not allowed: the budget of {self.budget} tokens before "
+                                   f"token {self.starts_after} is spent")
+            self.history.append(("wait", words))
             self.waiting = token != self.starts_after
+            self.waited += 1
         elif self.ended:  # "after": past the end token
             self.history.append(("after", None))
         elif token in self.end_ids and _allows(words, token):
@@ -128,6 +145,7 @@ class Guide:
             return
         taken, self.history = self.history[-n:], self.history[:-n]
         consumed = sum(kind == "match" for kind, _ in taken)
+        self.waited -= sum(kind == "wait" for kind, _ in taken)
         if consumed and not self.matcher.rollback(consumed):
             raise RuntimeError(f"grammar matcher cannot roll back {consumed} tokens: {self.matcher.get_error()}")
         kind, words = taken[0]

@@ -45,7 +45,7 @@ from ..runtime.events import (
     Started,
 )
 from ..runtime.grammar import Grammar
-from . import structured
+from . import anthropic, structured
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
@@ -139,6 +139,9 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
         Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
         Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
+        Route("/v1/messages", handlers.endpoint("messages", handlers.messages, anthropic_error), methods=["POST"]),
+        Route("/v1/messages/count_tokens", handlers.endpoint("count_tokens", handlers.count_tokens, anthropic_error),
+              methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
     ]
 
@@ -154,6 +157,10 @@ def create_app(load: Callable[[], object], config: ServerConfig,
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def anthropic_error(e: APIError) -> JSONResponse:
+    return JSONResponse(anthropic.error_body(e), status_code=e.status)
 
 
 class _Handlers:
@@ -258,6 +265,27 @@ class _Handlers:
         prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req)
         return await self._generate(request, engine, prompt_ids, req, make_format(reasoning_open), prompt_param,
                                     started, engine.tokenizer.message_ends(prompt_ids), constraint)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (anthropic.py); the prompt's length is in message_start."""
+        engine = self._engine()
+        started = time.monotonic()
+        req = anthropic.parse_messages_request(await self._body(request), self.state.defaults)
+        name = self._model(req.model)
+        prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req.chat)
+        if req.budget is not None:  # thinking.budget_tokens: a grammar ends the reasoning
+            constraint = anthropic.budget_grammar(req, reasoning_open, constraint, engine.tokenizer,
+                                                  _grammar_tokenizer(engine))
+        fmt = anthropic.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer)
+        return await self._generate(request, engine, prompt_ids, req.chat, fmt, "messages", started,
+                                    engine.tokenizer.message_ends(prompt_ids), constraint)
+
+    async def count_tokens(self, request: Request) -> Response:
+        engine = self._engine()
+        req = anthropic.parse_count_tokens_request(await self._body(request), self.state.defaults)
+        self._model(req.model)
+        prompt_ids, _, _ = await self.encode_chat(engine, req.chat)
+        return JSONResponse({"input_tokens": len(prompt_ids)})
 
     async def completions(self, request: Request) -> Response:
         engine = self._engine()

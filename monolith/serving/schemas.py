@@ -90,6 +90,8 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
