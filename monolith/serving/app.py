@@ -45,7 +45,7 @@ from ..runtime.events import (
     Started,
 )
 from ..runtime.grammar import Grammar
-from . import structured
+from . import responses_api, structured
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
@@ -80,6 +80,7 @@ class ServerState:
         self.token_text: TokenText | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.responses = responses_api.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
@@ -140,6 +141,9 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
         Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
+        Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
+              methods=["GET"]),
     ]
 
     async def http_error(request, exc: HTTPException):
@@ -258,6 +262,19 @@ class _Handlers:
         prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req)
         return await self._generate(request, engine, prompt_ids, req, make_format(reasoning_open), prompt_param,
                                     started, engine.tokenizer.message_ends(prompt_ids), constraint)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API on the chat path (responses_api.py)."""
+        engine = self._engine()
+        started = time.monotonic()
+        call = responses_api.parse_request(await self._body(request), self.state.defaults, self.state.responses)
+        name = self._model(call.request.model)
+        make_format = responses_api.format_maker(name, call, self.state.responses, engine.tokenizer)
+        return await self.generate_chat(request, engine, call.request, make_format, started, "input")
+
+    async def stored_response(self, request: Request) -> Response:
+        body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")
+        return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
         engine = self._engine()
