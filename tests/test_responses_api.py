@@ -139,6 +139,9 @@ def test_function_call_round_trip(servers):
                                         tool_choice={"type": "function", "name": "add"}, max_output_tokens=200)
         assert [(i.type, i.name) for i in named.output if i.type == "function_call"] == [("function_call", "add")]
         jsonschema.validate(json.loads(named.output[-1].arguments), ADD)
+        single = client.responses.create(model=NAME, input=[question], tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False, max_output_tokens=200, temperature=0.8)
+        assert len([i for i in single.output if i.type == "function_call"]) == 1 and not single.parallel_tool_calls
 
         streamed = list(client.responses.create(model=NAME, input=[question], tools=TOOLS, tool_choice="required",
                                                 max_output_tokens=200, temperature=0, stream=True))
