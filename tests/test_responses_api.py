@@ -19,7 +19,12 @@ from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, Usage
 from monolith.runtime.speculative import SpeculativeDecoder
 from monolith.serving.errors import APIError
-from monolith.serving.responses_api import ResponseFormat, ResponseStore, items_to_messages, parse_request
+from monolith.serving.responses_api import (
+    ResponseFormat,
+    ResponseStore,
+    items_to_messages,
+    parse_request,
+)
 from monolith.serving.schemas import SamplingDefaults
 
 MAX_CONTEXT = 1024
@@ -97,8 +102,8 @@ def test_create_equals_chat_and_speculation_changes_nothing(servers):
 def test_stream_events_rebuild_the_response(servers):
     for server in servers.values():
         client = server.client()
-        args = dict(model=NAME, input="Tell me about the sea.", max_output_tokens=50, temperature=0,
-                    metadata={"run": "x"})
+        args = {"model": NAME, "input": "Tell me about the sea.", "max_output_tokens": 50, "temperature": 0,
+                    "metadata": {"run": "x"}}
         whole = client.responses.create(**args)
         events = list(client.responses.create(stream=True, **args))
         types = [e.type for e in events]
@@ -187,7 +192,7 @@ def test_json_schema_text_format(servers):
 def test_previous_response_id_equals_the_whole_conversation(servers):
     server = servers["speculative"]
     client = server.client()
-    common = dict(model=NAME, instructions=INSTRUCTIONS, max_output_tokens=30, temperature=0)
+    common = {"model": NAME, "instructions": INSTRUCTIONS, "max_output_tokens": 30, "temperature": 0}
     first = client.responses.create(input="Hello, who are you?", **common)
     second = client.responses.create(input="And what can you do?", previous_response_id=first.id, **common)
     whole = client.responses.create(input=[{"role": "user", "content": "Hello, who are you?"}, *first.output,

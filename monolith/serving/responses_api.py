@@ -34,7 +34,14 @@ from ..runtime.events import Delta, Finished
 from ..sampling import SamplingError, SamplingParams
 from .errors import APIError, bad
 from .reasoning import ReasoningSplitter
-from .schemas import MAX_TEMPERATURE, ChatRequest, SamplingDefaults, _optional, _positive_int, _real
+from .schemas import (
+    MAX_TEMPERATURE,
+    ChatRequest,
+    SamplingDefaults,
+    _optional,
+    _positive_int,
+    _real,
+)
 from .structured import THINK_END, Structure
 from .tools import ToolCallParser
 
