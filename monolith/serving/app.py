@@ -45,15 +45,14 @@ from ..runtime.events import (
     Started,
 )
 from ..runtime.grammar import Grammar
-from . import anthropic, structured
+from . import anthropic, responses_api, structured
+from .errors import APIError, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
 from .schemas import (
-    APIError,
     ChatRequest,
     SamplingDefaults,
-    bad,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -80,6 +79,7 @@ class ServerState:
         self.token_text: TokenText | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.responses = responses_api.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
@@ -143,6 +143,9 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/messages/count_tokens", handlers.endpoint("count_tokens", handlers.count_tokens, anthropic_error),
               methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
+        Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
+        Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
+              methods=["GET"]),
     ]
 
     async def http_error(request, exc: HTTPException):
@@ -286,6 +289,19 @@ class _Handlers:
         self._model(req.model)
         prompt_ids, _, _ = await self.encode_chat(engine, req.chat)
         return JSONResponse({"input_tokens": len(prompt_ids)})
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API on the chat path (responses_api.py)."""
+        engine = self._engine()
+        started = time.monotonic()
+        call = responses_api.parse_request(await self._body(request), self.state.defaults, self.state.responses)
+        name = self._model(call.request.model)
+        make_format = responses_api.format_maker(name, call, self.state.responses, engine.tokenizer)
+        return await self.generate_chat(request, engine, call.request, make_format, started, "input")
+
+    async def stored_response(self, request: Request) -> Response:
+        body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")
+        return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
         engine = self._engine()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..runtime.events import MAX_TOP_LOGPROBS
 from ..sampling import SamplingError, SamplingParams
-from .errors import APIError, bad
+from .errors import bad
 from .structured import Structure, response_format, tool_choice
 
 MAX_STOP_STRINGS = 16
@@ -90,10 +90,14 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad("the request body nests too deeply") from None
+    except RecursionError:  # the decoder recurses per level of nesting
+        raise bad("the request body is nested too deeply to be read") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    try:  # a \ud800 escape alone decodes to a str no tokenizer takes
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff): not text") from None
     return body
 
 

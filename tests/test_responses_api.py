@@ -1,0 +1,412 @@
+"""OpenAI's Responses API (issue 17) with the official openai client on the demo pair, a
+plain and a speculative server: the reply equals the chat endpoint's for the same
+conversation, streaming events rebuild the same response, function calls round-trip,
+text.format's JSON validates with `jsonschema`, previous_response_id equals sending the
+conversation whole, and hostile input gets 4xx bodies naming the field, never a 5xx."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from serving_rig import Server, assert_error
+
+from monolith.runtime.engine import Engine
+from monolith.runtime.events import Delta, Finished, Usage
+from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.serving.errors import APIError
+from monolith.serving.responses_api import (
+    ResponseFormat,
+    ResponseStore,
+    items_to_messages,
+    parse_request,
+)
+from monolith.serving.schemas import SamplingDefaults
+
+MAX_CONTEXT = 1024
+NAME = "demo"
+INSTRUCTIONS = "You are terse."
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+         {"type": "function", "name": "add", "description": "Add two numbers", "parameters": ADD}]
+CHAT_TOOLS = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+              for t in TOOLS]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def servers(demo_f32):
+    model, drafter, tok = demo_f32
+    plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
+    spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
+                                 decoder=SpeculativeDecoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
+    with plain as p, spec as s:
+        yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}
+
+
+def items(response) -> list[dict]:
+    """The output items without their ids (fresh per response)."""
+    out = []
+    for item in response.output:
+        entry = item.model_dump(exclude_none=True)
+        entry.pop("id")
+        if entry["type"] == "function_call":
+            entry.pop("call_id")
+        out.append(entry)
+    return out
+
+
+def reasoning_text(response) -> str:
+    return "".join(c.text for item in response.output if item.type == "reasoning" for c in item.content or ())
+
+
+def test_create_equals_chat_and_speculation_changes_nothing(servers):
+    texts = {}
+    for kind, server in servers.items():
+        client = server.client()
+        for max_tokens in (12, 60):
+            reply = client.responses.create(model=NAME, instructions=INSTRUCTIONS, input="Name three colors.",
+                                            max_output_tokens=max_tokens, temperature=0)
+            chat = client.chat.completions.create(
+                model=NAME, max_tokens=max_tokens, temperature=0,
+                messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Name three colors."}])
+            choice = chat.choices[0]
+            assert reply.object == "response" and reply.id.startswith("resp_")
+            assert reply.output_text == (choice.message.content or "")
+            assert reasoning_text(reply) == (getattr(choice.message, "reasoning_content", None) or "")
+            assert reply.usage.input_tokens == chat.usage.prompt_tokens
+            assert reply.usage.output_tokens == chat.usage.completion_tokens
+            assert reply.usage.total_tokens == chat.usage.total_tokens
+            if choice.finish_reason == "length":
+                assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+            else:
+                assert choice.finish_reason == "stop" and reply.status == "completed"
+            assert reply.instructions == INSTRUCTIONS and reply.max_output_tokens == max_tokens
+            texts[kind, max_tokens] = reply.output_text
+    assert texts["plain", 60] == texts["speculative", 60] and texts["plain", 12] == texts["speculative", 12]
+
+
+def test_stream_events_rebuild_the_response(servers):
+    for server in servers.values():
+        client = server.client()
+        args = {"model": NAME, "input": "Tell me about the sea.", "max_output_tokens": 50, "temperature": 0,
+                    "metadata": {"run": "x"}}
+        whole = client.responses.create(**args)
+        events = list(client.responses.create(stream=True, **args))
+        types = [e.type for e in events]
+        assert types[:2] == ["response.created", "response.in_progress"]
+        assert types[-1] == {"completed": "response.completed", "incomplete": "response.incomplete"}[whole.status]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert types.count("response.output_item.added") == types.count("response.output_item.done")
+        final = events[-1].response
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == final.output_text == whole.output_text
+        assert items(final) == items(whole) and final.metadata == {"run": "x"}
+        for field in ("input_tokens", "output_tokens", "total_tokens"):  # cached_tokens: the second is cached
+            assert getattr(final.usage, field) == getattr(whole.usage, field)
+        for e in events:
+            if e.type == "response.output_text.done":
+                assert e.text == "".join(d.delta for d in events if d.type == "response.output_text.delta"
+                                         and d.item_id == e.item_id)
+        with client.responses.stream(**args) as stream:  # the SDK's accumulating helper
+            helper = [e for e in stream]
+        assert "".join(e.delta for e in helper if e.type == "response.output_text.delta") == whole.output_text
+        assert items(helper[-1].response) == items(whole)
+
+
+def test_function_call_round_trip(servers):
+    replies = {}
+    for kind, server in servers.items():
+        client = server.client()
+        question = {"role": "user", "content": "What is the weather in Paris for two days?"}
+        first = client.responses.create(model=NAME, input=[question], tools=TOOLS, tool_choice="required",
+                                        max_output_tokens=200, temperature=0)
+        calls = [item for item in first.output if item.type == "function_call"]
+        assert calls and first.status == "completed"
+        schemas = {t["name"]: t["parameters"] for t in TOOLS}
+        for call in calls:
+            assert call.call_id.startswith("call_") and call.status == "completed"
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        named = client.responses.create(model=NAME, input=[question], tools=TOOLS,
+                                        tool_choice={"type": "function", "name": "add"}, max_output_tokens=200)
+        assert [(i.type, i.name) for i in named.output if i.type == "function_call"] == [("function_call", "add")]
+        jsonschema.validate(json.loads(named.output[-1].arguments), ADD)
+        single = client.responses.create(model=NAME, input=[question], tools=TOOLS, tool_choice="required",
+                                         parallel_tool_calls=False, max_output_tokens=200, temperature=0.8)
+        assert len([i for i in single.output if i.type == "function_call"]) == 1 and not single.parallel_tool_calls
+
+        streamed = list(client.responses.create(model=NAME, input=[question], tools=TOOLS, tool_choice="required",
+                                                max_output_tokens=200, temperature=0, stream=True))
+        args = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+        assert [e.arguments for e in args] == [c.arguments for c in calls]
+        assert items(streamed[-1].response) == items(first)
+
+        outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
+        second = client.responses.create(model=NAME, input=[question, *first.output, *outputs], tools=TOOLS,
+                                         tool_choice="none", max_output_tokens=40, temperature=0)
+        assert not [i for i in second.output if i.type == "function_call"] and second.output_text
+        assistant = {"role": "assistant", "content": "",
+                     "tool_calls": [{"id": c.call_id, "type": "function",
+                                     "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+        if reasoning_text(first):
+            assistant["reasoning_content"] = reasoning_text(first)
+        tool_messages = [{"role": "tool", "tool_call_id": c.call_id, "content": "sunny, 21 C"} for c in calls]
+        chat = client.chat.completions.create(model=NAME, messages=[question, assistant, *tool_messages],
+                                              tools=CHAT_TOOLS, tool_choice="none", max_tokens=40, temperature=0)
+        assert second.output_text == chat.choices[0].message.content
+        replies[kind] = [first.output[-1].arguments, second.output_text]
+    assert replies["plain"] == replies["speculative"]
+
+
+def test_json_schema_text_format(servers):
+    outputs = {}
+    for kind, server in servers.items():
+        client = server.client()
+        for temperature in (0, 0.9):
+            reply = client.responses.create(
+                model=NAME, input="Describe a person in JSON.", max_output_tokens=200, temperature=temperature,
+                text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}})
+            assert reply.status == "completed", reply
+            jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+            assert reply.text.format.type == "json_schema"
+            outputs[kind, temperature] = reply.output_text
+        loose = client.responses.create(model=NAME, input="A JSON object.", max_output_tokens=150, temperature=0,
+                                        text={"format": {"type": "json_object"}})
+        assert isinstance(json.loads(loose.output_text), dict)
+    assert outputs["plain", 0] == outputs["speculative", 0]
+
+
+def test_previous_response_id_equals_the_whole_conversation(servers):
+    server = servers["speculative"]
+    client = server.client()
+    common = {"model": NAME, "instructions": INSTRUCTIONS, "max_output_tokens": 30, "temperature": 0}
+    first = client.responses.create(input="Hello, who are you?", **common)
+    second = client.responses.create(input="And what can you do?", previous_response_id=first.id, **common)
+    whole = client.responses.create(input=[{"role": "user", "content": "Hello, who are you?"}, *first.output,
+                                           {"role": "user", "content": "And what can you do?"}], **common)
+    assert second.previous_response_id == first.id
+    assert second.output_text == whole.output_text and items(second) == items(whole)
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    third = client.responses.create(input="Thanks.", previous_response_id=second.id, **common)
+    chain = client.responses.create(input="Thanks.", previous_response_id=whole.id, **common)
+    assert third.output_text == chain.output_text
+
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(input="x", previous_response_id="resp_nope", **common)
+    assert e.value.body["param"] == "previous_response_id" and "resp_nope" in e.value.body["message"]
+    unstored = client.responses.create(input="x", store=False, **common)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    assert_error(httpx.get(server.url + "/v1/responses/resp_nope"), 404, param="response_id")
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [5]}, "input[0]"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
+    ({"input": [{"role": "user", "content": "x", "extra": 1}]}, "input[0].extra"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": -5}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": "many"}, "max_output_tokens"),
+    ({"input": "x", "temperature": 1e308}, "temperature"),
+    ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "top_p": 7}, "top_p"),
+    ({"input": "x", "stream": "yes"}, "stream"),
+    ({"input": "x", "instructions": ["a"]}, "instructions"),
+    ({"input": "x", "tools": {"type": "function"}}, "tools"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+    ({"input": "x", "tools": [TOOLS[0], TOOLS[0]]}, "tools[1].name"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format.schema"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}},
+      "tools": TOOLS, "tool_choice": "required"}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {
+        "type": "object", "dependentSchemas": {"a": {}}}}}}, "text.format.schema"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "frequency_penalty": 1}, "frequency_penalty"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "metadata": {"k": 5}}, "metadata.k"),
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"input": "x", "previous_response_id": 12}, "previous_response_id"),
+])
+def test_bad_requests_are_400_naming_the_field(servers, body, param):
+    response = servers["plain"].post("/v1/responses", {"model": NAME, **body})
+    assert_error(response, 400, param=param)
+
+
+def test_hostile_bodies_never_get_a_5xx(servers):
+    server = servers["plain"]
+    url = server.url + "/v1/responses"
+    raw = [b'{"input": [', b"[1, 2]", b"\xff\xfe", b"", b"null", b'"x"', nested(100_000),
+           b'{"input": ' + nested(50_000) + b"}", b'{"input": "x", "max_output_tokens": 1e999}',
+           b'{"input": "' + b"\\ud800" * 10 + b'"}']
+    for content in raw:
+        response = httpx.post(url, content=content, timeout=30)
+        assert 400 <= response.status_code < 500, (content[:40], response.text)
+        assert "Traceback" not in response.text
+    for content in (nested(100_000), b'{"messages": [{"role": "user", "content": "\\udc00"}]}'):  # chat too
+        assert_error(httpx.post(server.url + "/v1/chat/completions", content=content, timeout=30), 400)
+    deep = {"input": "x"}
+    for _ in range(200):
+        deep = {"input": [deep]}
+    for body in (deep, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 3,
+                                   "type": "message", "status": None}], "metadata": None, "tools": []},
+                 {"model": "gpt-9", "input": "x"}):
+        response = server.post("/v1/responses", body)
+        assert response.status_code < 500 and "Traceback" not in response.text, response.text
+    assert_error(server.post("/v1/responses", {"model": "gpt-9", "input": "x"}), 404, param="model")
+    assert_error(httpx.put(url, content=b"{}"), 405)
+
+
+def test_raw_stream_framing(servers):
+    server = servers["plain"]
+    with httpx.stream("POST", server.url + "/v1/responses", timeout=60,
+                      json={"model": NAME, "input": "hi", "stream": True, "max_output_tokens": 5}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = "".join(r.iter_text())
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    for block in blocks:
+        event, data = block.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        assert json.loads(data[6:])["type"] == event[7:]
+        validate_event(json.loads(data[6:]))
+    assert "[DONE]" not in text
+
+
+def scripted_reply(body: dict, deltas: list[str], reason: str, token_ids: tuple, stream: bool,
+                   think_end_id: int = 7, reasoning_open: bool = False):
+    """The format fed scripted deltas (no model): (events or None, the response body)."""
+    store = ResponseStore()
+    call = parse_request({"input": "x", **body}, SamplingDefaults(), store)
+    fmt = ResponseFormat(NAME, call, reasoning_open, store, think_end_id)
+    finished = Finished(reason, Usage(5, len(token_ids), 2), token_ids)
+    if not stream:
+        for text in deltas:
+            fmt.collect(Delta(text))
+        return None, fmt.response(finished)
+    events = fmt.stream_start(False)
+    for text in deltas:
+        events += fmt.stream_delta(Delta(text), False)
+    events += fmt.stream_finish(finished, False)
+    frames = [fmt.event(e) for e in events]
+    return [json.loads(f.split("\ndata: ", 1)[1]) for f in frames], events[-1]["response"]
+
+
+DELTAS = ["<think>", "ponder", "ing</think>\n\n", "Hello", " world", "\n\n<tool_",
+          'call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "\n"]
+
+
+def validate_event(event: dict) -> None:
+    """Validate an event strictly with the SDK's pydantic class for its type."""
+    from openai.types.responses import ResponseStreamEvent
+
+    union = typing.get_args(typing.get_args(ResponseStreamEvent)[0])  # Annotated[Union[...], discriminator]
+    by_type = {typing.get_args(c.model_fields["type"].annotation)[0]: c for c in union}
+    by_type[event["type"]].model_validate(with_cache_writes(event))
+
+
+def with_cache_writes(value):
+    """`value` with usage.input_tokens_details.cache_write_tokens, which the server leaves
+    out (the engine does not report how many prompt tokens the prompt cache stored) and
+    this SDK's type requires: the only field added before validating."""
+    value = json.loads(json.dumps(value))
+    for body in (value, value.get("response")):
+        if isinstance(body, dict) and body.get("usage"):
+            assert "cache_write_tokens" not in body["usage"]["input_tokens_details"]
+            body["usage"]["input_tokens_details"]["cache_write_tokens"] = 0
+    return value
+
+
+def test_the_split_into_items_and_events_validates_against_the_sdk_types():
+    """Reasoning, text and a call in one reply: the items in order, the whitespace before
+    the call in neither, reasoning tokens counted to </think>; every event and the
+    response validate against the SDK's own pydantic types (strictly, not constructed)."""
+    from openai.types.responses import Response
+
+    tokens = (1, 2, 3, 7, 4, 5, 6, 8, 9)  # 7 stands for </think>
+    _, whole = scripted_reply({"tools": TOOLS}, DELTAS, "stop", tokens, stream=False)
+    events, streamed = scripted_reply({"tools": TOOLS}, DELTAS, "stop", tokens, stream=True)
+    for body in (whole, streamed):
+        kinds = [(i["type"], i["status"]) for i in body["output"]]
+        assert kinds == [("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+        assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "pondering"}]
+        assert body["output"][1]["content"][0]["text"] == "Hello world"
+        assert (body["output"][2]["name"], json.loads(body["output"][2]["arguments"])) == ("add", {"a": 1, "b": 2})
+        assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+        assert body["usage"]["input_tokens_details"]["cached_tokens"] == 2
+    assert [i["type"] for i in whole["output"]] == [i["type"] for i in streamed["output"]]
+    for event in events:
+        validate_event(event)
+    Response.model_validate(with_cache_writes(whole))
+    assert [e["type"] for e in events if e["type"].endswith(".delta")] == [
+        "response.reasoning_text.delta"] * 2 + ["response.output_text.delta"] * 2 + [
+        "response.function_call_arguments.delta"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "pondering"
+
+    _, cut = scripted_reply({}, ["<think>", "still thinking"], "length", (1, 2, 3), stream=False)
+    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [(i["type"], i["status"]) for i in cut["output"]] == [("reasoning", "incomplete")]
+    assert cut["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
+    events, cut = scripted_reply({}, ["Hi", " there"], "length", (1, 2), stream=True)
+    assert events[-1]["type"] == "response.incomplete" and cut["output"][0]["status"] == "incomplete"
+    Response.model_validate(with_cache_writes(cut))
+
+
+def test_output_items_come_back_as_the_same_chat_turn():
+    """A reply's items, sent back as input, give the assistant message the chat API takes."""
+    _, body = scripted_reply({"tools": TOOLS}, DELTAS, "stop", (1, 7), stream=False)
+    call_id = body["output"][2]["call_id"]
+    messages = items_to_messages(body["output"], "input")
+    assert messages == [{"role": "assistant", "reasoning_content": "pondering", "content": "Hello world",
+                         "tool_calls": [{"type": "function", "id": call_id,
+                                         "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}]
+
+
+def test_a_failure_mid_stream_is_a_response_failed_event():
+    store = ResponseStore()
+    fmt = ResponseFormat(NAME, parse_request({"input": "x"}, SamplingDefaults(), store), False, store, None)
+    for event in fmt.stream_start(False) + fmt.stream_delta(Delta("Hel"), False):
+        fmt.event(event)
+    frame = fmt.failure(APIError(503, "the server is shutting down", code="shutting_down"))
+    event = json.loads(frame.split("\ndata: ", 1)[1])
+    assert frame.startswith("event: response.failed\n") and event["sequence_number"] == 5
+    assert event["response"]["status"] == "failed" and event["response"]["error"] == {
+        "code": "server_error", "message": "the server is shutting down"}
+    assert event["response"]["output"][0]["content"][0]["text"] == "Hel"
+    validate_event(event)
+    assert fmt.end() == ""
