@@ -256,7 +256,10 @@ def nested(depth: int) -> bytes:
       "tools": TOOLS, "tool_choice": "required"}, "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {
         "type": "object", "dependentSchemas": {"a": {}}}}}}, "text.format.schema"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"input": "x", "reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+    ({"input": "x", "reasoning": {"effort": "low", "generate_summary": "auto"}}, "reasoning.generate_summary"),
+    ({"input": "x", "reasoning": "high"}, "reasoning"),
     ({"input": "x", "frequency_penalty": 1}, "frequency_penalty"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "background": True}, "background"),
@@ -410,3 +413,20 @@ def test_a_failure_mid_stream_is_a_response_failed_event():
     assert event["response"]["output"][0]["content"][0]["text"] == "Hel"
     validate_event(event)
     assert fmt.end() == ""
+
+
+def test_reasoning_effort_switches_qwens_thinking(servers, demo_f32):
+    """reasoning.effort none / minimal renders the prompt with enable_thinking false, low
+    and up with it true: the prompt the chat endpoint renders with the same switch
+    (Codex CLI sends reasoning: {effort, summary: "auto"})."""
+    tok = demo_f32[2]
+    client = servers["plain"].client()
+    for effort, thinking in (("none", False), ("minimal", False), ("low", True), ("high", True)):
+        response = client.responses.create(model=NAME, input="Hi", max_output_tokens=1,
+                                           reasoning={"effort": effort, "summary": "auto"})
+        prompt = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=thinking)
+        assert response.usage.input_tokens == len(prompt), effort
+        assert response.reasoning.effort == effort and response.reasoning.summary == "auto"
+    off = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=False)
+    on = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=True)
+    assert off != on  # the demo template tells the two apart

@@ -47,7 +47,10 @@ from .tools import ToolCallParser
 
 STORED_RESPONSES = 256
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id"}
+          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning"}
+# reasoning.effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
+# effort levels, only thinking on or off
+THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
 INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier"}  # change nothing generated
 NEUTRAL_VALUES = {"truncation": "disabled", "background": False, "include": [], "top_logprobs": 0}
 TEXT_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
@@ -124,14 +127,38 @@ def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) 
     if form_structure is not None and structure is not None:
         raise bad("text.format and a tool_choice that forces a call cannot both constrain the output", "text.format")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
+    reasoning, template_kwargs = _reasoning(body.get("reasoning"))
     request = ChatRequest(model=model, stream=stream, include_usage=False, max_tokens=max_tokens, params=params,
                           stop=(), logprobs=None, messages=messages, tools=None if choice == "none" else chat_tools,
-                          template_kwargs={}, structure=structure or form_structure)
+                          template_kwargs=template_kwargs, structure=structure or form_structure)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": _metadata(body),
             "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": temperature,
             "top_p": top_p, "text": {"format": form}, "tool_choice": choice, "tools": flat_tools,
-            "truncation": "disabled", "reasoning": {"effort": None, "summary": None}}
+            "truncation": "disabled", "reasoning": reasoning}
     return ResponsesCall(request, history, echo, keep is not False)
+
+
+def _reasoning(value) -> tuple[dict, dict]:
+    """(the response's `reasoning` echo, the chat template's kwargs) of `reasoning`:
+    `effort` switches Qwen's thinking (none / minimal: off; low and up: on); `summary`
+    "auto" or null (the reply's reasoning item carries the reasoning itself as
+    reasoning_text; this server writes no separate summaries, so "concise" and
+    "detailed" are refused)."""
+    if value is None:
+        return {"effort": None, "summary": None}, {}
+    if not isinstance(value, dict):
+        raise bad("reasoning must be an object like {\"effort\": \"medium\"}", "reasoning")
+    unknown = sorted(set(value) - {"effort", "summary"})
+    if unknown:
+        raise bad(f"reasoning.{unknown[0]} is not supported", f"reasoning.{unknown[0]}")
+    effort, summary = value.get("effort"), value.get("summary")
+    if effort is not None and effort not in THINKING:
+        raise bad(f"reasoning.effort must be one of {', '.join(THINKING)}, got {effort!r}", "reasoning.effort")
+    if summary not in (None, "auto"):
+        raise bad(f"reasoning.summary {summary!r} is not supported (this server writes no reasoning summaries; "
+                  "the reasoning comes back whole as reasoning_text): use \"auto\" or null", "reasoning.summary")
+    kwargs = {} if effort is None else {"enable_thinking": THINKING[effort]}
+    return {"effort": effort, "summary": summary}, kwargs
 
 
 def _check_fields(body: dict) -> None:
