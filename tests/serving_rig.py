@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -17,6 +18,7 @@ from monolith.models import load_model
 from monolith.pack import build_pack
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
+from monolith.runtime.speculative import SpeculativeDecoder
 from monolith.sampling import SamplingParams
 from monolith.serving.app import ServerConfig, create_app
 from monolith.synth import write_pair
@@ -147,3 +149,15 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     target, draft = write_pair(root / "pair")
     return build_pack(target, root / "target.pack", role="target"), draft, root / "cache"
+
+
+@contextmanager
+def demo_servers(pair, name: str = "demo", max_context: int = MAX_CONTEXT):
+    """{"plain": Server, "speculative": Server} on (model, drafter, tokenizer), e.g. the
+    demo pair (conftest's demo_f32), serving the model as `name`."""
+    model, drafter, tok = pair
+    plain = Server(lambda: Engine(model, tok, max_context=max_context), model_names=(name,))
+    spec = Server(lambda: Engine(model, tok, max_context=max_context,
+                                 decoder=SpeculativeDecoder(model, drafter, max_context)), model_names=(name,))
+    with plain as p, spec as s:
+        yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}

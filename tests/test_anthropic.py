@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
-from serving_rig import Server, scripted
+from serving_rig import Server, demo_servers, scripted
 
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
@@ -42,12 +42,8 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 
 @pytest.fixture(scope="module")
 def servers(demo_f32):
-    model, drafter, tok = demo_f32
-    plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
-    spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
-                                 decoder=SpeculativeDecoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
-    with plain as p, spec as s:
-        yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}
+    with demo_servers(demo_f32, NAME, MAX_CONTEXT) as running:
+        yield running
 
 
 def client(server, **kw) -> anthropic.Anthropic:

@@ -13,11 +13,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_rig import Server, assert_error
+from serving_rig import assert_error, demo_servers
 
-from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, Usage
-from monolith.runtime.speculative import SpeculativeDecoder
 from monolith.serving.errors import APIError
 from monolith.serving.responses_api import (
     ResponseFormat,
@@ -49,12 +47,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def servers(demo_f32):
-    model, drafter, tok = demo_f32
-    plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
-    spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
-                                 decoder=SpeculativeDecoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
-    with plain as p, spec as s:
-        yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}
+    with demo_servers(demo_f32, NAME, MAX_CONTEXT) as running:
+        yield running
 
 
 def items(response) -> list[dict]:

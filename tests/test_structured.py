@@ -10,10 +10,7 @@ import json
 
 import jsonschema
 import pytest
-from serving_rig import Server, assert_error
-
-from monolith.runtime.engine import Engine
-from monolith.runtime.speculative import SpeculativeDecoder
+from serving_rig import assert_error, demo_servers
 
 MAX_CONTEXT = 1024
 NAME = "demo"
@@ -61,12 +58,8 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def servers(demo_f32):
-    model, drafter, tok = demo_f32
-    plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
-    spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
-                                 decoder=SpeculativeDecoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
-    with plain as p, spec as s:
-        yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}
+    with demo_servers(demo_f32, NAME, MAX_CONTEXT) as running:
+        yield running
 
 
 def ask(server, schema_name, **kw):

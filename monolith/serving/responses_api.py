@@ -41,6 +41,7 @@ from .schemas import (
     _optional,
     _positive_int,
     _real,
+    json_arguments,
 )
 from .structured import THINK_END, Structure
 from .tools import ToolCallParser
@@ -246,13 +247,7 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
             turn = {"role": "assistant", "reasoning_content": text}
         elif kind == "function_call":
             call_id, name = _string(item, "call_id", at), _string(item, "name", at)
-            arguments = _string(item, "arguments", at, empty=True)
-            try:
-                parsed = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                raise bad(f"{at}.arguments is not valid JSON", f"{at}.arguments") from None
-            if not isinstance(parsed, dict):
-                raise bad(f"{at}.arguments must be a JSON object", f"{at}.arguments")
+            parsed = json_arguments(_string(item, "arguments", at, empty=True), f"{at}.arguments")
             turn = turn or {"role": "assistant"}
             turn.setdefault("tool_calls", []).append(
                 {"type": "function", "id": call_id, "function": {"name": name, "arguments": parsed}})

@@ -56,7 +56,7 @@ class SamplingDefaults:
             return value if isinstance(value, kind) and not isinstance(value, bool) else default
         top_k = get("top_k", 0, int)
         return cls(float(get("temperature", 1.0, numbers.Real)), float(get("top_p", 1.0, numbers.Real)),
-                   top_k if top_k > 0 else 0, float(get("min_p", 0.0, numbers.Real)))
+                   max(0, top_k), float(get("min_p", 0.0, numbers.Real)))
 
 
 @dataclass(frozen=True)
@@ -286,10 +286,7 @@ def _tool_calls(value, where: str) -> list[dict]:
                       at)
         arguments = fn.get("arguments", {})
         if isinstance(arguments, str):  # JSON text in the API; templates iterate a mapping
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
-                raise bad(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
+            arguments = json_arguments(arguments, f"{at}.function.arguments")
         if not isinstance(arguments, dict):
             raise bad(f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments")
         entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
@@ -297,6 +294,18 @@ def _tool_calls(value, where: str) -> list[dict]:
             entry["id"] = call["id"]
         calls.append(entry)
     return calls
+
+
+def json_arguments(text: str, where: str) -> dict:
+    """A tool call's arguments, JSON text in the APIs, as the mapping templates iterate
+    (empty text: no arguments)."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        raise bad(f"{where} is not valid JSON", where) from None
+    if not isinstance(value, dict):
+        raise bad(f"{where} must be a JSON object", where)
+    return value
 
 
 def _tools(value) -> list[dict] | None:
