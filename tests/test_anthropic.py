@@ -351,8 +351,7 @@ def test_hostile_fields_never_5xx(servers, change):
         r = server.post(path, body if path == "/v1/messages" else {k: v for k, v in body.items() if k in (
             "model", "messages", "system", "tools", "tool_choice", "thinking")})
         assert r.status_code < 500, r.text
-        assert "Traceback" not in r.text
-        if r.status_code != 200:
+        if r.status_code != 200:  # (a reply's text may say anything: the demo model writes Python)
             _anthropic_error(r, r.status_code, {400: "invalid_request_error", 404: "not_found_error"}[r.status_code])
 
 

@@ -282,10 +282,13 @@ def test_hostile_bodies_never_get_a_5xx(servers):
     for _ in range(200):
         deep = {"input": [deep]}
     for body in (deep, {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}] * 3,
-                                   "type": "message", "status": None}], "metadata": None, "tools": []},
+                                   "type": "message", "status": None}], "metadata": None, "tools": [],
+                        "max_output_tokens": 4},
                  {"model": "gpt-9", "input": "x"}):
         response = server.post("/v1/responses", body)
-        assert response.status_code < 500 and "Traceback" not in response.text, response.text
+        assert response.status_code < 500, response.text
+        if response.status_code >= 400:  # a reply's text may say anything (the demo model writes Python)
+            assert "Traceback" not in response.text, response.text
     assert_error(server.post("/v1/responses", {"model": "gpt-9", "input": "x"}), 404, param="model")
     assert_error(httpx.put(url, content=b"{}"), 405)
 
