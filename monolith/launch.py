@@ -22,6 +22,7 @@ from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import (
     BreakEven,
     measure_break_even,
+    measure_step_costs,
     round_can_pay,
     round_pay_limit,
 )
@@ -31,6 +32,7 @@ from .runtime.engine import Engine
 from .runtime.prompt_cache import (
     DEFAULT_MEMORY_SHARE,
     PromptCache,
+    available_memory,
     checkpoint_interval,
     default_budget,
 )
@@ -191,13 +193,15 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
 
 def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int = 64, queue_timeout: float = 300.0,
                 sources: Sources | None = None, fallback: bool = True, profile: bool = False,
-                load=load_target, load_draft=load_drafter, cache_by_default: bool = True) -> Engine:
+                load=load_target, load_draft=load_drafter, cache_by_default: bool = True,
+                max_batch: int = 1) -> Engine:
     """Resolve and load the target (and draft), build the Engine, warm it up. `log(text)`
     reports each stage; pack builds and downloads show their own progress bars. With
     `fallback` and no --spec-sched, rounds take plain steps while drafting does not pay
     (serve, chat); generate always drafts. `load` / `load_draft` make the models. Without
     `cache_by_default` (generate: one request per process) the prompt cache is on only
-    when a --prompt-cache flag asks for it."""
+    when a --prompt-cache flag asks for it. `max_batch` sequences run at once (serve's
+    --max-batch): their caches must fit the memory free after loading."""
     started = time.perf_counter()
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype)
@@ -206,16 +210,18 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     decoder, draft_name = None, None
     if sources.draft is not None:
         try:
-            decoder = speculative_decoder(args, model, sources.draft, log, fallback, profile, load_draft)
+            decoder = speculative_decoder(args, model, sources.draft, log, fallback, profile, load_draft, max_batch)
             draft_name = None if decoder is None else str(plan.draft or sources.draft)
         except SetupError as e:
             if plan.draft_explicit:
                 raise
             log(f"the demo draft is not used, plain decoding: {e}")
     drafter = getattr(decoder, "drafter", None)
+    reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
-                    prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default))
+                    prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default, reserved),
+                    max_batch=max_batch)
     if not args.no_warmup:
         log("warming up")
         engine.warmup()
@@ -224,12 +230,38 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     return engine
 
 
-def prompt_cache(args, model, drafter, log, by_default: bool = True) -> PromptCache | None:
+def sequence_bytes(model, drafter, max_context: int) -> int:
+    """The memory one running sequence's caches take: the target's cache and the draft's
+    context (their arrays are lazy: nothing is allocated to count them)."""
+    arrays = model.make_cache(max_context).arrays()
+    draft = getattr(drafter, "draft", None)
+    if draft is not None:
+        arrays += draft.make_context(max_context).arrays()
+    return sum(a.nbytes for a in arrays)
+
+
+def batch_memory(model, drafter, max_context: int, max_batch: int, log) -> int:
+    """The bytes `max_batch` sequences' caches take; SetupError if they do not fit the
+    memory free now (after loading the model)."""
+    each = sequence_bytes(model, drafter, max_context)
+    need, free = each * max_batch, available_memory()
+    if need > free:
+        raise SetupError(f"--max-batch {max_batch} sequences of --max-context {max_context} tokens need "
+                         f"{need / 2**30:.2f} GiB of cache ({each / 2**30:.2f} GiB each), but "
+                         f"{free / 2**30:.2f} GiB is free after loading the model: lower --max-batch or --max-context")
+    if max_batch > 1:
+        log(f"batch: up to {max_batch} sequences at once, {need / 2**30:.2f} GiB of cache at "
+            f"--max-context {max_context}")
+    return need
+
+
+def prompt_cache(args, model, drafter, log, by_default: bool = True, reserved: int = 0) -> PromptCache | None:
     """The prompt cache the flags ask for (None: --prompt-cache-size 0, or no flag and not
-    `by_default`), with its store when --prompt-cache-dir is given."""
+    `by_default`), with its store when --prompt-cache-dir is given. Its default budget is a
+    share of the memory free after `reserved` bytes (the running sequences' caches)."""
     if not by_default and args.prompt_cache_size is None and args.prompt_cache_dir is None:
         return None
-    budget = args.prompt_cache_size if args.prompt_cache_size is not None else default_budget()
+    budget = args.prompt_cache_size if args.prompt_cache_size is not None else default_budget(reserved)
     if not budget:
         log("prompt cache off")
         return None
@@ -250,23 +282,24 @@ def prompt_cache(args, model, drafter, log, by_default: bool = True) -> PromptCa
 
 
 def speculative_decoder(args, model, draft: str, log, fallback: bool = True, profile: bool = False,
-                        load_draft=load_drafter) -> SpeculativeDecoder | None:
+                        load_draft=load_drafter, max_batch: int = 1) -> SpeculativeDecoder | None:
     """The decoder that runs speculative rounds with the draft of `draft` (see
     `drafting_decoder`), or None: decode plainly."""
     quantization = args.draft_quantization or "auto"
     log(f"loading the draft {draft} (quantization {quantization})")
     drafter = load_draft(draft, model, dtype=args.dtype, quantization=quantization,
                          revision=args.draft_revision, local_files_only=args.local_files_only)
-    return drafting_decoder(args, model, drafter, log, fallback, profile)[0]
+    return drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)[0]
 
 
-def drafting_decoder(args, model, drafter, log, fallback: bool = True,
-                     profile: bool = False) -> tuple[SpeculativeDecoder | None, BreakEven | None]:
+def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: bool = False,
+                     max_batch: int = 1) -> tuple[SpeculativeDecoder | None, BreakEven | None]:
     """(the speculative decoder the flags ask for, the break-even measured for its
     fallback or None). The decoder is None when that break-even says a drafted round
     costs about as many plain steps as the tokens it can emit or more (drafting can never
     pay on this machine: e.g. MLX's Linux CPU wheel, where an 8-row verify costs ~10
-    one-row steps)."""
+    one-row steps). With `max_batch` > 1 the batch's forward costs are measured too, so
+    the fallback's break-even follows the batch (scheduler.py)."""
     if args.draft_block_size is not None and args.draft_block_size > drafter.max_proposals:
         raise SetupError(f"--draft-block-size must be at most {drafter.max_proposals} "
                          f"(the draft's proposals per block), got {args.draft_block_size}")
@@ -282,6 +315,11 @@ def drafting_decoder(args, model, drafter, log, fallback: bool = True,
             return None, measured
         log(f"a drafted round costs {measured.describe()} here; {cut}: a request drafts while its rounds emit "
             "at least that many tokens, and takes plain steps otherwise")
+    costs = None
+    if max_batch > 1 and measured is not None:
+        costs = measure_step_costs(model, max_batch, gamma + 1)
+        log(f"a batch's forward costs {costs.one_row * 1e3:.2f} ms for one row, +{costs.per_row * 1e3:.2f} ms a row "
+            f"and +{costs.per_sequence * 1e3:.2f} ms a sequence: a request drafts while that pays for the batch")
     decoder = SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler,
-                                 None if measured is None else measured.steps, profile)
+                                 None if measured is None else measured.steps, profile, step_costs=costs)
     return decoder, measured

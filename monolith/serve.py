@@ -13,6 +13,7 @@ from .cli import ArgumentParser
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_BATCH = 4  # bench/concurrency.py: see README, "Concurrent requests"
 
 
 def build_parser() -> ArgumentParser:
@@ -24,6 +25,8 @@ def build_parser() -> ArgumentParser:
                     help="the model name(s) clients use (default: the --model value, or monolith-demo)")
     ap.add_argument("--api-key", help="require Authorization: Bearer KEY on every endpoint but /health "
                                       "(default: $MONOLITH_API_KEY; unset = no key)")
+    ap.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                    help="requests generated at once, sharing each forward (default 4; 1: one at a time)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
     ap.add_argument("--queue-timeout", type=float, default=300.0,
                     help="seconds a request may wait in the queue before a 503 (default 300)")
@@ -39,7 +42,8 @@ def main(argv=None) -> int:
         plan = plan_model(args)
         if not 0 <= args.port <= 65535:
             raise SetupError(f"--port must be in [0, 65535], got {args.port}")
-        for flag, value in (("--max-queue", args.max_queue), ("--max-request-bytes", args.max_request_bytes)):
+        for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                            ("--max-request-bytes", args.max_request_bytes)):
             if value < 1:
                 raise SetupError(f"{flag} must be at least 1, got {value}")
         if not args.queue_timeout > 0:
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
         server.should_exit = True
 
     def load():
-        return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout)
+        return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch)
 
     app = create_app(load, config, on_load_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

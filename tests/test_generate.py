@@ -66,7 +66,7 @@ class FakeModel:
         self.args = FakeArgs(vocab, (eos,))
         self.dtype, self.dense_summary = mx.float32, "dense F32"
         self.caches: list[FakeCache] = []
-        self.prefills: list[tuple[list[int], int]] = []
+        self.prefills: list[list[int]] = []  # the prefill chunks, in order
         self.steps = 0
 
     def make_cache(self, max_context):
@@ -74,16 +74,16 @@ class FakeModel:
         return self.caches[-1]
 
     def __call__(self, tokens, cache, taps=None):
+        return self.forward(tokens, cache, taps)
+
+    def forward(self, tokens, cache, taps=None, logits="all"):
         assert tokens.ndim == 1 and tokens.dtype == mx.int32
+        if logits != "all":  # a prefill chunk
+            self.prefills.append(np.array(tokens).tolist())
         cache.offset += tokens.shape[0]
         assert cache.offset <= cache.max_context, "cache overflow"
-        return self.table[tokens], None
-
-    def prefill(self, tokens, cache, chunk_size=512):
-        self.prefills.append((np.array(tokens).tolist(), chunk_size))
-        for start in range(0, tokens.shape[0], chunk_size):
-            logits, _ = self(tokens[start : start + chunk_size], cache)
-        return logits[-1]
+        rows = self.table[tokens]
+        return (None if logits == "none" else rows[-1:] if logits == "last" else rows), None
 
     def greedy_chain(self, last, n):
         out = []
@@ -115,7 +115,7 @@ def test_greedy_follows_the_argmax_chain():
     assert isinstance(result, Outcome)
     assert result.token_ids == want == seen
     assert result.finish_reason == "length" and result.prompt_tokens == 3
-    assert model.prefills == [([5, 6, 7], 512)]
+    assert model.prefills == [[5, 6, 7]]
     assert result.prefill_seconds > 0 and result.decode_seconds > 0
     assert result.prefill_tok_s > 0 and result.decode_tok_s > 0 and result.decode_steps == 11
 
@@ -166,7 +166,7 @@ def test_prefill_chunk_size_reaches_the_model():
     model = FakeModel()
     plain(model, list(range(10)), 2, SamplingParams(), [EOS], 64, prefill_chunk_size=3)
     # the decoder prefills chunk by chunk (a cancel takes effect between chunks)
-    assert model.prefills == [([0, 1, 2], 3), ([3, 4, 5], 3), ([6, 7, 8], 3), ([9], 3)]
+    assert model.prefills == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ def test_cli_json_with_prompt_ids(capsys, pack_dir, tok):
                           "rounds", "accepted_per_round", "per_position_acceptance"}
     assert stats["rounds"] is stats["accepted_per_round"] is stats["per_position_acceptance"] is None
     assert stats["prefill_tok_s"] > 0 and stats["decode_seconds"] > 0
-    assert model.prefills == [([5, 6, 7], 512)] and model.caches[0].max_context == 32768
+    assert model.prefills == [[5, 6, 7]] and model.caches[0].max_context == 32768
 
 
 def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):
@@ -240,7 +240,7 @@ def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):
                                          "--prefill-chunk-size", "4", "--max-context", "100"], model)
     assert code == 0, err
     prompt = tok.encode_chat([{"role": "user", "content": "Hello there"}])
-    assert model.prefills == [(prompt[i:i + 4], 4) for i in range(0, len(prompt), 4)]
+    assert model.prefills == [prompt[i:i + 4] for i in range(0, len(prompt), 4)]
     want = model.greedy_chain(prompt[-1], 20)
     assert out == tok.decode(want) + "\n"
     assert err.count("\n") == 1 and f"prompt: {len(prompt)} tokens" in err and "generated: 20 tokens" in err

@@ -26,6 +26,7 @@ from monolith.runtime.scheduler import (
     CostScheduler,
     Fallback,
     FixedScheduler,
+    StepCosts,
     ThresholdScheduler,
     make_scheduler,
 )
@@ -252,3 +253,39 @@ def test_measure_costs(model):
     scheduler = CostScheduler()
     speculate(model, drafter, PROMPT, 3, GREEDY, [], 64, block_size=4, scheduler=scheduler)
     assert scheduler.calibrated and len(scheduler.verify_seconds) == 5
+
+
+def test_the_fallback_break_even_follows_the_batch():
+    """Next to peers, a drafted round pays when it raises the batch's aggregate tokens per
+    second, (peers + E) / T(drafted) > (peers + 1) / T(plain): worked by hand for a
+    compute-bound step (every row costs a row: the threshold stays the break-even) and a
+    bandwidth-bound one (rows are free, the draft's own 0.5 is paid by the whole batch)."""
+    compute = Fallback(8.0, StepCosts(one_row=1.0, per_row=1.0, per_sequence=0.0), gamma=7)
+    assert compute.threshold() == 8.0
+    assert compute.threshold((3, 3)) == pytest.approx(4 * 11 / 4 - 3)  # = 8
+    bandwidth = Fallback(1.5, StepCosts(one_row=1.0, per_row=0.0, per_sequence=0.0), gamma=7)
+    assert bandwidth.threshold() == 1.5
+    assert bandwidth.threshold((3, 3)) == pytest.approx(4 * 1.5 / 1 - 3)  # = 3
+    assert Fallback(1.5).threshold((3, 3)) == 1.5  # no costs: the same at any batch
+    bandwidth.update(2)  # rounds emit 2 tokens
+    assert bandwidth.speculate() and not bandwidth.speculate((3, 3))
+
+
+def test_the_cost_scheduler_counts_the_peers_rows_and_tokens():
+    """The block length maximizes (peers + expected tokens) / (T_draft + T_verify(peer
+    rows + 1 + l)): checked against a direct scan of that formula. Plain peers (a token
+    per row) shorten the block; peers whose rows emit little (a prefill chunk) lengthen it:
+    rows added to an expensive step cost relatively little."""
+    table = [1.0 + 0.5 * r for r in range(8)]  # T_verify(1..8): half a row per row
+    scheduler = CostScheduler(0.2, table)
+    for accepted in [3, 4, 2, 5, 3] * 4:  # survival falls off after the first few positions
+        scheduler.update(7, accepted, None)
+    survival = scheduler.survival(7, None)
+
+    def best(others, rows):
+        values = [(others + 1 + survival[:l].sum()) / (0.2 + scheduler.verify_time(rows + 1 + l)) for l in range(8)]
+        return max(max(range(8), key=lambda l: (values[l], -l)), 1)
+
+    chosen = {peers: scheduler.choose(7, None, peers) for peers in ((0, 0), (5, 5), (3, 40))}
+    assert chosen == {peers: best(*peers) for peers in chosen}
+    assert chosen[(5, 5)] < chosen[(0, 0)] < chosen[(3, 40)]

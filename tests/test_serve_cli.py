@@ -121,7 +121,7 @@ def test_cli_flags(tmp_path, pack):
     port = _free_port()
     proc = _serve("--model", str(pack), "--port", str(port), "--dtype", "float32", "--served-model-name", "a", "b",
                   "--api-key", "k", "--max-context", "256", "--prefill-chunk-size", "16", "--no-warmup",
-                  "--log-level", "warning", "--max-queue", "2", "--queue-timeout", "5")
+                  "--log-level", "warning", "--max-queue", "2", "--queue-timeout", "5", "--max-batch", "3")
     try:
         _wait_health(port, proc)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
@@ -140,6 +140,7 @@ def test_cli_flags(tmp_path, pack):
     (["--max-context", "1"], "--max-context"),
     (["--port", "99999"], "--port"),
     (["--max-queue", "0"], "--max-queue"),
+    (["--max-batch", "0"], "--max-batch"),
     (["--bogus"], "unrecognized"),
 ])
 def test_cli_usage_errors_exit_1(args, message):

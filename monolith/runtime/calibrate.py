@@ -3,6 +3,8 @@ decoder's own stages (rounds.Rounds: the same verify forward, acceptance and com
 served round runs):
 
 - `measure_costs`: T_draft and the T_verify(rows) table the cost scheduler reads;
+- `measure_step_costs`: what a batch's target forward costs per row and per sequence
+  (scheduler.StepCosts: the batch-aware Fallback and cost scheduler read it);
 - `measure_break_even`: a drafted round's cost in plain steps (scheduler.Fallback's
   threshold), as the median over several trials, each timing consecutive rounds
   against chained runs of pipelined plain steps. One start gives one answer only if
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..sampling import SamplingParams
+from .batch import Forward, run_forwards
 from .drafter import Drafter
 from .rounds import PLAIN_RUN, Block, Rounds
-from .scheduler import FixedScheduler
+from .scheduler import FixedScheduler, StepCosts
 
 PAY_MARGIN = 0.1  # draft only when a round costs at most (1 - PAY_MARGIN) x the tokens it can emit
 BREAK_EVEN_TRIALS = 3
@@ -82,6 +85,40 @@ def measure_costs(model, drafter: Drafter, gamma: int, params: SamplingParams, c
     verify_seconds = [median_seconds(lambda r=rows: verify(r)) for rows in range(1, gamma + 2)]
     rounds.cache.restore(snap)
     return draft_seconds, verify_seconds
+
+
+def measure_step_costs(model, sequences: int, rows: int = 8, context: int = 64, repeats: int = 5) -> StepCosts:
+    """StepCosts from medians of timed forwards on scratch sequences of `context` rows:
+    one row of one sequence, `rows` rows of one, and one row each of `sequences`
+    sequences in one batched forward (each from the same state)."""
+    prompt = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(0))
+    caches = []
+    for _ in range(max(sequences, 1)):
+        cache = model.make_cache(context + rows + 1)
+        model.forward(prompt, cache, logits="none")
+        mx.eval(cache.arrays())
+        caches.append((cache, cache.snapshot()))
+    token = mx.zeros((1,), mx.int32)
+
+    def timed(requests) -> float:
+        samples = []
+        for i in range(repeats + 1):  # the first is a warm-up
+            for cache, snap in caches:
+                cache.restore(snap)
+            begin = time.perf_counter()
+            mx.eval([out[0] for out in run_forwards(requests)])
+            samples.append(time.perf_counter() - begin)
+        return statistics.median(samples[1:])
+
+    cache = caches[0][0]
+    one = timed([Forward(model, token, cache)])
+    many = timed([Forward(model, mx.zeros((rows,), mx.int32), cache)])
+    per_row = max(many - one, 0.0) / max(rows - 1, 1)
+    per_sequence = 0.0
+    if sequences > 1:
+        batch = timed([Forward(model, token, c) for c, _ in caches])
+        per_sequence = max(batch - one - per_row * (sequences - 1), 0.0) / (sequences - 1)
+    return StepCosts(one, per_row, per_sequence)
 
 
 def measure_break_even(model, drafter: Drafter, gamma: int, params: SamplingParams, context: int = 64,

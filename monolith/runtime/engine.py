@@ -1,8 +1,13 @@
 """The engine: one loaded target (plus an optional draft) that turns requests into
 token streams.
 
-Requests wait in a bounded FIFO queue and run one at a time on a worker thread. Each
-request reports through a `sink` (called on the worker thread) with `Started`, then
+Requests wait in a bounded FIFO queue; up to `max_batch` of them run at once on a
+worker thread, as sequences of one `batch.Batch`: every round, each running sequence
+drafts (if it does) and puts its rows into one shared target forward, so B sequences
+cost little more than one where decode is bound by reading the weights. Sequences join
+between rounds, in queue order, as slots free up; a newcomer's prefill runs chunk by
+chunk inside the rounds, so the others keep streaming. A decoder without `steps` (a
+plain callable) runs its requests one at a time. Each request reports through a `sink` (called on the worker thread) with `Started`, then
 `Delta`s (text that is whole UTF-8 characters and cannot be the start of a stop
 string, with the logprobs of its tokens), then one `Finished` or `Failed`.
 `Job.cancel()` (a client that went away, Ctrl-C) stops a request at its next token,
@@ -10,9 +15,12 @@ or removes it from the queue.
 
 The sequence a request leaves behind is kept in a `Session` (the model cache plus
 restore points), so a request whose prompt extends it prefills only the new tokens:
-the next chat turn, or the same prompt again. The generation itself is one call,
-`decoder(session, prompt, ...)` (plain.PlainDecoder or speculative.SpeculativeDecoder);
-events.py holds the request and event types, textstream.py the released text.
+the next chat turn, or the same prompt again. A request that brings no session of its
+own runs on one of the engine's `max_batch` sessions (the free one whose tokens share
+the longest prefix with its prompt); all of them share the prompt cache. The
+generation itself is `decoder.steps(session, prompt, ...)` (plain.PlainDecoder or
+speculative.SpeculativeDecoder); events.py holds the request and event types,
+textstream.py the released text.
 
 serve, chat, generate and the benchmarks all run requests through an Engine;
 `generate` below is the same decoder call on the calling thread, without the queue
@@ -33,6 +41,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..sampling import SamplingParams
+from .batch import Batch
 from .events import (
     Delta,
     Event,
@@ -91,11 +100,11 @@ class Job:
     _ids = itertools.count(1)
 
     def __init__(self, engine: Engine, request: GenerationRequest, sink: Callable[[Event], None],
-                 session: Session, timeout: float):
+                 session: Session | None, timeout: float):
         self.id = next(self._ids)
         self.request = request
         self.sink = sink
-        self.session = session
+        self.session = session  # None: one of the engine's sessions, when it starts
         self.submitted_at = time.monotonic()
         self.deadline = self.submitted_at + timeout
         self.started = threading.Event()
@@ -119,11 +128,13 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
                  max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, max_batch: int = 1):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
             raise ValueError("max_queue must be >= 1 and queue_timeout > 0")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -134,12 +145,17 @@ class Engine:
         self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(model.args, "eos_token_ids", ()))
         self.vocab_size = model.args.vocab_size
         self.prompt_cache = prompt_cache  # shared by every session
-        self.session = Session(prompt_cache)  # the default: requests without their own session share it
+        self.session = Session(prompt_cache)  # the first of the sessions for requests without their own
+        self._sessions = [self.session]
+        # sequences at once: a decoder without steps() (or a drafter that cannot fork) runs one
+        concurrent = hasattr(self.decoder, "steps") and getattr(self.decoder, "concurrent", True)
+        self.max_batch = max_batch if concurrent else 1
+        self._batch = Batch()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
-        self._running: Job | None = None
+        self._running: dict[int, Job] = {}  # by id(Sequence) in the batch
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="monolith-engine", daemon=True)
         self._thread.start()
@@ -153,7 +169,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self._running)
 
     def new_session(self) -> Session:
         return Session(self.prompt_cache)
@@ -180,7 +196,7 @@ class Engine:
         prompt = check_request(request.prompt_ids, request.max_tokens, request.logprobs, self.vocab_size,
                                self.max_context, self.supports_logprobs)
         request = replace(request, prompt_ids=tuple(prompt))
-        job = Job(self, request, sink, session or self.session, self.queue_timeout if timeout is None else timeout)
+        job = Job(self, request, sink, session, self.queue_timeout if timeout is None else timeout)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine is closed")
@@ -216,7 +232,7 @@ class Engine:
     def call(self, fn: Callable[[], object]) -> object:
         """Run fn() on the worker thread between requests (the thread that owns the MLX
         state: sessions, caches); its result, or its exception raised here."""
-        job = Job(self, None, lambda event: None, self.session, 1e12)
+        job = Job(self, None, lambda event: None, None, 1e12)
         job.task = fn
         with self._lock:
             if self._closed:
@@ -235,12 +251,12 @@ class Engine:
         self.generate(GenerationRequest((0, 1), max_tokens=2), session)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Cancel the running request, fail the queued ones, stop the worker."""
+        """Cancel the running requests, fail the queued ones, stop the worker."""
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
-            if self._running is not None:
-                self._running._cancelled.set()
+            for job in self._running.values():
+                job._cancelled.set()
             self._lock.notify_all()
         for job in queued:
             job.error = EngineClosed("the engine was closed")
@@ -269,32 +285,101 @@ class Engine:
             release_thread_streams()
 
     def _serve_queue(self) -> None:
+        """Admit queued requests into the batch as slots free up (in queue order), then
+        run one round of the batch; until closed and every running request has ended."""
+        batch = self._batch
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                while not self._queue and not len(batch) and not self._closed:
                     self._lock.wait()
-                if self._closed:
+                if self._closed and not len(batch):
                     return
-                job = self._running = self._queue.popleft()
-            try:
-                if job.task is not None:
-                    try:
-                        job.result = job.task()
-                    except Exception as e:  # noqa: BLE001 - raised again in the calling thread
-                        job.error = e
-                elif job.cancelled:
-                    self._emit(job, Finished("cancelled", Usage(len(job.request.prompt_ids), 0, 0), ()))
-                elif time.monotonic() > job.deadline:
-                    self._emit(job, Failed(QueueTimeout(
-                        f"the request waited {time.monotonic() - job.submitted_at:.1f} s in the queue")))
-                else:
-                    self._run(job)
-            finally:
-                with self._lock:
-                    self._running = None
-                job.done.set()
+                admitted = [] if self._closed else self._admit()
+            for job in admitted:
+                self._start(job)
+            if len(batch):
+                for seq in batch.step():
+                    self._end(seq)
 
-    def _run(self, job: Job) -> None:
+    def _admit(self) -> list[Job]:
+        """(Under the lock.) The queued jobs that start now, taken off the queue in order:
+        tasks, cancelled and timed-out jobs, and requests while the batch has room and
+        their session is free (a job whose own session is running waits, and does not
+        hold up the jobs behind it)."""
+        taken, busy = [], {id(job.session) for job in self._running.values()}
+        room, waiting = self.max_batch - len(self._running), False
+        for job in list(self._queue):
+            if job.task is not None:
+                starts = not waiting  # in queue order: after the requests ahead of it have started
+            elif job.cancelled or time.monotonic() > job.deadline:
+                starts = True
+            else:
+                starts = room > 0 and (job.session is None or id(job.session) not in busy)
+                if starts:
+                    if job.session is None:
+                        job.session = self._free_session(job.request.prompt_ids, busy)
+                    busy.add(id(job.session))
+                    room -= 1
+                else:
+                    waiting = True
+            if starts:
+                self._queue.remove(job)
+                taken.append(job)
+        return taken
+
+    def _free_session(self, prompt: Sequence[int], busy: set[int]) -> Session:
+        """The engine's free session whose tokens share the longest prefix with `prompt`
+        (a new one while there are fewer than max_batch)."""
+        free = [s for s in self._sessions if id(s) not in busy]
+        if not free:
+            session = Session(self.prompt_cache)
+            self._sessions.append(session)
+            return session
+        prompt = list(prompt)
+
+        def shared(session: Session) -> int:
+            n = 0
+            for a, b in zip(session.tokens, prompt):
+                if a != b:
+                    break
+                n += 1
+            return n
+
+        return max(free, key=shared)  # the first of equals: sequential requests keep to one session
+
+    def _start(self, job: Job) -> None:
+        """Run a task, end a cancelled or timed-out job, or add a request to the batch."""
+        if job.task is not None:
+            try:
+                job.result = job.task()
+            except Exception as e:  # noqa: BLE001 - raised again in the calling thread
+                job.error = e
+            job.done.set()
+        elif job.cancelled:
+            self._emit(job, Finished("cancelled", Usage(len(job.request.prompt_ids), 0, 0), ()))
+            job.done.set()
+        elif time.monotonic() > job.deadline:
+            self._emit(job, Failed(QueueTimeout(
+                f"the request waited {time.monotonic() - job.submitted_at:.1f} s in the queue")))
+            job.done.set()
+        else:
+            seq = self._batch.add(self._run(job))
+            if seq.done:
+                self._end(seq, job)
+            else:
+                with self._lock:
+                    self._running[id(seq)] = job
+
+    def _end(self, seq, job: Job | None = None) -> None:
+        with self._lock:
+            job = self._running.pop(id(seq), job)
+        if seq.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
+            job.session.reset()
+            self._emit(job, Failed(seq.error))
+        job.done.set()
+
+    def _run(self, job: Job):
+        """The request's steps (batch.py): its decoder's, with the events around them."""
         request = job.request
         queued = time.monotonic() - job.submitted_at
         job.started.set()
@@ -309,9 +394,11 @@ class Engine:
 
         try:
             constrained = {} if request.grammar is None else {"guide": self.grammar_tokenizer.guide(request.grammar)}
-            outcome = self.decoder(job.session, request.prompt_ids, request.max_tokens, request.params,
-                                   self.stop_ids, on_token, logprobs=request.logprobs,
-                                   cancelled=lambda: job.cancelled, boundaries=request.boundaries, **constrained)
+            args = (job.session, request.prompt_ids, request.max_tokens, request.params, self.stop_ids, on_token)
+            kwargs = dict(logprobs=request.logprobs, cancelled=lambda: job.cancelled, boundaries=request.boundaries,
+                          **constrained)
+            steps = getattr(self.decoder, "steps", None)
+            outcome = (yield from steps(*args, **kwargs)) if steps is not None else self.decoder(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             job.session.reset()
             self._emit(job, Failed(e))

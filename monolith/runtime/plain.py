@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from ..sampling import SamplingParams, key_chain, mask_logits, sample
+from .batch import Forward, Steps, drive
 from .events import Outcome, TokenLogprob
 from .grammar import Guide
 from .session import Session, chunk_ends
@@ -54,6 +55,15 @@ class PlainDecoder:
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
                  guide: Guide | None = None) -> Outcome:
+        return drive(self.steps(session, prompt, max_tokens, params, stop_ids, on_token, logprobs, cancelled,
+                                boundaries, guide))
+
+    def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
+              stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
+              cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
+              guide: Guide | None = None) -> Steps:
+        """The call as a generator of its forwards (batch.py): `__call__` drives it alone,
+        the engine in a Batch with other sequences."""
         model, max_context = self.model, self.max_context
         prompt = list(prompt)
         room = max_context - len(prompt)
@@ -69,7 +79,7 @@ class PlainDecoder:
         cache, cached, logits = session.resume(model, prompt, max_context)
         prefilled = logits is None
         if prefilled:
-            logits = self._prefill(session, prompt, cached, cancelled, boundaries)
+            logits = yield from self._prefill(session, prompt, cached, cancelled, boundaries)
             if logits is None:
                 return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
         session.mark(prompt, logits)
@@ -79,8 +89,8 @@ class PlainDecoder:
             def draw(masked):
                 return sample(masked, params, None if keys is None else next(keys))
 
-            return self._guided(session, prompt, logits, guide, max_tokens, stops, draw, logprobs, on_token,
-                                cancelled, start, cached)
+            return (yield from self._guided(session, prompt, logits, guide, max_tokens, stops, draw, logprobs,
+                                            on_token, cancelled, start, cached))
         pending = pick(logits)
         mx.async_eval(*pending)
         if prefilled:
@@ -92,7 +102,7 @@ class PlainDecoder:
             more = produced < max_tokens
             if more:
                 before = cache.snapshot()  # the cache holds exactly `fed`
-                row, _ = model(pending[0].reshape(1), cache)
+                row, _ = yield Forward(model, pending[0].reshape(1), cache)
                 upcoming = pick(row[-1])
                 mx.async_eval(*upcoming)
             token_id = pending[0].item()
@@ -149,7 +159,7 @@ class PlainDecoder:
                 break
             if len(run) == 1 and len(out) == max_tokens:  # the last token: nothing reads its row
                 break
-            rows, _ = self.model(mx.array(run, dtype=mx.int32), session.cache)
+            rows, _ = yield Forward(self.model, mx.array(run, dtype=mx.int32), session.cache)
             fed += run
             steps += 1
             for i, token_id in enumerate(run[1:]):  # forced: their logprobs from the rows before them
@@ -177,11 +187,12 @@ class PlainDecoder:
         stops = set(session.stops(cached, len(prompt), boundaries))
         done = cached
         for end in chunk_ends(cached, len(prompt), self.prefill_chunk_size, stops):
-            logits = self.model.prefill(mx.array(prompt[done:end], dtype=mx.int32), cache,
-                                        chunk_size=self.prefill_chunk_size)
+            last = end == len(prompt)
+            logits, _ = yield Forward(self.model, mx.array(prompt[done:end], dtype=mx.int32), cache,
+                                      logits="last" if last else "none")
             done = end
-            if done == len(prompt):
-                return logits
+            if last:
+                return logits[-1]
             mx.eval(cache.arrays())  # bound the graph between chunks
             if done in stops:
                 session.checkpoint(prompt[:done])

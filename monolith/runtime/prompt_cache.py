@@ -328,9 +328,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) 
     return n
 
 
-def default_budget() -> int:
-    """DEFAULT_MEMORY_SHARE of the memory free now (after the model loaded)."""
-    return int(DEFAULT_MEMORY_SHARE * available_memory())
+def default_budget(reserved: int = 0) -> int:
+    """DEFAULT_MEMORY_SHARE of the memory free now (after the model loaded), less
+    `reserved` bytes (the running sequences' caches, not allocated yet)."""
+    return int(DEFAULT_MEMORY_SHARE * max(available_memory() - reserved, 0))
 
 
 def available_memory() -> int:

@@ -51,10 +51,11 @@ import numpy as np
 from ..models.cache import Snapshot
 from ..sampling import SamplingParams, filtered_probs, key_chain, mask_logits, sample
 from .accept import accept_greedy, accept_sampled
+from .batch import Forward, Peers, Propose, Steps, drive
 from .drafter import Drafter, Proposal
 from .events import TokenLogprob
 from .plain import logprob_arrays, read_logprob
-from .scheduler import Fallback, FixedScheduler, Scheduler
+from .scheduler import ALONE, Fallback, FixedScheduler, Scheduler
 from .session import chunk_ends
 from .stats import SpecStats
 
@@ -144,6 +145,12 @@ class Rounds:
     def prefill(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
                 on_stop: Callable[[int], None] | None = None,
                 cancelled: Callable[[], bool] = lambda: False) -> int | None:
+        """`prefill_steps` alone."""
+        return drive(self.prefill_steps(tokens, chunk_size, stops, on_stop, cancelled))
+
+    def prefill_steps(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
+                      on_stop: Callable[[int], None] | None = None,
+                      cancelled: Callable[[], bool] = lambda: False) -> Steps:
         """Run `tokens` (the prompt past the cached rows) in chunks ending on multiples of
         chunk_size from row 0 and at `stops` (positions in the sequence), handing every
         row's features to the drafter and calling `on_stop(position)` once the cache and
@@ -156,8 +163,8 @@ class Rounds:
         done = begin
         for end in chunk_ends(begin, total, chunk_size, stops):
             last = end == total
-            logits, features = self.model.forward(ids[done - begin:end - begin], cache, taps=taps,
-                                                  logits="last" if last else "none")
+            logits, features = yield Forward(self.model, ids[done - begin:end - begin], cache, tuple(taps),
+                                             "last" if last else "none")
             self.drafter.observe(features)
             done = end
             if not last:
@@ -175,17 +182,21 @@ class Rounds:
         return self.anchor
 
     def round(self, max_new: int) -> RoundResult:
-        """One round emitting at most `max_new` tokens (and never past max_context)."""
+        """One round emitting at most `max_new` tokens (and never past max_context), alone."""
+        return drive(self.round_steps(max_new))
+
+    def round_steps(self, max_new: int) -> Steps:
+        """`round` as a generator of its draft block and forwards (batch.py)."""
         started = time.perf_counter()
-        block = self.draft(max_new)
+        block = yield from self.draft_steps(max_new)
         if block.plain:
-            return self.plain_steps(max_new)
+            return (yield from self.plain_steps(max_new))
         if self.profile:
             mx.eval(block.arrays())
         else:
             mx.async_eval(block.proposed)  # the draft runs while the host builds the verify
         drafted = time.perf_counter()
-        verdict = self.verify(block)
+        verdict = yield from self.verify_steps(block)
         mx.eval(verdict, *block.logprob_arrays)
         read = np.array(verdict)  # the round's one host sync
         verified = time.perf_counter()
@@ -204,37 +215,41 @@ class Rounds:
         """Rows committed to the cache (a queued step's row is not)."""
         return self.cache.offset - (self.queued is not None)
 
-    def plain_steps(self, max_new: int) -> RoundResult:
+    def plain_steps(self, max_new: int) -> Steps:
         """The plain rounds a Fallback chose, up to its next probe (at most PLAIN_RUN, and
         within max_new and the context), as one result: `run_plain`, queueing the next
         step when the Fallback says the next round is plain too."""
         n = max(1, min(max_new, self.max_context - self.committed - 1, PLAIN_RUN, self.fallback.plain_run()))
         self.fallback.skip(n - 1)
-        return self.run_plain(n, self.fallback.plain_next())
+        return (yield from self.run_plain_steps(n, self.fallback.plain_next()))
 
     def run_plain(self, n: int, queue_next: bool) -> RoundResult:
+        """`run_plain_steps` alone."""
+        return drive(self.run_plain_steps(n, queue_next))
+
+    def run_plain_steps(self, n: int, queue_next: bool) -> Steps:
         """n one-row steps pipelined as in plain.py (the next step is queued before the
         current token is read), no tapes; their tap features wait in `unobserved` for the
         drafter. Starts from a queued step if there is one; `queue_next` leaves the step
         after the last one queued (when the context has room for its row)."""
         cache, taps = self.cache, self.drafter.taps
 
-        def step(token: mx.array, snapshot: Snapshot | None = None) -> Queued:
-            logits, features = self.model.forward(token, cache, taps=taps)
+        def step(token: mx.array, snapshot: Snapshot | None = None) -> Steps:
+            logits, features = yield Forward(self.model, token, cache, tuple(taps))
             token = sample(logits[-1], self.params, self._key())
             logprob = logprob_arrays(logits[-1], token, self.logprobs)
             token = token.reshape(1).astype(mx.int32)
             mx.async_eval(token, features, *logprob)
             return Queued(token, features, snapshot, logprob)
 
-        pending = self.queued or step(mx.array([self.anchor], dtype=mx.int32))
+        pending = self.queued or (yield from step(mx.array([self.anchor], dtype=mx.int32)))
         self.queued, tokens, logprobs = None, [], []
         for i in range(n):
             current = pending
             if i + 1 < n:
-                pending = step(current.token)
+                pending = yield from step(current.token)
             elif queue_next and cache.offset + 1 < self.max_context:
-                self.queued = step(current.token, cache.snapshot())
+                self.queued = yield from step(current.token, cache.snapshot())
             tokens.append(int(current.token.item()))
             logprobs.append(read_logprob((current.token, *current.logprob)))
             self.unobserved.append(current.features)
@@ -245,6 +260,10 @@ class Rounds:
     # The round's stages, separately (the benchmarks time and count each one).
 
     def draft(self, max_new: int) -> Block:
+        """`draft_steps` alone."""
+        return drive(self.draft_steps(max_new))
+
+    def draft_steps(self, max_new: int) -> Steps:
         """Draft and schedule: the proposals to verify (lazy, except the confidences a
         scheduler reads)."""
         if self.anchor is None:
@@ -255,7 +274,10 @@ class Rounds:
                              f"of max_context={self.max_context}")
         gamma = min(self.gamma, room - 1)  # the bonus is always emitted
         draft_key, accept_key = self._key(), self._key()
-        if gamma and self.fallback is not None and not self.fallback.speculate():
+        peers = ALONE
+        if gamma and (self.fallback is not None or self.scheduler.uses_peers):
+            peers = yield Peers()
+        if gamma and self.fallback is not None and not self.fallback.speculate(peers):
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         self.sync_drafter()  # drops a queued plain step
         guide = self.guide
@@ -263,17 +285,18 @@ class Rounds:
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key,
                          masks=None if guide is None else guide.masks(0))
         if guide is None:
-            proposal, limit = self.drafter.propose(self.anchor, gamma, self.params, draft_key), gamma
+            proposal = yield Propose(self.drafter, self.anchor, gamma, self.params, draft_key)
+            limit = gamma
         else:  # forced positions come on top of gamma, within twice gamma and the room
             limit = min(room - 1, 2 * self.gamma)
-            proposal = self.drafter.propose_guided(self.anchor, gamma, self.params, draft_key, guide, limit)
+            proposal = yield Propose(self.drafter, self.anchor, gamma, self.params, draft_key, guide, limit)
             limit = proposal.tokens.shape[0]
             if limit == 0:
                 return Block(None, None, mx.zeros((0,), mx.int32), accept_key, masks=guide.masks(0))
         confidence = None
         if self.scheduler.uses_confidence and proposal.confidence is not None:
             confidence = np.array(proposal.confidence[:limit], dtype=np.float32)
-        l = min(limit, self.scheduler.choose(limit, confidence))
+        l = min(limit, self.scheduler.choose(limit, confidence, peers))
         proposed = proposal.tokens[:l].astype(mx.int32) if l else mx.zeros((0,), mx.int32)
         masks = None
         if guide is not None:
@@ -282,13 +305,17 @@ class Rounds:
         return Block(proposal, confidence, proposed, accept_key, masks=masks)
 
     def verify(self, block: Block) -> mx.array:
+        """`verify_steps` alone."""
+        return drive(self.verify_steps(block))
+
+    def verify_steps(self, block: Block) -> Steps:
         """One target forward over [anchor, x_1..x_l] (GDN tapes recorded when there are
         proposals to reject, taps captured) and the acceptance test: [x_1..x_l, a, bonus]
         int32 (lazy)."""
         cache, l = self.cache, block.size
         block.snapshot = cache.snapshot(record=l > 0)  # a one-row round keeps its row: no replay
         rows = mx.concatenate([mx.array([self.anchor], dtype=mx.int32), block.proposed])
-        logits, block.features = self.model.forward(rows, cache, taps=self.drafter.taps)
+        logits, block.features = yield Forward(self.model, rows, cache, tuple(self.drafter.taps))
         raw = logits
         if block.masks is not None:
             logits = mask_logits(logits, block.masks)

@@ -36,9 +36,24 @@ once by calibrate.measure_break_even), rounds are plain one-row steps, with a
 speculative probe after PROBE_EVERY of them (waits doubling while probes fail) to
 notice when drafting pays again. The decision depends only on past rounds, so outputs
 keep their distribution (greedy: equal to plain).
+
+In a batch (engine --max-batch) a drafted round's rows share a forward with the other
+sequences' rows, so what it costs depends on the batch: `peers` = (the other sequences,
+the target rows they put into the last forward). With the batch's `StepCosts` (measured
+at start: calibrate.measure_step_costs), the Fallback drafts while drafting raises the
+batch's aggregate tokens per second: a round emitting E tokens where a plain step emits
+1, with each peer emitting (at least) 1 per step either way, pays when
+(peers + E) / T(drafted step) > (peers + 1) / T(plain step), i.e. E above
+(peers + 1) * T(drafted) / T(plain) - peers. Alone that is the break-even; where a
+verify row costs little next to the step (a Mac, bound by reading the weights) it stays
+near it, and where rows cost compute (this CPU) it rises with the batch, so at high batch
+sequences take plain steps. The cost scheduler's block length maximizes the same
+aggregate rate: (peers + expected tokens) / (T_draft + T_verify(peer rows + 1 + l)).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -47,11 +62,28 @@ DEFAULT_THRESHOLD = 0.1
 DECAY = 0.98
 
 
+ALONE = (0, 0)  # peers of a sequence that runs alone: (other sequences, their rows)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one target forward over a batch: one_row + per_row * (rows - 1) +
+    per_sequence * (sequences - 1)."""
+
+    one_row: float
+    per_row: float
+    per_sequence: float
+
+    def forward(self, rows: int, sequences: int = 1) -> float:
+        return self.one_row + self.per_row * (rows - 1) + self.per_sequence * (sequences - 1)
+
+
 class Scheduler:
     name = "fixed"
     uses_confidence = False  # choose() wants the proposal's confidences on the host
+    uses_peers = False  # choose() reads the batch's peers
 
-    def choose(self, gamma: int, confidence: np.ndarray | None) -> int:
+    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE) -> int:
         """How many of `gamma` proposals to verify, 0 <= l <= gamma."""
         return gamma
 
@@ -118,7 +150,7 @@ class ThresholdScheduler(SurvivalScheduler):
         super().__init__(**kw)
         self.threshold = threshold
 
-    def choose(self, gamma: int, confidence: np.ndarray | None) -> int:
+    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE) -> int:
         survival = self.survival(gamma, confidence)
         below = np.flatnonzero(survival < self.threshold)
         keep = int(below[0]) if below.size else gamma
@@ -127,6 +159,7 @@ class ThresholdScheduler(SurvivalScheduler):
 
 class CostScheduler(SurvivalScheduler):
     name = "cost"
+    uses_peers = True
 
     def __init__(self, draft_seconds: float | None = None, verify_seconds=None, **kw):
         """verify_seconds[r - 1] = T_verify(r rows); both measured by
@@ -150,15 +183,16 @@ class CostScheduler(SurvivalScheduler):
         slope = table[-1] - table[-2] if len(table) > 1 else table[-1]
         return table[-1] + slope * (rows - len(table))
 
-    def choose(self, gamma: int, confidence: np.ndarray | None) -> int:
+    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE) -> int:
         if not self.calibrated:
             raise RuntimeError("the cost scheduler has no timings: call set_costs (see measure_costs)")
         survival = self.survival(gamma, confidence)
-        best_l, best = 0, 1.0 / (self.draft_seconds + self.verify_time(1))
-        expected = 1.0
+        others, rows = peers
+        best_l, best = 0, (others + 1.0) / (self.draft_seconds + self.verify_time(rows + 1))
+        expected = others + 1.0
         for l in range(1, gamma + 1):
             expected += survival[l - 1]
-            value = expected / (self.draft_seconds + self.verify_time(1 + l))
+            value = expected / (self.draft_seconds + self.verify_time(rows + 1 + l))
             if value <= best:
                 break  # the first non-improvement ends the scan
             best_l, best = l, value
@@ -174,18 +208,37 @@ class Fallback:
     MAX_PROBE_EVERY = 64
     DECAY = 0.7  # weight of the past in the tokens-per-round average (~3 rounds)
 
-    def __init__(self, break_even: float):
+    def __init__(self, break_even: float, costs: StepCosts | None = None, gamma: int = 7):
+        """`costs` (the batch's forward costs) and `gamma` (rows a drafted round adds) make
+        the break-even follow the batch (the module doc); without them it is the same
+        at any batch."""
         if not break_even > 0:
             raise ValueError(f"the break-even tokens per round must be positive, got {break_even}")
         self.break_even = float(break_even)
+        self.costs, self.gamma = costs, gamma
+        self.peers = ALONE  # as the latest speculate() saw them
         self.tokens_per_round: float | None = None  # running average over speculative rounds
         self.plain_in_a_row = 0
         self.probe_every = self.PROBE_EVERY
         self.probing = False
 
-    def speculate(self) -> bool:
-        """Draft this round?"""
-        if self.tokens_per_round is None or self.tokens_per_round >= self.break_even:
+    def threshold(self, peers: tuple[int, int] = ALONE) -> float:
+        """The tokens a drafted round must emit to pay, next to `peers`: the break-even
+        alone, (peers + 1) * T(drafted) / T(plain) - peers in a batch. T(drafted) counts
+        what the measured break-even says a drafted round costs beyond its verify rows
+        (the draft, the commit)."""
+        others, rows = peers
+        if not others or self.costs is None:
+            return self.break_even
+        c, g = self.costs, self.gamma
+        extra = max(self.break_even * c.one_row - c.forward(1 + g), 0.0)
+        plain = c.forward(rows + 1, others + 1)
+        return (others + 1) * (extra + c.forward(rows + 1 + g, others + 1)) / plain - others
+
+    def speculate(self, peers: tuple[int, int] = ALONE) -> bool:
+        """Draft this round (with `peers` in the batch)?"""
+        self.peers = peers
+        if self.tokens_per_round is None or self.tokens_per_round >= self.threshold(peers):
             self.probe_every = self.PROBE_EVERY
             return True
         self.plain_in_a_row += 1
@@ -196,7 +249,7 @@ class Fallback:
 
     def plain_next(self) -> bool:
         """Will the next speculate() say no? (Asking changes nothing.)"""
-        return (self.tokens_per_round is not None and self.tokens_per_round < self.break_even
+        return (self.tokens_per_round is not None and self.tokens_per_round < self.threshold(self.peers)
                 and self.plain_in_a_row + 1 <= self.probe_every)
 
     def plain_run(self) -> int:
@@ -212,7 +265,7 @@ class Fallback:
         """After a speculative round that emitted `emitted` tokens (accepted + 1)."""
         past = self.tokens_per_round
         self.tokens_per_round = emitted if past is None else self.DECAY * past + (1 - self.DECAY) * emitted
-        if self.probing and self.tokens_per_round < self.break_even:
+        if self.probing and self.tokens_per_round < self.threshold(self.peers):
             self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
         self.probing = False
 

@@ -17,11 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..sampling import SamplingParams
+from .batch import Steps, drive
 from .calibrate import measure_costs
 from .drafter import Drafter
 from .events import Outcome, TokenLogprob
 from .rounds import RoundResult, Rounds, check_gamma
-from .scheduler import CostScheduler, Fallback, Scheduler
+from .scheduler import CostScheduler, Fallback, Scheduler, StepCosts
 from .session import Session
 
 
@@ -30,7 +31,8 @@ class SpeculativeDecoder:
 
     def __init__(self, model, drafter: Drafter, max_context: int, prefill_chunk_size: int = 512,
                  gamma: int | None = None, scheduler: Scheduler | None = None, break_even: float | None = None,
-                 profile: bool = False, on_round: Callable[[RoundResult, Rounds], None] | None = None):
+                 profile: bool = False, on_round: Callable[[RoundResult, Rounds], None] | None = None,
+                 step_costs: StepCosts | None = None):
         """`scheduler` is kept across requests (adaptive schedulers learn); a cost
         scheduler without timings is calibrated here, once. `profile` times each round's
         stages (more host syncs); `on_round(result, rounds)` sees each round after its
@@ -45,6 +47,7 @@ class SpeculativeDecoder:
         if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:
             scheduler.set_costs(*measure_costs(model, drafter, self.gamma, SamplingParams()))
         self.break_even = break_even
+        self.step_costs = step_costs  # a batch's forward costs: the fallback's break-even follows the batch
         self.profile = profile
         self.on_round = on_round
 
@@ -52,20 +55,36 @@ class SpeculativeDecoder:
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
                  guide=None) -> Outcome:
+        return drive(self.steps(session, prompt, max_tokens, params, stop_ids, on_token, logprobs, cancelled,
+                                boundaries, guide))
+
+    @property
+    def concurrent(self) -> bool:
+        """Can several sequences run at once (in a Batch)? Each needs a drafter of its own:
+        `drafter.fork()`."""
+        return hasattr(self.drafter, "fork")
+
+    def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
+              stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
+              cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
+              guide=None) -> Steps:
+        """The call as a generator of its draft blocks and forwards (batch.py), on a drafter
+        of its own when the drafter forks."""
         max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
-        rounds = self._resume(session, prompt, params, logprobs, guide)
+        drafter = self.drafter.fork() if self.concurrent else self.drafter
+        rounds = self._resume(session, drafter, prompt, params, logprobs, guide)
         cached = rounds.cache.offset
-        context = self.drafter.snapshot()
+        context = drafter.snapshot()
 
         def checkpoint(end: int) -> None:
             if context is not None:
                 session.checkpoint(prompt[:end], draft=context)
 
-        first = rounds.prefill(prompt[cached:], self.prefill_chunk_size,
-                               session.stops(cached, len(prompt), boundaries), checkpoint, cancelled)
+        first = yield from rounds.prefill_steps(prompt[cached:], self.prefill_chunk_size,
+                                                session.stops(cached, len(prompt), boundaries), checkpoint, cancelled)
         if first is None:  # cancelled between prefill chunks: keep what was prefilled
             self._keep(session, rounds, prompt[:rounds.cache.offset])
             return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
@@ -73,37 +92,37 @@ class SpeculativeDecoder:
         session.mark(prompt)
         first_at = time.perf_counter()
         try:
-            out, finish, read = run_rounds(rounds, emitted, max_tokens, frozenset(stop_ids),
-                                           lambda token_id, logprob: on_token(token_id, logprob) and not cancelled(),
-                                           self.on_round)
+            out, finish, read = yield from run_rounds(
+                rounds, emitted, max_tokens, frozenset(stop_ids),
+                lambda token_id, logprob: on_token(token_id, logprob) and not cancelled(), self.on_round)
         finally:
             self._keep(session, rounds, prompt + emitted[:-1])
         end = time.perf_counter()
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, finish == "stop",
                        rounds.stats)
 
-    def _resume(self, session: Session, prompt: list[int], params: SamplingParams, logprobs: int | None,
-                guide) -> Rounds:
+    def _resume(self, session: Session, drafter: Drafter, prompt: list[int], params: SamplingParams,
+                logprobs: int | None, guide) -> Rounds:
         """The sequence's rounds on the session's cache, at the longest point both the
         cache and the drafter's context can resume from."""
-        cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
-        rounds = Rounds(self.model, self.drafter, params, self.max_context, self.gamma, self.scheduler,
+        cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=drafter)
+        rounds = Rounds(self.model, drafter, params, self.max_context, self.gamma, self.scheduler,
                         self.profile, cache=cache, logprobs=logprobs, guide=guide)
-        if cached and not self.drafter.restore(session.draft_snapshot, cached):
+        if cached and not drafter.restore(session.draft_snapshot, cached):
             session.reset()  # no draft context for this point: a checkpoint (which holds one), or start over
-            _, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=self.drafter)
+            _, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=drafter)
             if cached:
-                self.drafter.restore(session.draft_snapshot, cached)
+                drafter.restore(session.draft_snapshot, cached)
         if self.break_even is not None and guide is None:  # under a grammar every round drafts
             kept = session.fallback if cached else None
-            rounds.fallback = kept if kept is not None else Fallback(self.break_even)
+            rounds.fallback = kept if kept is not None else Fallback(self.break_even, self.step_costs, self.gamma)
         return rounds
 
     def _keep(self, session: Session, rounds: Rounds, committed: list[int]) -> None:
         """After a run (or its failure): the cache holds the prompt and every emitted
         token but the last (the next anchor); keep that point with the drafter's context."""
         rounds.sync_drafter()
-        snapshot = self.drafter.snapshot()
+        snapshot = rounds.drafter.snapshot()
         if snapshot is not None and rounds.cache.offset == len(committed):
             session.mark(committed)
             session.draft_snapshot, session.fallback = snapshot, rounds.fallback
@@ -114,11 +133,12 @@ class SpeculativeDecoder:
 
 def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset[int],
                on_token: Callable[[int, TokenLogprob | None], bool],
-               on_round: Callable[[RoundResult, Rounds], None] | None = None) -> tuple[list[int], str, int]:
+               on_round: Callable[[RoundResult, Rounds], None] | None = None) -> Steps:
     """Hand out the tokens in `emitted` (the prefill's first one), then those of rounds,
     which `emitted` collects, each with its logprob (None without) to `on_token`, until a
     stop token (not output: "stop"), `budget` output tokens ("length") or `on_token`
-    returning False ("abort"). Returns (output, finish reason, tokens read)."""
+    returning False ("abort"). Returns (output, finish reason, tokens read); a generator
+    of the rounds' steps (batch.py)."""
     out: list[int] = []
     pending, logprobs, read = list(emitted), [rounds.first_logprob] * len(emitted), 0
     while True:
@@ -131,7 +151,7 @@ def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset
                 return out, "abort", read
         if len(out) >= budget:
             return out, "length", read
-        result = rounds.round(budget - len(out))
+        result = yield from rounds.round_steps(budget - len(out))
         if on_round is not None:
             on_round(result, rounds)
         pending = result.tokens

@@ -1,0 +1,215 @@
+"""Sequences that share each forward: a decoder is written as a generator of the model
+work it needs (`Forward`: rows of one sequence through the target; `Propose`: one
+draft block), and whoever drives it decides whether that work runs alone (`drive`) or
+packed with other sequences' (`Batch`).
+
+    steps = decoder.steps(session, prompt, ...)   # a generator
+    request = next(steps)                          # a Forward or a Propose
+    request = steps.send(result)                   # ... until StopIteration(outcome)
+
+A `Peers` request asks about the batch instead (what the other sequences put into the
+last forward: the batch-aware schedulers read it). A `Batch` steps every sequence at
+once: first the draft blocks of the sequences that
+draft (packed through the draft model: `Draft.forward_batch`), until every sequence
+waits on a target forward, then one target forward over all their rows
+(`forward_batch`: the linears see every sequence's rows, attention and the gated
+DeltaNet run per sequence on its own cache). A sequence's host work between two
+requests (sampling, acceptance, commit, the token callbacks) is the same as when it
+runs alone, so a greedy sequence's output in a batch is its output alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+Steps = Generator  # a decoder's steps: yields Forward / Propose, receives their results, returns its outcome
+
+
+@dataclass
+class Forward:
+    """Rows `tokens` of one sequence through `model` at `cache`'s offset: the result is
+    what model.forward(tokens, cache, taps, logits) returns, (logits, tap features)."""
+
+    model: object
+    tokens: object  # int32 mx.array [T]
+    cache: object
+    taps: tuple = ()
+    logits: str = "all"
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def run(self):
+        return self.model.forward(self.tokens, self.cache, taps=list(self.taps), logits=self.logits)
+
+
+@dataclass
+class Propose:
+    """One draft block after `anchor` (drafter.propose, or propose_guided with a guide):
+    the result is the drafter's Proposal."""
+
+    drafter: object
+    anchor: int
+    gamma: int
+    params: SamplingParams
+    key: object
+    guide: object = None
+    limit: int = 0
+    extra: dict = field(default_factory=dict)  # hidden=... when the block ran batched
+
+    def run(self):
+        if self.guide is None:
+            return self.drafter.propose(self.anchor, self.gamma, self.params, self.key, **self.extra)
+        return self.drafter.propose_guided(self.anchor, self.gamma, self.params, self.key, self.guide, self.limit,
+                                           **self.extra)
+
+
+@dataclass
+class Peers:
+    """A question, not work: the result is (the other sequences of the batch, the target
+    rows they put into the latest forward); (0, 0) alone. Schedulers that know the
+    batch ask it before a round (scheduler.py)."""
+
+    def run(self) -> tuple[int, int]:
+        return (0, 0)
+
+
+def drive(steps: Steps):
+    """Run a decoder's steps alone, each request as it comes; its outcome."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(request.run())
+    except StopIteration as stop:
+        return stop.value
+
+
+def run_forwards(requests: list[Forward]) -> list:
+    """The results of target forwards of different sequences, one packed forward per
+    model (each alone where the model cannot pack)."""
+    results = [None] * len(requests)
+    for model, members in _groups(requests, lambda r: r.model).items():
+        batched = getattr(model, "forward_batch", None)
+        if batched is None or len(members) == 1:
+            for i in members:
+                results[i] = requests[i].run()
+            continue
+        from ..models.qwen3_5 import Segment
+
+        outs = batched([Segment(requests[i].tokens, requests[i].cache, tuple(requests[i].taps), requests[i].logits)
+                        for i in members])
+        for i, out in zip(members, outs):
+            results[i] = out
+    return results
+
+
+def run_proposals(requests: list[Propose]) -> list:
+    """The Proposals of different sequences' draft blocks: the blocks of drafters over one
+    draft model run through it packed, then each sequence draws its proposals."""
+    results = [None] * len(requests)
+    for draft, members in _groups(requests, lambda r: getattr(r.drafter, "draft", None)).items():
+        if draft is not None and len(members) > 1 and hasattr(draft, "forward_batch"):
+            hidden = draft.forward_batch([(requests[i].drafter.context, requests[i].anchor) for i in members])
+            for i, h in zip(members, hidden):
+                requests[i].extra = {"hidden": h}
+        for i in members:
+            results[i] = requests[i].run()
+    return results
+
+
+def _groups(requests, key) -> dict:
+    groups: dict = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(key(r), []).append(i)
+    return groups
+
+
+class Sequence:
+    """One sequence in a Batch: its steps and the request it waits on (None once done)."""
+
+    def __init__(self, steps: Steps):
+        self.steps = steps
+        self.request = None
+        self.rows = 0  # target rows of its latest forward
+        self.done = False
+        self.outcome = None
+        self.error: BaseException | None = None  # what ended the steps, if they raised
+
+    def send(self, result=None, error: BaseException | None = None) -> None:
+        try:
+            if error is not None:
+                self.request = self.steps.throw(error)
+            elif self.request is None:
+                self.request = next(self.steps)
+            else:
+                self.request = self.steps.send(result)
+        except StopIteration as stop:
+            self.request, self.done, self.outcome = None, True, stop.value
+        except Exception as e:  # noqa: BLE001 - the steps raised: this sequence ends, the others go on
+            self.request, self.done, self.error = None, True, e
+
+
+class Batch:
+    """The sequences that step together (see the module doc). A sequence's steps handle
+    their own errors; an error of the shared work is retried sequence by sequence, so
+    only the sequence it belongs to sees it (thrown into its steps)."""
+
+    def __init__(self):
+        self.sequences: list[Sequence] = []
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def add(self, steps: Steps) -> Sequence:
+        """Start a sequence: it runs to its first request (or to its end)."""
+        seq = Sequence(steps)
+        seq.send()
+        if not seq.done:
+            self.sequences.append(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One round of every sequence: its draft block if it drafts, then its rows of one
+        shared target forward. Returns the sequences that ended (removed)."""
+        while True:
+            asking = [s for s in self.sequences if isinstance(s.request, Peers)]
+            total = sum(s.rows for s in self.sequences)
+            for s in asking:
+                s.send((len(self.sequences) - 1, total - s.rows))
+            drafting = [s for s in self.sequences if isinstance(s.request, Propose)]
+            if drafting:
+                self._run(drafting, run_proposals)
+            elif not asking:
+                break
+        forwarding = [s for s in self.sequences if isinstance(s.request, Forward)]
+        for s in forwarding:
+            s.rows = s.request.rows
+        if forwarding:
+            self._run(forwarding, run_forwards)
+        ended = [s for s in self.sequences if s.done]
+        self.sequences = [s for s in self.sequences if not s.done]
+        return ended
+
+    def rows(self) -> int:
+        """Target rows the sequences wait to run (plain: 1; a verify: 1 + proposals)."""
+        return sum(s.request.rows for s in self.sequences if isinstance(s.request, Forward))
+
+    @staticmethod
+    def _run(sequences: list[Sequence], run) -> None:
+        try:
+            results = run([s.request for s in sequences])
+        except Exception:  # noqa: BLE001 - find whose work failed: each alone
+            for s in sequences:
+                try:
+                    result = run([s.request])[0]
+                except Exception as e:  # noqa: BLE001 - reported to that sequence only
+                    s.send(error=e)
+                else:
+                    s.send(result)
+            return
+        for s, result in zip(sequences, results):
+            s.send(result)

@@ -1,0 +1,266 @@
+"""Continuous batching (runtime/batch.py, the engine's batch): every greedy request served
+in a batch gives, token for token, what it gives served alone, plain and speculative,
+whatever joins, leaves, stops or is cancelled around it; the prompt cache serves every
+sequence; the queue limits hold with several running."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from monolith.runtime.engine import Engine, QueueFull
+from monolith.runtime.events import Delta, Finished, GenerationRequest
+from monolith.runtime.plain import PlainDecoder
+from monolith.runtime.prompt_cache import PromptCache
+from monolith.runtime.session import Session
+from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.sampling import SamplingParams
+
+MAX_CONTEXT = 512
+TEXTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest",
+    "1, 2, 3, 4,",
+    "A long prompt: " + "the rain in Spain falls mainly on the plain; " * 12,
+    "Q: What is the capital of France?\nA:",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_f32):
+    return demo_f32
+
+
+def decoder(kind, model, drafter):
+    if kind == "plain":
+        return PlainDecoder(model, MAX_CONTEXT, prefill_chunk_size=32)
+    return SpeculativeDecoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32)
+
+
+def prompts(tok):
+    return [tuple(tok.encode(t)) for t in TEXTS]
+
+
+class Collect:
+    """A request's sink: its tokens' text and its Finished."""
+
+    def __init__(self, on_delta=None):
+        self.text, self.finished, self.deltas = [], None, 0
+        self.on_delta = on_delta
+
+    def __call__(self, event):
+        if isinstance(event, Delta):
+            self.text.append(event.text)
+            self.deltas += 1
+            if self.on_delta is not None:
+                self.on_delta(self)
+        elif isinstance(event, Finished):
+            self.finished = event
+
+
+GREEDY = SamplingParams()
+
+
+def alone(model, tok, dec, prompt, max_tokens, params=GREEDY):
+    """The request served by an engine that runs one at a time, on a fresh session."""
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=1)
+    try:
+        _, finished = engine.generate(GenerationRequest(prompt, max_tokens=max_tokens, params=params), Session())
+        return finished.token_ids, finished
+    finally:
+        engine.close()
+
+
+def together(engine, requests, sinks=None):
+    """Submit every request at once; wait for all; their Finished events."""
+    sinks = sinks or [Collect() for _ in requests]
+    jobs = [engine.submit(r, s) for r, s in zip(requests, sinks)]
+    for job in jobs:
+        assert job.done.wait(300)
+    return [s.finished for s in sinks]
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_batched_equals_alone_for_mixed_prompt_lengths(demo, kind):
+    model, drafter, tok = demo
+    dec = decoder(kind, model, drafter)
+    ps = prompts(tok)
+    lengths = [24, 40, 16, 33, 20, 28]
+    want = [alone(model, tok, dec, p, n)[0] for p, n in zip(ps, lengths)]
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=4)
+    try:
+        seen = []
+        real_step = engine._batch.step
+
+        def step():
+            seen.append(len(engine._batch))
+            return real_step()
+
+        engine._batch.step = step
+        got = together(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(ps, lengths)])
+    finally:
+        engine.close()
+    assert [f.token_ids for f in got] == want
+    assert max(seen) == 4  # six requests, four at a time: two joined as others left
+    assert all(f.finish_reason == "length" for f in got)
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_sampled_requests_with_seeds_keep_their_draws_in_a_batch(demo, kind):
+    """Each request draws from its own key chain, so a seeded sampled request in a batch
+    draws what it draws alone."""
+    model, drafter, tok = demo
+    dec = decoder(kind, model, drafter)
+    ps = prompts(tok)[:3]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s) for s in (1, 2, 3)]
+    want = [alone(model, tok, dec, p, 20, q)[0] for p, q in zip(ps, params)]
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    try:
+        got = together(engine, [GenerationRequest(p, max_tokens=20, params=q) for p, q in zip(ps, params)])
+    finally:
+        engine.close()
+    assert [f.token_ids for f in got] == want
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_joining_leaving_and_cancelling_mid_run(demo, kind):
+    """A runs; B joins after A's 5th token (a prompt prefilled in chunks while A streams);
+    C joins after B's 3rd and is cancelled after its 4th; D waits for a slot (max_batch
+    3) and joins when C leaves. A, B and D equal alone; C's output is a prefix of its own."""
+    model, drafter, tok = demo
+    dec = decoder(kind, model, drafter)
+    pa, pb, pc, pd = (prompts(tok)[i] for i in (0, 4, 2, 3))
+    want = {name: alone(model, tok, dec, p, n)[0] for name, p, n in
+            (("a", pa, 40), ("b", pb, 30), ("c", pc, 30), ("d", pd, 12))}
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    jobs, sinks = {}, {}
+
+    def submit(name, prompt, n, on_delta=None):
+        sinks[name] = Collect(on_delta)
+        jobs[name] = engine.submit(GenerationRequest(prompt, max_tokens=n), sinks[name])
+
+    def a_delta(sink):
+        if sink.deltas == 5:
+            submit("b", pb, 30, b_delta)
+
+    def b_delta(sink):
+        if sink.deltas == 3:
+            submit("c", pc, 30, c_delta)
+            submit("d", pd, 12)
+
+    def c_delta(sink):
+        if sink.deltas == 4:
+            jobs["c"].cancel()
+
+    try:
+        submit("a", pa, 40, a_delta)
+        for name in "abcd":
+            while name not in jobs:
+                jobs["a"].done.wait(0.05)
+            assert jobs[name].done.wait(300)
+    finally:
+        engine.close()
+    for name in "abd":
+        assert sinks[name].finished.token_ids == want[name], name
+    c = sinks["c"].finished
+    assert c.finish_reason == "cancelled" and 4 <= len(c.token_ids) < 30
+    assert c.token_ids == want["c"][:len(c.token_ids)]
+
+
+def test_a_stop_token_inside_an_accepted_block_ends_only_its_sequence(demo):
+    """The speculative request's stop token is one its rounds accept inside a block: the
+    output ends there, as alone, and the sequences around it go on."""
+    model, drafter, tok = demo
+    dec = decoder("speculative", model, drafter)
+    ps = prompts(tok)[:3]
+    free = [alone(model, tok, dec, p, 30)[0] for p in ps]
+    stop = free[0][12]  # the 13th token of the first request's own output
+    assert stop not in free[0][:12]
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    engine.stop_ids = frozenset({stop})
+    try:
+        got = together(engine, [GenerationRequest(p, max_tokens=30) for p in ps])
+    finally:
+        engine.close()
+    cut = [list(f[:f.index(stop)]) if stop in f else list(f) for f in free]
+    assert [list(f.token_ids) for f in got] == cut
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) == 12
+    spec = got[0].speculative
+    assert spec is not None and sum(spec.accepted_per_round) > 0  # it stopped inside rounds that accepted proposals
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_prompt_cache_serves_every_sequence_of_a_batch(demo, kind):
+    """A shared system prompt is prefilled once; three requests extending it, served
+    together on three sessions, all load it from the prompt cache and equal alone."""
+    model, drafter, tok = demo
+    dec = decoder(kind, model, drafter)
+    system = tok.encode("You are a helpful assistant. " * 6)
+    questions = [tok.encode(q) for q in (" What is 2+2?", " Name a colour.", " Say hello.")]
+    want = [alone(model, tok, dec, tuple(system + q), 16)[0] for q in questions]
+    cache = PromptCache(64 << 20, checkpoint_every=16)
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3, prompt_cache=cache)
+    try:
+        engine.generate(GenerationRequest(tuple(system), max_tokens=1))
+        got = together(engine, [GenerationRequest(tuple(system + q), max_tokens=16) for q in questions])
+    finally:
+        engine.close()
+    assert [f.token_ids for f in got] == want
+    cached = sorted(f.usage.cached_tokens for f in got)
+    assert cached[0] >= 16 and cached[-1] <= len(system)  # at least one checkpoint of the system prompt each
+
+
+def test_queue_limits_with_a_full_batch(demo):
+    """max_batch 2 and max_queue 1: two run, one waits, the next is refused; cancelling a
+    running one lets the waiting one start."""
+    model, _, tok = demo
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder("plain", model, None), max_batch=2,
+                    max_queue=1)
+    started = threading.Event()
+    try:
+        ps = prompts(tok)
+        running = []
+        for p in ps[:2]:  # one at a time: the queue holds one
+            running.append(engine.submit(GenerationRequest(p, max_tokens=400), Collect()))
+            while engine.running < len(running):
+                running[0].done.wait(0.02)
+        waiting = engine.submit(GenerationRequest(ps[2], max_tokens=4), Collect(lambda s: started.set()))
+        assert engine.waiting == 1
+        with pytest.raises(QueueFull):
+            engine.submit(GenerationRequest(ps[3], max_tokens=4), Collect())
+        assert not started.is_set()
+        running[0].cancel()
+        assert waiting.done.wait(300) and started.is_set()
+        running[1].cancel()
+        assert running[1].done.wait(300)
+    finally:
+        engine.close()
+
+
+def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo, monkeypatch):
+    """One sequence's cache is what the config says (KV rows of every attention layer for
+    max_context plus the verify block's spare rows, the recurrent and conv states, the
+    draft's context); max_batch of them that do not fit the free memory are refused at
+    start, naming both flags."""
+    from monolith import launch
+    from monolith.models.cache import SPARE_ROWS
+
+    model, drafter, _ = demo
+    a, d = model.args, drafter.draft.args
+    size = 4  # float32
+    kv = sum(t == "full_attention" for t in a.layer_types) * 2 * a.num_key_value_heads * (1000 + SPARE_ROWS) \
+        * a.head_dim * size
+    conv = 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
+    gdn = sum(t == "linear_attention" for t in a.layer_types) * 4 * (
+        (a.linear_conv_kernel_dim - 1) * conv
+        + a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim)
+    draft = d.num_layers * 2 * d.num_kv_heads * (1000 + d.block_size) * d.head_dim * size
+    each = launch.sequence_bytes(model, drafter, 1000)
+    assert each == kv + gdn + draft
+    logs = []
+    monkeypatch.setattr(launch, "available_memory", lambda: 4 * each + 1)
+    assert launch.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
+    with pytest.raises(launch.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
+        launch.batch_memory(model, drafter, 1000, 5, logs.append)
