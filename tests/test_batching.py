@@ -5,12 +5,13 @@ sequence; the queue limits hold with several running."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
 
 from monolith.runtime.engine import Engine, QueueFull
-from monolith.runtime.events import Delta, Finished, GenerationRequest
+from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
 from monolith.runtime.plain import PlainDecoder
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
@@ -44,14 +45,18 @@ def prompts(tok):
 
 
 class Collect:
-    """A request's sink: its tokens' text and its Finished."""
+    """A request's sink: its tokens' text and its Finished (and the order it started in)."""
+
+    started = itertools.count()
 
     def __init__(self, on_delta=None):
-        self.text, self.finished, self.deltas = [], None, 0
+        self.text, self.finished, self.deltas, self.order = [], None, 0, None
         self.on_delta = on_delta
 
     def __call__(self, event):
-        if isinstance(event, Delta):
+        if isinstance(event, Started):
+            self.order = next(self.started)
+        elif isinstance(event, Delta):
             self.text.append(event.text)
             self.deltas += 1
             if self.on_delta is not None:
@@ -99,10 +104,13 @@ def test_batched_equals_alone_for_mixed_prompt_lengths(demo, kind):
             return real_step()
 
         engine._batch.step = step
-        got = together(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(ps, lengths)])
+        sinks = [Collect() for _ in ps]
+        got = together(engine, [GenerationRequest(p, max_tokens=n) for p, n in zip(ps, lengths)], sinks)
     finally:
         engine.close()
     assert [f.token_ids for f in got] == want
+    order = [s.order for s in sinks]
+    assert order == sorted(order)  # started in the order they came: first in, first served
     assert max(seen) == 4  # six requests, four at a time: two joined as others left
     assert all(f.finish_reason == "length" for f in got)
 
@@ -126,7 +134,8 @@ def test_sampled_requests_with_seeds_keep_their_draws_in_a_batch(demo, kind):
 
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
 def test_joining_leaving_and_cancelling_mid_run(demo, kind):
-    """A runs; B joins after A's 5th token (a prompt prefilled in chunks while A streams);
+    """A runs; B joins after A's 5th token (a prompt of several chunks, prefilled one chunk
+    a round while A streams);
     C joins after B's 3rd and is cancelled after its 4th; D waits for a slot (max_batch
     3) and joins when C leaves. A, B and D equal alone; C's output is a prefix of its own."""
     model, drafter, tok = demo
@@ -141,11 +150,16 @@ def test_joining_leaving_and_cancelling_mid_run(demo, kind):
         sinks[name] = Collect(on_delta)
         jobs[name] = engine.submit(GenerationRequest(prompt, max_tokens=n), sinks[name])
 
+    a_seen = {}  # A's deltas when B was submitted and when B's first token came
+
     def a_delta(sink):
         if sink.deltas == 5:
+            a_seen["b submitted"] = sink.deltas
             submit("b", pb, 30, b_delta)
 
     def b_delta(sink):
+        if sink.deltas == 1:
+            a_seen["b first"] = sinks["a"].deltas
         if sink.deltas == 3:
             submit("c", pc, 30, c_delta)
             submit("d", pd, 12)
@@ -164,6 +178,8 @@ def test_joining_leaving_and_cancelling_mid_run(demo, kind):
         engine.close()
     for name in "abd":
         assert sinks[name].finished.token_ids == want[name], name
+    chunks = -(-len(pb) // 32)
+    assert chunks >= 4 and a_seen["b first"] - a_seen["b submitted"] >= chunks - 1  # A streamed through B's prefill
     c = sinks["c"].finished
     assert c.finish_reason == "cancelled" and 4 <= len(c.token_ids) < 30
     assert c.token_ids == want["c"][:len(c.token_ids)]
@@ -264,3 +280,122 @@ def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo, monkeypatch):
     assert launch.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
     with pytest.raises(launch.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
         launch.batch_memory(model, drafter, 1000, 5, logs.append)
+
+
+def test_a_batch_answers_peers_and_keeps_a_failure_to_its_sequence(demo):
+    """Batch.step: a Peers question gets (the other sequences, their rows in the latest
+    forward); a forward that fails (its cache is full) fails only its own sequence, the
+    others get their rows."""
+    import mlx.core as mx
+
+    from monolith.runtime.batch import Batch, Forward, Peers
+
+    model = demo[0]
+    seen = {}
+
+    def steps(name, rows, context):
+        cache = model.make_cache(context)
+        logits, _ = yield Forward(model, mx.zeros((rows,), mx.int32), cache)
+        seen[name] = ("peers", (yield Peers()))
+        logits, _ = yield Forward(model, mx.zeros((rows,), mx.int32), cache)
+        seen[name] += ("rows", logits.shape[0])
+
+    def failing():
+        cache = model.make_cache(4)
+        try:
+            yield Forward(model, mx.zeros((20,), mx.int32), cache)  # 20 rows do not fit 4 (+ 8 spare)
+        except ValueError as e:
+            seen["failing"] = type(e).__name__
+
+    batch = Batch()
+    for name, rows in (("a", 1), ("b", 3), ("c", 8)):
+        batch.add(steps(name, rows, 64))
+    batch.add(failing())
+    ended = []
+    while len(batch):
+        ended += batch.step()
+    assert seen == {"a": ("peers", (2, 11), "rows", 1), "b": ("peers", (2, 9), "rows", 3),
+                    "c": ("peers", (2, 4), "rows", 8), "failing": "CacheError"}
+    assert len(ended) == 4 and all(s.error is None for s in ended)
+
+
+@pytest.mark.parametrize("kind", ["plain", "speculative"])
+def test_concurrent_streaming_chat_clients_over_http(demo, kind):
+    """Four streaming chat completions at once through the openai client: each reply
+    equals the reply served alone (a max_batch 1 server), and /metrics saw them run
+    together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving_rig import Server
+
+    model, drafter, tok = demo
+    questions = ["Tell me a story about a dragon.", "What is 12 times 12?", "Write a haiku about rain.",
+                 "List three fruits."]
+
+    def ask(server, question):
+        stream = server.client().chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0,
+            stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    def serve(batch):
+        return Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder(kind, model, drafter),
+                                     max_batch=batch), model_names=("demo",))
+
+    with serve(1) as one:
+        one.wait_ready()
+        want = [ask(one, q) for q in questions]
+    with serve(4) as four:
+        four.wait_ready()
+        most = [0.0]
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                most[0] = max(most[0], four.metric("monolith_num_requests_running"))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda q: ask(four, q), questions))
+        finally:
+            done.set()
+            watcher.join()
+    assert got == want
+    assert most[0] >= 2
+
+
+def test_grammar_requests_in_a_batch_equal_alone(demo):
+    """Structured requests (a JSON schema) batched with free ones, speculative: the
+    grammar-guided drafts and masked verify rows of each sequence are its own."""
+    import json
+
+    import llguidance
+
+    from monolith.runtime.grammar import Grammar
+
+    model, drafter, tok = demo
+    dec = decoder("speculative", model, drafter)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False,
+              "x-guidance": {"whitespace_pattern": r"(?: )?"}}
+    grammar = Grammar(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    ps = prompts(tok)[:4]
+    requests = [GenerationRequest(p, max_tokens=60, grammar=grammar if i % 2 == 0 else None)
+                for i, p in enumerate(ps)]
+
+    def run(batch, reqs):
+        engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=batch)
+        try:
+            if batch == 1:
+                return [engine.generate(r, Session())[1] for r in reqs]
+            return together(engine, reqs)
+        finally:
+            engine.close()
+
+    want, got = run(1, requests), run(4, requests)
+    assert [f.token_ids for f in got] == [f.token_ids for f in want]
+    assert got[0].finish_reason == got[2].finish_reason == "stop"
+    assert all(0 <= json.loads(tok.decode(list(got[i].token_ids)))["age"] <= 120 for i in (0, 2))

@@ -289,3 +289,20 @@ def test_the_cost_scheduler_counts_the_peers_rows_and_tokens():
     chosen = {peers: scheduler.choose(7, None, peers) for peers in ((0, 0), (5, 5), (3, 40))}
     assert chosen == {peers: best(*peers) for peers in chosen}
     assert chosen[(5, 5)] < chosen[(0, 0)] < chosen[(3, 40)]
+
+
+def test_measure_step_costs_splits_a_forward_into_rows_and_sequences(model, monkeypatch):
+    """On a clock that only the forwards move (1 + 0.5 per extra row + 0.25 per extra
+    sequence), the measured StepCosts are those numbers: no wall-clock time."""
+    now = [0.0]
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    real = calibrate.run_forwards
+
+    def run_forwards(requests):
+        rows = sum(r.rows for r in requests)
+        now[0] += 1 + 0.5 * (rows - 1) + 0.25 * (len(requests) - 1)
+        return real(requests)
+
+    monkeypatch.setattr(calibrate, "run_forwards", run_forwards)
+    costs = calibrate.measure_step_costs(model, 4, rows=8, context=16, repeats=2)
+    assert costs == StepCosts(1.0, 0.5, 0.25)
