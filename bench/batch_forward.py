@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from target_forward import PRESETS
+from target_forward import PRESETS, count_primitives
 
 
 def caches_at(model, b: int, context: int) -> list:
@@ -84,7 +84,18 @@ def target_row(model, b: int, rows: int, context: int, repeats: int) -> dict:
             mx.eval(logits, c.arrays())
 
     one, many = time_pair(batched, separate, repeats)
-    return {"batch": b, "rows": rows, "batched_ms": one * 1e3, "separate_ms": many * 1e3, "ratio": one / many}
+    reset()  # MLX primitives evaluated: the packed forward, then the B separate ones
+    results = model.forward_batch([Segment(t, c) for t, c in zip(tokens, caches)])
+    packed = count_primitives(*[logits for logits, _ in results], *[a for c in caches for a in c.arrays()])
+    mx.eval([logits for logits, _ in results], [c.arrays() for c in caches])
+    reset()
+    alone = 0
+    for t, c in zip(tokens, caches):
+        logits, _ = model.forward(t, c)
+        alone += count_primitives(logits, *c.arrays())
+        mx.eval(logits, c.arrays())
+    return {"batch": b, "rows": rows, "batched_ms": one * 1e3, "separate_ms": many * 1e3, "ratio": one / many,
+            "batched_primitives": packed, "separate_primitives": alone}
 
 
 def draft_row(draft, b: int, context: int, repeats: int) -> dict:
@@ -110,10 +121,12 @@ def draft_row(draft, b: int, context: int, repeats: int) -> dict:
 
 def print_table(label: str, table: list[dict]) -> None:
     print(f"\n{label}")
-    print(f"{'B':>3} {'rows':>5} {'batched ms':>11} {'B separate ms':>14} {'ratio':>6} {'1/B':>6}")
+    print(f"{'B':>3} {'rows':>5} {'batched ms':>11} {'B separate ms':>14} {'ratio':>6} {'1/B':>6} "
+          f"{'prims batched':>14} {'prims separate':>15}")
     for r in table:
         print(f"{r['batch']:>3} {r['rows']:>5} {r['batched_ms']:11.2f} {r['separate_ms']:14.2f} "
-              f"{r['ratio']:6.2f} {1 / r['batch']:6.2f}")
+              f"{r['ratio']:6.2f} {1 / r['batch']:6.2f} {r.get('batched_primitives', ''):>14} "
+              f"{r.get('separate_primitives', ''):>15}")
 
 
 def main() -> None:
@@ -150,7 +163,8 @@ def run(args, work: Path) -> None:
     models = {"demo": demo, "synthetic MoE (bench-forward)": load_model(synth_pack, dtype="float32")}
     report = {"machine": platform.platform(), "mlx": mx.__version__, "blas": os.environ.get("LD_PRELOAD") or "bundled",
               "context": args.context, "repeats": args.repeats, "target": {}, "draft": {}}
-    print(f"BLAS: {report['blas']}; {args.context} rows in every cache; medians of {args.repeats}")
+    print(f"BLAS: {report['blas']}; {args.context} rows in every cache; medians of {args.repeats}; "
+          f"load average {os.getloadavg()[0]:.2f}")
     for name, model in models.items():
         for rows in (1, 8):
             table = [target_row(model, b, rows, args.context, args.repeats) for b in batches]
@@ -159,6 +173,7 @@ def run(args, work: Path) -> None:
     draft = load_drafter(draft_dir, demo, dtype="float32").draft
     report["draft"]["demo"] = table = [draft_row(draft, b, args.context, args.repeats) for b in batches]
     print_table(f"draft demo: B blocks of {draft.block_size} rows", table)
+    report["load_average"] = os.getloadavg()  # other work on the machine skews the medians
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

@@ -14,9 +14,11 @@ from dspark_world import (
     np32,
     world,  # noqa: F401 - a module fixture
 )
+from metal_emulator import requires_emulator, run_kernel
 from numeric import rel
 from oracles import NEAR_TIE
 
+from monolith.kernels import kernel as kernel_module
 from monolith.models import load_model
 from monolith.models.cache import CacheError, GDNState, KVCache
 from monolith.models.qwen3_5 import Segment
@@ -146,6 +148,38 @@ def test_a_recorded_verify_commits_as_after_a_single_forward(targets, kind):
         nxt = ids(model, 2, 50 + keep)
         errs.append(rel(np.array(model.forward(nxt, verify.cache)[0]), np.array(model.forward(nxt, alone.cache)[0])))
     err = MEASURED[f"{kind}: commit after a batched verify, max rel states / next logits"] = max(errs)
+    assert err <= TOL
+
+
+@requires_emulator
+def test_the_metal_kernels_take_packed_and_per_segment_rows(targets, monkeypatch):
+    """With the Metal kernels emulated (as a Mac runs them: tests/test_kernels_model.py),
+    the kernels take the packed rows and the per-segment slices of them, and a batch
+    still gives each segment what it gets alone."""
+    model = targets["moe"]
+    plan = [(5, 1, (0, 2), "all"), (9, 8, (1,), "all"), (0, 3, (), "last")]
+    calls = []
+
+    def call(self, launch):
+        calls.append(self.name)
+        return run_kernel(self, launch)
+
+    monkeypatch.setattr(kernel_module, "backend", lambda: "metal")
+    monkeypatch.setattr(kernel_module.MetalKernel, "__call__", call)
+    batch, alone = prepared(model, plan), prepared(model, plan)
+    calls.clear()
+    got = model.forward_batch(batch)
+    mx.eval(got)
+    assert {"monolith_gdn_premix", "monolith_attention_prologue", "monolith_gated_rms_norm"} <= set(calls)
+    pairs = []
+    for (g_logits, g_hidden), s in zip(got, alone):
+        w_logits, w_hidden = model.forward(s.tokens, s.cache, s.taps, s.logits)
+        pairs.append((np.array(g_logits), np.array(w_logits)))
+        if g_hidden is not None:
+            pairs.append((np.array(g_hidden), np.array(w_hidden)))
+    for s, w in zip(batch, alone):
+        pairs += zip(cache_arrays(s.cache), cache_arrays(w.cache))
+    err = MEASURED["moe, emulated Metal kernels: batched vs alone, max rel"] = max_rel(pairs)
     assert err <= TOL
 
 
