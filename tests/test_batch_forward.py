@@ -16,7 +16,7 @@ from dspark_world import (
 )
 from metal_emulator import requires_emulator, run_kernel
 from numeric import rel
-from oracles import NEAR_TIE
+from oracles import NEAR_TIE, STATE_TOL
 
 from monolith.kernels import kernel as kernel_module
 from monolith.models import load_model
@@ -25,10 +25,12 @@ from monolith.models.qwen3_5 import Segment
 from monolith.pack import build_pack
 from monolith.synth import write_target
 
-# max |batched - alone| / max |alone|, float32. On the CPU it is 0: a packed row's every
-# output is the same dot product it is alone (measured: 0.0 for logits, taps, states and
-# draft hidden states); Metal's tiled matmuls may round packed rows differently
-TOL = 0.0 if mx.default_device() == mx.cpu else 1e-5
+# max |batched - alone| / max |alone|, float32: packing changes only the row count of the
+# matmuls. With the Linux wheel's bundled BLAS every packed row comes out bit for bit as
+# alone (measured 0.0 for logits, taps, states and draft hidden states, also with the
+# Metal kernels emulated); OpenBLAS (performance.md) picks other kernels by row count:
+# up to 1.2e-5 measured. The bound is oracles.STATE_TOL's.
+TOL = STATE_TOL
 MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest -s
 MAX_CONTEXT = 48
 
@@ -234,5 +236,24 @@ def test_draft_batched_equals_one_at_a_time(world, name):  # noqa: F811 - the fi
         assert (p.confidence is None) == (q.confidence is None)
         if p.confidence is not None:
             np.testing.assert_array_equal(np.array(p.confidence), np.array(q.confidence))
+        g, w = (draft.propose_guided(ctx, anchor, gamma, GREEDY, None, Unconstrained(), gamma, hidden=hidden)
+                for hidden in (h, None))
+        np.testing.assert_array_equal(np.array(g.tokens), np.array(w.tokens))
+        np.testing.assert_array_equal(np.array(g.q), np.array(w.q))
     with pytest.raises(ValueError, match="share a context"):
         draft.forward_batch([items[0], items[0]])
+
+
+class Unconstrained:
+    """A grammar guide (runtime/grammar.py) that allows every token."""
+
+    ended = False
+
+    def words(self):
+        return None
+
+    def forced(self):
+        return None
+
+    def push(self, token):
+        pass
