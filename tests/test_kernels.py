@@ -198,9 +198,10 @@ def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
     seen = []
     original = GatedDeltaNet.__call__
 
-    def spy(self, x, state, offset):
-        seen.append((self, x, state.conv))
-        return original(self, x, state, offset)
+    def spy(self, x, states, spans):
+        (state,), (span,) = states, spans  # one sequence: one segment
+        seen.append((self, span.of(x), state.conv))
+        return original(self, x, states, spans)
 
     monkeypatch.setattr(GatedDeltaNet, "__call__", spy)
     cache = model.make_cache(32)
@@ -245,6 +246,7 @@ def test_gated_norm_matches_the_models_op(model):
 @requires_emulator
 def test_attention_prologue_is_a_drop_in_for_the_models_attention(model):
     from monolith.models.cache import KVCache
+    from monolith.models.qwen3_5 import Span
 
     layer = next(layer for layer in model.layers if layer.kind == "full_attention")
     attn = layer.mixer
@@ -253,7 +255,7 @@ def test_attention_prologue_is_a_drop_in_for_the_models_attention(model):
     cache = KVCache(attn.kv_heads, attn.head_dim, 16, mx.float32)
     cache.update(mx.zeros((1, attn.kv_heads, offset, attn.head_dim)), mx.zeros((1, attn.kv_heads, offset,
                                                                                attn.head_dim)), 0)
-    want = attn(x, cache, offset)
+    want = attn(x, [cache], [Span(0, 5, offset)])
     q, k, v, gate = run_kernel(attention.KERNEL, attention.launch(
         attn.qkv(x), attn.q_norm, attn.k_norm, offset, attn.heads, attn.kv_heads, attn.head_dim, attn.rotary_dim,
         attn.rope_theta, attn.eps))

@@ -123,18 +123,23 @@ class DraftLayer:
         """K/V of context rows C [1, n, H] at positions offset..offset+n-1."""
         return self._keys_values(self.kv(context), offset)
 
-    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
-        """Block rows x [1, B, H] at positions offset.. over the cache's context rows
-        [0, offset); the block's K/V go to the scratch rows [offset, offset + B)."""
-        b = x.shape[1]
+    def __call__(self, x: mx.array, caches: list[KVCache], offsets: list[int]) -> mx.array:
+        """Packed blocks x [1, n * B, H]: block i (rows i*B..) at positions offsets[i].. over
+        the context rows [0, offsets[i]) of caches[i]; its K/V go to the scratch rows
+        [offset, offset + B). Projections and the MLP run over all blocks at once."""
+        b = x.shape[1] // len(caches)
         qkv = self.qkv(rms_norm(x, self.input_layernorm, self.eps))
-        q = qkv[..., :self.q_rows].reshape(1, b, self.heads, self.head_dim)
-        q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
-        keys, values = cache.update(*self._keys_values(qkv[..., self.q_rows:], offset), offset)
-        if self.window is not None and offset > self.window:
-            keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.block_mask)
-        x = x + self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
+        outs = []
+        for i, (cache, offset) in enumerate(zip(caches, offsets)):
+            rows = qkv if len(caches) == 1 else qkv[:, i * b:(i + 1) * b]
+            q = rows[..., :self.q_rows].reshape(1, b, self.heads, self.head_dim)
+            q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
+            keys, values = cache.update(*self._keys_values(rows[..., self.q_rows:], offset), offset)
+            if self.window is not None and offset > self.window:
+                keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
+            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.block_mask)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
+        x = x + self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
 
 
@@ -282,27 +287,45 @@ class Draft:
     def forward(self, ctx: DraftContext, anchor) -> mx.array:
         """Hidden states [B, H] after the final norm of the block [anchor, mask x (B-1)]
         at positions ctx.offset... (`anchor`: a target token id, int or int32 mx.array)."""
+        return self.forward_batch([(ctx, anchor)])[0]
+
+    def forward_batch(self, items: list[tuple[DraftContext, object]]) -> list[mx.array]:
+        """`forward` for several sequences at once, items (ctx, anchor): their blocks are
+        packed through the projections, norms and MLPs, and each attends over its own
+        context. Returns each item's hidden states [B, H]."""
+        if not items:
+            raise ValueError("forward_batch needs at least one item")
+        if len({id(ctx) for ctx, _ in items}) != len(items):
+            raise ValueError("two items of one draft forward share a context")
+        ids = [self._anchor(anchor) for _, anchor in items]
+        anchors = self._block_input(ids[0] if len(ids) == 1 else mx.concatenate(ids))
+        x = mx.concatenate([part for i in range(len(items)) for part in (anchors[i:i + 1], self.mask_embeddings)])[None]
+        offsets = [ctx.offset for ctx, _ in items]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, [ctx.layers[i] for ctx, _ in items], offsets)
+        h = rms_norm(x, self.norm, self.args.rms_norm_eps)[0]
+        b = self.block_size
+        return [h] if len(items) == 1 else [h[i * b:(i + 1) * b] for i in range(len(items))]
+
+    def _anchor(self, anchor) -> mx.array:
+        """A target token id (int or int32 mx.array) as an int32 [1]."""
         if isinstance(anchor, mx.array):
-            anchor = anchor.reshape(1).astype(mx.int32)
-        else:
-            if not 0 <= int(anchor) < self.target_vocab:
-                raise ValueError(f"anchor must be a token id in [0, {self.target_vocab}), got {anchor}")
-            anchor = mx.array([int(anchor)], mx.int32)
-        x = mx.concatenate([self._block_input(anchor), self.mask_embeddings])[None]
-        for layer, cache in zip(self.layers, ctx.layers):
-            x = layer(x, cache, ctx.offset)
-        return rms_norm(x, self.norm, self.args.rms_norm_eps)[0]
+            return anchor.reshape(1).astype(mx.int32)
+        if not 0 <= int(anchor) < self.target_vocab:
+            raise ValueError(f"anchor must be a token id in [0, {self.target_vocab}), got {anchor}")
+        return mx.array([int(anchor)], mx.int32)
 
     def propose(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams,
-                key: mx.array | None = None) -> Proposal:
+                key: mx.array | None = None, hidden: mx.array | None = None) -> Proposal:
         """`gamma` proposals after `anchor` (at position ctx.offset), drawn serially from
-        U_k + B_k(prev); lazy arrays (evaluating them is the caller's one sync)."""
+        U_k + B_k(prev); lazy arrays (evaluating them is the caller's one sync). `hidden`:
+        `forward(ctx, anchor)` when the caller ran it already (forward_batch)."""
         if not 1 <= gamma <= self.max_proposals:
             raise ValueError(f"gamma must be in [1, {self.max_proposals}], got {gamma}")
         if not params.greedy and key is None:
             raise ValueError("sampling with temperature > 0 needs a PRNG key (see key_chain)")
         first = 0 if self.args.sample_from_anchor else 1  # z-lab DFlash: slot 0 predicts nothing
-        h = self.forward(ctx, anchor)[first:first + gamma]
+        h = (self.forward(ctx, anchor) if hidden is None else hidden)[first:first + gamma]
         u = cast(self.lm_head(h), mx.float32)
         prev = anchor.reshape(1).astype(mx.int32) if isinstance(anchor, mx.array) else mx.array([anchor], mx.int32)
         if self.markov is None:
@@ -318,7 +341,7 @@ class Draft:
         return Proposal(tokens, q, confidence)
 
     def propose_guided(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams, key, guide,
-                       limit: int) -> Proposal:
+                       limit: int, hidden: mx.array | None = None) -> Proposal:
         """Up to `limit` proposals after `anchor`, each legal under `guide` (grammar.Guide:
         words() / forced() / push()) given the ones before it, which the guide consumes
         (the caller rolls back what the round rejects). A position where the grammar
@@ -326,12 +349,13 @@ class Draft:
         (and may lie past the draft's block); at most `gamma` others are drawn through
         the Markov chain from the draft's logits masked by the grammar, each read before
         the next position's mask exists (one host sync per drawn token). Ends after an
-        end token, and early where the draft's vocabulary holds no allowed token."""
+        end token, and early where the draft's vocabulary holds no allowed token.
+        `hidden`: `forward(ctx, anchor)` when the caller ran it already."""
         if not params.greedy and key is None:
             raise ValueError("sampling with temperature > 0 needs a PRNG key (see key_chain)")
         first = 0 if self.args.sample_from_anchor else 1
         slots = min(limit, self.max_proposals)
-        h = self.forward(ctx, anchor)[first:first + slots]
+        h = (self.forward(ctx, anchor) if hidden is None else hidden)[first:first + slots]
         u = cast(self.lm_head(h), mx.float32)
         m = self.markov
         pre, state = (m.prepare(h), m.initial_state()) if m is not None else (None, None)

@@ -2,13 +2,17 @@
 with a dense SwiGLU MLP (`Qwen3_5`, the 27B) or a routed MoE block (`Qwen3_5Moe`,
 the 35B-A3B). The math is /docs/target.md; weights come from a pack (weights.py).
 
-Batch size is 1: a forward takes T >= 1 new rows of one sequence, continuing at the
-cache's offset.
+A forward takes segments: T_i >= 1 new rows of each of several independent sequences,
+each continuing at its own cache's offset. The rows of all segments are packed [sum T_i, H]
+through every linear (embedding, projections, MLP / MoE, lm_head: the weight-bound part);
+only the mixers (attention over a sequence's own KV, the gated DeltaNet's own conv and
+recurrent state) run per segment on its slice of the rows. One sequence is one segment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -134,6 +138,34 @@ def _eos_ids(*configs) -> tuple[int, ...]:
     return ()
 
 
+# ------------------------------------------------------------------------ segments
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's part of a batched forward: `tokens` (int32 mx.array [T] or a list
+    of ids) continuing at `cache.offset`, the decoder layers whose outputs to return
+    (`taps`), and which rows' logits: "all", the "last" row only, or "none"."""
+
+    tokens: mx.array | list[int]
+    cache: HybridCache
+    taps: tuple[int, ...] = ()
+    logits: str = "all"
+
+
+class Span(NamedTuple):
+    """Rows [start, stop) of the packed rows belong to one segment, whose first row is at
+    position `offset` of its sequence."""
+
+    start: int
+    stop: int
+    offset: int
+
+    def of(self, x: mx.array) -> mx.array:
+        """The span's rows of packed x [1, N, ...] (x itself when they are all of them)."""
+        return x if self.start == 0 and self.stop == x.shape[1] else x[:, self.start:self.stop]
+
+
 # ------------------------------------------------------------------------ mixers
 
 
@@ -155,18 +187,23 @@ class GatedDeltaNet:
         self.dt_bias = w.tensor(prefix + "dt_bias", (self.hv,), mx.float32)
         self.norm = w.tensor(prefix + "norm", (self.dv,), mx.float32)
 
-    def __call__(self, x: mx.array, state: GDNState, offset: int) -> mx.array:
-        _, t, _ = x.shape
+    def __call__(self, x: mx.array, states: list[GDNState], spans: list[Span]) -> mx.array:
+        """Packed rows x [1, N, H]; segment i owns rows spans[i] and continues states[i]."""
         proj = self.in_proj(x)  # conv channels | z | b | a
-        pre = gdn_premix(proj, state.conv, self.conv_weight, self.neg_decay, self.dt_bias, self.hk, self.dk, self.hv,
-                         self.dv)
-        state.conv = pre.window[:, t:]  # the last K-1 pre-conv rows
-        if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
-            state.conv = mx.array(state.conv)
-        # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
-        if state.record:
-            state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)
-        o, state.recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, state.recurrent)
+        outs = []
+        for state, span in zip(states, spans):
+            t = span.stop - span.start
+            pre = gdn_premix(span.of(proj), state.conv, self.conv_weight, self.neg_decay,
+                             self.dt_bias, self.hk, self.dk, self.hv, self.dv)
+            state.conv = pre.window[:, t:]  # the last K-1 pre-conv rows
+            if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
+                state.conv = mx.array(state.conv)
+            # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
+            if state.record:
+                state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)
+            o, state.recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, state.recurrent)
+            outs.append(o)
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
         return self.out_proj(gated_rms_norm(o, proj, self.norm, self.eps, z_offset=self.conv_dim))
 
 
@@ -183,13 +220,21 @@ class Attention:
         self.rotary_dim, self.rope_theta = args.rotary_dim, args.rope_theta
         self.scale = self.head_dim ** -0.5
 
-    def __call__(self, x: mx.array, cache: KVCache, offset: int) -> mx.array:
-        _, t, _ = x.shape
-        q, k, v, gate = attention_prologue(self.qkv(x), self.q_norm, self.k_norm, offset, self.heads, self.kv_heads,
-                                           self.head_dim, self.rotary_dim, self.rope_theta, self.eps)
-        keys, values = cache.update(k, v, offset)
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask="causal" if t > 1 else None)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, t, -1) * gate)
+    def __call__(self, x: mx.array, caches: list[KVCache], spans: list[Span]) -> mx.array:
+        """Packed rows x [1, N, H]; segment i owns rows spans[i] at positions spans[i].offset..
+        and attends over caches[i]."""
+        qkv = self.qkv(x)
+        outs = []
+        for cache, span in zip(caches, spans):
+            t = span.stop - span.start
+            q, k, v, gate = attention_prologue(span.of(qkv), self.q_norm, self.k_norm, span.offset,
+                                               self.heads, self.kv_heads, self.head_dim, self.rotary_dim,
+                                               self.rope_theta, self.eps)
+            keys, values = cache.update(k, v, span.offset)
+            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
+                                                     mask="causal" if t > 1 else None)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(1, t, -1) * gate)
+        return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
 
 
 # ----------------------------------------------------------------------- MLPs
@@ -258,12 +303,17 @@ class DecoderLayer:
         self.post_attention_layernorm = w.tensor(prefix + "post_attention_layernorm", (args.hidden_size,), mx.float32)
         self.eps = args.rms_norm_eps
 
-    def __call__(self, x: mx.array, normed: mx.array, state, offset: int, next_norm: mx.array):
-        """(x, its input_layernorm) -> (the layer's output, normed by `next_norm`: the next
-        layer's input_layernorm or the final norm): each residual add is fused with the norm
-        after it."""
-        h, post = add_rms_norm(x, self.mixer(normed, state, offset), self.post_attention_layernorm, self.eps)
+    def __call__(self, x: mx.array, normed: mx.array, states: list, spans: list[Span], next_norm: mx.array):
+        """(x, its input_layernorm), packed rows [1, N, H] -> (the layer's output, normed by
+        `next_norm`: the next layer's input_layernorm or the final norm): each residual add is
+        fused with the norm after it. states[i]: this layer's cache of segment i."""
+        h, post = add_rms_norm(x, self.mixer(normed, states, spans), self.post_attention_layernorm, self.eps)
         return self.mlp.add_norm(post, h, next_norm, self.eps)
+
+
+def _rows(x: mx.array, start: int, stop: int) -> mx.array:
+    """Rows [start, stop) of x (x itself when that is all of them)."""
+    return x if start == 0 and stop == x.shape[0] else x[start:stop]
 
 
 class Qwen3_5:
@@ -312,30 +362,66 @@ class Qwen3_5:
     def forward(self, tokens, cache: HybridCache, taps=None, logits: str = "all"):
         """`model(...)` with a choice of logits: "all" rows, the "last" row only
         ([1, vocab]), or "none" (prefill chunks). Taps are in the compute dtype."""
-        if logits not in ("all", "last", "none"):
-            raise ValueError(f'logits must be "all", "last" or "none", got {logits!r}')
-        tokens = self._tokens(tokens)
-        t = tokens.shape[0]
-        taps = self._taps(taps)
-        cache.check(t)
-        offset = cache.offset
-        x = self.embed_tokens(tokens)[None]
+        return self.forward_batch([Segment(tokens, cache, tuple(taps or ()), logits)])[0]
+
+    def forward_batch(self, segments: list[Segment]) -> list[tuple[mx.array | None, mx.array | None]]:
+        """One forward over the packed rows of several sequences. Per segment, what
+        `forward` gives: (logits F32 [rows, vocab] or None, taps [T, len(taps) * hidden] or
+        None). Every segment is checked against its cache before any work; a segment whose
+        cache took `snapshot(record=True)` records its tapes, the others do not."""
+        if not segments:
+            raise ValueError("forward_batch needs at least one segment")
+        if len({id(s.cache) for s in segments}) != len(segments):
+            raise ValueError("two segments of one forward share a cache")
+        tokens, taps = [], []
+        for s in segments:
+            if s.logits not in ("all", "last", "none"):
+                raise ValueError(f'logits must be "all", "last" or "none", got {s.logits!r}')
+            tokens.append(self._tokens(s.tokens))
+            taps.append(self._taps(s.taps))
+        for s, ids in zip(segments, tokens):
+            s.cache.check(ids.shape[0])
+        spans, start = [], 0
+        for s, ids in zip(segments, tokens):
+            spans.append(Span(start, start + ids.shape[0], s.cache.offset))
+            start += ids.shape[0]
+        x = self.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
         eps = self.args.rms_norm_eps
         normed = rms_norm(x, self.layers[0].input_layernorm, eps)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        tapped, wanted = {}, set(taps)
-        for i, (layer, state, next_norm) in enumerate(zip(self.layers, cache.layers, next_norms)):
-            x, normed = layer(x, normed, state, offset, next_norm)
+        tapped, wanted = {}, {i for t in taps for i in t}
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            x, normed = layer(x, normed, [s.cache.layers[i] for s in segments], spans, next_norm)
             if i in wanted:
-                tapped[i] = x
-        cache.advance(t)
-        hidden = mx.concatenate([tapped[i][0] for i in taps], axis=-1) if taps else None
-        if logits == "none":
-            return None, hidden
-        if logits == "last":
-            normed = normed[:, -1:]
-        out = self.lm_head(normed)
-        return cast(out[0], mx.float32), hidden
+                tapped[i] = x[0]
+        for s, span in zip(segments, spans):
+            s.cache.advance(span.stop - span.start)
+        return [(logits, self._hidden(tapped, t, span)) for logits, t, span in
+                zip(self._logits(normed[0], segments, spans), taps, spans)]
+
+    def _hidden(self, tapped: dict, taps: list[int], span: Span) -> mx.array | None:
+        if not taps:
+            return None
+        return mx.concatenate([_rows(tapped[i], span.start, span.stop) for i in taps], axis=-1)
+
+    def _logits(self, normed: mx.array, segments: list[Segment], spans: list[Span]) -> list[mx.array | None]:
+        """The lm_head over only the packed rows whose logits are wanted, split per segment."""
+        wanted = []  # per segment: its rows of `normed`, or None
+        for s, span in zip(segments, spans):
+            if s.logits == "all":
+                wanted.append((span.start, span.stop))
+            else:
+                wanted.append((span.stop - 1, span.stop) if s.logits == "last" else None)
+        picked = [_rows(normed, *rows) for rows in wanted if rows is not None]
+        if not picked:
+            return [None] * len(segments)
+        out = cast(self.lm_head(picked[0] if len(picked) == 1 else mx.concatenate(picked)), mx.float32)
+        results, at = [], 0
+        for rows in wanted:
+            n = 0 if rows is None else rows[1] - rows[0]
+            results.append(None if rows is None else _rows(out, at, at + n))
+            at += n
+        return results
 
     def prefill(self, tokens, cache: HybridCache, chunk_size: int = 512) -> mx.array:
         """Run a prompt in chunks; return the last row's logits [vocab] (F32)."""
