@@ -257,3 +257,29 @@ class Unconstrained:
 
     def push(self, token):
         pass
+
+
+@pytest.mark.parametrize("name", ["speculators-nvfp4", "deepspec-rnn"])
+def test_draft_context_append_batched_equals_one_at_a_time(world, name):  # noqa: F811 - the fixture
+    """Three contexts at 3, 12 and 28 rows take 1, 3 and 8 more rows in one packed append:
+    each context's K/V rows are what its own append gives; a batch with a row that does
+    not fit changes no context."""
+    draft, _ = world["draft"](name)
+    feats = world["features"](draft.taps)
+    alone, packed = ([context_of(draft, feats[:n]) for n in (3, 12, 28)] for _ in range(2))
+    more = [feats[n:n + k] for n, k in ((3, 1), (12, 3), (28, 8))]
+    for ctx, f in zip(alone, more):
+        draft.append_context(ctx, f)
+    draft.append_batch(list(zip(packed, more)))
+    assert [c.offset for c in packed] == [c.offset for c in alone] == [4, 15, 36]
+    pairs = [(np32(p.keys[:, :, :c.offset]), np32(a.keys[:, :, :c.offset]))
+             for pc, c in zip(packed, alone) for p, a in zip(pc.layers, c.layers)]
+    pairs += [(np32(p.values[:, :, :c.offset]), np32(a.values[:, :, :c.offset]))
+              for pc, c in zip(packed, alone) for p, a in zip(pc.layers, c.layers)]
+    err = MEASURED[f"draft {name}: packed vs alone context append, max rel"] = max_rel(pairs)
+    assert err <= TOL
+    full = context_of(draft, feats[:5])
+    full.max_context = 6
+    with pytest.raises(CacheError):
+        draft.append_batch([(packed[0], feats[:1]), (full, feats[:2])])
+    assert packed[0].offset == 4 and full.offset == 5

@@ -399,3 +399,26 @@ def test_grammar_requests_in_a_batch_equal_alone(demo):
     assert [f.token_ids for f in got] == [f.token_ids for f in want]
     assert got[0].finish_reason == got[2].finish_reason == "stop"
     assert all(0 <= json.loads(tok.decode(list(got[i].token_ids)))["age"] <= 120 for i in (0, 2))
+
+
+def test_a_batch_packs_the_target_forward_the_draft_blocks_and_the_context_appends(demo, monkeypatch):
+    """Three speculative sequences in one batch: target forwards, draft blocks and draft
+    context appends each ran with all three sequences packed into one call."""
+    model, drafter, tok = demo
+    sizes = {"target": [], "draft": [], "append": []}
+    draft = drafter.draft
+    for name, obj, method in (("target", type(model), "forward_batch"), ("draft", type(draft), "forward_batch"),
+                              ("append", type(draft), "append_batch")):
+        real = getattr(obj, method)
+
+        def counted(self, items, real=real, name=name):
+            sizes[name].append(len(items))
+            return real(self, items)
+
+        monkeypatch.setattr(obj, method, counted)
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder("speculative", model, drafter), max_batch=3)
+    try:
+        together(engine, [GenerationRequest(p, max_tokens=24) for p in prompts(tok)[:3]])
+    finally:
+        engine.close()
+    assert {name: max(n) for name, n in sizes.items()} == {"target": 3, "draft": 3, "append": 3}

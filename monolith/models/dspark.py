@@ -119,9 +119,10 @@ class DraftLayer:
         k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
         return k, v.transpose(0, 2, 1, 3)
 
-    def context_kv(self, context: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """K/V of context rows C [1, n, H] at positions offset..offset+n-1."""
-        return self._keys_values(self.kv(context), offset)
+    def context_kv(self, kv: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K/V of context rows at positions offset..offset+n-1 from their projection
+        kv = self.kv(C) [1, n, 2 * kv_rows]."""
+        return self._keys_values(kv, offset)
 
     def __call__(self, x: mx.array, caches: list[KVCache], offsets: list[int]) -> mx.array:
         """Packed blocks x [1, n * B, H]: block i (rows i*B..) at positions offsets[i].. over
@@ -270,17 +271,35 @@ class Draft:
 
     def append_context(self, ctx: DraftContext, features: mx.array) -> None:
         """Append the target features [n, len(taps) * H] of the next n committed rows."""
+        self.append_batch([(ctx, features)])
+
+    def append_batch(self, items: list[tuple[DraftContext, mx.array]]) -> None:
+        """`append_context` for several sequences at once, items (ctx, features): their
+        rows are packed through fc and each layer's K/V projection, and each context
+        takes its own at its own offset. Every item is checked before any changes."""
         width = self.fc.shape[1]
-        if features.ndim != 2 or features.shape[1] != width or features.shape[0] < 1:
-            raise ValueError(f"features must be [n >= 1, {width}] (len(taps) x hidden), got {tuple(features.shape)}")
-        n = features.shape[0]
-        if ctx.offset + n > ctx.max_context:
-            raise CacheError(f"{n} context rows at offset {ctx.offset} exceed the draft context's "
-                             f"max_context={ctx.max_context}")
-        c = rms_norm(self.fc(cast(features, self.dtype)[None]), self.hidden_norm, self.args.rms_norm_eps)
-        for layer, cache in zip(self.layers, ctx.layers):
-            cache.update(*layer.context_kv(c, ctx.offset), ctx.offset)
-        ctx.offset += n
+        if len({id(ctx) for ctx, _ in items}) != len(items):
+            raise ValueError("two items of one context append share a context")
+        for ctx, features in items:
+            if features.ndim != 2 or features.shape[1] != width or features.shape[0] < 1:
+                raise ValueError(f"features must be [n >= 1, {width}] (len(taps) x hidden), "
+                                 f"got {tuple(features.shape)}")
+            n = features.shape[0]
+            if ctx.offset + n > ctx.max_context:
+                raise CacheError(f"{n} context rows at offset {ctx.offset} exceed the draft context's "
+                                 f"max_context={ctx.max_context}")
+        rows = [features for _, features in items]
+        packed = cast(rows[0] if len(rows) == 1 else mx.concatenate(rows), self.dtype)[None]
+        c = rms_norm(self.fc(packed), self.hidden_norm, self.args.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            kv, start = layer.kv(c), 0
+            for ctx, features in items:
+                n = features.shape[0]
+                part = kv if len(items) == 1 else kv[:, start:start + n]
+                ctx.layers[i].update(*layer.context_kv(part, ctx.offset), ctx.offset)
+                start += n
+        for ctx, features in items:
+            ctx.offset += features.shape[0]
 
     # -- proposals
 

@@ -24,6 +24,7 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
+from .draft_model import append_waiting
 
 Steps = Generator  # a decoder's steps: yields Forward / Propose, receives their results, returns its outcome
 
@@ -108,9 +109,11 @@ def run_forwards(requests: list[Forward]) -> list:
 
 
 def run_proposals(requests: list[Propose]) -> list:
-    """The Proposals of different sequences' draft blocks: the blocks of drafters over one
-    draft model run through it packed, then each sequence draws its proposals."""
+    """The Proposals of different sequences' draft blocks: the rows each drafter observed
+    since its last proposal, then the blocks, run through each draft model packed; then
+    each sequence draws its proposals."""
     results = [None] * len(requests)
+    append_waiting([r.drafter for r in requests if getattr(r.drafter, "waiting", None)])
     for draft, members in _groups(requests, lambda r: getattr(r.drafter, "draft", None)).items():
         if draft is not None and len(members) > 1 and hasattr(draft, "forward_batch"):
             hidden = draft.forward_batch([(requests[i].drafter.context, requests[i].anchor) for i in members])

@@ -21,6 +21,8 @@ context. Its life over one sequence:
     snap = drafter.snapshot()               # the context so far, to resume the sequence later
     drafter.restore(snap, rows)             #   from its first `rows` rows (False: it cannot)
 
+A drafter may hold observed rows back until its context is next used (the draft model's
+drafter does, so a batch appends every sequence's rows in one packed call).
 `taps` are the target decoder layers whose outputs the drafter reads; `max_proposals`
 bounds gamma; `arrays()` gives the context state to evaluate between prefill chunks (so
 a long prompt's features are not all held until the first proposal). A drafter whose

@@ -203,8 +203,9 @@ class Rounds:
         result = self.commit(block, read)
         if self.profile:
             mx.eval(self.cache.arrays())
-        else:  # the commit runs while the host hands out the tokens and builds the next draft
-            mx.async_eval(self.cache.arrays(), self.drafter.arrays(), self.unobserved)
+        else:  # the commit runs while the host hands out the tokens and builds the next draft; the
+            # kept rows' features reach the draft's context with the next proposal (packed in a batch)
+            mx.async_eval(self.cache.arrays(), self.unobserved)
         committed = time.perf_counter()
         self.stats.record(result.proposed, result.accepted,
                           (drafted - started, verified - drafted, committed - verified) if self.profile else None)

@@ -77,11 +77,11 @@ class SpeculativeDecoder:
         drafter = self.drafter.fork() if self.concurrent else self.drafter
         rounds = self._resume(session, drafter, prompt, params, logprobs, guide)
         cached = rounds.cache.offset
-        context = drafter.snapshot()
+        resumable = drafter.snapshot() is not None
 
         def checkpoint(end: int) -> None:
-            if context is not None:
-                session.checkpoint(prompt[:end], draft=context)
+            if resumable:  # the context as of now (it appends the rows it observed)
+                session.checkpoint(prompt[:end], draft=drafter.snapshot())
 
         first = yield from rounds.prefill_steps(prompt[cached:], self.prefill_chunk_size,
                                                 session.stops(cached, len(prompt), boundaries), checkpoint, cancelled)
