@@ -26,6 +26,7 @@ from ..kernels import (
     gdn_premix,
     moe_combine,
     moe_route,
+    use_metal,
 )
 from .cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
 from .layers import Embedding, Linear, SwitchGLU, cast, rms_norm, swiglu
@@ -188,23 +189,70 @@ class GatedDeltaNet:
         self.norm = w.tensor(prefix + "norm", (self.dv,), mx.float32)
 
     def __call__(self, x: mx.array, states: list[GDNState], spans: list[Span]) -> mx.array:
-        """Packed rows x [1, N, H]; segment i owns rows spans[i] and continues states[i]."""
+        """Packed rows x [1, N, H]; segment i owns rows spans[i] and continues states[i].
+        Without Metal, segments of the same row count run stacked as one batch of the
+        pre-mixer and the recurrence (their states stacked, then split back): the CPU pays
+        per primitive, not per byte. On Metal each runs alone: stacking would copy every
+        recurrent state each step (63 MB a sequence for the 35B), where bytes are the cost."""
         proj = self.in_proj(x)  # conv channels | z | b | a
-        outs = []
-        for state, span in zip(states, spans):
-            t = span.stop - span.start
-            pre = gdn_premix(span.of(proj), state.conv, self.conv_weight, self.neg_decay,
-                             self.dt_bias, self.hk, self.dk, self.hv, self.dv)
-            state.conv = pre.window[:, t:]  # the last K-1 pre-conv rows
-            if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
-                state.conv = mx.array(state.conv)
-            # value head h reads key head h // (Hv / Hk) inside the op; state [1, Hv, Dv, Dk]
-            if state.record:
-                state.tape = GDNTape(pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)
-            o, state.recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, state.recurrent)
-            outs.append(o)
-        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        outs: list = [None] * len(spans)
+        groups = [[i] for i in range(len(spans))] if use_metal() else _same_length(spans)
+        for group in groups:
+            members = [spans[i] for i in group]
+            t = members[0].stop - members[0].start
+            conv = _stack([states[i].conv for i in group])
+            recurrent = _stack([states[i].recurrent for i in group])
+            pre = gdn_premix(_stack_rows(proj, members), conv, self.conv_weight, self.neg_decay, self.dt_bias,
+                             self.hk, self.dk, self.hv, self.dv)
+            # value head h reads key head h // (Hv / Hk) inside the op; state [G, Hv, Dv, Dk]
+            o, recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
+            for j, i in enumerate(group):
+                state, one = states[i], _member(j, len(group))
+                state.conv = one(pre.window)[:, t:]  # the last K-1 pre-conv rows
+                if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
+                    state.conv = mx.array(state.conv)
+                if state.record:
+                    state.tape = GDNTape(*(one(a) for a in (pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)))
+                state.recurrent = one(recurrent)
+                outs[i] = one(o)
+        if len(outs) == 1:
+            o = outs[0]
+        elif len(groups) == 1 and _in_order(spans):  # one stacked group: back to packed rows
+            o = o.reshape(1, -1, *o.shape[2:])
+        else:
+            o = mx.concatenate(outs, axis=1)
         return self.out_proj(gated_rms_norm(o, proj, self.norm, self.eps, z_offset=self.conv_dim))
+
+
+def _same_length(spans: list[Span]) -> list[list[int]]:
+    """Indices of the segments, grouped by row count (in order of first appearance)."""
+    groups: dict[int, list[int]] = {}
+    for i, span in enumerate(spans):
+        groups.setdefault(span.stop - span.start, []).append(i)
+    return list(groups.values())
+
+
+def _in_order(spans: list[Span]) -> bool:
+    return all(a.stop == b.start for a, b in zip(spans, spans[1:]))
+
+
+def _stack(arrays: list[mx.array]) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays)
+
+
+def _stack_rows(x: mx.array, spans: list[Span]) -> mx.array:
+    """The rows of equal-length spans of packed x [1, N, ...] as a batch [G, T, ...]."""
+    if len(spans) == 1:
+        return spans[0].of(x)
+    if _in_order(spans):
+        return x[:, spans[0].start:spans[-1].stop].reshape(len(spans), spans[0].stop - spans[0].start,
+                                                           *x.shape[2:])
+    return mx.concatenate([s.of(x) for s in spans])
+
+
+def _member(j: int, size: int):
+    """Batch entry j of a stacked result (the result itself for a batch of one)."""
+    return (lambda a: a) if size == 1 else (lambda a: a[j:j + 1])
 
 
 class Attention:
