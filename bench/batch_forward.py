@@ -6,9 +6,10 @@ draft forwards.
 
     python bench/batch_forward.py [--batches 1,2,4,8] [--context 128] [--repeats 9]
                                   [--openblas /usr/lib/x86_64-linux-gnu/libopenblas.so.0]
-Prints a table and writes bench/results/batch_forward.json. Each repeat times the batched
-forward and the B separate ones back to back from the same cache states (each separate
-forward evaluated on its own, as sequential serving does); medians. ratio = batched /
+Prints a table and writes bench/results/batch_forward.json (one entry per BLAS). Each
+repeat times the batched forward and the B separate ones back to back from the same
+cache states (each separate forward evaluated on its own, as sequential serving does);
+medians, and the MLX primitives each evaluates. ratio = batched /
 (B separate): 1/B means batching is free, 1 that it saves nothing. --openblas re-runs
 the script with that library preloaded (performance.md, "The CPU backend here"): the
 bundled reference BLAS of the Linux wheel makes every float32 matmul compute-bound.
@@ -175,7 +176,9 @@ def run(args, work: Path) -> None:
     print_table(f"draft demo: B blocks of {draft.block_size} rows", table)
     report["load_average"] = os.getloadavg()  # other work on the machine skews the medians
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    runs = json.loads(args.json.read_text()).get("runs", {}) if args.json.exists() else {}
+    runs[report["blas"]] = report  # one run per BLAS: the bundled one and a preloaded one side by side
+    args.json.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
 
 

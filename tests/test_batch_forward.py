@@ -19,9 +19,8 @@ from numeric import rel
 from oracles import NEAR_TIE, STATE_TOL
 
 from monolith.kernels import kernel as kernel_module
-from monolith.models import load_model
+from monolith.models import Segment, load_model
 from monolith.models.cache import CacheError, GDNState, KVCache
-from monolith.models.qwen3_5 import Segment
 from monolith.pack import build_pack
 from monolith.synth import write_target
 

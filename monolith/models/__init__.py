@@ -4,7 +4,7 @@ DSpark / DFlash draft."""
 from .draft_args import DraftArgs, DraftError
 from .dspark import Draft, Proposal
 from .loading import MODELS, load_draft, load_model
-from .qwen3_5 import ConfigError, ModelArgs, Qwen3_5, Qwen3_5Moe
+from .qwen3_5 import ConfigError, ModelArgs, Qwen3_5, Qwen3_5Moe, Segment
 from .weights import PackWeights
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "Proposal",
     "Qwen3_5",
     "Qwen3_5Moe",
+    "Segment",
     "load_draft",
     "load_model",
 ]

@@ -12,6 +12,8 @@ causal sliding window, vLLM's `causal`) only the block slots up to its own. Slot
 gives U_k = lm_head(h_k); a Markov head adds a bias that depends on the token drawn
 before it, so proposals are drawn one after another, on the device (no host sync:
 `propose` returns lazy arrays); a confidence head predicts each proposal's survival.
+`forward_batch` runs the blocks of several sequences at once: packed through the
+projections and MLPs, each attending over its own context.
 """
 
 from __future__ import annotations
@@ -318,7 +320,8 @@ class Draft:
             raise ValueError("two items of one draft forward share a context")
         ids = [self._anchor(anchor) for _, anchor in items]
         anchors = self._block_input(ids[0] if len(ids) == 1 else mx.concatenate(ids))
-        x = mx.concatenate([part for i in range(len(items)) for part in (anchors[i:i + 1], self.mask_embeddings)])[None]
+        rows = [anchors] if len(items) == 1 else [anchors[i:i + 1] for i in range(len(items))]
+        x = mx.concatenate([part for anchor in rows for part in (anchor, self.mask_embeddings)])[None]
         offsets = [ctx.offset for ctx, _ in items]
         for i, layer in enumerate(self.layers):
             x = layer(x, [ctx.layers[i] for ctx, _ in items], offsets)
