@@ -10,6 +10,12 @@ requests (default N = max(8, 2C)) is sent twice:
 - concurrently: C client threads (each sends its next request when its previous one
   has ended) to a server started with `--max-batch B` (default: the largest C).
 
+The two servers of a mode run side by side and take each list in turn (sequential,
+then concurrent), so that a change in the machine's load (other processes share it)
+hits both runs of a row alike; --serial-servers starts them one after the other, for a
+model of which two copies do not fit in memory. Each server first answers one short
+request of each prompt length (a warm-up, not measured).
+
 Prompts are windows of the running Python's standard-library sources (the demo pair's
 corpus) of mixed lengths, drawn from a fixed seed; each C gets its own list, so the
 prompt cache serves no request from an earlier row. `ignore_eos` is sent when the server
@@ -49,6 +55,7 @@ import sysconfig
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,26 +255,35 @@ class Scrapes:
                 "tokens_per_round": (1 + accepted / drafts) if drafts else None}
 
 
-def serve_lists(args, mode: str, lists: dict[int, list[Request]], max_batch: int | None, concurrent: bool,
-                tmp: Path) -> dict:
-    """Start one server and send every list (sequentially, or with C clients for list C)."""
-    label = "concurrent" if concurrent else "sequential"
-    log = tmp / f"{mode}-{label}.log"
-    command = server_command(args, mode, max_batch)
-    print(f"# {mode} {label}: {' '.join(command[1:])}", flush=True)
-    with Server(command, log, scrape_every=0.5) as server:
-        extra = probe_extra(server.url)
-        run_clients(server.url, lists["warmup"], 1, extra)
-        scrapes, rows = Scrapes(server), {}
-        for clients, reqs in lists.items():
-            if clients == "warmup":
-                continue
-            scrapes.mark()
-            results, wall = run_clients(server.url, reqs, clients if concurrent else 1, extra)
-            rows[clients] = {"results": results, **summarize(results, wall), **scrapes.since()}
-            print(f"  C={clients}: {rows[clients]['aggregate_tok_s']:.1f} tok/s, {wall:.1f} s", flush=True)
-        decoding = served_decoding(server)
-    return {"command": command[1:], "decoding": decoding, "extra": extra, "rows": rows}
+def serve_mode(args, mode: str, lists: dict, servers: list[tuple[str, int | None, bool]], tmp: Path) -> dict:
+    """Run every list against each of `servers` ((label, --max-batch or None, concurrent)):
+    label -> {command, decoding, extra, rows: C -> row}. The servers run side by side
+    and take each list in turn, so a drift of the machine's load between rows hits
+    both alike; --serial-servers runs them one after another instead."""
+    out = {}
+    for group in ([[s] for s in servers] if args.serial_servers else [servers]):
+        with ExitStack() as stack:
+            live = []
+            for label, max_batch, concurrent in group:
+                command = server_command(args, mode, max_batch)
+                print(f"# {mode} {label}: {' '.join(command[1:])}", flush=True)
+                server = stack.enter_context(Server(command, tmp / f"{mode}-{label}.log", scrape_every=0.5))
+                extra = probe_extra(server.url)
+                run_clients(server.url, lists["warmup"], 1, extra)
+                live.append((label, concurrent, server, extra, Scrapes(server)))
+                out[label] = {"command": command[1:], "extra": extra, "rows": {}}
+            for clients, reqs in lists.items():
+                if clients == "warmup":
+                    continue
+                for label, concurrent, server, extra, scrapes in live:
+                    scrapes.mark()
+                    results, wall = run_clients(server.url, reqs, clients if concurrent else 1, extra)
+                    row = out[label]["rows"][clients] = {"results": results, **summarize(results, wall),
+                                                         **scrapes.since()}
+                    print(f"  {label} C={clients}: {row['aggregate_tok_s']:.1f} tok/s, {wall:.1f} s", flush=True)
+            for label, _, server, _, _ in live:
+                out[label]["decoding"] = served_decoding(server)
+    return out
 
 
 # ------------------------------------------------------------------ report
@@ -374,6 +390,9 @@ def parse_args(argv):
     ap.add_argument("--server-arg", action="append", default=[], help="one more serve argument (repeatable)")
     ap.add_argument("--concurrent-anyway", action="store_true",
                     help="without --max-batch in the server, send the concurrent clients to its FIFO queue")
+    ap.add_argument("--serial-servers", action="store_true",
+                    help="start a mode's sequential and concurrent servers one after the other, not side by side "
+                         "(when two copies of the model do not fit in memory)")
     ap.add_argument("--quick", action="store_true", help="a ~2 minute smoke run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--soak", type=float, metavar="SECONDS", help="run bench/soak.py's mixed load instead")
@@ -415,12 +434,13 @@ def main(argv=None) -> int:
     sequential_text = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
-            seq = serve_lists(args, mode, lists, 1 if batching else None, False, Path(tmp))
-            report["servers"][f"{mode} sequential"] = {k: seq[k] for k in ("command", "decoding")}
-            conc = None
+            servers = [("sequential", 1 if batching else None, False)]
             if concurrent:
-                conc = serve_lists(args, mode, lists, max_batch if batching else None, True, Path(tmp))
-                report["servers"][f"{mode} concurrent"] = {k: conc[k] for k in ("command", "decoding")}
+                servers.append(("concurrent", max_batch if batching else None, True))
+            runs = serve_mode(args, mode, lists, servers, Path(tmp))
+            for label, run in runs.items():
+                report["servers"][f"{mode} {label}"] = {k: run[k] for k in ("command", "decoding")}
+            seq, conc = runs["sequential"], runs.get("concurrent")
             report["ignore_eos"] = bool(seq["extra"])
             report["rows"] += build_rows(mode, seq, conc, max_batch if batching else None)
             sequential_text[mode] = {r.id: r for row in seq["rows"].values() for r in row["results"]}

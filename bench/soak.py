@@ -2,11 +2,11 @@
 issue's "no deadlock or starvation" goal.
 
 Eight client threads; every 3-15 s the number of active ones changes (1-8, from a fixed
-seed). Each active client sends request after request: random prompt lengths (50-6000
-characters of standard-library source) and max_tokens (8-256), 60% streamed to the end,
+seed). Each active client sends request after request: random prompt lengths (50-3000
+characters of standard-library source) and max_tokens (8-192), 60% streamed to the end,
 20% streamed and closed after 1-16 text deltas (a client that goes away), 20% not
 streamed. The server gets a small --max-queue (--soak-max-queue) so that the queue limit
-is hit too; a 429 or 503 is counted and the client tries again after 0.25 s.
+is hit too; a 429 or 503 is counted and the client tries again after 1 s.
 
 Passes when: every request either completed (a finish reason, no more tokens than
 max_tokens, exactly max_tokens when the reason is "length"), was closed by its client,
@@ -44,8 +44,8 @@ KIND_WEIGHTS = (0.6, 0.2, 0.2)
 
 def one_request(client: httpx.Client, url: str, rng: random.Random, prompts: Prompts, extra: dict) -> dict:
     kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
-    prompt, _ = prompts.window(rng, rng.randint(50, 6000))
-    max_tokens = rng.randint(8, 256)
+    prompt, _ = prompts.window(rng, rng.randint(50, 3000))
+    max_tokens = rng.randint(8, 192)
     close_after = rng.randint(1, 16) if kind == "close" else None
     outcome = {"kind": kind, "max_tokens": max_tokens}
     try:
@@ -84,7 +84,7 @@ def load(url: str, seconds: float, seed: int, extra: dict) -> tuple[list[dict], 
                 with lock:
                     outcomes.append(outcome)
                 if outcome["status"] in ("429", "503"):
-                    time.sleep(0.25)
+                    time.sleep(1.0)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
     for t in threads:
