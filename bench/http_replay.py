@@ -1,10 +1,12 @@
-"""Server subprocesses and the streamed chat client of bench/prompt_cache.py.
+"""Server subprocesses and the streamed clients of bench/prompt_cache.py and
+bench/concurrency.py.
 
 `Server` starts `python -m monolith.serve` (or `mlx_lm.server`) on a free port with its
 log in a file, waits for GET /health, and scrapes /metrics in a background thread
 while requests run (so a peak inside a prefill is seen, not only the state between
 turns). `chat` posts one streamed greedy /v1/chat/completions and times the first
-content (or tool call) delta.
+content (or tool call) delta; `complete` does the same for /v1/completions, streamed
+or not, and can close a stream early (a client that goes away).
 """
 
 from __future__ import annotations
@@ -124,6 +126,14 @@ class ServerFailed(RuntimeError):
         self.log_tail = tail
 
 
+class Refused(RuntimeError):
+    """The server answered with an error status (before a stream started, or inside it)."""
+
+    def __init__(self, path: str, status: int, body: str):
+        super().__init__(f"POST {path}: {status} {body[:500]}")
+        self.status = status
+
+
 @dataclass
 class Reply:
     ttft: float  # request sent -> first content or tool-call delta (the finish, if none)
@@ -132,6 +142,7 @@ class Reply:
     tool_calls: list[dict] = field(default_factory=list)
     usage: dict = field(default_factory=dict)
     finish_reason: str | None = None
+    decode_seconds: float = 0.0  # first -> last content (or tool-call) delta
 
     @property
     def cached_tokens(self) -> int | None:
@@ -146,29 +157,76 @@ def chat(client: httpx.Client, url: str, messages: list[dict], tools: list[dict]
     if model:
         body["model"] = model
     start = time.perf_counter()
-    first = None
+    first = last = None
     text, calls, usage, finish = [], {}, {}, None
     with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"POST /v1/chat/completions: {r.status_code} {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in _events(r, "/v1/chat/completions"):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or ():
                 delta = choice.get("delta") or {}
                 if delta.get("content") or delta.get("tool_calls"):
-                    first = first or time.perf_counter()
+                    last = time.perf_counter()
+                    first = first or last
                 text.append(delta.get("content") or "")
                 for call in delta.get("tool_calls") or ():
                     _merge_call(calls, call)
                 finish = choice.get("finish_reason") or finish
     end = time.perf_counter()
     return Reply((first or end) - start, end - start, "".join(text), [calls[i] for i in sorted(calls)], usage,
-                 finish)
+                 finish, (last or end) - (first or end))
+
+
+def complete(client: httpx.Client, url: str, prompt: str | list[int], max_tokens: int, stream: bool = True,
+             close_after: int | None = None, extra: dict | None = None) -> Reply:
+    """One greedy /v1/completions request. Streamed, `close_after=k` closes the stream
+    after k text deltas (finish_reason "closed"). Raises Refused on an error status."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **(extra or {})}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    if not stream:
+        r = client.post(url + "/v1/completions", json=body)
+        end = time.perf_counter()
+        if r.status_code != 200:
+            raise Refused("/v1/completions", r.status_code, r.text)
+        choice = r.json()["choices"][0]
+        return Reply(end - start, end - start, choice["text"], usage=r.json().get("usage") or {},
+                     finish_reason=choice.get("finish_reason"))
+    first = last = None
+    text, usage, finish, deltas = [], {}, None, 0
+    with client.stream("POST", url + "/v1/completions", json=body) as r:
+        for chunk in _events(r, "/v1/completions"):
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                if choice.get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(choice["text"])
+                    deltas += 1
+                finish = choice.get("finish_reason") or finish
+            if close_after is not None and deltas >= close_after and finish is None:
+                finish = "closed"
+                break
+    end = time.perf_counter()
+    return Reply((first or end) - start, end - start, "".join(text), usage=usage, finish_reason=finish,
+                 decode_seconds=(last or end) - (first or end))
+
+
+def _events(response: httpx.Response, path: str):
+    """The JSON chunks of an OpenAI event stream; Refused for an error status or an
+    error event inside the stream."""
+    if response.status_code != 200:
+        response.read()
+        raise Refused(path, response.status_code, response.text)
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # no status inside a stream: the busy / shutting-down codes are 503s
+                busy = chunk["error"].get("code") in ("queue_timeout", "shutting_down")
+                raise Refused(path, 503 if busy else 500, line[6:])
+            yield chunk
 
 
 def _merge_call(calls: dict, delta: dict) -> None:

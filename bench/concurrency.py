@@ -1,0 +1,458 @@
+"""Concurrent streaming clients against a live `python -m monolith.serve` (issue 18).
+
+For each mode (plain: --no-draft; speculative: the draft, with --spec-sched fixed by
+default so that it drafts even where the server's break-even would fall back to plain
+steps) and each client count C of --clients, a list of N greedy streamed /v1/completions
+requests (default N = max(8, 2C)) is sent twice:
+
+- sequentially: one client, one request at a time, to a server started with
+  `--max-batch 1` (the baseline; a server without that flag: as it is);
+- concurrently: C client threads (each sends its next request when its previous one
+  has ended) to a server started with `--max-batch B` (default: the largest C).
+
+The two servers of a mode run side by side and take each list in turn (sequential,
+then concurrent), so that a change in the machine's load (other processes share it)
+hits both runs of a row alike; --serial-servers starts them one after the other, for a
+model of which two copies do not fit in memory. Each server first answers one short
+request of each prompt length (a warm-up, not measured).
+
+Prompts are windows of the running Python's standard-library sources (the demo pair's
+corpus) of mixed lengths, drawn from a fixed seed; each C gets its own list, so the
+prompt cache serves no request from an earlier row. `ignore_eos` is sent when the server
+accepts it (probed once), so that outputs run to --max-tokens; without it the code
+prompts rarely stop early.
+
+Reported per (mode, C): aggregate tok/s (all completion tokens / wall time), per-request
+decode tok/s (median of (tokens - 1) / (last text delta - first text delta)), TTFT p50 /
+p95 (request sent -> first text, queueing included), the concurrent / sequential
+aggregate ratio, the peak of monolith_num_requests_running seen by a /metrics scrape
+every 0.5 s, the speculative rounds' tokens per round, and how many concurrent outputs
+differ from the sequential text of the same request (batched == alone). With both modes,
+also how many speculative sequential outputs differ from the plain ones.
+
+A server whose --help has no --max-batch cannot batch: then only the sequential runs
+happen (the table says so); --concurrent-anyway sends the concurrent clients to it all
+the same (a FIFO queue: the "before" numbers). Prints a markdown table and writes
+bench/results/concurrency.json and .md. `--soak SECONDS` runs bench/soak.py's mixed load
+instead (bench/results/concurrency_soak.json and .md).
+
+    python bench/concurrency.py [--quick] [--clients 1,2,4,8] [--modes plain,speculative]
+        [--requests N] [--max-tokens 128] [--max-batch B] [--model M --draft D]
+    python bench/concurrency.py --soak 600 [--modes speculative]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from http_replay import Refused, Server, complete
+
+RESULTS = ROOT / "bench" / "results"
+PROMPT_CHARS = (100, 400, 1000, 2000)  # the mix of prompt lengths (characters; the demo: ~35-550 tokens)
+MODES = ("plain", "speculative")
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: str
+    max_tokens: int
+    source: str  # file:offset of the window
+
+
+@dataclass
+class Result:
+    id: str
+    ttft: float
+    seconds: float
+    decode_seconds: float
+    tokens: int
+    prompt_tokens: int
+    finish_reason: str | None
+    text: str
+
+
+# ------------------------------------------------------------------ prompts
+
+
+class Prompts:
+    """Windows of the standard library's sources, from a line start, `chars` long."""
+
+    def __init__(self):
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        self.files = [p for p in sorted(stdlib.glob("*.py")) if p.stat().st_size > 20000]
+        self._texts: dict[Path, str] = {}
+
+    def window(self, rng: random.Random, chars: int) -> tuple[str, str]:
+        path = rng.choice(self.files)
+        text = self._texts.setdefault(path, path.read_text(errors="replace"))
+        start = text.find("\n", rng.randrange(max(1, len(text) - chars))) + 1
+        return text[start:start + chars], f"{path.name}:{start}"
+
+
+def request_lists(counts: dict[int, int], max_tokens: int, seed: int) -> dict[int | str, list[Request]]:
+    """A distinct list of requests for each client count (C -> N requests), and under
+    "warmup" one short request of each prompt length (sent to a new server first)."""
+    rng, prompts, seen = random.Random(seed), Prompts(), set()
+    lists = {}
+    for key, n in {"warmup": len(PROMPT_CHARS), **counts}.items():
+        lists[key] = []
+        while len(lists[key]) < n:
+            chars = PROMPT_CHARS[len(lists[key])] if key == "warmup" else rng.choice(PROMPT_CHARS)
+            prompt, source = prompts.window(rng, chars)
+            if prompt[:200] in seen:
+                continue
+            seen.add(prompt[:200])
+            name = f"{key if key == 'warmup' else f'c{key}'}-{len(lists[key])}"
+            lists[key].append(Request(name, prompt, 8 if key == "warmup" else max_tokens, source))
+    return lists
+
+
+# ------------------------------------------------------------------ clients
+
+
+def send(client: httpx.Client, url: str, req: Request, extra: dict) -> Result:
+    reply = complete(client, url, req.prompt, req.max_tokens, extra=extra)
+    return Result(req.id, reply.ttft, reply.seconds, reply.decode_seconds, reply.usage.get("completion_tokens", 0),
+                  reply.usage.get("prompt_tokens", 0), reply.finish_reason, reply.text)
+
+
+def run_clients(url: str, reqs: list[Request], clients: int, extra: dict) -> tuple[list[Result], float]:
+    """Send reqs from `clients` threads, each taking the next request when its last one
+    ended; (results in request order, wall seconds from the first send to the last end)."""
+    results: list[Result | None] = [None] * len(reqs)
+    errors: list[BaseException] = []
+    lock, next_index = threading.Lock(), [0]
+
+    def worker():
+        with httpx.Client(timeout=900) as client:
+            while not errors:
+                with lock:
+                    i = next_index[0]
+                    next_index[0] += 1
+                if i >= len(reqs):
+                    return
+                try:
+                    results[i] = send(client, url, reqs[i], extra)
+                except BaseException as e:  # noqa: BLE001 - re-raised below, on the main thread
+                    errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return results, wall
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    tokens = sum(r.tokens for r in results)
+    per_request = [(r.tokens - 1) / r.decode_seconds for r in results if r.tokens > 1 and r.decode_seconds > 0]
+    ttft = [r.ttft for r in results]
+    return {"wall_seconds": wall, "completion_tokens": tokens, "aggregate_tok_s": tokens / wall,
+            "per_request_tok_s": float(np.median(per_request)) if per_request else None,
+            "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)), "ttft_p95_ms": 1000 * float(np.percentile(ttft, 95))}
+
+
+def mismatches(results: list[Result], reference: dict[str, Result]) -> list[dict]:
+    """The requests whose text differs from the reference's, with the first differing character."""
+    out = []
+    for r in results:
+        ref = reference[r.id].text
+        if r.text != ref:
+            at = next((i for i, (a, b) in enumerate(zip(r.text, ref)) if a != b), min(len(r.text), len(ref)))
+            out.append({"id": r.id, "first_difference_at_char": at, "chars": len(r.text), "reference_chars": len(ref)})
+    return out
+
+
+# ------------------------------------------------------------------ servers
+
+
+def supports_max_batch() -> bool:
+    help_text = subprocess.run([sys.executable, "-m", "monolith.serve", "--help"], capture_output=True, text=True,
+                               cwd=ROOT, check=False).stdout
+    return "--max-batch" in help_text
+
+
+def server_command(args, mode: str, max_batch: int | None, max_queue: int | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "monolith.serve", "--max-context", str(args.max_context), "--log-level", "info"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if mode == "plain":
+        cmd.append("--no-draft")
+    else:
+        cmd += ["--draft", args.draft] if args.draft else []
+        cmd += ["--spec-sched", args.spec_sched] if args.spec_sched != "server-default" else []
+    if max_batch is not None:
+        cmd += ["--max-batch", str(max_batch)]
+    if max_queue is not None:
+        cmd += ["--max-queue", str(max_queue)]
+    return cmd + args.server_arg
+
+
+def served_decoding(server: Server) -> str:
+    """What the server's ready line says it serves: "plain decoding" or "draft ..."."""
+    match = re.search(r"ready in [\d.]+ s: .*?(\(plain decoding\)|with draft .*)$", server.log_text(), re.MULTILINE)
+    return match.group(1).strip("()") if match else "unknown"
+
+
+def probe_extra(url: str) -> dict:
+    """{"ignore_eos": true} if the server accepts it, else {} (this server refuses unknown fields)."""
+    with httpx.Client(timeout=300) as client:
+        try:
+            complete(client, url, "import os\n", 1, extra={"ignore_eos": True})
+            return {"ignore_eos": True}
+        except Refused as e:
+            if e.status != 400:
+                raise
+            return {}
+
+
+class Scrapes:
+    """The metrics a server's scrape thread saw between `mark()` and `since()`."""
+
+    def __init__(self, server: Server):
+        self.server = server
+        self.start = 0
+        self.first: dict = {}
+
+    def mark(self) -> None:
+        self.first = self.server.scrape()
+        self.start = len(self.server.scrapes)
+
+    def since(self) -> dict:
+        last = self.server.scrape()
+        seen = self.server.scrapes[self.start:]
+        running = max((s.get("monolith_num_requests_running", 0) for s in seen), default=0)
+        drafts = last.get("spec_decode_num_drafts_total", 0) - self.first.get("spec_decode_num_drafts_total", 0)
+        accepted = (last.get("spec_decode_num_accepted_tokens_total", 0)
+                    - self.first.get("spec_decode_num_accepted_tokens_total", 0))
+        return {"peak_running": int(running), "spec_rounds": int(drafts),
+                "tokens_per_round": (1 + accepted / drafts) if drafts else None}
+
+
+def serve_mode(args, mode: str, lists: dict, servers: list[tuple[str, int | None, bool]], tmp: Path) -> dict:
+    """Run every list against each of `servers` ((label, --max-batch or None, concurrent)):
+    label -> {command, decoding, extra, rows: C -> row}. The servers run side by side
+    and take each list in turn, so a drift of the machine's load between rows hits
+    both alike; --serial-servers runs them one after another instead."""
+    out = {}
+    for group in ([[s] for s in servers] if args.serial_servers else [servers]):
+        with ExitStack() as stack:
+            live = []
+            for label, max_batch, concurrent in group:
+                command = server_command(args, mode, max_batch)
+                print(f"# {mode} {label}: {' '.join(command[1:])}", flush=True)
+                server = stack.enter_context(Server(command, tmp / f"{mode}-{label}.log", scrape_every=0.5))
+                extra = probe_extra(server.url)
+                run_clients(server.url, lists["warmup"], 1, extra)
+                live.append((label, concurrent, server, extra, Scrapes(server)))
+                out[label] = {"command": command[1:], "extra": extra, "rows": {}}
+            for clients, reqs in lists.items():
+                if clients == "warmup":
+                    continue
+                for label, concurrent, server, extra, scrapes in live:
+                    scrapes.mark()
+                    results, wall = run_clients(server.url, reqs, clients if concurrent else 1, extra)
+                    row = out[label]["rows"][clients] = {"results": results, **summarize(results, wall),
+                                                         **scrapes.since()}
+                    print(f"  {label} C={clients}: {row['aggregate_tok_s']:.1f} tok/s, {wall:.1f} s", flush=True)
+            for label, _, server, _, _ in live:
+                out[label]["decoding"] = served_decoding(server)
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def machine() -> dict:
+    def version(name):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                            check=False).stdout
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "mlx": version("mlx"),
+            "commit": commit.strip()}
+
+
+def machine_note(m: dict) -> str:
+    return f"machine: {m['processor']}, {m['cpus']} cpus, mlx {m['mlx']}, commit {m['commit']}"
+
+
+def build_rows(mode: str, seq: dict, conc: dict | None, max_batch: int | None) -> list[dict]:
+    rows = []
+    for clients, s in seq["rows"].items():
+        row = {"mode": mode, "clients": clients, "requests": len(s["results"]),
+               "sequential_max_batch": 1 if max_batch is not None else "none (FIFO)",
+               "sequential": {k: v for k, v in s.items() if k != "results"}}
+        if conc is not None:
+            c = conc["rows"][clients]
+            reference = {r.id: r for r in s["results"]}
+            diff = mismatches(c["results"], reference)
+            row.update(max_batch=max_batch if max_batch is not None else "none (FIFO)",
+                       concurrent={k: v for k, v in c.items() if k != "results"},
+                       ratio=c["aggregate_tok_s"] / s["aggregate_tok_s"], mismatches=len(diff), mismatched=diff[:10])
+        rows.append(row)
+    return rows
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    lines = [("| mode | C | requests | max-batch seq / conc | tokens | seq tok/s | conc tok/s | ratio "
+              "| per-req tok/s seq / conc | TTFT p50 seq / conc ms | TTFT p95 seq / conc ms | peak running "
+              "| tok/round | mismatches |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        s, c = r["sequential"], r.get("concurrent") or {}
+        tpr = c.get("tokens_per_round", s.get("tokens_per_round"))
+        lines.append(
+            f"| {r['mode']} | {r['clients']} | {r['requests']} "
+            f"| {r['sequential_max_batch']} / {r.get('max_batch', '-')} "
+            f"| {s['completion_tokens']} | {s['aggregate_tok_s']:.1f} | {fmt(c.get('aggregate_tok_s'))} "
+            f"| {fmt(r.get('ratio'), '.2f')} | {fmt(s['per_request_tok_s'])} / {fmt(c.get('per_request_tok_s'))} "
+            f"| {s['ttft_p50_ms']:.0f} / {fmt(c.get('ttft_p50_ms'), '.0f')} "
+            f"| {s['ttft_p95_ms']:.0f} / {fmt(c.get('ttft_p95_ms'), '.0f')} "
+            f"| {c.get('peak_running', s['peak_running'])} | {fmt(tpr, '.2f')} | {r.get('mismatches', '-')} |")
+    return "\n".join(lines)
+
+
+def notes(report: dict) -> list[str]:
+    out = [machine_note(report["machine"]),
+           (f"model: {report['model']}; max_tokens {report['settings']['max_tokens']}, "
+            f"ignore_eos {'sent' if report['ignore_eos'] else 'not accepted by the server'}")]
+    for name, server in report["servers"].items():
+        out.append(f"{name}: `{' '.join(server['command'])}` -> {server['decoding']}")
+    if not report["batching"]:
+        out.append("the server has no --max-batch: " + ("concurrent clients against its FIFO queue"
+                                                        if report["settings"]["concurrent_anyway"]
+                                                        else "sequential runs only"))
+    if "spec_vs_plain_mismatches" in report:
+        out.append(f"speculative vs plain sequential outputs that differ: {report['spec_vs_plain_mismatches']}")
+    return out
+
+
+def write(report: dict, name: str, table: str, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(f"# {name}\n\n" + "".join(f"- {n}\n" for n in report["notes"])
+                                        + "\n" + table + "\n")
+    print(f"wrote {out_dir / name}.json and .md")
+
+
+# ------------------------------------------------------------------ main
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="target (default: the bundled demo pair)")
+    ap.add_argument("--draft", help="draft for the speculative mode (the demo pair has its own)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--clients", help="client counts (default 1,2,4,8; --quick 1,4)")
+    ap.add_argument("--requests", type=int, help="requests per client count (default max(8, 2C); --quick max(4, C))")
+    ap.add_argument("--max-tokens", type=int, help="completion tokens per request (default 128; --quick 48)")
+    ap.add_argument("--max-batch", type=int, help="--max-batch of the concurrent server (default: the largest C)")
+    ap.add_argument("--spec-sched", default="fixed", choices=("fixed", "threshold", "cost", "server-default"),
+                    help="speculative mode's --spec-sched (default fixed: always draft; server-default: no flag)")
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--server-arg", action="append", default=[], help="one more serve argument (repeatable)")
+    ap.add_argument("--concurrent-anyway", action="store_true",
+                    help="without --max-batch in the server, send the concurrent clients to its FIFO queue")
+    ap.add_argument("--serial-servers", action="store_true",
+                    help="start a mode's sequential and concurrent servers one after the other, not side by side "
+                         "(when two copies of the model do not fit in memory)")
+    ap.add_argument("--quick", action="store_true", help="a ~2 minute smoke run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--soak", type=float, metavar="SECONDS", help="run bench/soak.py's mixed load instead")
+    ap.add_argument("--soak-wait-bound", type=float, default=60.0,
+                    help="soak: the longest a request may wait for its first token (default 60 s)")
+    ap.add_argument("--soak-max-queue", type=int, default=4, help="soak: the server's --max-queue (default 4)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if set(args.modes) - set(MODES):
+        ap.error(f"--modes takes {', '.join(MODES)}")
+    if args.model and not args.draft and "speculative" in args.modes:
+        print("no --draft for --model: the speculative mode is skipped")
+        args.modes = [m for m in args.modes if m != "speculative"]
+    args.clients = [int(c) for c in (args.clients or ("1,4" if args.quick else "1,2,4,8")).split(",")]
+    args.max_tokens = args.max_tokens or (48 if args.quick else 128)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    batching = supports_max_batch()
+    max_batch = args.max_batch or max(args.clients)
+    if args.soak:
+        from soak import run_soak
+
+        return run_soak(args, batching, max_batch)
+    counts = {c: args.requests or (max(4, c) if args.quick else max(8, 2 * c)) for c in args.clients}
+    lists = request_lists(counts, args.max_tokens, args.seed)
+    concurrent = batching or args.concurrent_anyway
+    if not batching:
+        print("the server has no --max-batch (no batching yet): "
+              + ("concurrent clients go to its FIFO queue" if concurrent else "sequential runs only"))
+    report = {"benchmark": "concurrency", "machine": machine(), "model": args.model or "the bundled demo pair",
+              "batching": batching, "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
+              "requests": {c: [{"id": r.id, "source": r.source, "prompt_chars": len(r.prompt)} for r in reqs]
+                           for c, reqs in lists.items()},
+              "servers": {}, "rows": []}
+    sequential_text = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            servers = [("sequential", 1 if batching else None, False)]
+            if concurrent:
+                servers.append(("concurrent", max_batch if batching else None, True))
+            runs = serve_mode(args, mode, lists, servers, Path(tmp))
+            for label, run in runs.items():
+                report["servers"][f"{mode} {label}"] = {k: run[k] for k in ("command", "decoding")}
+            seq, conc = runs["sequential"], runs.get("concurrent")
+            report["ignore_eos"] = bool(seq["extra"])
+            report["rows"] += build_rows(mode, seq, conc, max_batch if batching else None)
+            sequential_text[mode] = {r.id: r for row in seq["rows"].values() for r in row["results"]}
+    if len(sequential_text) == 2:
+        spec = [r for r in sequential_text["speculative"].values()]
+        report["spec_vs_plain_mismatches"] = len(mismatches(spec, sequential_text["plain"]))
+    report["notes"] = notes(report)
+    table = markdown(report)
+    print("\n".join(report["notes"]) + "\n\n" + table)
+    write(report, "concurrency", table, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
