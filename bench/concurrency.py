@@ -39,6 +39,11 @@ instead (bench/results/concurrency_soak.json and .md).
     python bench/concurrency.py [--quick] [--clients 1,2,4,8] [--modes plain,speculative]
         [--requests N] [--max-tokens 128] [--max-batch B] [--model M --draft D]
     python bench/concurrency.py --soak 600 [--modes speculative]
+
+The servers inherit the environment: on Linux, run with
+LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for the
+CPU numbers of bench/results (performance.md: the wheel's own BLAS is slow; on 2 cores a
+threaded OpenBLAS spends more time synchronizing than multiplying at these sizes).
 """
 
 from __future__ import annotations
@@ -302,11 +307,14 @@ def machine() -> dict:
                             check=False).stdout
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "mlx": version("mlx"),
-            "commit": commit.strip()}
+            "commit": commit.strip(), "blas": os.environ.get("LD_PRELOAD") or "bundled",
+            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
 
 
 def machine_note(m: dict) -> str:
-    return f"machine: {m['processor']}, {m['cpus']} cpus, mlx {m['mlx']}, commit {m['commit']}"
+    threads = f", {m['openblas_threads']} BLAS thread(s)" if m.get("openblas_threads") else ""
+    return (f"machine: {m['processor']}, {m['cpus']} cpus, mlx {m['mlx']}, BLAS {m.get('blas', 'bundled')}{threads}, "
+            f"commit {m['commit']}")
 
 
 def build_rows(mode: str, seq: dict, conc: dict | None, max_batch: int | None) -> list[dict]:

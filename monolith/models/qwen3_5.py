@@ -11,6 +11,7 @@ recurrent state) run per segment on its slice of the rows. One sequence is one s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -233,7 +234,7 @@ def _same_length(spans: list[Span]) -> list[list[int]]:
 
 
 def _in_order(spans: list[Span]) -> bool:
-    return all(a.stop == b.start for a, b in zip(spans, spans[1:]))
+    return all(a.stop == b.start for a, b in itertools.pairwise(spans))
 
 
 def _stack(arrays: list[mx.array]) -> mx.array:
