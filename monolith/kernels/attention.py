@@ -1,8 +1,10 @@
 """Gated attention prologue (target.md gated attention mixer): split the fused q|gate
 rows, zero-centred RMSNorm of q and k with the stored (1 + w) F32 weights, rotate-half
 RoPE on the first rotary_dim dims at positions offset + t, and the layouts SDPA and the
-KV cache take. Returns q [1, H, T, D], k, v [1, KVH, T, D] and sigmoid(gate) [1, T, H*D],
-all in qkv's dtype: the mixer multiplies the attention output by that gate directly.
+KV cache take. Returns q [B, H, T, D], k, v [B, KVH, T, D] and sigmoid(gate) [B, T, H*D],
+all in qkv's dtype: the mixer multiplies the attention output by that gate directly. B
+sequences of a batch each start at their own offset (the Metal kernel runs them one by
+one).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ KERNEL = MetalKernel("monolith_attention_prologue", "attention_prologue.metal",
 
 def _check(qkv, heads, kv_heads, head_dim, rotary_dim):
     width = (2 * heads + 2 * kv_heads) * head_dim
-    if qkv.ndim != 3 or qkv.shape[0] != 1 or qkv.shape[2] != width:
-        raise ValueError(f"attention_prologue: qkv must be [1, T, {width}], got {qkv.shape}")
+    if qkv.ndim != 3 or qkv.shape[2] != width:
+        raise ValueError(f"attention_prologue: qkv must be [B, T, {width}], got {qkv.shape}")
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim or head_dim < 8:
         raise ValueError(f"attention_prologue: need an even rotary_dim <= head_dim (>= 8), got {rotary_dim}, "
                          f"{head_dim}")
@@ -28,12 +30,12 @@ def _check(qkv, heads, kv_heads, head_dim, rotary_dim):
 
 def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps):
     _check(qkv, heads, kv_heads, head_dim, rotary_dim)
-    _, t, _ = qkv.shape
+    b, t, _ = qkv.shape
     n, d, kv = heads, head_dim, kv_heads
-    q_gate = qkv[..., :2 * n * d].reshape(1, t, n, 2 * d)
-    q, gate = q_gate[..., :d], q_gate[..., d:].reshape(1, t, n * d)
-    k = qkv[..., 2 * n * d:(2 * n + kv) * d].reshape(1, t, kv, d)
-    v = qkv[..., (2 * n + kv) * d:].reshape(1, t, kv, d)
+    q_gate = qkv[..., :2 * n * d].reshape(b, t, n, 2 * d)
+    q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, n * d)
+    k = qkv[..., 2 * n * d:(2 * n + kv) * d].reshape(b, t, kv, d)
+    v = qkv[..., (2 * n + kv) * d:].reshape(b, t, kv, d)
     q = cast(mx.fast.rms_norm(q, q_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
     k = cast(mx.fast.rms_norm(k, k_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
     q = mx.fast.rope(q, rotary_dim, traditional=False, base=rope_theta, scale=1.0, offset=offset)
@@ -43,6 +45,8 @@ def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim
 
 def launch(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps) -> Launch:
     _check(qkv, heads, kv_heads, head_dim, rotary_dim)
+    if qkv.shape[0] != 1:
+        raise ValueError(f"attention_prologue: the kernel takes one sequence, got a batch of {qkv.shape[0]}")
     t, dtype = qkv.shape[1], qkv.dtype
     threads = threads_for(head_dim)
     offset = offset if isinstance(offset, mx.array) else int(offset)
@@ -56,14 +60,19 @@ def launch(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, r
                   ("TG", threads)))
 
 
-def metal(*args):
-    return tuple(KERNEL(launch(*args)))
+def metal(qkv, q_norm, k_norm, offset, *rest):
+    """The kernel, one sequence of the batch at a time."""
+    if qkv.shape[0] == 1:
+        return tuple(KERNEL(launch(qkv, q_norm, k_norm, offset, *rest)))
+    parts = [KERNEL(launch(qkv[i:i + 1], q_norm, k_norm, offset[i], *rest)) for i in range(qkv.shape[0])]
+    return tuple(mx.concatenate(arrays) for arrays in zip(*parts))
 
 
 def attention_prologue(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, offset, heads: int, kv_heads: int,
                        head_dim: int, rotary_dim: int, rope_theta: float, eps: float):
-    """qkv [1, T, (2H + 2KVH) * D]: the fused q_proj (per head query | gate), k_proj and
-    v_proj output; offset: position of row 0 (int, or an int32 scalar array).
-    Returns (q [1, H, T, D], k [1, KVH, T, D], v [1, KVH, T, D], sigmoid(gate) [1, T, H*D])."""
+    """qkv [B, T, (2H + 2KVH) * D]: the fused q_proj (per head query | gate), k_proj and
+    v_proj output of B sequences; offset: position of row 0 (int, or an int32 scalar
+    array; with B > 1 an int32 array [B], one per sequence).
+    Returns (q [B, H, T, D], k [B, KVH, T, D], v [B, KVH, T, D], sigmoid(gate) [B, T, H*D])."""
     args = (qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps)
     return metal(*args) if use_metal() else reference(*args)

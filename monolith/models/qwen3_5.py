@@ -271,18 +271,23 @@ class Attention:
 
     def __call__(self, x: mx.array, caches: list[KVCache], spans: list[Span]) -> mx.array:
         """Packed rows x [1, N, H]; segment i owns rows spans[i] at positions spans[i].offset..
-        and attends over caches[i]."""
+        and attends over caches[i]. Without Metal, the prologue of same-length segments
+        runs stacked (each at its own offset); the cache update and SDPA are per segment."""
         qkv = self.qkv(x)
-        outs = []
-        for cache, span in zip(caches, spans):
-            t = span.stop - span.start
-            q, k, v, gate = attention_prologue(span.of(qkv), self.q_norm, self.k_norm, span.offset,
+        outs: list = [None] * len(spans)
+        for group in [[i] for i in range(len(spans))] if use_metal() else _same_length(spans):
+            members = [spans[i] for i in group]
+            t = members[0].stop - members[0].start
+            offset = members[0].offset if len(group) == 1 else mx.array([m.offset for m in members], mx.int32)
+            q, k, v, gate = attention_prologue(_stack_rows(qkv, members), self.q_norm, self.k_norm, offset,
                                                self.heads, self.kv_heads, self.head_dim, self.rotary_dim,
                                                self.rope_theta, self.eps)
-            keys, values = cache.update(k, v, span.offset)
-            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
-                                                     mask="causal" if t > 1 else None)
-            outs.append(o.transpose(0, 2, 1, 3).reshape(1, t, -1) * gate)
+            for j, i in enumerate(group):
+                one = _member(j, len(group))
+                keys, values = caches[i].update(one(k), one(v), spans[i].offset)
+                o = mx.fast.scaled_dot_product_attention(one(q), keys, values, scale=self.scale,
+                                                         mask="causal" if t > 1 else None)
+                outs[i] = o.transpose(0, 2, 1, 3).reshape(1, t, -1) * one(gate)
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
 
 
