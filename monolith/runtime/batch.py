@@ -132,10 +132,12 @@ def _groups(requests, key) -> dict:
 
 
 class Sequence:
-    """One sequence in a Batch: its steps and the request it waits on (None once done)."""
+    """One sequence in a Batch: its steps and the request it waits on (None once done);
+    `owner` is the caller's (the engine's Job)."""
 
-    def __init__(self, steps: Steps):
+    def __init__(self, steps: Steps, owner=None):
         self.steps = steps
+        self.owner = owner
         self.request = None
         self.rows = 0  # target rows of its latest forward
         self.done = False
@@ -167,9 +169,9 @@ class Batch:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def add(self, steps: Steps) -> Sequence:
+    def add(self, steps: Steps, owner=None) -> Sequence:
         """Start a sequence: it runs to its first request (or to its end)."""
-        seq = Sequence(steps)
+        seq = Sequence(steps, owner)
         seq.send()
         if not seq.done:
             self.sequences.append(seq)

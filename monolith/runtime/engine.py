@@ -155,7 +155,7 @@ class Engine:
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self._queue: deque[Job] = deque()
         self._lock = threading.Condition()
-        self._running: dict[int, Job] = {}  # by id(Sequence) in the batch
+        self._running: dict[int, Job] = {}  # the jobs in the batch, by id
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="monolith-engine", daemon=True)
         self._thread.start()
@@ -363,16 +363,16 @@ class Engine:
                 f"the request waited {time.monotonic() - job.submitted_at:.1f} s in the queue")))
             job.done.set()
         else:
-            seq = self._batch.add(self._run(job))
-            if seq.done:
-                self._end(seq, job)
-            else:
-                with self._lock:
-                    self._running[id(seq)] = job
+            with self._lock:
+                self._running[job.id] = job
+            seq = self._batch.add(self._run(job), job)
+            if seq.done:  # a decoder without steps() ran it whole
+                self._end(seq)
 
-    def _end(self, seq, job: Job | None = None) -> None:
+    def _end(self, seq) -> None:
+        job = seq.owner
         with self._lock:
-            job = self._running.pop(id(seq), job)
+            self._running.pop(job.id, None)
         if seq.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
             self._emit(job, Failed(seq.error))
