@@ -422,3 +422,33 @@ def test_a_batch_packs_the_target_forward_the_draft_blocks_and_the_context_appen
     finally:
         engine.close()
     assert {name: max(n) for name, n in sizes.items()} == {"target": 3, "draft": 3, "append": 3}
+
+
+def test_the_fallback_sees_the_batch_around_it(demo, monkeypatch):
+    """In a batch, each sequence's Fallback decides with its peers (the other sequences
+    and their rows in the latest forward); alone it sees none. Greedy outputs stay those
+    served alone whatever it decides."""
+    from monolith.runtime.scheduler import Fallback, StepCosts
+
+    model, drafter, tok = demo
+    seen = []
+    real = Fallback.speculate
+
+    def speculate(self, peers=(0, 0)):
+        seen.append(peers)
+        return real(self, peers)
+
+    monkeypatch.setattr(Fallback, "speculate", speculate)
+    costs = StepCosts(one_row=1.0, per_row=0.4, per_sequence=0.2)
+    dec = SpeculativeDecoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32, break_even=2.5, step_costs=costs)
+    ps = prompts(tok)[:3]
+    want = [alone(model, tok, dec, p, 30)[0] for p in ps]
+    assert seen and set(seen) == {(0, 0)}
+    seen.clear()
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    try:
+        got = together(engine, [GenerationRequest(p, max_tokens=30) for p in ps])
+    finally:
+        engine.close()
+    assert [f.token_ids for f in got] == want
+    assert max(others for others, _ in seen) == 2 and max(rows for _, rows in seen) >= 2
