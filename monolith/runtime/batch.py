@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+from ..models.qwen3_5 import Segment
 from ..sampling import SamplingParams
 from .draft_model import append_waiting
 
@@ -99,8 +100,6 @@ def run_forwards(requests: list[Forward]) -> list:
             for i in members:
                 results[i] = requests[i].run()
             continue
-        from ..models.qwen3_5 import Segment
-
         outs = batched([Segment(requests[i].tokens, requests[i].cache, tuple(requests[i].taps), requests[i].logits)
                         for i in members])
         for i, out in zip(members, outs):
