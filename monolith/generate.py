@@ -13,8 +13,16 @@ import json
 import sys
 
 from .cli import ArgumentParser
-from .launch import SetupError, add_model_arguments, load_drafter, load_engine, load_target, plan_model, \
-    resolve_sources
+from .distributed import add_distributed_arguments, join, stage_log
+from .launch import (
+    SetupError,
+    add_model_arguments,
+    load_drafter,
+    load_engine,
+    load_target,
+    plan_model,
+    resolve_sources,
+)
 from .runtime.events import ContextLengthError, Finished, GenerationRequest
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -34,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_distributed_arguments(ap)
     return ap
 
 
@@ -67,7 +76,19 @@ def _run(args, load, load_draft, stdout, stderr) -> int:
         raise SetupError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     args.no_warmup = True  # one request: its own prefill is the warm-up
-    sources = resolve_sources(args, plan, log=lambda message: None)
+    if not args.distributed:
+        return _generate(args, plan, params, ids, load, load_draft, stdout, stderr, None)
+    rank = join(args, plan, log=lambda message: None)
+    if not rank.leader:
+        return rank.serve(stage_log(rank.link.rank))
+    try:
+        return _generate(args, plan, params, ids, rank.target, load_draft, stdout, stderr, rank)
+    finally:
+        rank.close()
+
+
+def _generate(args, plan, params, ids, load, load_draft, stdout, stderr, rank) -> int:
+    sources = rank.sources if rank is not None else resolve_sources(args, plan, log=lambda message: None)
     prompt_ids = ids if ids is not None else prompt_tokens(args, load_tokenizer(sources.target_pack))
     if len(prompt_ids) + 1 > args.max_context:  # checked before loading the model
         raise ContextLengthError(len(prompt_ids), args.max_context)

@@ -10,6 +10,7 @@ weights are read by PackWeights (weights.py).
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -27,6 +28,8 @@ from .draft_args import DRAFT_ARGS, DraftArgs, DraftError
 from .dspark import Draft
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Architecture(NamedTuple):
@@ -48,11 +51,13 @@ MODELS = {
 UNUSED_DRAFT_TENSORS = ("t2d", "verifier_norm")
 
 
-def load_model(pack_dir, dtype=None, dense: bool | None = None) -> Qwen3_5:
+def load_model(pack_dir, dtype=None, dense: bool | None = None, layers: range | None = None,
+               head: bool = True) -> Qwen3_5:
     """The target model of a pack directory (monolith.launch resolves a checkpoint
     directory or hub id into one). `dtype` is the compute dtype ("bfloat16", "float32",
     or None: the device's default); weights stay in pack precision, or are dense F32
-    (`dense`, default: on the CPU when they fit, see weights.py)."""
+    (`dense`, default: on the CPU when they fit, see weights.py). A pipeline stage
+    (`layers`, `head`: see Qwen3_5) reads only its own tensors."""
     dtype = compute_dtype(dtype)
     pack_dir = open_pack(pack_dir)
     manifest = read_manifest(pack_dir)
@@ -64,14 +69,26 @@ def load_model(pack_dir, dtype=None, dense: bool | None = None) -> Qwen3_5:
     model_class, args_class = MODELS[architecture]
     args = args_class.from_config(weights.config, architecture, weights.generation_config,
                                   where=str(pack_dir / "config.json"))
-    model = model_class(args, weights)
+    model = model_class(args, weights, layers, head)
     model.pack_sha256 = manifest.get("pack_sha256")  # what a prompt-cache checkpoint was computed with
-    unused = weights.unused()
+    unused = [n for n in weights.unused() if _held(n, model)]
     if unused:
         raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {_listed(unused)}")
     mx.eval(model_arrays(model))  # read the shards and derive F32 copies now, not in the first forward
-    check_kernels(lambda: model(mx.array([0, 1, 2], dtype=mx.int32), model.make_cache(8))[0])
+    if model.head and len(model.owned) == args.num_hidden_layers:
+        check_kernels(lambda: model(mx.array([0, 1, 2], dtype=mx.int32), model.make_cache(8))[0])
+    else:
+        check_kernels(lambda: model.forward_stage(mx.ones((1, 3, args.hidden_size), model.dtype),
+                                                  [model.make_cache(8)], [3])[0])
     return model
+
+
+def _held(name: str, model) -> bool:
+    """Is tensor `name` one a model of these layers (and head) should have read?"""
+    m = LAYER.match(name)
+    if m is not None:
+        return int(m.group(1)) in model.owned or int(m.group(1)) >= model.args.num_hidden_layers
+    return model.head or not name.startswith(("model.embed_tokens", "lm_head", "model.norm"))
 
 
 def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) -> Draft:

@@ -375,15 +375,29 @@ class Qwen3_5:
     and returns (logits F32 [T, vocab], the residual-stream outputs of the decoder
     layers listed in `taps` concatenated [T, len(taps) * hidden], or None)."""
 
-    def __init__(self, args: ModelArgs, weights):
+    def __init__(self, args: ModelArgs, weights, layers: range | None = None, head: bool = True):
+        """`layers` (default all) and `head` (the embedding, final norm and lm_head): a
+        pipeline stage holds a run of layers and, on rank 0 only, the head
+        (runtime/pipeline.py); only the tensors it holds are read from the pack."""
         self.args = args
         self.dtype = weights.dtype
         self.dense_summary = weights.dense_summary()  # which matrices are dense F32 copies (the CPU)
         h = args.hidden_size
-        self.embed_tokens = Embedding(weights.linear("model.embed_tokens", (args.vocab_size, h)), self.dtype)
+        self.owned = range(args.num_hidden_layers) if layers is None else layers
+        if not (0 <= self.owned.start < self.owned.stop <= args.num_hidden_layers and self.owned.step == 1):
+            raise ValueError(f"layers {self.owned} are not a run of the model's {args.num_hidden_layers} layers")
         self.layers = [DecoderLayer(args, weights, i, self.make_mlp(weights, f"model.layers.{i}.mlp."))
-                       for i in range(args.num_hidden_layers)]
-        self.norm = weights.tensor("model.norm", (h,), mx.float32)
+                       for i in self.owned]
+        self.head = head
+        # the norm after the last layer held: fused with its residual add (a stage that
+        # ends early computes the next stage's first norm, which that stage does again)
+        last = self.owned.stop == args.num_hidden_layers
+        exit_name = "model.norm" if last else f"model.layers.{self.owned.stop}.input_layernorm"
+        self.exit_norm = weights.tensor(exit_name, (h,), mx.float32)
+        if not head:
+            return
+        self.norm = self.exit_norm if last else weights.tensor("model.norm", (h,), mx.float32)
+        self.embed_tokens = Embedding(weights.linear("model.embed_tokens", (args.vocab_size, h)), self.dtype)
         if weights.has_linear("lm_head"):
             self.lm_head = weights.linear("lm_head", (args.vocab_size, h))
         elif args.tie_word_embeddings:
@@ -400,7 +414,7 @@ class Qwen3_5:
             raise ValueError(f"max_context must be positive, got {max_context}")
         a = self.args
         layers = []
-        for kind in a.layer_types:
+        for kind in a.layer_types[self.owned.start:self.owned.stop]:
             if kind == "full_attention":
                 layers.append(KVCache(a.num_key_value_heads, a.head_dim, max_context + spare_rows, self.dtype))
             else:
@@ -423,6 +437,32 @@ class Qwen3_5:
         `forward` gives: (logits F32 [rows, vocab] or None, taps [T, len(taps) * hidden] or
         None). Every segment is checked against its cache before any work; a segment whose
         cache took `snapshot(record=True)` records its tapes, the others do not."""
+        tokens, taps, spans = self.layout(segments)
+        x = self.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
+        x, normed, tapped = self.run_layers(x, segments, spans, {i for t in taps for i in t})
+        for s, span in zip(segments, spans):
+            s.cache.advance(span.stop - span.start)
+        return [(logits, self._hidden(tapped, t, span)) for logits, t, span in
+                zip(self._logits(normed[0], segments, spans), taps, spans)]
+
+    def forward_stage(self, x: mx.array, caches: list, rows: list[int], wanted=()) -> tuple[mx.array, dict]:
+        """A pipeline stage's share of a forward (runtime/pipeline.py): the packed rows x
+        [1, N, H] entering this model's first layer, `rows[i]` of them cache i's ->
+        (its last layer's output [1, N, H], {tapped layer id: output rows [N, H]})."""
+        spans, start = [], 0
+        for cache, n in zip(caches, rows):
+            cache.check(n)
+            spans.append(Span(start, start + n, cache.offset))
+            start += n
+        if start != x.shape[1]:
+            raise ValueError(f"{start} rows for the caches, {x.shape[1]} rows given")
+        x, _, tapped = self.run_layers(x, [Segment(None, c) for c in caches], spans, set(wanted))
+        for cache, n in zip(caches, rows):
+            cache.advance(n)
+        return x, tapped
+
+    def layout(self, segments: list[Segment]) -> tuple[list[mx.array], list[list[int]], list[Span]]:
+        """Check a batch before any work: (token ids, taps, packed spans) per segment."""
         if not segments:
             raise ValueError("forward_batch needs at least one segment")
         if len({id(s.cache) for s in segments}) != len(segments):
@@ -439,19 +479,20 @@ class Qwen3_5:
         for s, ids in zip(segments, tokens):
             spans.append(Span(start, start + ids.shape[0], s.cache.offset))
             start += ids.shape[0]
-        x = self.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
+        return tokens, taps, spans
+
+    def run_layers(self, x: mx.array, segments: list, spans: list[Span], wanted: set[int]):
+        """The layers this model holds over packed rows x [1, N, H]: (their output, it
+        normed by `exit_norm`, {tapped layer id: its output rows [N, H]})."""
         eps = self.args.rms_norm_eps
         normed = rms_norm(x, self.layers[0].input_layernorm, eps)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        tapped, wanted = {}, {i for t in taps for i in t}
-        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
-            x, normed = layer(x, normed, [s.cache.layers[i] for s in segments], spans, next_norm)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.exit_norm]
+        tapped, first = {}, self.owned.start
+        for i, layer, next_norm in zip(self.owned, self.layers, next_norms):
+            x, normed = layer(x, normed, [s.cache.layers[i - first] for s in segments], spans, next_norm)
             if i in wanted:
                 tapped[i] = x[0]
-        for s, span in zip(segments, spans):
-            s.cache.advance(span.stop - span.start)
-        return [(logits, self._hidden(tapped, t, span)) for logits, t, span in
-                zip(self._logits(normed[0], segments, spans), taps, spans)]
+        return x, normed, tapped
 
     def _hidden(self, tapped: dict, taps: list[int], span: Span) -> mx.array | None:
         if not taps:

@@ -1,0 +1,318 @@
+"""A target split into pipeline stages over mx.distributed (`--distributed`, started by
+`mlx.launch`): rank r holds a contiguous run of decoder layers (runtime/split.py);
+rank 0 also holds the embedding, the final norm and the lm_head, runs the draft, the
+engine and the HTTP server. The other ranks run `serve_stage`: a loop that does what
+rank 0 tells it.
+
+Every message goes one way round the ring, rank 0 -> 1 -> ... -> N-1 -> 0, so each hop
+is between neighbours:
+
+- a command (a small JSON frame): every rank relays it to the next before acting on it.
+  Cache commands (new, snapshot, restore, commit, rewind, free) keep each rank's caches
+  of its own layers in step with rank 0's; they carry no arrays.
+- a forward: rank 0 embeds the rows and runs its layers, then the residual stream
+  [rows, hidden] (compute dtype) goes to rank 1, which runs its layers and passes it on.
+  A stage that holds a layer the draft taps appends that layer's rows, so the tap
+  features travel with the stream; the last rank sends the stream and the taps back to
+  rank 0, which applies the final norm and the lm_head. A forward whose rows need no
+  logits and no taps (a prefill chunk) gets a one-number acknowledgement back instead.
+
+A verify round of 8 rows is thus N hops of 8 x hidden values plus the tap features, and
+the commit that follows is one command. Rank 0 waits for each forward's answer before
+it sends anything else, so no two messages cross.
+
+Failures: a rank that dies closes its sockets and the ring raises on the next send or
+receive; rank 0 then marks the pipeline broken (`Pipeline.broken`: the server's health
+turns unhealthy) and every later forward raises PipelineError at once. A rank that
+stops answering is caught by `Pipeline.timeout` (a watchdog on rank 0's waits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import weakref
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.cache import CacheError, HybridCache, Snapshot
+from ..models.layers import rms_norm
+from ..models.qwen3_5 import Segment, Span
+
+FRAME = 1024  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
+
+
+class PipelineError(RuntimeError):
+    """A rank of the pipeline failed or cannot be reached."""
+
+
+class Link:
+    """This rank's ends of the ring: messages to the next rank, from the previous one."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.next = (self.rank + 1) % self.size
+        self.previous = (self.rank - 1) % self.size
+        self.sent = 0  # bytes sent by this rank (arrays and frames)
+
+    def send(self, x: mx.array) -> None:
+        mx.eval(mx.distributed.send(x, self.next, group=self.group))
+        self.sent += x.nbytes
+
+    def receive(self, shape: tuple, dtype) -> mx.array:
+        x = mx.distributed.recv(shape, dtype, self.previous, group=self.group)
+        mx.eval(x)
+        return x
+
+    def send_command(self, command: dict) -> None:
+        data = json.dumps(command, separators=(",", ":")).encode()
+        frame = bytearray(FRAME)
+        frame[:4] = len(data).to_bytes(4, "little")
+        head = data[:FRAME - 4]
+        frame[4:4 + len(head)] = head
+        self.send(mx.array(np.frombuffer(bytes(frame), dtype=np.uint8)))
+        if len(data) > FRAME - 4:
+            self.send(mx.array(np.frombuffer(data[FRAME - 4:], dtype=np.uint8)))
+
+    def receive_command(self) -> dict:
+        frame = np.array(self.receive((FRAME,), mx.uint8)).tobytes()
+        n = int.from_bytes(frame[:4], "little")
+        data = frame[4:4 + min(n, FRAME - 4)]
+        if n > FRAME - 4:
+            data += np.array(self.receive((n - (FRAME - 4),), mx.uint8)).tobytes()
+        return json.loads(data)
+
+
+# ----------------------------------------------------------------------- rank 0
+
+
+@dataclass(frozen=True)
+class RemoteSnapshot(Snapshot):
+    """A snapshot of rank 0's layers; every other rank holds its own under `sid`."""
+
+    sid: int = -1
+
+
+class PipelineCache(HybridCache):
+    """Rank 0's cache of one sequence: its own layers' states, and the same operations
+    sent to every other rank for theirs (`cid` names the sequence there)."""
+
+    def __init__(self, pipeline: Pipeline, layers, max_context: int, spare_rows: int):
+        super().__init__(layers, max_context, spare_rows)
+        self.pipeline = pipeline
+        self.cid = pipeline.command("new", max_context=max_context, spare_rows=spare_rows)
+        weakref.finalize(self, pipeline.forget, "caches", self.cid)
+
+    def snapshot(self, record: bool = False) -> Snapshot:
+        local = super().snapshot(record)
+        sid = self.pipeline.command("snapshot", cid=self.cid, record=record)
+        snap = RemoteSnapshot(local.offset, local.states, sid)
+        weakref.finalize(snap, self.pipeline.forget, "snapshots", sid)
+        return snap
+
+    def restore(self, snap: Snapshot) -> None:
+        if isinstance(snap, RemoteSnapshot):  # not the states a commit replayed (local, done there too)
+            self.pipeline.command("restore", cid=self.cid, sid=snap.sid)
+        super().restore(snap)
+
+    def commit(self, snap: Snapshot, rows: int) -> None:
+        if not isinstance(snap, RemoteSnapshot):
+            raise CacheError("a pipeline cache commits from its own snapshots")
+        if not 0 <= rows <= self.written - snap.offset:
+            raise CacheError(f"cannot keep {rows} rows of a {self.written - snap.offset}-row forward")
+        self.pipeline.command("commit", cid=self.cid, sid=snap.sid, rows=rows)
+        super().commit(snap, rows)
+
+    def rewind(self, offset: int) -> None:
+        super().rewind(offset)
+        self.pipeline.command("rewind", cid=self.cid, offset=offset)
+
+    @property
+    def row_layers(self):
+        raise CacheError("the KV rows of a pipeline's caches live on several ranks: the prompt cache and "
+                         "/save are not available with --distributed")
+
+    def adopt(self, snap) -> None:
+        raise CacheError("a pipeline cache cannot adopt rows written from outside (--distributed)")
+
+
+class Pipeline:
+    """Rank 0's side: the target's first stage (`local`, a model holding the head and
+    layers [0, k)) behaving as the whole target (`forward_batch`, `make_cache`, ...),
+    the other stages reached through `link`."""
+
+    def __init__(self, local, link: Link, split: list[range], timeout: float = 600.0):
+        self.local, self.link, self.split = local, link, split
+        self.args, self.dtype = local.args, local.dtype
+        self.timeout = timeout
+        self.broken: str | None = None  # why the pipeline stopped, once it has
+        self._ids = itertools.count(1)
+        self._forgotten: dict[str, list[int]] = {"caches": [], "snapshots": []}
+        self._lock = threading.Lock()
+        self.remote_taps: set[int] = set(range(split[0].stop, self.args.num_hidden_layers))
+
+    def __getattr__(self, name):  # the head and everything else the runtime reads: the first stage's
+        return getattr(self.local, name)
+
+    # the runtime's view: the whole target
+    def make_cache(self, max_context: int, spare_rows: int | None = None) -> PipelineCache:
+        local = self.local.make_cache(max_context) if spare_rows is None else \
+            self.local.make_cache(max_context, spare_rows)
+        return PipelineCache(self, local.layers, local.max_context, local.spare_rows)
+
+    def __call__(self, tokens, cache, taps=None):
+        return self.forward(tokens, cache, taps)
+
+    def forward(self, tokens, cache, taps=None, logits: str = "all"):
+        return self.forward_batch([Segment(tokens, cache, tuple(taps or ()), logits)])[0]
+
+    def prefill(self, tokens, cache, chunk_size: int = 512):
+        return type(self.local).prefill(self, tokens, cache, chunk_size)
+
+    def forward_batch(self, segments: list[Segment]):
+        local = self.local
+        tokens, taps, spans = local.layout(segments)
+        wanted = {i for t in taps for i in t}
+        x = local.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
+        x, _, tapped = local.run_layers(x, segments, spans, wanted & set(local.owned))
+        remote = sorted(wanted & self.remote_taps)
+        reply = any(s.logits != "none" for s in segments) or bool(remote)
+        rows = [span.stop - span.start for span in spans]
+        self._check()
+        try:
+            self.command("forward", cids=[s.cache.cid for s in segments], rows=rows, taps=remote, reply=reply)
+            self.link.send(x)
+            h = self.args.hidden_size
+            back = self._wait((1, x.shape[1], h * (1 + len(remote))) if reply else (1,), x.dtype)
+        except Exception as e:
+            raise self._broke(e) from e
+        for s, n in zip(segments, rows):
+            s.cache.advance(n)
+        if not reply:
+            return [(None, None) for _ in segments]
+        final = back[..., :h]
+        for j, layer in enumerate(remote):
+            tapped[layer] = back[0, :, h * (j + 1):h * (j + 2)]
+        normed = rms_norm(final, local.norm, self.args.rms_norm_eps)
+        return [(logits, local._hidden(tapped, t, span)) for logits, t, span in
+                zip(local._logits(normed[0], segments, spans), taps, spans)]
+
+    # commands
+    def command(self, op: str, **fields) -> int:
+        """Send a command to every other rank; returns the id it names (new caches and
+        snapshots)."""
+        self._check()
+        ident = next(self._ids)
+        with self._lock:
+            dropped = {k: v for k, v in self._forgotten.items() if v}
+            self._forgotten = {"caches": [], "snapshots": []}
+        try:
+            self.link.send_command({"op": op, "id": ident, "drop": dropped, **fields})
+        except Exception as e:
+            raise self._broke(e) from e
+        return ident
+
+    def forget(self, kind: str, ident: int) -> None:
+        """A cache or snapshot rank 0 no longer holds: the others drop theirs with the next command."""
+        with self._lock:
+            self._forgotten[kind].append(ident)
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (they exit their loops)."""
+        if self.broken is None:
+            try:
+                self.command("stop")
+            except PipelineError:
+                pass
+            self.broken = "stopped"
+
+    def _wait(self, shape, dtype) -> mx.array:
+        """The last rank's answer, or PipelineError after `timeout` seconds."""
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(_attempt(self.link.receive, shape, dtype)),
+                                  daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if not result:
+            raise PipelineError(f"rank {self.link.previous} has not answered in {self.timeout:g} s")
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise PipelineError(f"the pipeline is down: {self.broken}")
+
+    def _broke(self, e: Exception) -> PipelineError:
+        self.broken = self.broken or f"{type(e).__name__}: {e}"
+        return e if isinstance(e, PipelineError) else PipelineError(f"a rank of the pipeline failed: {e}")
+
+
+def _attempt(fn, *args):
+    try:
+        return True, fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed to the waiting thread
+        return False, e
+
+
+# ----------------------------------------------------------------------- ranks 1..N-1
+
+
+def serve_stage(model, link: Link) -> None:
+    """Run this rank's stage until rank 0 says stop (or the ring fails: raises)."""
+    caches: dict[int, HybridCache] = {}
+    snapshots: dict[int, tuple[int, Snapshot]] = {}
+    h, last = model.args.hidden_size, link.rank == link.size - 1
+    owned = set(model.owned)
+    while True:
+        command = link.receive_command()
+        if not last:
+            link.send_command(command)
+        for cid in command["drop"].get("caches", ()):
+            caches.pop(cid, None)
+        for sid in command["drop"].get("snapshots", ()):
+            snapshots.pop(sid, None)
+        op = command["op"]
+        if op == "stop":
+            return
+        if op == "new":
+            caches[command["id"]] = model.make_cache(command["max_context"], command["spare_rows"])
+        elif op == "snapshot":
+            snapshots[command["id"]] = caches[command["cid"]].snapshot(command["record"])
+        elif op == "restore":
+            caches[command["cid"]].restore(snapshots[command["sid"]])
+        elif op == "commit":
+            cache = caches[command["cid"]]
+            cache.commit(snapshots[command["sid"]], command["rows"])
+            mx.eval(cache.arrays())
+        elif op == "rewind":
+            caches[command["cid"]].rewind(command["offset"])
+        elif op == "forward":
+            _stage_forward(model, link, command, [caches[c] for c in command["cids"]], owned, h, last)
+        else:
+            raise PipelineError(f"rank {link.rank}: unknown command {op!r}")
+
+
+def _stage_forward(model, link: Link, command: dict, caches: list, owned: set, h: int, last: bool) -> None:
+    taps = command["taps"]
+    before = [t for t in taps if t < model.owned.start]  # carried in from earlier stages
+    rows = command["rows"]
+    n = sum(rows)
+    incoming = link.receive((1, n, h * (1 + len(before))), model.dtype)
+    x, tapped = model.forward_stage(incoming[..., :h], caches, rows, [t for t in taps if t in owned])
+    parts = [x, incoming[..., h:]] if before else [x]
+    parts += [tapped[t][None] for t in taps if t in owned]
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    mx.eval(out, [c.arrays() for c in caches])
+    if last and not command["reply"]:
+        link.send(mx.zeros((1,), model.dtype))
+    else:
+        link.send(out)
+
+
+__all__ = ["Link", "Pipeline", "PipelineCache", "PipelineError", "RemoteSnapshot", "Span", "serve_stage"]
