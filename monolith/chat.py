@@ -22,6 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from .cli import ArgumentParser
+from .distributed import add_distributed_arguments, join, stage_log
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
 from .runtime.checkpoint_file import (
     CheckpointFileError,
@@ -59,6 +60,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--min-p", type=float, default=0.0)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--no-thinking", action="store_true", help="render the template with enable_thinking=false")
+    add_distributed_arguments(ap)
     return ap
 
 
@@ -335,6 +337,10 @@ def _printable(text: str) -> str:
     return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else "\ufffd" for c in text)
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # Ctrl-C stops a reply: take SIGINT even when started with it ignored (a background
@@ -348,9 +354,14 @@ def main(argv=None) -> int:
     except (SetupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    rank = None
     try:
-        engine = load_engine(args, plan, lambda message: print(message, file=sys.stderr, flush=True),
-                             max_queue=1, queue_timeout=1e9)
+        if args.distributed:
+            rank = join(args, plan, _log)
+            if not rank.leader:  # a stage only: rank 0 chats
+                return rank.serve(stage_log(rank.link.rank))
+        engine = load_engine(args, plan, _log, max_queue=1, queue_timeout=1e9,
+                             **({} if rank is None else {"sources": rank.sources, "load": rank.target}))
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)
         return 130
@@ -365,6 +376,8 @@ def main(argv=None) -> int:
         return Chat(engine, args, plan.name).run()
     finally:
         engine.close()
+        if rank is not None:
+            rank.close()
 
 
 if __name__ == "__main__":

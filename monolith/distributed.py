@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -146,7 +147,7 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
         gc.collect()
         mx.clear_cache()
         model = load_stage(sources.target_pack, args.dtype, balanced[link.rank], leader)
-    log(f"rank {link.rank} of {link.size}: layers {_layers(balanced[link.rank])}"
+    log(f"rank {link.rank} of {link.size} (pid {os.getpid()}): layers {_layers(balanced[link.rank])}"
         + (" with the head" if leader else "") + f" (split by measured cost: {describe(balanced)})")
     return Rank(link, balanced, model, sources, args.distributed_timeout)
 

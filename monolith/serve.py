@@ -10,6 +10,7 @@ import os
 import sys
 
 from .cli import ArgumentParser
+from .distributed import add_distributed_arguments, join, rank_of, stage_log
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -33,6 +34,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                     help="larger request bodies get 413 (default 8 MiB)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_distributed_arguments(ap)
     return ap
 
 
@@ -52,6 +54,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
+    if args.distributed and rank_of(args) != 0:  # a stage only: rank 0 serves
+        try:
+            return join(args, plan, stage_log(rank_of(args))).serve(stage_log(rank_of(args)))
+        except SetupError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
     import uvicorn
 
     from .serving.app import ServerConfig, create_app
@@ -68,8 +77,14 @@ def main(argv=None) -> int:
         failures.append(error)
         server.should_exit = True
 
+    ranks = []  # with --distributed: this rank's place, stopped on the way out
+
     def load():
-        return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch)
+        if not args.distributed:
+            return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch)
+        ranks.append(join(args, plan, log.info))
+        return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch,
+                           sources=ranks[0].sources, load=ranks[0].target)
 
     app = create_app(load, config, on_load_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -79,6 +94,9 @@ def main(argv=None) -> int:
         server.run()
     except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
         pass
+    finally:
+        for rank in ranks:
+            rank.close()
     if failures:
         print(f"error: {failures[0]}".replace("\n", " "), file=sys.stderr)
         return 1

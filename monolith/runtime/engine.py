@@ -171,6 +171,11 @@ class Engine:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def down(self) -> str | None:
+        """Why the model cannot serve any more (a pipeline whose rank failed), or None."""
+        return getattr(self.model, "broken", None)
+
     def new_session(self) -> Session:
         return Session(self.prompt_cache)
 

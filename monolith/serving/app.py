@@ -45,6 +45,7 @@ from ..runtime.events import (
     Started,
 )
 from ..runtime.grammar import Grammar
+from ..runtime.pipeline import PipelineError
 from . import anthropic, responses_api, structured
 from .errors import APIError, bad
 from .metrics import CONTENT_TYPE, Metrics
@@ -202,6 +203,8 @@ class _Handlers:
     def _engine(self):
         state = self.state
         if state.status == "ready":
+            if state.engine.down:
+                raise APIError(503, f"the model is unavailable: {state.engine.down}", code="model_unavailable")
             return state.engine
         if state.status == "failed":
             raise APIError(503, f"the model failed to load: {state.error}", code="model_load_failed")
@@ -211,6 +214,8 @@ class _Handlers:
 
     async def health(self, request: Request) -> Response:
         state = self.state
+        if state.status == "ready" and state.engine.down:
+            return JSONResponse({"status": "unhealthy", "message": state.engine.down}, status_code=503)
         if state.status == "ready":
             return JSONResponse({"status": "ok"})
         body = {"status": state.status}
@@ -470,6 +475,9 @@ def _engine_error(error: Exception) -> APIError:
         return APIError(503, f"{error}; the server is busy, retry later", code="queue_timeout")
     if isinstance(error, EngineClosed):
         return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(error, PipelineError):
+        log.error("generation failed: %s", error)
+        return APIError(503, str(error), code="model_unavailable")
     if isinstance(error, ValueError):
         return bad(str(error))
     log.error("generation failed: %s: %s", type(error).__name__, error, exc_info=error)
