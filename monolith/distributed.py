@@ -8,7 +8,7 @@ Every rank runs the same command. At start the ranks:
 
 1. resolve their target pack (each machine its own copy) and compare the packs'
    pack_sha256; a rank with another pack is refused by name on every rank;
-2. split the layers by modelled cost (runtime/split.py: the bytes a decode step reads;
+2. split the layers by modelled cost (pack/split.py: the bytes a decode step reads;
    rank 0 also carries the head and the draft), load their own layers' tensors only,
    time their stage on an 8-row forward, and split again by those times (reloading
    only where the split moved);
@@ -37,8 +37,8 @@ import numpy as np
 from .launch import SetupError, Sources, resolve_sources
 from .models import load_model
 from .pack import read_manifest, resolve_pack
+from .pack.split import pack_costs, split_layers
 from .runtime.pipeline import Link, Pipeline, serve_stage
-from .runtime.split import pack_costs, split_layers
 
 MEASURE_ROWS = 8  # a verify round's rows: what the split is balanced for
 MEASURE_REPEATS = 5

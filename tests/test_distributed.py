@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from monolith.runtime.split import pack_costs, split_layers
+from monolith.pack.split import pack_costs, split_layers
 
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
@@ -93,7 +93,7 @@ def generate(env, model: list[str], extra: list[str], ranks: int = 0, timeout: f
     if ranks:
         command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)),
                    "--", *command, "--distributed"]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
 
@@ -125,12 +125,12 @@ def test_a_rank_with_another_pack_is_refused_by_name(env, demo, dense, tmp_path)
     script = ('import subprocess, sys, os\n'
               'models = sys.argv[1:3]\n'
               'rank = int(os.environ["MLX_RANK"])\n'
-              f'sys.exit(subprocess.call([sys.executable, "-m", "monolith.generate", "--model", models[rank], '
-              f'"--no-draft", "--prompt", "hi", "--max-tokens", "2", "--json", "--distributed"]))\n')
+              'sys.exit(subprocess.call([sys.executable, "-m", "monolith.generate", "--model", models[rank], '
+              '"--no-draft", "--prompt", "hi", "--max-tokens", "2", "--json", "--distributed"]))\n')
     wrapper = tmp_path / "per_rank.py"
     wrapper.write_text(script)
     run = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--",
-                          sys.executable, str(wrapper), demo[1], dense[1]], env=env, capture_output=True, text=True,
+                          sys.executable, str(wrapper), demo[1], dense[1]], check=False, env=env, capture_output=True, text=True,
                          timeout=300, stdin=subprocess.DEVNULL)
     # (mlx.launch itself exits 0 here: it only warns that rank 1 exited with code 1)
     assert "exited with code 1" in run.stderr
@@ -203,11 +203,11 @@ def test_a_rank_killed_mid_request_fails_the_request_not_a_hang(env, demo, tmp_p
 def test_the_split_balances_cost_not_layer_count():
     """Rank 0 carries the head: it gets fewer layers; costs that differ by layer move the
     cut; measured speeds per rank shift layers to the faster rank."""
-    assert split_layers([1.0] * 8, 2) == [range(0, 4), range(4, 8)]
-    assert split_layers([1.0] * 8, 2, first=2.0) == [range(0, 3), range(3, 8)]
-    assert split_layers([4.0, 1, 1, 1, 1, 4.0], 2) == [range(0, 3), range(3, 6)]
-    assert split_layers([1.0] * 6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
-    assert split_layers([1.0] * 9, 2, speeds=[1.0, 2.0]) == [range(0, 6), range(6, 9)]
+    assert split_layers([1.0] * 8, 2) == [range(4), range(4, 8)]
+    assert split_layers([1.0] * 8, 2, first=2.0) == [range(3), range(3, 8)]
+    assert split_layers([4.0, 1, 1, 1, 1, 4.0], 2) == [range(3), range(3, 6)]
+    assert split_layers([1.0] * 6, 3) == [range(2), range(2, 4), range(4, 6)]
+    assert split_layers([1.0] * 9, 2, speeds=[1.0, 2.0]) == [range(6), range(6, 9)]
     with pytest.raises(ValueError, match="at least 3 decoder layers"):
         split_layers([1.0, 1.0], 3)
 
@@ -224,3 +224,28 @@ def test_pack_costs_count_the_experts_a_step_reads():
     assert costs.layer_bytes == (512 + 128, 256)
     assert costs.layer_reads == (128 + 128, 256)
     assert costs.head_bytes == 3200 and costs.head_reads == 1600  # the embedding is gathered, not read
+
+
+def test_pack_inspect_shows_each_ranks_bytes(env, demo):
+    """`pack inspect --ranks N`: every tensor's bytes on exactly one rank, rank 0 with the head."""
+    from monolith.pack import read_manifest, resolve_pack
+    from monolith.pack.inspect import inspect_pack
+    from monolith.pack.split import DTYPE_BYTES
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", env["MONOLITH_CACHE"])
+        pack = resolve_pack(demo[1], role="target")
+    total = 0
+    for t in read_manifest(pack)["tensors"].values():
+        n = DTYPE_BYTES[t["dtype"]]
+        for d in t["shape"]:
+            n *= d
+        total += n
+    for ranks in (2, 3):
+        split = inspect_pack(pack, ranks)["ranks"]
+        assert [r["rank"] for r in split] == list(range(ranks))
+        assert sum(r["bytes"] for r in split) == total
+        assert split[0]["layers"][0] == 0 and split[-1]["layers"][1] == 3
+    run = subprocess.run([sys.executable, "-m", "monolith.pack", "inspect", str(pack), "--ranks", "9"], check=False,
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 1 and "9 ranks need at least 9 decoder layers" in run.stderr

@@ -10,7 +10,6 @@ weights are read by PackWeights (weights.py).
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -24,12 +23,11 @@ from ..checkpoint.config import (
 )
 from ..kernels import check_kernels
 from ..pack import PackError, read_manifest
+from ..pack.split import LAYER
 from .draft_args import DRAFT_ARGS, DraftArgs, DraftError
 from .dspark import Draft
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
-
-LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Architecture(NamedTuple):

@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="describe a pack")
     i.add_argument("pack")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--ranks", type=int, metavar="N",
+                   help="a target's split across N pipeline ranks (--distributed): the bytes each holds")
     return ap
 
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         elif args.command == "unpack":
             print(unpack_pack(args.pack, args.out, force=args.force))
         else:
-            info = inspect_pack(args.pack)
+            info = inspect_pack(args.pack, args.ranks)
             print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_inspection(info))
     except (CheckpointError, FormatError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,7 +23,7 @@ from ..formats.stfile import header_bytes
 from . import manifest as mf
 from .convert import convert_entry, entry_nbytes, tensor_specs
 from .plan import plan_pack
-from .recipe import RECIPE_VERSION, Plan, PackError
+from .recipe import RECIPE_VERSION, PackError, Plan
 from .validate import validate_pack
 
 DEFAULT_SHARD_BYTES = 1 << 30

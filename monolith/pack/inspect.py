@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
+from ..checkpoint.errors import CheckpointError
 from . import manifest as mf
+from .split import pack_costs, split_layers
 
 
-def inspect_pack(pack_dir) -> dict:
+def inspect_pack(pack_dir, ranks: int | None = None) -> dict:
+    """What the pack holds; with `ranks`, a target's split across that many pipeline
+    ranks (`--distributed`): the bytes each rank holds."""
     manifest = mf.read_manifest(Path(pack_dir))
     entries = manifest["entries"]
     precisions = Counter(e["precision"] for e in entries.values())
@@ -26,7 +31,26 @@ def inspect_pack(pack_dir) -> dict:
         "entries": len(entries),
         "entries_by_precision": dict(sorted(precisions.items())),
         "layout": manifest["layout"],
-    }
+    } | ({} if ranks is None else {"ranks": rank_split(Path(pack_dir), manifest, ranks)})
+
+
+def rank_split(pack_dir: Path, manifest: dict, ranks: int) -> list[dict]:
+    """Per rank: its layers and the bytes they (and on rank 0 the head: embedding, final
+    norm, lm_head) hold, split by the cost a decode step reads (pack/split.py). At start
+    `--distributed` times the stages and may move a layer; the draft (rank 0) is not counted."""
+    if manifest["role"] != "target":
+        raise CheckpointError(f"{pack_dir}: a {manifest['role']} pack is not split across ranks (only targets are)")
+    config = json.loads((pack_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    experts = config["num_experts_per_tok"] / config["num_experts"] if config.get("num_experts") else 1.0
+    costs = pack_costs(manifest, config["num_hidden_layers"], experts)
+    try:
+        split = split_layers(list(costs.layer_reads), ranks, costs.head_reads)
+    except ValueError as e:
+        raise CheckpointError(f"{pack_dir}: {e}") from None
+    return [{"rank": r, "layers": [part.start, part.stop - 1],
+             "bytes": sum(costs.layer_bytes[i] for i in part) + (costs.head_bytes if r == 0 else 0)}
+            for r, part in enumerate(split)]
 
 
 def format_inspection(info: dict) -> str:
@@ -39,4 +63,8 @@ def format_inspection(info: dict) -> str:
         f"pack_sha256   {info['pack_sha256']}",
         "entries       " + ", ".join(f"{n} {p}" for p, n in info["entries_by_precision"].items()),
     ]
+    for r in info.get("ranks", ()):
+        first, last = r["layers"]
+        lines.append(f"rank {r['rank']:<8d}layers {first}-{last}{' + head' if r['rank'] == 0 else ''}: "
+                     f"{r['bytes'] / 1e6:.1f} MB")
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """A target split into pipeline stages over mx.distributed (`--distributed`, started by
-`mlx.launch`): rank r holds a contiguous run of decoder layers (runtime/split.py);
+`mlx.launch`): rank r holds a contiguous run of decoder layers (pack/split.py);
 rank 0 also holds the embedding, the final norm and the lm_head, runs the draft, the
 engine and the HTTP server. The other ranks run `serve_stage`: a loop that does what
 rank 0 tells it.

@@ -15,9 +15,10 @@ experts per token, not all of them; its memory is all of them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from ..models.loading import LAYER
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer's tensor name
 
 
 @dataclass(frozen=True)
