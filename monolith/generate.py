@@ -100,7 +100,10 @@ def _generate(args, plan, params, ids, load, load_draft, stdout, stderr, rank) -
     finally:
         engine.close()
     if args.json:
-        stdout.write(json.dumps(result_json(finished, text), ensure_ascii=False) + "\n")
+        doc = result_json(finished, text)
+        if rank is not None:
+            doc["pipeline"] = rank.pipeline.traffic()
+        stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
     else:
         stdout.write("\n")
         stdout.flush()

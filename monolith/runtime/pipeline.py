@@ -42,7 +42,7 @@ from ..models.cache import CacheError, HybridCache, Snapshot
 from ..models.layers import rms_norm
 from ..models.qwen3_5 import Segment, Span
 
-FRAME = 1024  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
+FRAME = 256  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
 
 
 class PipelineError(RuntimeError):
@@ -154,6 +154,13 @@ class Pipeline:
         self._forgotten: dict[str, list[int]] = {"caches": [], "snapshots": []}
         self._lock = threading.Lock()
         self.remote_taps: set[int] = set(range(split[0].stop, self.args.num_hidden_layers))
+        self.forwards = self.commands = self.rows = 0  # counted for traffic()
+
+    def traffic(self) -> dict:
+        """What rank 0 has sent so far (generate --json: bench/distributed.py reads it)."""
+        return {"ranks": self.link.size, "layers": [[r.start, r.stop - 1] for r in self.split],
+                "forwards": self.forwards, "commands": self.commands, "rows": self.rows,
+                "sent_bytes": self.link.sent, "frame_bytes": FRAME}
 
     def __getattr__(self, name):  # the head and everything else the runtime reads: the first stage's
         return getattr(self.local, name)
@@ -192,6 +199,8 @@ class Pipeline:
             raise self._broke(e) from e
         for s, n in zip(segments, rows):
             s.cache.advance(n)
+        self.forwards += 1
+        self.rows += sum(rows)
         if not reply:
             return [(None, None) for _ in segments]
         final = back[..., :h]
@@ -210,6 +219,7 @@ class Pipeline:
         with self._lock:
             dropped = {k: v for k, v in self._forgotten.items() if v}
             self._forgotten = {"caches": [], "snapshots": []}
+        self.commands += 1
         try:
             self.link.send_command({"op": op, "id": ident, "drop": dropped, **fields})
         except Exception as e:

@@ -1,0 +1,145 @@
+"""Pipeline parallel on loopback (issue 19): `generate --json` in one process against the
+same under `mlx.launch -n R --backend ring ... --distributed`, plain and speculative, on
+the demo pair (or --model / --draft).
+
+Reported per mode: ms per decode step (plain) or per verify round (speculative), the
+R-rank / 1-rank ratio, whether the tokens are equal, and the bytes exchanged per forward:
+rank 0's, counted by the pipeline (runtime/pipeline.py, `traffic()`: command frames and
+the residual stream it sends), and the whole ring's, from the protocol: R hops of
+rows x hidden x dtype bytes, the tap features riding from the stage that taps them back to
+rank 0, and each command relayed R - 1 times. Then a projection for the 35B-A3B at 2 ranks
+over Thunderbolt 5 (assumptions printed with it). Medians of --repeats runs, each pair
+(one process, R ranks) run back to back. Prints a table and writes
+bench/results/distributed.json and .md.
+
+    python bench/distributed.py [--ranks 2] [--max-tokens 64] [--repeats 3] [--model M --draft D]
+
+Run with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for
+bench/results (performance.md); both the ranks share this machine's two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+
+# Thunderbolt 5: 80 Gb/s each way (Intel/USB-IF Thunderbolt 5 and USB4 v2 specification);
+# a TCP round over a Thunderbolt bridge pays tens of microseconds per message (MLX's
+# distributed docs recommend the ring backend over Thunderbolt for this reason). Assumed:
+TB5_BYTES_PER_S = 80e9 / 8
+TB5_MESSAGE_S = 50e-6
+QWEN36_35B = {"hidden": 2048, "dtype_bytes": 2, "layers": 40}
+
+
+def run(command: list[str], env: dict) -> dict:
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=900,
+                          stdin=subprocess.DEVNULL)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or len(lines) != 1:
+        raise SystemExit(f"failed: {' '.join(command)}\n{done.stderr[-2000:]}")
+    return json.loads(lines[0])
+
+
+def per_unit(doc: dict, speculative: bool) -> float:
+    stats = doc["stats"]
+    units = stats["rounds"] if speculative else max(len(doc["token_ids"]) - 1, 1)
+    return stats["decode_seconds"] / units
+
+
+def ring_bytes(traffic: dict, hidden: int, dtype_bytes: int, taps_rows: int) -> float:
+    """The whole ring's bytes for the run: every command relayed R - 1 times, every
+    forward's rows R hops, the taps once from their stage back to rank 0 (an upper bound:
+    counted for every hop after the first stage)."""
+    r = traffic["ranks"]
+    frames = traffic["commands"] * traffic["frame_bytes"] * (r - 1)
+    stream = traffic["rows"] * hidden * dtype_bytes * r
+    return frames + stream + taps_rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=str(ROOT / "packs/demo/target"))
+    ap.add_argument("--draft", default=str(ROOT / "packs/demo/draft"))
+    args = ap.parse_args()
+    launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "monolith.generate", "--model", args.model, "--prompt", PROMPT,
+            "--max-tokens", str(args.max_tokens), "--json"]
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    hidden = config["hidden_size"]
+    rows = []
+    for mode in ("plain", "speculative"):
+        extra = ["--no-draft"] if mode == "plain" else ["--draft", args.draft]
+        one, many, equal, traffic = [], [], True, None
+        for _ in range(args.repeats):
+            alone = run(base + extra, env)
+            split = run([launch, "-n", str(args.ranks), "--backend", "ring", "--", *base, *extra, "--distributed"],
+                        env)
+            one.append(per_unit(alone, mode == "speculative"))
+            many.append(per_unit(split, mode == "speculative"))
+            equal &= alone["token_ids"] == split["token_ids"]
+            traffic = split["pipeline"]
+        dtype_bytes = 4 if platform.system() == "Linux" else 2  # MLX's CPU computes in float32 here
+        forwards = traffic["forwards"]
+        rows.append({
+            "mode": mode, "ranks": args.ranks, "layers": traffic["layers"],
+            "one_ms": statistics.median(one) * 1e3, "ranks_ms": statistics.median(many) * 1e3,
+            "ratio": statistics.median(many) / statistics.median(one), "equal": equal,
+            "rank0_bytes_per_forward": traffic["sent_bytes"] / forwards,
+            "ring_bytes_per_forward": ring_bytes(traffic, hidden, dtype_bytes, 0) / forwards,
+            "commands_per_forward": traffic["commands"] / forwards,
+            "rows_per_forward": traffic["rows"] / forwards,
+        })
+    h, b = QWEN36_35B["hidden"], QWEN36_35B["dtype_bytes"]
+    frame = traffic["frame_bytes"]
+    projection = {}
+    for name, n_rows, commands in (("decode step", 1, 2), ("verify round", 8, 3)):
+        stream = 2 * n_rows * h * b  # rank 0 -> 1 -> 0
+        control = commands * frame
+        messages = 2 + commands
+        projection[name] = {"stream_bytes": stream, "control_bytes": control,
+                            "goal_bytes": 2 * n_rows * h * 2,
+                            "seconds": messages * TB5_MESSAGE_S + (stream + control) / TB5_BYTES_PER_S}
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus", "blas": os.environ.get("LD_PRELOAD", "bundled"),
+              "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
+              "tb5_assumed": {"bytes_per_s": TB5_BYTES_PER_S, "seconds_per_message": TB5_MESSAGE_S,
+                              "model": QWEN36_35B},
+              "tb5_projection_35b_2_ranks": projection}
+    lines = ["# distributed", "", f"- machine: {result['machine']}, BLAS {result['blas']}",
+             f"- model: {args.model}; {args.max_tokens} tokens; medians of {args.repeats}", "",
+             ("| mode | ranks | layers | 1 process ms | ranks ms | ratio | equal | rank 0 B/forward | ring B/forward | "
+              "commands/forward | rows/forward |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['ranks']} | {r['layers']} | {r['one_ms']:.2f} | {r['ranks_ms']:.2f} | "
+                     f"{r['ratio']:.2f} | {r['equal']} | {r['rank0_bytes_per_forward']:.0f} | "
+                     f"{r['ring_bytes_per_forward']:.0f} | {r['commands_per_forward']:.2f} | "
+                     f"{r['rows_per_forward']:.2f} |")
+    lines += ["", (f"Thunderbolt 5 projection, Qwen3.6-35B-A3B at 2 ranks (hidden {h}, BF16; assumed "
+                   f"{TB5_BYTES_PER_S * 8 / 1e9:.0f} Gb/s and {TB5_MESSAGE_S * 1e6:.0f} us a message):"), ""]
+    for name, p in projection.items():
+        lines.append(f"- {name}: stream {p['stream_bytes']} B (goal {p['goal_bytes']} B) + control "
+                     f"{p['control_bytes']} B -> {p['seconds'] * 1e6:.0f} us")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = ROOT / "bench/results"
+    (out / "distributed.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "distributed.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
