@@ -45,11 +45,11 @@ MEASURE_REPEATS = 5
 
 
 def add_distributed_arguments(ap: argparse.ArgumentParser) -> None:
-    group = ap.add_argument_group("pipeline parallel (start every rank with mlx.launch)")
-    group.add_argument("--distributed", action="store_true",
+    options = ap.add_argument_group("pipeline parallel (start every rank with mlx.launch)")
+    options.add_argument("--distributed", action="store_true",
                        help="split the target's layers across the ranks mlx.launch started; rank 0 holds the "
                             "embedding, the lm_head and the draft, and serves")
-    group.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
+    options.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="how long rank 0 waits for a forward's answer before it calls the pipeline down "
                             "(default 600)")
 
@@ -96,9 +96,36 @@ def rank_of(args: argparse.Namespace) -> int:
     if not args.distributed:
         return 0
     try:
-        return mx.distributed.init(strict=True).rank()
+        return group().rank()
     except Exception:  # noqa: BLE001 - join() says why
         return 0
+
+
+_GROUP = []
+
+
+def group():
+    """The mx.distributed group (made once). The ring backend's socket threads spin while
+    a receive is pending (an idle rank waits in one): on Linux they run at the lowest
+    priority, so they take only a core nothing else wants (where two ranks share a
+    machine's cores, as on loopback, the computing rank keeps its cores)."""
+    if not _GROUP:
+        mx.eval(mx.zeros((1,)) + 1)  # MLX's own threads exist before the ring's start
+        before = _threads()
+        _GROUP.append(mx.distributed.init(strict=True))
+        for tid in _threads() - before:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
+            except OSError:
+                pass  # not allowed here: they spin at the usual priority
+    return _GROUP[0]
+
+
+def _threads() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux
+        return set()
 
 
 def join(args: argparse.Namespace, plan, log) -> Rank:
@@ -111,18 +138,18 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
     if args.distributed_timeout <= 0:
         raise SetupError(f"--distributed-timeout must be positive, got {args.distributed_timeout}")
     try:
-        group = mx.distributed.init(strict=True)
+        ring = group()
     except Exception as e:  # noqa: BLE001 - no backend: not started by mlx.launch
         raise SetupError(f"--distributed: no mx.distributed group ({e}); start every rank with mlx.launch, "
                          "e.g. mlx.launch --hosts A,B --backend ring -- python -m monolith.serve --distributed") \
             from None
-    link = Link(group)
+    link = Link(ring)
     if link.size < 2:
         raise SetupError("--distributed needs at least two ranks (mlx.launch -n 2 or --hosts A,B)")
     leader = link.rank == 0
     sources = resolve_sources(args, plan, log if leader else lambda message: None)
     manifest = read_manifest(Path(sources.target_pack))
-    check_packs(group, manifest.get("pack_sha256") or "", sources.target_pack)
+    check_packs(ring, manifest.get("pack_sha256") or "", sources.target_pack)
     config = read_config(sources.target_pack)
     layers = config["num_hidden_layers"]
     experts = config.get("num_experts_per_tok", 1) / config.get("num_experts", 1) if config.get("num_experts") \
@@ -132,16 +159,16 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
         raise SetupError(f"--distributed: {link.size} ranks need at least {link.size} decoder layers; "
                          f"the model has {layers}")
     first = costs.head_reads + (draft_reads(args, sources) if leader else 0.0)
-    split = broadcast_split(group, split_layers(list(costs.layer_reads), link.size, first) if leader else None,
+    split = broadcast_split(ring, split_layers(list(costs.layer_reads), link.size, first) if leader else None,
                             link.size)
     model = load_stage(sources.target_pack, args.dtype, split[link.rank], leader)
     took, head = measure_stage(model, leader)
-    times = mx.distributed.all_gather(mx.array([took], dtype=mx.float32), group=group).tolist()
+    times = mx.distributed.all_gather(mx.array([took], dtype=mx.float32), group=ring).tolist()
     reads = [sum(costs.layer_reads[i] for i in part) for part in split]
     speeds = [t / max(r, 1.0) for t, r in zip(times, reads)]  # seconds per modelled byte, per rank
     balanced = split_layers(list(costs.layer_reads), link.size, head + speeds[0] * (first - costs.head_reads),
                             speeds) if leader else None
-    balanced = broadcast_split(group, balanced if leader else None, link.size)
+    balanced = broadcast_split(ring, balanced if leader else None, link.size)
     if balanced[link.rank] != split[link.rank]:
         del model
         gc.collect()

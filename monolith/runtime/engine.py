@@ -157,6 +157,8 @@ class Engine:
         self._lock = threading.Condition()
         self._running: dict[int, Job] = {}  # the jobs in the batch, by id
         self._closed = False
+        if hasattr(model, "on_broken"):  # a pipeline: its watchdog fails the requests of a stuck worker
+            model.on_broken.append(self.abandon)
         self._thread = threading.Thread(target=self._work, name="monolith-engine", daemon=True)
         self._thread.start()
         _ENGINES.add(self)
@@ -254,6 +256,19 @@ class Engine:
         kernels), then forget it (on a session of its own, outside the prompt cache)."""
         session = Session()
         self.generate(GenerationRequest((0, 1), max_tokens=2), session)
+
+    def abandon(self, error: Exception) -> None:
+        """The model cannot answer any more (a pipeline rank is unreachable) and the worker
+        may be stuck in it: fail every running and queued request now, from this thread."""
+        with self._lock:
+            self._closed = True
+            jobs, self._queue = list(self._running.values()) + list(self._queue), deque()
+            self._running.clear()
+            self._lock.notify_all()
+        for job in jobs:
+            job.error = error
+            self._emit(job, Failed(error))
+            job.done.set()
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel the running requests, fail the queued ones, stop the worker."""

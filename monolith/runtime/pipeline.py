@@ -8,8 +8,9 @@ Every message goes one way round the ring, rank 0 -> 1 -> ... -> N-1 -> 0, so ea
 is between neighbours:
 
 - a command (a small JSON frame): every rank relays it to the next before acting on it.
-  Cache commands (new, snapshot, restore, commit, rewind, free) keep each rank's caches
-  of its own layers in step with rank 0's; they carry no arrays.
+  Cache commands (new, snapshot, restore, commit, rewind, and the ids rank 0 dropped)
+  keep each rank's caches of its own layers in step with rank 0's; they carry no arrays
+  and wait on rank 0 until the next forward's frame carries them (or the stop).
 - a forward: rank 0 embeds the rows and runs its layers, then the residual stream
   [rows, hidden] (compute dtype) goes to rank 1, which runs its layers and passes it on.
   A stage that holds a layer the draft taps appends that layer's rows, so the tap
@@ -17,9 +18,9 @@ is between neighbours:
   rank 0, which applies the final norm and the lm_head. A forward whose rows need no
   logits and no taps (a prefill chunk) gets a one-number acknowledgement back instead.
 
-A verify round of 8 rows is thus N hops of 8 x hidden values plus the tap features, and
-the commit that follows is one command. Rank 0 waits for each forward's answer before
-it sends anything else, so no two messages cross.
+A verify round of 8 rows is thus one frame, then N hops of 8 x hidden values plus the
+tap features; its snapshot and commit ride in the frames. Rank 0 waits for each
+forward's answer before it sends anything else, so no two messages cross.
 
 Failures: a rank that dies closes its sockets and the ring raises on the next send or
 receive; rank 0 then marks the pipeline broken (`Pipeline.broken`: the server's health
@@ -42,7 +43,7 @@ from ..models.cache import CacheError, HybridCache, Snapshot
 from ..models.layers import rms_norm
 from ..models.qwen3_5 import Segment, Span
 
-FRAME = 256  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
+FRAME = 512  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
 
 
 class PipelineError(RuntimeError):
@@ -59,24 +60,32 @@ class Link:
         self.previous = (self.rank - 1) % self.size
         self.sent = 0  # bytes sent by this rank (arrays and frames)
 
-    def send(self, x: mx.array) -> None:
-        mx.eval(mx.distributed.send(x, self.next, group=self.group))
-        self.sent += x.nbytes
+    def send(self, *arrays: mx.array) -> None:
+        """Send the arrays in order, in one evaluation (each send waits on the one before)."""
+        sends = []
+        for x in arrays:
+            if sends:
+                x = mx.depends(x, sends[-1:])
+            sends.append(mx.distributed.send(x, self.next, group=self.group))
+            self.sent += x.nbytes
+        mx.eval(sends)
 
     def receive(self, shape: tuple, dtype) -> mx.array:
         x = mx.distributed.recv(shape, dtype, self.previous, group=self.group)
         mx.eval(x)
         return x
 
-    def send_command(self, command: dict) -> None:
+    def send_command(self, command: dict, then: mx.array | None = None) -> None:
+        """Send a command frame (and its overflow), then `then` if given."""
         data = json.dumps(command, separators=(",", ":")).encode()
         frame = bytearray(FRAME)
         frame[:4] = len(data).to_bytes(4, "little")
         head = data[:FRAME - 4]
         frame[4:4 + len(head)] = head
-        self.send(mx.array(np.frombuffer(bytes(frame), dtype=np.uint8)))
+        arrays = [mx.array(np.frombuffer(bytes(frame), dtype=np.uint8))]
         if len(data) > FRAME - 4:
-            self.send(mx.array(np.frombuffer(data[FRAME - 4:], dtype=np.uint8)))
+            arrays.append(mx.array(np.frombuffer(data[FRAME - 4:], dtype=np.uint8)))
+        self.send(*arrays, *([] if then is None else [then]))
 
     def receive_command(self) -> dict:
         frame = np.array(self.receive((FRAME,), mx.uint8)).tobytes()
@@ -152,6 +161,8 @@ class Pipeline:
         self.broken: str | None = None  # why the pipeline stopped, once it has
         self._ids = itertools.count(1)
         self._forgotten: dict[str, list[int]] = {"caches": [], "snapshots": []}
+        self._queued: list[dict] = []  # cache commands waiting for the next forward
+        self.on_broken: list = []  # called with the PipelineError when the watchdog gives up
         self._lock = threading.Lock()
         self.remote_taps: set[int] = set(range(split[0].stop, self.args.num_hidden_layers))
         self.forwards = self.commands = self.rows = 0  # counted for traffic()
@@ -191,8 +202,7 @@ class Pipeline:
         rows = [span.stop - span.start for span in spans]
         self._check()
         try:
-            self.command("forward", cids=[s.cache.cid for s in segments], rows=rows, taps=remote, reply=reply)
-            self.link.send(x)
+            self._send("forward", x, cids=[s.cache.cid for s in segments], rows=rows, taps=remote, reply=reply)
             h = self.args.hidden_size
             back = self._wait((1, x.shape[1], h * (1 + len(remote))) if reply else (1,), x.dtype)
         except Exception as e:
@@ -212,19 +222,23 @@ class Pipeline:
 
     # commands
     def command(self, op: str, **fields) -> int:
-        """Send a command to every other rank; returns the id it names (new caches and
-        snapshots)."""
+        """Queue a cache command for every other rank: it travels with the next forward
+        (the ranks only need their caches in step when rows arrive). Returns the id it
+        names (new caches and snapshots)."""
         self._check()
         ident = next(self._ids)
+        self._queued.append({"op": op, "id": ident, **fields})
+        return ident
+
+    def _send(self, op: str, then: mx.array | None = None, **fields) -> None:
+        """Send `op` with the queued commands and the forgotten ids before it (then the
+        forward's rows, `then`)."""
         with self._lock:
             dropped = {k: v for k, v in self._forgotten.items() if v}
             self._forgotten = {"caches": [], "snapshots": []}
-        self.commands += 1
-        try:
-            self.link.send_command({"op": op, "id": ident, "drop": dropped, **fields})
-        except Exception as e:
-            raise self._broke(e) from e
-        return ident
+        queued, self._queued = self._queued, []
+        self.commands += 1 + len(queued)
+        self.link.send_command({"op": op, "before": queued, "drop": dropped, **fields}, then)
 
     def forget(self, kind: str, ident: int) -> None:
         """A cache or snapshot rank 0 no longer holds: the others drop theirs with the next command."""
@@ -235,24 +249,30 @@ class Pipeline:
         """Tell the other ranks to stop (they exit their loops)."""
         if self.broken is None:
             try:
-                self.command("stop")
-            except PipelineError:
-                pass
+                self._send("stop")
+            except Exception as e:  # noqa: BLE001 - a rank is gone already: nothing to stop
+                self.broken = f"stopped ({e})"
+                return
             self.broken = "stopped"
 
     def _wait(self, shape, dtype) -> mx.array:
-        """The last rank's answer, or PipelineError after `timeout` seconds."""
-        result: list = []
-        worker = threading.Thread(target=lambda: result.append(_attempt(self.link.receive, shape, dtype)),
-                                  daemon=True)
-        worker.start()
-        worker.join(self.timeout)
-        if not result:
-            raise PipelineError(f"rank {self.link.previous} has not answered in {self.timeout:g} s")
-        ok, value = result[0]
-        if not ok:
-            raise value
-        return value
+        """The last rank's answer. It is received on the calling thread (MLX gives each
+        thread streams of its own); a watchdog calls the pipeline down if it takes longer
+        than `timeout` seconds, and tells `on_broken` (the engine fails its requests: the
+        receive itself cannot be interrupted)."""
+        watchdog = threading.Timer(self.timeout, self._timed_out)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            return self.link.receive(shape, dtype)
+        finally:
+            watchdog.cancel()
+
+    def _timed_out(self) -> None:
+        error = PipelineError(f"rank {self.link.previous} has not answered in {self.timeout:g} s")
+        self.broken = self.broken or str(error)
+        for hook in self.on_broken:
+            hook(error)
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -261,13 +281,6 @@ class Pipeline:
     def _broke(self, e: Exception) -> PipelineError:
         self.broken = self.broken or f"{type(e).__name__}: {e}"
         return e if isinstance(e, PipelineError) else PipelineError(f"a rank of the pipeline failed: {e}")
-
-
-def _attempt(fn, *args):
-    try:
-        return True, fn(*args)
-    except Exception as e:  # noqa: BLE001 - handed to the waiting thread
-        return False, e
 
 
 # ----------------------------------------------------------------------- ranks 1..N-1
@@ -283,29 +296,34 @@ def serve_stage(model, link: Link) -> None:
         command = link.receive_command()
         if not last:
             link.send_command(command)
-        for cid in command["drop"].get("caches", ()):
+        for queued in command["before"]:
+            _apply(model, queued, caches, snapshots)
+        for cid in command["drop"].get("caches", ()):  # after: a cache may be made and dropped in one go
             caches.pop(cid, None)
         for sid in command["drop"].get("snapshots", ()):
             snapshots.pop(sid, None)
-        op = command["op"]
-        if op == "stop":
+        if command["op"] == "stop":
             return
-        if op == "new":
-            caches[command["id"]] = model.make_cache(command["max_context"], command["spare_rows"])
-        elif op == "snapshot":
-            snapshots[command["id"]] = caches[command["cid"]].snapshot(command["record"])
-        elif op == "restore":
-            caches[command["cid"]].restore(snapshots[command["sid"]])
-        elif op == "commit":
-            cache = caches[command["cid"]]
-            cache.commit(snapshots[command["sid"]], command["rows"])
-            mx.eval(cache.arrays())
-        elif op == "rewind":
-            caches[command["cid"]].rewind(command["offset"])
-        elif op == "forward":
-            _stage_forward(model, link, command, [caches[c] for c in command["cids"]], owned, h, last)
-        else:
-            raise PipelineError(f"rank {link.rank}: unknown command {op!r}")
+        if command["op"] != "forward":
+            raise PipelineError(f"rank {link.rank}: unknown command {command['op']!r}")
+        _stage_forward(model, link, command, [caches[c] for c in command["cids"]], owned, h, last)
+
+
+def _apply(model, command: dict, caches: dict, snapshots: dict) -> None:
+    """One cache command, as rank 0 did it on its own layers."""
+    op = command["op"]
+    if op == "new":
+        caches[command["id"]] = model.make_cache(command["max_context"], command["spare_rows"])
+    elif op == "snapshot":
+        snapshots[command["id"]] = caches[command["cid"]].snapshot(command["record"])
+    elif op == "restore":
+        caches[command["cid"]].restore(snapshots[command["sid"]])
+    elif op == "commit":
+        caches[command["cid"]].commit(snapshots[command["sid"]], command["rows"])
+    elif op == "rewind":
+        caches[command["cid"]].rewind(command["offset"])
+    else:
+        raise PipelineError(f"unknown cache command {op!r}")
 
 
 def _stage_forward(model, link: Link, command: dict, caches: list, owned: set, h: int, last: bool) -> None:
@@ -318,7 +336,7 @@ def _stage_forward(model, link: Link, command: dict, caches: list, owned: set, h
     parts = [x, incoming[..., h:]] if before else [x]
     parts += [tapped[t][None] for t in taps if t in owned]
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
-    mx.eval(out, [c.arrays() for c in caches])
+    mx.eval(out, [c.arrays() for c in caches])  # and the commits that came before
     if last and not command["reply"]:
         link.send(mx.zeros((1,), model.dtype))
     else:
