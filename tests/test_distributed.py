@@ -253,3 +253,35 @@ def test_pack_inspect_shows_each_ranks_bytes(env, demo):
     run = subprocess.run([sys.executable, "-m", "monolith.pack", "inspect", str(pack), "--ranks", "9"], check=False,
                          env=env, capture_output=True, text=True)
     assert run.returncode == 1 and "9 ranks need at least 9 decoder layers" in run.stderr
+
+
+def test_a_stage_reads_only_its_own_tensors(env, demo):
+    """Rank 1 of [0-1 + head, 2-3]: its layers, the final norm its last layer fuses, and
+    nothing of the head or of layers 0-1; rank 0: the head, its layers and the next
+    stage's first norm. Together they read every tensor once (the norms twice)."""
+    from monolith.models import load_model
+    from monolith.models.weights import PackWeights
+    from monolith.pack import resolve_pack
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", env["MONOLITH_CACHE"])
+        pack = resolve_pack(demo[1], role="target")
+    read = {}
+    original = PackWeights.unused
+
+    def record(self):
+        read[len(read)] = set(self.used)
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PackWeights, "unused", record)
+        first = load_model(pack, "float32", layers=range(2), head=True)
+        second = load_model(pack, "float32", layers=range(2, 4), head=False)
+    head, tail = read[0], read[1]
+    assert not any(n.startswith(("model.layers.2.", "model.layers.3.")) for n in head - {
+        "model.layers.2.input_layernorm"})
+    assert not any(n.startswith(("model.layers.0.", "model.layers.1.", "model.embed_tokens", "lm_head")) for n in tail)
+    assert "model.norm" in tail and "model.embed_tokens.weight" in head
+    everything = set(PackWeights(pack).arrays)
+    assert head | tail == everything
+    assert len(first.layers) == 2 and len(second.layers) == 2 and not hasattr(second, "embed_tokens")

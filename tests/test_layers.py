@@ -1,5 +1,5 @@
 """The dependency direction (architecture.md): formats <- checkpoint <- pack <- models <-
-runtime <- launch <- serving <- the command-line faces, with kernels, sampling,
+runtime <- launch <- serving, distributed <- the command-line faces, with kernels, sampling,
 tokenizer and cli as leaves. No module imports from a higher layer, not even late
 inside a function, and module imports form no loop."""
 
@@ -19,7 +19,7 @@ LAYERS = {
     "models": 3,
     "runtime": 4,
     "launch": 5,
-    "serving": 6,
+    "serving": 6, "distributed": 6,
     "generate": 7, "serve": 7, "chat": 7,
 }
 
