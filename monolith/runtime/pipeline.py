@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -163,6 +164,8 @@ class Pipeline:
         self._forgotten: dict[str, list[int]] = {"caches": [], "snapshots": []}
         self._queued: list[dict] = []  # cache commands waiting for the next forward
         self.on_broken: list = []  # called with the PipelineError when the watchdog gives up
+        self._watchdog: threading.Thread | None = None
+        self._deadline: float | None = None  # when the answer being waited for is late
         self._lock = threading.Lock()
         self.remote_taps: set[int] = set(range(split[0].stop, self.args.num_hidden_layers))
         self.forwards = self.commands = self.rows = 0  # counted for traffic()
@@ -257,16 +260,24 @@ class Pipeline:
 
     def _wait(self, shape, dtype) -> mx.array:
         """The last rank's answer. It is received on the calling thread (MLX gives each
-        thread streams of its own); a watchdog calls the pipeline down if it takes longer
+        thread streams of its own); the watchdog calls the pipeline down if it takes longer
         than `timeout` seconds, and tells `on_broken` (the engine fails its requests: the
         receive itself cannot be interrupted)."""
-        watchdog = threading.Timer(self.timeout, self._timed_out)
-        watchdog.daemon = True
-        watchdog.start()
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="monolith-pipeline-watchdog", daemon=True)
+            self._watchdog.start()
+        self._deadline = time.monotonic() + self.timeout
         try:
             return self.link.receive(shape, dtype)
         finally:
-            watchdog.cancel()
+            self._deadline = None
+
+    def _watch(self) -> None:
+        while self.broken is None:
+            time.sleep(min(1.0, self.timeout / 4))
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline and self.broken is None:
+                self._timed_out()
 
     def _timed_out(self) -> None:
         error = PipelineError(f"rank {self.link.previous} has not answered in {self.timeout:g} s")
