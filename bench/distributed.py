@@ -5,9 +5,11 @@ the demo pair (or --model / --draft).
 Reported per mode: ms per decode step (plain) or per verify round (speculative), the
 R-rank / 1-rank ratio, whether the tokens are equal, and the bytes exchanged per forward:
 rank 0's, counted by the pipeline (runtime/pipeline.py, `traffic()`: command frames and
-the residual stream it sends), and the whole ring's, from the protocol: R hops of
-rows x hidden x dtype bytes, the tap features riding from the stage that taps them back to
-rank 0, and each command relayed R - 1 times. Then a projection for the 35B-A3B at 2 ranks
+the residual stream it sends; what it receives: the stream and the taps from the last
+rank, besides the ranks' start-up), and the whole ring's, from the protocol: R hops of
+rows x hidden x dtype bytes and each frame relayed by R - 1 ranks (the cache commands of a
+round ride in the next forward's frame), taps aside (the demo draft taps rank 1's layers:
+they ride back with the stream, in rank 1's bytes). Then a projection for the 35B-A3B at 2 ranks
 over Thunderbolt 5 (assumptions printed with it). Medians of --repeats runs, each pair
 (one process, R ranks) run back to back. Prints a table and writes
 bench/results/distributed.json and .md.
@@ -93,14 +95,11 @@ def per_unit(doc: dict, speculative: bool) -> float:
     return stats["decode_seconds"] / units
 
 
-def ring_bytes(traffic: dict, hidden: int, dtype_bytes: int, taps_rows: int) -> float:
-    """The whole ring's bytes for the run: every command relayed R - 1 times, every
-    forward's rows R hops, the taps once from their stage back to rank 0 (an upper bound:
-    counted for every hop after the first stage)."""
+def ring_bytes(traffic: dict, hidden: int, dtype_bytes: int) -> float:
+    """The whole ring's bytes for the run, taps aside: every frame relayed by R - 1 ranks,
+    every forward's rows over R hops."""
     r = traffic["ranks"]
-    frames = traffic["commands"] * traffic["frame_bytes"] * (r - 1)
-    stream = traffic["rows"] * hidden * dtype_bytes * r
-    return frames + stream + taps_rows
+    return traffic["frames"] * traffic["frame_bytes"] * (r - 1) + traffic["rows"] * hidden * dtype_bytes * r
 
 
 def main() -> int:
@@ -138,20 +137,21 @@ def main() -> int:
             "one_ms": statistics.median(one) * 1e3, "ranks_ms": statistics.median(many) * 1e3,
             "ratio": statistics.median(many) / statistics.median(one), "equal": equal,
             "rank0_bytes_per_forward": traffic["sent_bytes"] / forwards,
-            "ring_bytes_per_forward": ring_bytes(traffic, hidden, dtype_bytes, 0) / forwards,
+            "rank0_received_per_forward": traffic["received_bytes"] / forwards,
+            "ring_bytes_per_forward": ring_bytes(traffic, hidden, dtype_bytes) / forwards,
+            "frames_per_forward": traffic["frames"] / forwards,
             "commands_per_forward": traffic["commands"] / forwards,
             "rows_per_forward": traffic["rows"] / forwards,
         })
     h, b = QWEN36_35B["hidden"], QWEN36_35B["dtype_bytes"]
     frame = traffic["frame_bytes"]
     projection = {}
-    for name, n_rows, commands in (("decode step", 1, 2), ("verify round", 8, 3)):
+    for name, n_rows in (("decode step", 1), ("verify round", 8)):
         stream = 2 * n_rows * h * b  # rank 0 -> 1 -> 0
-        control = commands * frame
-        messages = 2 + commands
-        projection[name] = {"stream_bytes": stream, "control_bytes": control,
+        messages = 3  # the frame (with the queued cache commands), the rows, the answer
+        projection[name] = {"stream_bytes": stream, "control_bytes": frame,
                             "goal_bytes": 2 * n_rows * h * 2,
-                            "seconds": messages * TB5_MESSAGE_S + (stream + control) / TB5_BYTES_PER_S}
+                            "seconds": messages * TB5_MESSAGE_S + (stream + frame) / TB5_BYTES_PER_S}
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus", "blas": os.environ.get("LD_PRELOAD", "bundled"),
               "launcher": args.launcher,
               "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
@@ -161,12 +161,15 @@ def main() -> int:
     lines = ["# distributed", "", f"- machine: {result['machine']}, BLAS {result['blas']}",
              f"- model: {args.model}; {args.max_tokens} tokens; medians of {args.repeats}; ranks started "
              + ("by mlx.launch" if args.launcher == "mlx" else "directly with mlx.launch's environment"), "",
-             ("| mode | ranks | layers | 1 process ms | ranks ms | ratio | equal | rank 0 B/forward | ring B/forward | "
-              "commands/forward | rows/forward |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| mode | ranks | layers | 1 process ms | ranks ms | ratio | equal | rank 0 sent B/forward | "
+              "rank 0 received B/forward | ring B/forward (taps aside) | "
+              "frames/forward | commands/forward | rows/forward |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['layers']} | {r['one_ms']:.2f} | {r['ranks_ms']:.2f} | "
                      f"{r['ratio']:.2f} | {r['equal']} | {r['rank0_bytes_per_forward']:.0f} | "
-                     f"{r['ring_bytes_per_forward']:.0f} | {r['commands_per_forward']:.2f} | "
+                     f"{r['rank0_received_per_forward']:.0f} | "
+                     f"{r['ring_bytes_per_forward']:.0f} | {r['frames_per_forward']:.2f} | "
+                     f"{r['commands_per_forward']:.2f} | "
                      f"{r['rows_per_forward']:.2f} |")
     lines += ["", (f"Thunderbolt 5 projection, Qwen3.6-35B-A3B at 2 ranks (hidden {h}, BF16; assumed "
                    f"{TB5_BYTES_PER_S * 8 / 1e9:.0f} Gb/s and {TB5_MESSAGE_S * 1e6:.0f} us a message):"), ""]

@@ -285,3 +285,26 @@ def test_a_stage_reads_only_its_own_tensors(env, demo):
     everything = set(PackWeights(pack).arrays)
     assert head | tail == everything
     assert len(first.layers) == 2 and len(second.layers) == 2 and not hasattr(second, "embed_tokens")
+
+
+def test_chat_runs_on_a_pipeline_and_refuses_save(env, demo, tmp_path):
+    """chat --distributed under mlx.launch (which hands stdin to every rank; rank 1 serves
+    its stage): one reply, the same as one process's, and /save says why it cannot."""
+    def chat(ranks: int):
+        lines = f"def fib(n):\n/save {tmp_path / f'{ranks}.ckpt'}\n/quit\n"
+        command = [sys.executable, "-m", "monolith.chat", *demo[:2], "--no-draft", "--max-tokens", "8"]
+        if ranks:
+            command = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)),
+                       "--", *command, "--distributed"]
+        run = subprocess.run(command, check=False, env=env, input=lines, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout
+
+    alone, split = chat(0), chat(2)
+    assert first_reply(split) == first_reply(alone)
+    assert "cannot save" in split and "not available with --distributed" in split
+    assert (tmp_path / "0.ckpt").exists() and not (tmp_path / "2.ckpt").exists()
+
+
+def first_reply(out: str) -> str:
+    return out.split("> ", 2)[1].split("-- ")[0]

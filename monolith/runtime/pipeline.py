@@ -60,6 +60,8 @@ class Link:
         self.next = (self.rank + 1) % self.size
         self.previous = (self.rank - 1) % self.size
         self.sent = 0  # bytes sent by this rank (arrays and frames)
+        self.frames = 0  # command frames (and overflows) sent
+        self.received = 0  # bytes received
 
     def send(self, *arrays: mx.array) -> None:
         """Send the arrays in order, in one evaluation (each send waits on the one before)."""
@@ -74,6 +76,7 @@ class Link:
     def receive(self, shape: tuple, dtype) -> mx.array:
         x = mx.distributed.recv(shape, dtype, self.previous, group=self.group)
         mx.eval(x)
+        self.received += x.nbytes
         return x
 
     def send_command(self, command: dict, then: mx.array | None = None) -> None:
@@ -86,6 +89,7 @@ class Link:
         arrays = [mx.array(np.frombuffer(bytes(frame), dtype=np.uint8))]
         if len(data) > FRAME - 4:
             arrays.append(mx.array(np.frombuffer(data[FRAME - 4:], dtype=np.uint8)))
+        self.frames += len(arrays)
         self.send(*arrays, *([] if then is None else [then]))
 
     def receive_command(self) -> dict:
@@ -174,7 +178,8 @@ class Pipeline:
         """What rank 0 has sent so far (generate --json: bench/distributed.py reads it)."""
         return {"ranks": self.link.size, "layers": [[r.start, r.stop - 1] for r in self.split],
                 "forwards": self.forwards, "commands": self.commands, "rows": self.rows,
-                "sent_bytes": self.link.sent, "frame_bytes": FRAME}
+                "frames": self.link.frames, "sent_bytes": self.link.sent,
+                "received_bytes": self.link.received, "frame_bytes": FRAME}
 
     def __getattr__(self, name):  # the head and everything else the runtime reads: the first stage's
         return getattr(self.local, name)
