@@ -5,6 +5,7 @@ the model in the background: GET /health says 503 until it is ready, then 200. W
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import sys
@@ -33,6 +34,12 @@ def build_parser() -> ArgumentParser:
                     help="seconds a request may wait in the queue before a 503 (default 300)")
     ap.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                     help="larger request bodies get 413 (default 8 MiB)")
+    ap.add_argument("--max-tokens-limit", type=int, metavar="N",
+                    help="the most tokens one request generates; larger max_tokens are capped (default: the "
+                         "context, --max-context)")
+    ap.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
+                    help="browser origins (e.g. https://ui.example.com, or *) served besides pages of this "
+                         "machine's loopback; other cross-origin browser requests get 403")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_distributed_arguments(ap)
     return ap
@@ -50,6 +57,11 @@ def main(argv=None) -> int:
                 raise SetupError(f"{flag} must be at least 1, got {value}")
         if not args.queue_timeout > 0:
             raise SetupError(f"--queue-timeout must be positive, got {args.queue_timeout}")
+        if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+            raise SetupError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
+        if args.api_key is not None and not args.api_key.strip():
+            raise SetupError("--api-key is empty: an empty key would turn authentication off; give a key, "
+                             "or leave the flag out (and MONOLITH_API_KEY unset) to serve without one")
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -69,7 +81,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("monolith.serve")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
-    config = ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes)
+    config = ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
+                          max_tokens_limit=args.max_tokens_limit, loopback_only=_loopback_address(args.host),
+                          allowed_origins=tuple(args.allowed_origins))
     failures: list[Exception] = []
     server: uvicorn.Server | None = None
 
@@ -101,6 +115,14 @@ def main(argv=None) -> int:
         print(f"error: {failures[0]}".replace("\n", " "), file=sys.stderr)
         return 1
     return 0 if server.started else 1
+
+
+def _loopback_address(host: str) -> bool:
+    """Is the bind address this machine's loopback only (then only loopback Host headers are served)?"""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 if __name__ == "__main__":

@@ -72,14 +72,35 @@ class Tokenizer:
         if self.chat_template is None:
             raise TokenizerError(f"{self.path}: no chat template (tokenizer_config.json or chat_template.jinja)")
         values = {name: text for name, text in self.special_tokens.items() if text is not None}
-        values.update(template_kwargs)
         values.update(messages=messages, add_generation_prompt=add_generation_prompt)
         if tools is not None:
             values["tools"] = tools
+        clash = sorted(set(template_kwargs) & set(values))
+        if clash:
+            raise TokenizerError(f"chat template arguments may not set {', '.join(clash)} (the renderer sets them)")
+        values.update(template_kwargs)
         try:
-            return self._compiled_template.render(**values)
+            return self._compiled_template.render(values)  # a dict: no keyword can clash with render's own
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template: {e}") from None
+        except Exception as e:  # noqa: BLE001 - e.g. the sandbox's OverflowError for range(10**6)
+            raise TokenizerError(f"chat template: {type(e).__name__}: {e}") from None
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, without encoding it: no token
+        covers more than `max_token_bytes` bytes."""
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (byte-level BPE: one vocabulary
+        character per byte; otherwise up to 4 bytes a character)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        longest = max((len(t) for t in vocab), default=1)
+        from tokenizers import decoders
+
+        byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        return max(longest if byte_level else 4 * longest, 1)
 
     def encode_chat(self, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
         """Token ids of the rendered chat prompt (the template already holds every special token)."""

@@ -141,6 +141,9 @@ def test_cli_flags(tmp_path, pack):
     (["--port", "99999"], "--port"),
     (["--max-queue", "0"], "--max-queue"),
     (["--max-batch", "0"], "--max-batch"),
+    (["--api-key", ""], "--api-key is empty"),
+    (["--api-key", "  "], "--api-key is empty"),
+    (["--max-tokens-limit", "0"], "--max-tokens-limit"),
     (["--bogus"], "unrecognized"),
 ])
 def test_cli_usage_errors_exit_1(args, message):

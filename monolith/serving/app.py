@@ -68,6 +68,9 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = 8 * 2**20
     keepalive_seconds: float = 5.0  # an SSE comment line when nothing was sent for this long
+    max_tokens_limit: int | None = None  # the most tokens a request may generate (None: the context)
+    loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
+    allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
 
 
 class ServerState:
@@ -177,6 +180,7 @@ class _Handlers:
 
         async def run(request: Request) -> Response:
             try:
+                self._check_origin(request)
                 self._authorize(request)
                 response = await handler(request)
             except APIError as e:
@@ -189,6 +193,26 @@ class _Handlers:
             return response
 
         return run
+
+    def _check_origin(self, request: Request) -> None:
+        """Bound to loopback, only a loopback Host is served: a page whose own name
+        resolves to 127.0.0.1 (DNS rebinding) sends its name. A browser page of another
+        origin (its Origin header) is refused unless --allowed-origins names it; pages
+        served from loopback are trusted, as clients without an Origin are."""
+        config = self.state.config
+        host = request.headers.get("host", "")
+        if config.loopback_only and not _loopback(_hostname(host)):
+            raise APIError(403, f"the Host header {host[:80]!r} is not this machine's loopback address: a server "
+                                "bound to loopback answers only requests addressed to localhost or 127.0.0.1",
+                           code="host_not_allowed")
+        origin = request.headers.get("origin")
+        if origin is None or "*" in config.allowed_origins or origin in config.allowed_origins:
+            return
+        scheme, _, rest = origin.partition("://")
+        if scheme in ("http", "https") and _loopback(_hostname(rest)):
+            return
+        raise APIError(403, f"requests from the browser origin {origin[:80]!r} are not allowed; start the server "
+                            "with --allowed-origins to allow it", code="origin_not_allowed")
 
     def _authorize(self, request: Request) -> None:
         key = self.state.config.api_key
@@ -213,6 +237,10 @@ class _Handlers:
     # ---------------------------------------------------------------- simple endpoints
 
     async def health(self, request: Request) -> Response:
+        try:
+            self._check_origin(request)
+        except APIError as e:
+            return error_response(e)
         state = self.state
         if state.status == "ready" and state.engine.down:
             return JSONResponse({"status": "unhealthy", "message": state.engine.down}, status_code=503)
@@ -257,6 +285,7 @@ class _Handlers:
                 text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
             except ValueError as e:  # TokenizerError: the template refused the conversation
                 raise bad(str(e), "messages") from None
+            _fits(engine, text, "messages")
             reasoning = prompt_opens_reasoning(text)
             constraint = None
             if req.structure is not None:
@@ -314,6 +343,7 @@ class _Handlers:
         req = parse_completion_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
         if isinstance(req.prompt, str):
+            _fits(engine, req.prompt, "prompt")
             prompt_ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, req.prompt)
         else:
             prompt_ids = req.prompt
@@ -352,7 +382,10 @@ class _Handlers:
 
     async def _generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
                         started: float, boundaries: list[int] = (), constraint: Grammar | None = None) -> Response:
-        gen = GenerationRequest(tuple(prompt_ids), req.max_tokens, req.params, req.stop, req.logprobs,
+        limit, max_tokens = self.state.config.max_tokens_limit, req.max_tokens
+        if limit is not None:
+            max_tokens = limit if max_tokens is None else min(max_tokens, limit)
+        gen = GenerationRequest(tuple(prompt_ids), max_tokens, req.params, req.stop, req.logprobs,
                                 tuple(boundaries), constraint)
         events = _EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
@@ -468,6 +501,30 @@ async def _cancel_on_disconnect(request: Request, job) -> None:
         if message["type"] == "http.disconnect":
             job.cancel()
             return
+
+
+def _fits(engine, text: str, param: str) -> None:
+    """400 before tokenizing a prompt that cannot fit the context whatever it encodes to."""
+    least = engine.tokenizer.min_tokens(text)
+    if least + 1 > engine.max_context:
+        raise bad(f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, at least {least} tokens, but "
+                  f"this server's context is {engine.max_context} tokens and the prompt plus at least one generated "
+                  "token must fit", param, "context_length_exceeded")
+
+
+def _hostname(host: str) -> str:
+    """The name of a Host header (or an origin's authority), without the port."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _loopback(name: str) -> bool:
+    if name in ("localhost", "::1") or name.endswith(".localhost"):
+        return True
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "127" and all(p.isdigit() and int(p) < 256 for p in parts)
 
 
 def _engine_error(error: Exception) -> APIError:

@@ -33,7 +33,10 @@ SAMPLING_FIELDS = {"model", "stream", "max_tokens", "temperature", "top_p", "top
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "chat_template_kwargs", "response_format"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
-RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+# what the renderer sets itself (and `self`, the render method's own argument), and the
+# special token names Hugging Face templates read
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "self", "bos_token", "eos_token",
+                            "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad(f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # the decoder recurses per level of nesting
         raise bad("the request body is nested too deeply to be read") from None
+    except ValueError as e:  # Python's int limit: an integer literal of over 4300 digits
+        raise bad(f"the request body holds an integer too long to read ({e})") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     try:  # a \ud800 escape alone decodes to a str no tokenizer takes
@@ -322,9 +327,27 @@ def _tools(value) -> list[dict] | None:
             raise bad(f"{at}.function.name must be a non-empty string", f"{at}.function.name")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad(f"{at}.function.parameters must be a JSON schema object", f"{at}.function.parameters")
+        _check_parameters(fn.get("parameters") or {}, f"{at}.function.parameters")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad(f"{at}.function.description must be a string", f"{at}.function.description")
     return value or None
+
+
+def _check_parameters(schema: dict, at: str) -> None:
+    """The parts of a tool's parameter schema the tool-call parser reads: `properties`
+    an object of schemas (objects or booleans), `required` a list of names."""
+    properties = schema.get("properties")
+    if properties is not None:
+        if not isinstance(properties, dict):
+            raise bad(f"{at}.properties must be an object of property schemas, got {json.dumps(properties)[:60]}",
+                      f"{at}.properties")
+        for name, prop in properties.items():
+            if not isinstance(prop, (dict, bool)):
+                raise bad(f"{at}.properties.{name} must be a schema object, got {json.dumps(prop)[:60]}",
+                          f"{at}.properties.{name}")
+    required = schema.get("required")
+    if required is not None and (not isinstance(required, list) or not all(isinstance(n, str) for n in required)):
+        raise bad(f"{at}.required must be a list of property names", f"{at}.required")
 
 
 # ------------------------------------------------------------------ scalars

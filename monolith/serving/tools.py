@@ -91,7 +91,7 @@ class ToolCallParser:
         inner = block
         if inner.startswith("<tool_call>"):
             inner = inner[len("<tool_call>"):]
-            inner = inner[:-len("</tool_call>")] if inner.endswith("</tool_call>") else inner
+            inner = inner.removesuffix("</tool_call>")
         inner = inner.strip()
         if inner.startswith("{"):
             return self._parse_json(inner)
@@ -109,7 +109,7 @@ class ToolCallParser:
     def _parse_json(self, inner: str) -> list[ToolCall] | None:
         try:
             value = json.loads(inner)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or an integer past Python's digit limit
             return None
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
             return None
@@ -117,20 +117,22 @@ class ToolCallParser:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None
         return [ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())]
 
     def _parse_function(self, name: str, body: str) -> ToolCall:
-        properties = self.schemas.get(name, {}).get("properties") or {}
+        properties = self.schemas.get(name, {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
         arguments = {}
         for match in _PARAMETER.finditer(body):
             key, value = match.group(1).strip(), match.group(2)
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            arguments[key] = _convert(value, (properties.get(key) or {}).get("type"))
+            value = value.removeprefix("\n")
+            value = value.removesuffix("\n")
+            schema = properties.get(key)
+            arguments[key] = _convert(value, schema.get("type") if isinstance(schema, dict) else None)
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
 
 
