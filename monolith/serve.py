@@ -40,6 +40,10 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
                     help="browser origins (e.g. https://ui.example.com, or *) served besides pages of this "
                          "machine's loopback; other cross-origin browser requests get 403")
+    ap.add_argument("--header-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="close a connection whose request head has not arrived in this long (default 30)")
+    ap.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="a request body that has not arrived in this long gets 408 (default 60)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_distributed_arguments(ap)
     return ap
@@ -57,6 +61,9 @@ def main(argv=None) -> int:
                 raise SetupError(f"{flag} must be at least 1, got {value}")
         if not args.queue_timeout > 0:
             raise SetupError(f"--queue-timeout must be positive, got {args.queue_timeout}")
+        for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+            if not value > 0:
+                raise SetupError(f"{flag} must be positive, got {value}")
         if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
             raise SetupError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
         if args.api_key is not None and not args.api_key.strip():
@@ -76,6 +83,7 @@ def main(argv=None) -> int:
     import uvicorn
 
     from .serving.app import ServerConfig, create_app
+    from .serving.timeouts import timed_h11
 
     level = logging.DEBUG if args.log_level == "trace" else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s:     %(message)s", stream=sys.stderr)
@@ -83,7 +91,7 @@ def main(argv=None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
     config = ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
                           max_tokens_limit=args.max_tokens_limit, loopback_only=_loopback_address(args.host),
-                          allowed_origins=tuple(args.allowed_origins))
+                          allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout)
     failures: list[Exception] = []
     server: uvicorn.Server | None = None
 
@@ -102,7 +110,7 @@ def main(argv=None) -> int:
 
     app = create_app(load, config, on_load_failure)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=10))
+                                           timeout_graceful_shutdown=10, http=timed_h11(args.header_timeout)))
     log.info("loading %s in the background; /health answers 503 until it is ready", plan.name)
     try:
         server.run()

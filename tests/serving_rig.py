@@ -53,10 +53,11 @@ def tok(pack):
 class Server:
     """A uvicorn server on a free port of 127.0.0.1, in a thread of this process."""
 
-    def __init__(self, load, **config):
+    def __init__(self, load, http="auto", **config):
         config.setdefault("model_names", (NAME,))
         self.app = create_app(load, ServerConfig(**config))
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    http=http))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

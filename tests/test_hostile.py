@@ -5,6 +5,9 @@ in the API's error shape (or bounded), and the server goes on serving."""
 
 from __future__ import annotations
 
+import json
+import socket
+
 import httpx
 import pytest
 from serving_rig import (
@@ -19,6 +22,7 @@ from serving_rig import (
 )
 
 from monolith.runtime.engine import Engine
+from monolith.serving.timeouts import timed_h11
 from monolith.serving.tools import ToolCallParser
 from monolith.tokenizer import load_tokenizer
 
@@ -149,3 +153,31 @@ def test_a_server_bound_beyond_loopback_takes_any_host(model, tok):
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), loopback_only=False) as s:
         s.wait_ready()
         assert raw(s, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', Host="box.lan:8000").status_code == 200
+
+
+def test_a_request_head_that_never_ends_is_closed(model, tok):
+    """Half-open connections are closed after the header timeout (one that finishes its
+    head in time is served)."""
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), http=timed_h11(0.5)) as s:
+        s.wait_ready()
+        stalled = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert stalled.recv(1024) == b""  # closed by the server, not by the 30 s socket timeout
+        assert s.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_a_request_body_that_never_ends_is_a_408(model, tok):
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), body_timeout=0.5) as s:
+        s.wait_ready()
+        slow = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply
+        assert json.loads(body)["error"]["code"] == "request_timeout"

@@ -71,6 +71,7 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # the most tokens a request may generate (None: the context)
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
+    body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
 
 
 class ServerState:
@@ -362,11 +363,17 @@ class _Handlers:
             if int(length) > limit:
                 raise too_big
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
+        timeout = self.state.config.body_timeout
+        try:
+            with anyio.fail_after(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                           code="request_timeout") from None
         if not size:
             raise bad("the request body is empty: send a JSON object")
         return parse_json_body(b"".join(chunks))
