@@ -2,13 +2,13 @@
 
 The pack is written into a temporary directory beside the destination, validated,
 then renamed into place, all under a file lock: a crash or an error leaves no
-directory that looks like a pack.
+directory that looks like a pack. A build that was killed leaves its temporary; the next
+build into the same directory removes it (manifest.remove_stale_temporaries).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -138,6 +138,7 @@ def build_pack(
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out)):
+        mf.remove_stale_temporaries(out)  # what killed builds left in this directory
         if out.exists() and not force:
             raise PackError(f"{out}: already exists (use --force to replace it)")
         ckpt = open_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
@@ -147,8 +148,7 @@ def build_pack(
                 f"({ckpt.architecture})"
             )
         plan = plan_pack(ckpt, quantization)
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = mf.temporary_path(out)
         tmp.mkdir()
         try:
             layout = plan_shards(plan, shard_bytes)
@@ -171,7 +171,7 @@ def build_pack(
             mf.write_json(tmp / mf.CONVERSION, _conversion(ckpt, plan, label, sources))
             mf.write_json(tmp / mf.VALIDATION, validate_pack(tmp, ckpt, plan))
             if out.exists():
-                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                old = mf.temporary_path(out, "old")
                 out.rename(old)
                 tmp.rename(out)
                 shutil.rmtree(old, ignore_errors=True)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import re
+import shutil
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 PACK_FORMAT = "monolith-pack"
 PACK_FORMAT_VERSION = 1
@@ -23,6 +29,9 @@ AUX_FILES = (
     "merges.txt",
 )
 CHUNK = 8 << 20
+TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|old)-\d+")  # temporary_path's names
+
+log = logging.getLogger("monolith.pack")
 
 
 def canonical_json(obj) -> bytes:
@@ -82,6 +91,47 @@ def lock_path(out: Path, purpose: str = "build") -> str:
     """A hidden lock file beside `out` (left in place after use, as lock files must be)."""
     out = Path(out)
     return str(out.parent / f".{out.name}.{purpose}.lock")
+
+
+def temporary_path(out: Path, kind: str = "tmp") -> Path:
+    """A hidden directory beside `out`: where a build writes ("tmp"), or where it parks the
+    pack it replaces ("old"). Named by the builder's pid, which says who made it."""
+    out = Path(out)
+    return out.parent / f".{out.name}.{kind}-{os.getpid()}"
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Remove the temporaries in `out`'s directory that no running build or unpack owns;
+    call it holding `out`'s build lock.
+
+    Temporaries exist only while their builder holds the build lock of their output (it
+    makes them after taking the lock and renames or removes them before letting go). That
+    lock is an flock, which the kernel drops when its holder dies, kill -9 included. So a
+    temporary is stale exactly when its output's lock is free or ours, whatever the pid in
+    its name: pids are reused, so a live pid proves nothing, and a lock held by another
+    process (a build running now) keeps its temporaries."""
+    out = Path(out)
+    for path in sorted(out.parent.iterdir()):
+        match = TEMPORARY.fullmatch(path.name)
+        if not match or path.is_symlink() or not path.is_dir():
+            continue
+        if match[1] == out.name:
+            _remove_stale(path)
+            continue
+        try:
+            with FileLock(lock_path(out.parent / match[1]), timeout=0):
+                _remove_stale(path)
+        except Timeout:  # that output is being built now
+            continue
+
+
+def _remove_stale(path: Path) -> None:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        log.warning("could not remove %s, a temporary of a build that is no longer running", path)
+    else:
+        log.warning("removed %s (%.1f MB), a temporary of a build that is no longer running", path, size / 1e6)
 
 
 def is_pack(path: Path) -> bool:

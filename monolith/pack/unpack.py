@@ -10,7 +10,6 @@ their source dtype, parameter transforms undone.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -117,10 +116,10 @@ def unpack_pack(pack_dir, out, force: bool = False) -> Path:
     reader = PackTensors(pack, manifest)
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out)):
+        mf.remove_stale_temporaries(out)
         if out.exists() and not force:
             raise PackError(f"{out}: already exists (use --force to replace it)")
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = mf.temporary_path(out)
         tmp.mkdir()
         try:
             by_shard: dict[str, list] = {}
