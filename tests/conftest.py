@@ -7,6 +7,8 @@ import os
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+# the module-scoped fixtures of the shared helpers (world, ckpts), requested by name from any test module
+pytest_plugins = ("dspark_world", "synth_helpers")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -25,7 +25,8 @@ WINDOW = 16
 SPECULATORS_DATA = Path(__file__).parent / "data" / "speculators"  # tests/reference/speculators_goldens.py
 GREEDY = SamplingParams()
 
-# name -> (format, pack quantization, markov head type, DraftSizes overrides[, config.json edits])
+# name -> (format, pack quantization, markov head type, DraftSizes overrides[, config.json edits[, write_draft
+# options]])
 DRAFTS = {
     "deepspec-bf16": ("deepspec", "none", "vanilla", {}),
     "deepspec-nvfp4-export": ("deepspec-nvfp4", "auto", "vanilla", {}),
@@ -45,6 +46,8 @@ DRAFTS = {
                                                         "is_causal": False}),
     # a reduced vocabulary reaching target id 459
     "speculators-460": ("speculators", "none", "vanilla", {"draft_vocab_size": 460}),
+    # the target's whole vocabulary, as speculators saves it: no lm_head, d2t or t2d, and a config.py
+    "speculators-full": ("speculators", "none", "vanilla", {"sliding_window": WINDOW}, {}, {"full_vocab": True}),
 }
 
 
@@ -74,11 +77,13 @@ def world(tmp_path_factory):
     def draft(name):
         if name not in made:
             fmt, quantization, head_type, overrides, *edits = DRAFTS[name]
+            edits, options = (edits + [{}, {}])[:2]
             sizes = replace(draft_sizes(json.loads((target_dir / "config.json").read_text())["text_config"]),
                             **overrides)
-            src = write_draft(root / name, target_dir, format=fmt, seed=3, markov_head_type=head_type, sizes=sizes)
+            src = write_draft(root / name, target_dir, format=fmt, seed=3, markov_head_type=head_type, sizes=sizes,
+                              **options)
             if edits:
-                edit_config(src, edits[0])
+                edit_config(src, edits)
             pack = build_pack(src, root / (name + ".pack"), role="draft", quantization=quantization)
             made[name] = (load_draft(pack, target, "float32"), pack)
         return made[name]

@@ -19,7 +19,6 @@ from dspark_world import (
     WINDOW,
     context_of,
     np32,
-    world,  # noqa: F401 - a module fixture
 )
 from numeric import rel
 
@@ -35,7 +34,8 @@ MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest
 
 
 @pytest.mark.parametrize("name", ["deepspec-bf16", "deepspec-nvfp4-export", "deepspec-gated", "deepspec-rnn",
-                                  "speculators-nvfp4", "dflash-nvfp4", "dflash-causal", "dflash-scaled"])
+                                  "speculators-nvfp4", "speculators-full", "dflash-nvfp4", "dflash-causal",
+                                  "dflash-scaled"])
 def test_draft_matches_reference(world, name):
     draft, _ = world["draft"](name)
     ref = world["reference"](name)
@@ -237,6 +237,42 @@ def test_speculators_and_deepspec_twins_propose_the_same(world):
     tv = 0.5 * np.abs(np32(mx.softmax(spec.lm_head(h_wrong), -1)) - np32(mx.softmax(spec.lm_head(h_spec), -1))).sum(-1)
     MEASURED["twins: proposal TV distance with shifted taps (max over slots)"] = float(tv.max())
     assert rel(np32(h_wrong), np32(h_spec)) > 0.1 and tv.max() > 0.05
+
+
+# ------------------------------------------------------------------ a full-vocabulary speculators draft
+
+
+def test_full_vocabulary_speculators_draft_packs_loads_and_speculates(world, tmp_path):
+    """speculators over the target's whole vocabulary (draft_vocab_size = the target's, no
+    lm_head, d2t or t2d, and config.py, whose code raises SystemExit, beside config.json):
+    it packs reproducibly without config.py, binds the target's lm_head and embedding,
+    never runs config.py, and greedy speculative output equals plain greedy output."""
+    import sys
+
+    from decoding import plain, speculate
+    from oracles import assert_same_greedy
+
+    from monolith.runtime.draft_model import DraftModelDrafter
+
+    draft, pack = world["draft"]("speculators-full")
+    src, target = world["root"] / "speculators-full", world["target"]
+    config = json.loads((src / "config.json").read_text())
+    assert (src / "config.py").is_file() and config["draft_vocab_size"] == target.args.vocab_size
+    ckpt = open_checkpoint(src)
+    assert not [n for n in ("lm_head.weight", "embed_tokens.weight", "d2t", "t2d") if ckpt.has(n)]
+    again = build_pack(src, tmp_path / "again", role="draft", quantization="none")
+    manifests = [json.loads((p / "manifest.json").read_text()) for p in (pack, again)]
+    assert manifests[0]["pack_sha256"] == manifests[1]["pack_sha256"]
+    assert not (pack / "config.py").exists() and "config.py" not in (pack / "conversion.json").read_text()
+    assert draft.lm_head is target.lm_head and draft.embed_tokens is target.embed_tokens
+    assert draft.draft_vocab == target.args.vocab_size and draft.draft_to_target is None
+    assert not any(str(src) in str(getattr(m, "__file__", None) or "") for m in list(sys.modules.values()))
+
+    prompt = world["tokens"][:12]
+    want = plain(target, prompt, 24).token_ids
+    got = speculate(target, DraftModelDrafter(draft), prompt, 24)
+    assert got.speculative.rounds >= 1
+    assert_same_greedy(target, prompt, got.token_ids, want)
 
 
 # ------------------------------------------------------------------ context cache

@@ -15,7 +15,6 @@ from dspark_world import (
     SPECULATORS_DATA,
     context_of,
     edit_config,
-    world,  # noqa: F401 - a module fixture
 )
 
 from monolith.checkpoint import open_checkpoint
@@ -63,7 +62,7 @@ def test_reduced_vocabulary_without_d2t_and_missing_settings(world, tmp_path):
     manifest = json.loads((broken / "manifest.json").read_text())
     del manifest["entries"]["d2t"]
     (broken / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(DraftError, match="without a d2t"):
+    with pytest.raises(DraftError, match=r"draft_vocab_size 256 is not the target vocabulary \(512\).*no d2t"):
         load_draft(broken, world["target"], "float32")
     settings = manifest["layout"]["draft"]
     config = json.loads((broken / "config.json").read_text())
@@ -71,6 +70,21 @@ def test_reduced_vocabulary_without_d2t_and_missing_settings(world, tmp_path):
         with pytest.raises(DraftError, match=field):
             SpeculatorsDraftArgs.from_pack(config, {**settings, field: None}, "dspark-speculators",
                                             "config.json")
+
+
+def test_draft_vocab_size_neither_the_targets_nor_a_d2t_is_refused(world, tmp_path):
+    """A draft_vocab_size is the target's vocabulary (full) or the length of d2t (reduced):
+    a full-vocabulary draft on a target of another vocabulary is refused on load, and a
+    checkpoint whose draft_vocab_size is not its own vocab_size and has no d2t when
+    packed, each naming draft_vocab_size."""
+    _, pack = world["draft"]("speculators-full")
+    with pytest.raises(DraftError, match=r"draft_vocab_size 512 is not the target vocabulary \(640\).*no d2t"):
+        load_draft(pack, _target(world, "vocab640", Preset(vocab_size=640)), "float32")
+    odd = tmp_path / "odd"
+    shutil.copytree(world["root"] / "speculators-full", odd)
+    edit_config(odd, {"draft_vocab_size": 500})
+    with pytest.raises(PackError, match=r"draft_vocab_size 500 is not the draft's vocab_size \(512\).*no d2t"):
+        build_pack(odd, tmp_path / "odd.pack", role="draft", quantization="none")
 
 
 # ------------------------------------------------------------------ what the pack reads from a draft's config

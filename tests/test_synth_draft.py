@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from synth_helpers import assert_modelopt_mirror, bf16, ckpts, read_all, rel_err  # noqa: F401 - module fixture
+from synth_helpers import assert_modelopt_mirror, bf16, read_all, rel_err
 
 from monolith.formats import dequantize_nvfp4
 from monolith.synth import tokenizer as synth_tok
@@ -108,6 +108,37 @@ def test_speculators_draft_is_the_deepspec_twin(drafts):
         else:
             assert np.array_equal(v[2], ds[name][2]), name
     assert set(sp) - {"d2t", "t2d"} == set(ds) - {"embed_tokens.weight"}
+
+
+def test_speculators_full_vocabulary_draft_is_saved_as_speculators_saves_it(drafts, tmp_path):
+    """full_vocab: the target's whole vocabulary, in the files speculators' save_pretrained
+    writes (its own output: tests/data/speculators/causal-window, a full-vocabulary vanilla
+    head): the same tensor names (no lm_head, embed_tokens, d2t or t2d), auto_map, and
+    config.py beside config.json, whose code here fails loudly if anything runs it; the
+    weights are the DeepSpec twin's."""
+    import runpy
+    from pathlib import Path
+
+    from monolith.formats import SafetensorsFile
+
+    target, d = drafts
+    genuine = Path(__file__).parent / "data" / "speculators" / "causal-window"
+    full = write_draft(tmp_path / "full", target, format="speculators", seed=7, full_vocab=True)
+    assert sorted(p.name for p in full.iterdir()) == ["config.json", "config.py", "model.safetensors"]
+    cfg, want = (json.loads((p / "config.json").read_text()) for p in (full, genuine))
+    vocab = json.loads((target / "config.json").read_text())["text_config"]["vocab_size"]
+    assert cfg["draft_vocab_size"] == cfg["transformer_layer_config"]["vocab_size"] == vocab
+    assert want["draft_vocab_size"] == want["transformer_layer_config"]["vocab_size"]  # what makes it full
+    assert cfg["auto_map"] == want["auto_map"] == {"": "config.DSparkSpeculatorConfig"}
+    sp, ds = read_all(full), read_all(d["deepspec"])
+    assert set(sp) == set(SafetensorsFile(genuine / "model.safetensors").names())
+    assert all(np.array_equal(v[2], ds[name][2]) for name, v in sp.items())
+    with pytest.raises(SystemExit, match="executed"):
+        runpy.run_path(str(full / "config.py"))
+    write_draft(full, target, format="speculators", seed=7)  # rewritten reduced: no stale config.py
+    assert not (full / "config.py").exists() and "auto_map" not in json.loads((full / "config.json").read_text())
+    with pytest.raises(ValueError, match="full_vocab"):
+        write_draft(tmp_path / "deepspec", target, format="deepspec", full_vocab=True)
 
 
 def test_dflash_draft(drafts):

@@ -165,8 +165,9 @@ def _draft_vocabulary(settings: dict, w: PackWeights, vocab: int, where: str) ->
     lm_head = _rows(w, "lm_head")
     reduced = settings.get("draft_vocab_size")
     if "d2t" not in w.entries:
-        if reduced and reduced != vocab:
-            raise DraftError(f"{where}: reduced vocabulary (draft_vocab_size {reduced}) without a d2t tensor")
+        if reduced and reduced != vocab:  # equal to the target's: the whole vocabulary, not a reduced one
+            raise DraftError(f"{where}: draft_vocab_size {reduced} is not the target vocabulary ({vocab}), and "
+                             "there is no d2t tensor mapping a reduced vocabulary")
         if lm_head is not None and lm_head != vocab:
             raise DraftError(f"{where}: lm_head has {lm_head} rows but the target vocabulary is {vocab} "
                              "and there is no d2t")

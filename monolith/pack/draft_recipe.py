@@ -343,10 +343,12 @@ def plan_draft(ckpt: Checkpoint, quantization: str, problems: list[str] | None =
     for name in ("d2t", "t2d"):
         if ckpt.has(name):
             p.tensor(name, name, plan, reason="draft-to-target vocabulary map, stored as is")
+    # speculators' use_draft_vocab: a draft_vocab_size other than vocab_size is reduced and needs its d2t;
+    # equal to it, the draft predicts the whole vocabulary (no lm_head, d2t or t2d of its own)
     reduced = settings["draft_vocab_size"]
-    if reduced and reduced != settings["vocab_size"] and not ckpt.has("d2t"):  # speculators' use_draft_vocab
-        raise PackError(f"{ckpt.path}: reduced draft vocabulary (draft_vocab_size {reduced}, vocab_size "
-                        f"{settings['vocab_size']}) without a d2t tensor")
+    if reduced and reduced != settings["vocab_size"] and not ckpt.has("d2t"):
+        raise PackError(f"{_where(ckpt)}: draft_vocab_size {reduced} is not the draft's vocab_size "
+                        f"({settings['vocab_size']}), and there is no d2t tensor mapping a reduced vocabulary")
     settings["has_embedding"] = p.has_module("embed_tokens")
     settings["has_lm_head"] = p.has_module("lm_head")
     plan.layout = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,7 @@ def write_draft(
     shards=1,
     naming="of",
     skeleton=False,
+    full_vocab=False,
 ) -> Path:
     """Write a draft for the target at target_dir (its config.json gives the sizes; its
     embedding and lm_head are copied when it has weights). `sizes` overrides the
@@ -186,15 +188,23 @@ def write_draft(
     the field). export (deepspec-nvfp4 only): "modelopt" writes hf_quant_config.json, its
     config.json mirror and `lithos_quantization`; "lithos" only `lithos_quantization`
     (LithosAI's published export). shards / naming: see writers.write_checkpoint.
-    skeleton: headers only, at full file size (no values; see write_checkpoint)."""
+    skeleton: headers only, at full file size (no values; see write_checkpoint).
+    full_vocab (speculators only): the target's whole vocabulary, in the files speculators'
+    save_pretrained writes: no lm_head, d2t or t2d, and `auto_map` naming config.py, its
+    config module, written beside config.json with code that fails loudly if anything
+    runs it (a checkpoint's code is never run)."""
     _check_choice("draft format", format, DRAFT_FORMATS)
     _check_choice("markov_head_type", markov_head_type, MARKOV_HEAD_TYPES)
+    if full_vocab and format != "speculators":
+        raise ValueError(f"full_vocab is a speculators option; draft format {format!r} has no draft_vocab_size")
     seed = check_seed(seed)
     target = Path(target_dir)
     target_cfg = _target_config(target)
     tc = target_cfg.get("text_config", target_cfg)
     s = sizes or draft_sizes(tc)
     h, vocab = tc["hidden_size"], tc["vocab_size"]
+    if full_vocab:
+        s = replace(s, draft_vocab_size=vocab)
     mask_id = _mask_id(s, tc)
     copies = {} if skeleton else _frozen_copies(target, (vocab, h))
     heads = head_params(h, vocab, s, markov_head_type) if format != "dflash" else []
@@ -211,10 +221,13 @@ def write_draft(
     (out / "hf_quant_config.json").unlink(missing_ok=True)
     if quantize:
         _add_nvfp4_export(out, config, units, heads, export)
+    if full_vocab:
+        config["auto_map"] = {"": "config.DSparkSpeculatorConfig"}  # as speculators 0.9.0 saves it
     _apply_overrides(config, config_overrides or {})
     values_of = None if skeleton else _value_source(seed, vocab, copies, rows)
     write_checkpoint(out, units, values_of, shards=shards, extra=extra, naming=naming)
     write_json(out / "config.json", config)
+    _write_config_module(out, full_vocab)
     _write_tokenizer_files(out, format)
     return out
 
@@ -329,6 +342,15 @@ def _value_source(seed: int, vocab: int, copies: dict, rows: np.ndarray | None):
         return w
 
     return values_of
+
+
+def _write_config_module(out: Path, write: bool) -> None:
+    """config.py, speculators' config module (auto_map), whose code here must never run."""
+    module = out / "config.py"
+    if write:
+        module.write_text('raise SystemExit("executed: a checkpoint\'s config.py must never be run")\n')
+    else:
+        module.unlink(missing_ok=True)
 
 
 def _write_tokenizer_files(out: Path, format: str) -> None:
