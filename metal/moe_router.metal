@@ -2,6 +2,10 @@
 // weights equal a softmax over the K selected logits, which is what is computed.
 // Selection order: largest logit first; equal logits go to the lower expert index
 // (a stable descending sort). logits [T, E]; ids int32 [T, K]; weights F32 [T, K].
+// Non-finite logits: NaN ranks as -inf, so a slot with only -inf left takes the lowest
+// expert not yet taken (the tie rule) and ids stay distinct and in [0, E). A selected
+// logit equal to the largest one weighs exp(0) = 1 even when both are +inf or -inf:
+// +inf logits share the weight and an all -inf selection is uniform.
 // Template: E, K, TG (threads per row). grid (TG, T, 1), threadgroup (TG, 1, 1).
 constexpr int PER_THREAD = (E + TG - 1) / TG;
 // winners of each SIMD group, double-buffered by round so one barrier per round suffices
@@ -15,7 +19,8 @@ uint sg = simdgroup_index_in_threadgroup;
 float vals[PER_THREAD];
 for (int p = 0; p < PER_THREAD; ++p) {
   int e = int(tid) + p * TG;
-  vals[p] = e < E ? float(logits[size_t(row) * E + e]) : 0.0f;
+  float v = e < E ? float(logits[size_t(row) * E + e]) : 0.0f;
+  vals[p] = isnan(v) ? -INFINITY : v;
 }
 uint taken = 0u;
 float top[K];
@@ -57,12 +62,14 @@ for (int k = 0; k < K; ++k) {
   top_id[k] = fi;
 }
 if (tid == 0u) {
+  float largest = top[0];
   float sum = 0.0f;
   for (int k = 0; k < K; ++k) {
-    sum += exp(top[k] - top[0]);
+    top[k] = top[k] == largest ? 1.0f : exp(top[k] - largest);
+    sum += top[k];
   }
   for (int k = 0; k < K; ++k) {
     ids[size_t(row) * K + k] = top_id[k];
-    weights[size_t(row) * K + k] = exp(top[k] - top[0]) / sum;
+    weights[size_t(row) * K + k] = top[k] / sum;
   }
 }

@@ -27,7 +27,16 @@ from metal_emulator.kernel_cases import (
 from metal_emulator.mlx_source import ArgInfo, mlx_generated_source
 
 from monolith import kernels
-from monolith.kernels import add_norm, attention, combine, embedding, gated_norm, premix, replay, router
+from monolith.kernels import (
+    add_norm,
+    attention,
+    combine,
+    embedding,
+    gated_norm,
+    premix,
+    replay,
+    router,
+)
 from monolith.kernels.source import find_body
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,6 +331,21 @@ def test_router_reference_breaks_ties_by_lower_expert_index():
     got_ids, got_weights = run_kernel(router.KERNEL, router.launch(logits, 4))
     assert np.array(got_ids).tolist() == np.array(ids).tolist()
     assert_matches(got_weights, weights)
+
+
+def test_router_reference_ranks_nan_as_minus_infinity():
+    """Non-finite logits: NaN ranks as -inf; a slot with only -inf left takes the lowest
+    free expert (the tie rule); the weights are the limit of the softmax over the selected
+    logits: +inf logits share the weight, -inf below a larger logit get 0, and an all-equal
+    selection (all -inf, all +inf) is uniform. Ids always distinct and in [0, E)."""
+    nan, inf = float("nan"), float("inf")
+    logits = mx.array([[nan, 2.0, nan, -inf, 2.0, nan], [nan] * 6, [-inf] * 6, [inf] * 6,
+                       [0.0, inf, 5.0, inf, nan, -inf], [np.log(3.0), nan, 0.0, -inf, -inf, -inf]])
+    ids, weights = router.reference(logits, 4)
+    assert np.array(ids).tolist() == [[1, 4, 0, 2], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [1, 3, 2, 0],
+                                      [0, 2, 1, 3]]
+    np.testing.assert_allclose(np.array(weights), [[0.5, 0.5, 0, 0], [0.25] * 4, [0.25] * 4, [0.25] * 4,
+                                                   [0.5, 0.5, 0, 0], [0.75, 0.25, 0, 0]], rtol=1e-6, atol=0)
 
 
 # ------------------------------------------------------------------ backend choice

@@ -5,6 +5,14 @@ The renormalized top-k softmax equals a softmax over the k selected logits, whic
 paths compute. Order and ties: experts come largest logit first; equal logits go to the
 lower expert index. The reference gets this from MLX's argsort, which is stable (tested);
 the kernel compares (logit, index) pairs explicitly.
+
+Non-finite logits (a diverged model, a bad checkpoint) never give an id outside [0, E):
+NaN ranks as -inf, so once only -inf logits remain each slot takes the lowest expert not
+yet taken (the tie rule). The weights are the softmax over the selected logits with each
+logit equal to the largest counting exp(0) = 1, even when both are +inf or -inf (the
+limit of equal logits): +inf logits share the weight, -inf ones below a larger logit get
+0, an all -inf selection (a whole row of NaN or -inf) is uniform. They are always finite
+and sum to 1.
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ KERNEL = MetalKernel("monolith_moe_router", "moe_router.metal", ("logits",), ("i
 
 
 def reference(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    logits = logits.astype(mx.float32)
+    logits = mx.where(mx.isnan(logits), -mx.inf, logits)
     order = mx.argsort(-logits, axis=-1)[..., :k]
-    weights = mx.softmax(mx.take_along_axis(logits, order, axis=-1).astype(mx.float32), axis=-1, precise=True)
-    return order.astype(mx.int32), weights
+    top = mx.take_along_axis(logits, order, axis=-1)
+    terms = mx.where(top == top[..., :1], 1.0, mx.exp(top - top[..., :1]))
+    return order.astype(mx.int32), terms / terms.sum(axis=-1, keepdims=True)
 
 
 def launch(logits: mx.array, k: int) -> Launch:

@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from monolith.kernels import add_norm, attention, combine, embedding, gated_norm, premix, replay, router
+from monolith.kernels import (
+    add_norm,
+    attention,
+    combine,
+    embedding,
+    gated_norm,
+    premix,
+    replay,
+    router,
+)
 
 MODULES = {"embedding": embedding, "premix": premix, "gated_norm": gated_norm, "router": router,
            "attention": attention, "add_norm": add_norm, "combine": combine, "replay": replay}
@@ -139,15 +148,30 @@ def gated_norm_case(shape, z_width=None, z_offset=0, dtype=mx.bfloat16, o_dtype=
     return make
 
 
-def router_case(t, e, k, ties=False, dtype=mx.float32):
+def router_case(t, e, k, ties=False, dtype=mx.float32, overrides=()):
+    """overrides: (row, experts, value) written over the random logits (NaN, +-inf)."""
     def make(rng):
         if ties:  # few distinct values: many exact ties, including across SIMD groups
-            logits = mx.array(rng.choice([-1.0, 0.0, 0.5, 2.0], size=(t, e)).astype(np.float32))
+            logits = rng.choice([-1.0, 0.0, 0.5, 2.0], size=(t, e)).astype(np.float32)
             logits[0] = 0.0
         else:
-            logits = normal(rng, t, e, scale=2.0)
-        return logits.astype(dtype), k
+            logits = (rng.standard_normal((t, e)) * 2.0).astype(np.float32)
+        for row, experts, value in overrides:
+            logits[row, experts] = value
+        return mx.array(logits).astype(dtype), k
     return make
+
+
+NAN, INF = float("nan"), float("inf")
+# Rows of router logits that are not all finite (the ids must stay in [0, E) and distinct):
+# whole rows of NaN / -inf / +inf, NaN among finite logits, fewer finite logits than k
+# (the rest -inf, or NaN and -inf), two and one +inf among the others.
+NON_FINITE = ((0, slice(None), NAN), (1, slice(None), -INF), (2, slice(None), INF),
+              (3, [5, 17, 33], NAN),
+              (4, slice(3, None), -INF),
+              (5, slice(None, -2), NAN), (5, -1, -INF),
+              (6, [9, 33], INF), (6, 1, NAN),
+              (7, 3, INF), (7, 4, NAN), (7, 5, -INF))
 
 
 def attention_case(t, heads, kv_heads, head_dim, rotary, offset, dtype=mx.bfloat16, theta=1e7):
@@ -224,6 +248,9 @@ CASES = [
     Case("router", "bf16-logits", router_case(4, 96, 6, dtype=mx.bfloat16)),
     Case("router", "real-one-row", router_case(1, EXPERTS, TOP_K)),
     Case("router", "real-eight-rows", router_case(8, EXPERTS, TOP_K)),
+    Case("router", "non-finite-e40", router_case(8, 40, TOP_K, overrides=NON_FINITE)),
+    Case("router", "non-finite-e300-bf16", router_case(8, 300, 4, dtype=mx.bfloat16, overrides=NON_FINITE)),
+    Case("router", "real-non-finite", router_case(8, EXPERTS, TOP_K, overrides=NON_FINITE)),
     Case("attention", "bf16", attention_case(5, 3, 1, 32, 8, 7)),
     Case("attention", "one-row-f32", attention_case(1, 2, 2, 64, 64, 130, dtype=mx.float32, theta=1e4)),
     Case("attention", "odd-heads-d48", attention_case(3, 5, 1, 48, 16, 0, dtype=mx.float16)),
