@@ -9,7 +9,8 @@ hostile Anthropic blocks and Responses items, multi-MiB prompts, foreign Host an
 Origin headers, bad Content-Length, wrong methods and unknown paths. Valid requests
 generate at most 2 tokens. --clients threads send them at once.
 
-Reported: the status histogram (0 5xx required: the script exits 1 otherwise), the
+Then --waves waves of --wave-requests valid requests, the RSS after each (where the
+memory settles). Reported: the status histogram (0 5xx required: the script exits 1 otherwise), the
 4xx replies not in the API's error shape (uvicorn's plain-text 400 for malformed HTTP
 is accepted), the server's RSS (VmRSS) before, its peak during and after, throughput,
 and whether the server still answers a plain request at the end. Also the grammar
@@ -181,12 +182,34 @@ def rss(pid: int) -> int:
     return 0
 
 
+def rss_waves(url: str, pid: int, waves: int, per_wave: int, seed: int) -> list[dict]:
+    """After the hostile run: waves of valid requests (prompts of 50-6000 characters of
+    the standard library's source, 4 tokens each), the RSS and the prompt cache's bytes
+    after each wave, to show where the memory settles."""
+    rng = random.Random(seed + 1)
+    source = Path(os.__file__).read_text()
+    out = []
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for wave in range(waves):
+            for _ in range(per_wave):
+                start = rng.randrange(len(source) - 7000)
+                prompt = source[start:start + rng.choice([50, 300, 1500, 6000])]
+                http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
+            metrics = http.get("/metrics").text
+            cached = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                         if line.startswith("monolith_prompt_cache_bytes"))
+            out.append({"requests": (wave + 1) * per_wave, "rss": rss(pid), "prompt_cache_bytes": int(cached)})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--waves", type=int, default=6, help="waves of valid requests after the run (RSS)")
+    ap.add_argument("--wave-requests", type=int, default=200)
     args = ap.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen([sys.executable, "-m", "monolith.serve", "--no-draft", "--port", str(args.port),
@@ -243,6 +266,7 @@ def main() -> int:
         done.set()
         time.sleep(2)
         rss_after = rss(server.pid)
+        waves = rss_waves(url, server.pid, args.waves, args.wave_requests, args.seed)
         final = httpx.post(url + "/v1/completions", json={"prompt": "def f(", "max_tokens": 2}, timeout=60)
     finally:
         server.terminate()
@@ -258,6 +282,7 @@ def main() -> int:
                   statuses.items(), key=lambda kv: str(kv[0]))}, "server_errors": server_errors,
               "client_errors": failures[:20], "out_of_shape_4xx": out_of_shape[:20],
               "rss_bytes": {"ready": rss_ready, "peak_during": peak[0], "after": rss_after},
+              "rss_waves": waves,
               "still_serving": final.status_code == 200,
               "control_tokens_allowed_inside_a_json_string": grammar}
     lines = ["# fuzz", "", (f"- {args.requests} requests from {args.clients} clients in {elapsed:.0f} s "
@@ -269,7 +294,10 @@ def main() -> int:
                    f"client-side failures: {len(failures)}"),
               (f"- RSS: {rss_ready / 2**20:.0f} MiB ready, {peak[0] / 2**20:.0f} MiB peak, "
                f"{rss_after / 2**20:.0f} MiB after"),
-              f"- still serving a plain request afterwards: {result['still_serving']}"]
+              f"- still serving a plain request afterwards: {result['still_serving']}",
+              "- then valid requests, RSS after each wave: " + ", ".join(
+                  f"{w['requests']}: {w['rss'] / 2**20:.0f} MiB (prompt cache {w['prompt_cache_bytes'] / 2**20:.0f})"
+                  for w in waves)]
     if grammar:
         lines.append("- control tokens a grammar lets into a JSON string (bench/grammar_engines.py): "
                      + "; ".join(f"{n}: {', '.join(t for t, ok in v.items() if ok) or 'none'}"

@@ -120,7 +120,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(long_server):
     before = _cancelled(s)
     body = json.dumps({"prompt": "go on", "max_tokens": 50000, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", s.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         time.sleep(0.5)
     deadline = time.monotonic() + 10
@@ -242,7 +242,7 @@ def test_body_over_the_limit_is_refused_unread(model, tok):
         s.wait_ready()
         assert_error(s.post("/v1/completions", {"prompt": "x" * 2000}), 413, code="request_too_large")
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:  # announce 1 GB, send nothing
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n{")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000000\r\n\r\n{")
             reply = sock.recv(4096).decode()
         assert reply.startswith("HTTP/1.1 413")
         assert s.client().completions.create(model=NAME, prompt="x", max_tokens=1).usage.completion_tokens == 1
