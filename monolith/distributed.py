@@ -161,7 +161,7 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
     first = costs.head_reads + (draft_reads(args, sources) if leader else 0.0)
     split = broadcast_split(ring, split_layers(list(costs.layer_reads), link.size, first) if leader else None,
                             link.size)
-    model = load_stage(sources.target_pack, args.dtype, split[link.rank], leader)
+    model = load_stage(sources.target_pack, args.dtype, split[link.rank], leader, args.verify_pack)
     took, head = measure_stage(model, leader)
     times = mx.distributed.all_gather(mx.array([took], dtype=mx.float32), group=ring).tolist()
     reads = [sum(costs.layer_reads[i] for i in part) for part in split]
@@ -173,7 +173,7 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
         del model
         gc.collect()
         mx.clear_cache()
-        model = load_stage(sources.target_pack, args.dtype, balanced[link.rank], leader)
+        model = load_stage(sources.target_pack, args.dtype, balanced[link.rank], leader, args.verify_pack)
     log(f"rank {link.rank} of {link.size} (pid {os.getpid()}): layers {_layers(balanced[link.rank])}"
         + (" with the head" if leader else "") + f" (split by measured cost: {describe(balanced)})")
     return Rank(link, balanced, model, sources, args.distributed_timeout)
@@ -199,8 +199,8 @@ def broadcast_split(group, split: list[range] | None, ranks: int) -> list[range]
     return [range(a, b) for a, b in zip([0] + stops[:-1], stops)]
 
 
-def load_stage(pack, dtype, layers: range, head: bool):
-    return load_model(pack, dtype=dtype, layers=layers, head=head)
+def load_stage(pack, dtype, layers: range, head: bool, verify: str = "first"):
+    return load_model(pack, dtype=dtype, layers=layers, head=head, verify=verify)
 
 
 def measure_stage(model, head: bool) -> tuple[float, float]:
@@ -237,7 +237,8 @@ def draft_reads(args, sources: Sources) -> float:
     if sources.draft is None:
         return 0.0
     pack = resolve_pack(sources.draft, role="draft", quantization=args.draft_quantization or "auto",
-                        revision=args.draft_revision, local_files_only=args.local_files_only)
+                        revision=args.draft_revision, local_files_only=args.local_files_only,
+                        verify=args.verify_pack)
     return float(sum(s["bytes"] for s in read_manifest(Path(pack))["shards"].values()))
 
 

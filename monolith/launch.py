@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .cli import byte_size
 from .models import load_draft, load_model
-from .pack import build_pack, is_pack, resolve_pack
+from .pack import VERIFY_MODES, build_pack, ensure_verified, is_pack, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import (
     BreakEven,
@@ -73,6 +73,9 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     ap.add_argument("--pack", help="the target's pack directory: used as is if it holds a pack, "
                                    "else built there from --model (default: the pack cache)")
     ap.add_argument("--draft-pack", help="the draft's pack directory (as --pack)")
+    ap.add_argument("--verify-pack", choices=VERIFY_MODES, default="first",
+                    help="check every pack's hashes and files against its manifest before use: first (default: "
+                         "once, again when a file changes), always (every start), never (unchecked, logged)")
     ap.add_argument("--revision", help="hub revision of --model")
     ap.add_argument("--draft-revision", help="hub revision of --draft")
     ap.add_argument("--local-files-only", action="store_true", help="never download")
@@ -140,19 +143,21 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
     return ModelPlan(args.model, draft, explicit, name)
 
 
-def load_target(source, dtype=None, dense: bool | None = None, **resolve_options):
+def load_target(source, dtype=None, dense: bool | None = None, verify: str = "first", **resolve_options):
     """The target model of `source` (hub id, checkpoint or pack directory; packed once
-    into the cache)."""
-    return load_model(resolve_pack(source, role="target", **resolve_options), dtype=dtype, dense=dense)
+    into the cache), its pack verified as `verify` (--verify-pack) says."""
+    pack = resolve_pack(source, role="target", verify=verify, **resolve_options)
+    return load_model(pack, dtype=dtype, dense=dense, verify=verify)
 
 
 def load_drafter(source, target, dtype=None, quantization: str = "auto", dense: bool | None = None,
-                 **resolve_options) -> DraftModelDrafter:
+                 verify: str = "first", **resolve_options) -> DraftModelDrafter:
     """The drafter over the DSpark / DFlash draft of `source` (hub id, checkpoint or pack
-    directory; packed once into the cache, NVFP4 by default) for `target`; raises
-    DraftError (a ValueError) when the draft does not fit the target."""
-    pack = resolve_pack(source, role="draft", quantization=quantization, **resolve_options)
-    return DraftModelDrafter(load_draft(pack, target, dtype=dtype, dense=dense))
+    directory; packed once into the cache, NVFP4 by default) for `target`, its pack
+    verified as `verify` says; raises DraftError (a ValueError) when the draft does not
+    fit the target."""
+    pack = resolve_pack(source, role="draft", quantization=quantization, verify=verify, **resolve_options)
+    return DraftModelDrafter(load_draft(pack, target, dtype=dtype, dense=dense, verify=verify))
 
 
 @dataclass(frozen=True)
@@ -163,10 +168,11 @@ class Sources:
 
 def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
     """The target's pack (the demo pair's, --pack's, or --model's resolved) and the
-    draft's source, building packs where the flags ask for them."""
+    draft's source, building packs where the flags ask for them; every pack named here
+    is verified (--verify-pack) before anything reads it."""
     target, draft = plan.target, plan.draft
     if target is None and args.pack is None:
-        target, demo_draft = demo_pair(log)
+        target, demo_draft = demo_pair(log, verify=args.verify_pack)
         if draft is None and not args.no_draft:
             draft = str(demo_draft)
     if args.pack is not None and is_pack(Path(args.pack)):
@@ -179,7 +185,9 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
                           local_files_only=args.local_files_only)
     else:
         log(f"resolving the target {target}")
-        pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only)
+        pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only,
+                            verify=args.verify_pack)
+    ensure_verified(pack, args.verify_pack)
     if args.draft_pack is not None:
         if not is_pack(Path(args.draft_pack)):
             if args.draft is None:
@@ -187,6 +195,7 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
             log(f"building the draft pack of {args.draft} into {args.draft_pack}")
             build_pack(args.draft, args.draft_pack, role="draft", quantization=args.draft_quantization or "auto",
                        revision=args.draft_revision, local_files_only=args.local_files_only)
+        ensure_verified(args.draft_pack, args.verify_pack)
         draft = args.draft_pack
     return Sources(pack, draft)
 
@@ -204,7 +213,7 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     --max-batch): their caches must fit the memory free after loading."""
     started = time.perf_counter()
     sources = sources or resolve_sources(args, plan, log)
-    model = load(sources.target_pack, dtype=args.dtype)
+    model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
     tokenizer = load_tokenizer(sources.target_pack)
     decoder, draft_name = None, None
@@ -288,7 +297,8 @@ def speculative_decoder(args, model, draft: str, log, fallback: bool = True, pro
     quantization = args.draft_quantization or "auto"
     log(f"loading the draft {draft} (quantization {quantization})")
     drafter = load_draft(draft, model, dtype=args.dtype, quantization=quantization,
-                         revision=args.draft_revision, local_files_only=args.local_files_only)
+                         revision=args.draft_revision, local_files_only=args.local_files_only,
+                         verify=args.verify_pack)
     return drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)[0]
 
 

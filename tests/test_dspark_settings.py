@@ -2,6 +2,7 @@
 against the target, the block mask, sample_from_anchor and embedding scale settings
 of every layout, and the architecture registry."""
 
+# ruff: noqa: F811 - the fixtures imported below are test parameters
 from __future__ import annotations
 
 import json
@@ -63,7 +64,7 @@ def test_reduced_vocabulary_without_d2t_and_missing_settings(world, tmp_path):
     del manifest["entries"]["d2t"]
     (broken / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DraftError, match=r"draft_vocab_size 256 is not the target vocabulary \(512\).*no d2t"):
-        load_draft(broken, world["target"], "float32")
+        load_draft(broken, world["target"], "float32", verify="never")  # an edited manifest: past verification
     settings = manifest["layout"]["draft"]
     config = json.loads((broken / "config.json").read_text())
     for field in ("mask_token_id", "block_size"):

@@ -207,7 +207,7 @@ def run_cli(capsys, argv, model=None):
     model = model or FakeModel()
     loaded = []
 
-    def load(pack, dtype):
+    def load(pack, dtype, verify):
         loaded.append((Path(pack), dtype))
         return model
 
@@ -263,7 +263,7 @@ def test_cli_stops_at_any_eos_id(capsys, pack_dir):
 
 
 def test_cli_model_errors_are_one_line(capsys, pack_dir):
-    def broken(pack, dtype):
+    def broken(pack, dtype, verify):
         raise RuntimeError("shard model-00001 is truncated\nat offset 12")
 
     code = main(["--model", str(pack_dir), "--prompt-ids", "1"], load=broken)

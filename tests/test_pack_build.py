@@ -22,7 +22,12 @@ from monolith.pack import (
     unpack_pack,
     verify_pack,
 )
-from monolith.pack.manifest import lock_path
+from monolith.pack.manifest import lock_path, tensor_inventory
+
+
+def tensors_of(pack) -> dict:
+    """Every tensor of a pack as dtype, shape and SHA-256."""
+    return tensor_inventory(read_manifest(pack)["tensors"])
 
 
 # ------------------------------------------------------------------ reproducibility
@@ -75,7 +80,7 @@ def test_verify_catches_one_flipped_byte(built):
 
 
 def test_verify_catches_a_missing_shard(built):
-    shard = sorted(read_manifest(built)["shards"])[-1]
+    shard = max(read_manifest(built)["shards"])
     (built / shard).unlink()
     with pytest.raises(PackError, match=f"{shard}.*missing"):
         verify_pack(built)
@@ -84,7 +89,7 @@ def test_verify_catches_a_missing_shard(built):
 
 def test_verify_catches_an_extra_tensor(built):
     manifest = read_manifest(built)
-    shard = sorted(manifest["shards"])[0]
+    shard = min(manifest["shards"])
     st = SafetensorsFile(built / shard)
     tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
     tensors["smuggled.weight"] = ("F32", np.ones(4, np.float32))
@@ -156,8 +161,8 @@ def test_unpack_gives_back_the_source_quantized_bytes(synth_dir, tmp_path, fmt):
             assert np.array_equal(ca, cb) and np.array_equal(np.ravel(sa), np.ravel(sb)), name
         checked += 1
     assert checked > 10
-    rebuilt = build_pack(out, tmp_path / "p2")
-    assert read_manifest(rebuilt)["pack_sha256"] == read_manifest(pack)["pack_sha256"]
+    rebuilt = build_pack(out, tmp_path / "p2")  # the same tensors (unpack writes its own config.json, so
+    assert tensors_of(rebuilt) == tensors_of(pack)  # pack_sha256, which covers it, differs)
     assert run_cli("unpack", pack, "--out", tmp_path / "u2").returncode == 0
 
 

@@ -1,6 +1,7 @@
 """`python -m monolith.serve` as a process: the bundled demo pair, flags, usage errors,
 a model that cannot load, and serve's decision whether drafting pays."""
 
+# ruff: noqa: F811 - the fixtures imported below are test parameters
 from __future__ import annotations
 
 import argparse
@@ -82,7 +83,7 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
             metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         finally:
             logs.append(_stop(proc))
-    assert re.search(r"^spec_decode_num_drafts_total [1-9]", metrics, re.M)  # the demo draft is in use
+    assert re.search(r"^spec_decode_num_drafts_total [1-9]", metrics, re.MULTILINE)  # the demo draft is in use
     # the first start builds and checks the bundled pair's packs, the second finds them
     assert "built the demo target pack" in logs[0] and "built the demo draft pack" in logs[0]
     assert "built the demo" not in logs[1]
@@ -99,10 +100,10 @@ def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pai
     from monolith import launch
     from monolith.runtime.calibrate import BreakEven
 
-    target_pack, draft, cache = pair
+    target_pack, draft, _ = pair
     model = load_model(target_pack, dtype="float32")
     args = argparse.Namespace(draft_quantization="none", draft_pack=None, draft_revision=None, local_files_only=True,
-                              dtype="float32", max_context=MAX_CONTEXT, prefill_chunk_size=512,
+                              verify_pack="first", dtype="float32", max_context=MAX_CONTEXT, prefill_chunk_size=512,
                               draft_block_size=None, spec_sched=None, spec_threshold=None)
     logs = []
     # 7 proposals: a round emits at most 8 tokens; with the margin it drafts up to 7.2
@@ -147,7 +148,8 @@ def test_cli_flags(tmp_path, pack):
     (["--bogus"], "unrecognized"),
 ])
 def test_cli_usage_errors_exit_1(args, message):
-    r = subprocess.run([sys.executable, "-m", "monolith.serve", *args], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "monolith.serve", *args], capture_output=True, text=True, timeout=60,
+                       check=False)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
 
 

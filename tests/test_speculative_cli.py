@@ -1,6 +1,7 @@
 """`python -m monolith.generate --draft` with an oracle drafter, and the real
 DSpark/DFlash drafts end to end (monolith.models.dspark through the decoders)."""
 
+# ruff: noqa: F811 - the fixtures imported below are test parameters
 from __future__ import annotations
 
 import json
@@ -35,12 +36,12 @@ from monolith.sampling import SamplingParams
 def run_cli(capsys, argv, model, drafter):
     loaded = []
 
-    def load_draft(source, target, dtype, quantization, local_files_only, revision=None):
+    def load_draft(source, target, dtype, quantization, local_files_only, revision=None, verify=None):
         assert target is model and local_files_only is False
         loaded.append((source, dtype, quantization))
         return drafter
 
-    code = main(argv, load=lambda pack, dtype: model, load_draft=load_draft)
+    code = main(argv, load=lambda pack, dtype, verify: model, load_draft=load_draft)
     out, err = capsys.readouterr()
     return code, out, err, loaded
 

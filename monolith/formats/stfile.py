@@ -104,6 +104,15 @@ class SafetensorsFile:
         _, _, begin, end = self._entries[name]
         return end - begin
 
+    @property
+    def header_size(self) -> int:
+        """Bytes before the tensor data: the 8-byte length and the JSON header."""
+        return self._data_start
+
+    def offsets(self, name: str) -> tuple[int, int]:
+        """(begin, end) of a tensor's bytes, counted from the start of the data."""
+        return self._entries[name][2:]
+
     def read(self, name: str, copy: bool = False) -> np.ndarray:
         """The stored bits of one tensor: a read-only memory map, or with `copy` a
         private array read with plain file I/O (leaves no mapped pages behind)."""

@@ -50,20 +50,21 @@ UNUSED_DRAFT_TENSORS = ("t2d", "verifier_norm")
 
 
 def load_model(pack_dir, dtype=None, dense: bool | None = None, layers: range | None = None,
-               head: bool = True) -> Qwen3_5:
+               head: bool = True, verify: str = "first") -> Qwen3_5:
     """The target model of a pack directory (monolith.launch resolves a checkpoint
     directory or hub id into one). `dtype` is the compute dtype ("bfloat16", "float32",
     or None: the device's default); weights stay in pack precision, or are dense F32
     (`dense`, default: on the CPU when they fit, see weights.py). A pipeline stage
-    (`layers`, `head`: see Qwen3_5) reads only its own tensors."""
+    (`layers`, `head`: see Qwen3_5) reads only its own tensors. The pack is verified
+    first as `verify` (--verify-pack) says."""
     dtype = compute_dtype(dtype)
-    pack_dir = open_pack(pack_dir)
+    pack_dir = open_pack(pack_dir, verify)
     manifest = read_manifest(pack_dir)
     architecture = manifest.get("architecture")
     if architecture not in TARGET_ARCHITECTURES:
         raise PackError(f"{pack_dir}: architecture {architecture!r} is not a supported target "
                         f"(supported: {', '.join(sorted(TARGET_ARCHITECTURES))})")
-    weights = PackWeights(pack_dir, dtype, dense)
+    weights = PackWeights(pack_dir, dtype, dense, verify)
     model_class, args_class = MODELS[architecture]
     args = args_class.from_config(weights.config, architecture, weights.generation_config,
                                   where=str(pack_dir / "config.json"))
@@ -89,12 +90,12 @@ def _held(name: str, model) -> bool:
     return model.head or not name.startswith(("model.embed_tokens", "lm_head", "model.norm"))
 
 
-def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) -> Draft:
+def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None, verify: str = "first") -> Draft:
     """The DSpark / DFlash draft of a pack directory for `target_model` (monolith.launch
-    resolves checkpoints and hub ids). Checked against the target at load: taps, hidden
-    size, vocabulary (DraftError names the field)."""
+    resolves checkpoints and hub ids), its pack verified first as `verify` says. Checked
+    against the target at load: taps, hidden size, vocabulary (DraftError names the field)."""
     dtype = compute_dtype(dtype)
-    pack_dir = open_pack(pack_dir)
+    pack_dir = open_pack(pack_dir, verify)
     manifest = read_manifest(pack_dir)
     where = str(pack_dir)
     architecture = manifest.get("architecture")
@@ -102,7 +103,7 @@ def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None) ->
     if architecture not in DRAFT_ARCHITECTURES or not settings:
         raise DraftError(f"{where}: not a draft pack (architecture {architecture!r}; drafts: "
                          f"{', '.join(DRAFT_ARCHITECTURES)})")
-    weights = PackWeights(pack_dir, dtype, dense)
+    weights = PackWeights(pack_dir, dtype, dense, verify)
     model_class, args_class = MODELS[architecture]
     args = args_class.from_pack(weights.config, settings, architecture, f"{where}/config.json")
     mapping = _check_fit(args, settings, weights, target_model, where)

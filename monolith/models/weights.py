@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..formats.stfile import STORAGE_DTYPES
-from ..pack import PackError, is_pack, read_manifest
+from ..pack import PackError, ensure_verified, is_pack, read_manifest
 from .layers import QUANT_MODES, Experts, FusedLinear, Linear
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -41,11 +41,12 @@ UNUSED_PREFIXES = ("mtp.",)
 
 
 class PackWeights:
-    """The arrays of one pack, handed out entry by entry with shape checks; remembers
-    which tensors were used so a pack that does not match the model is caught."""
+    """The arrays of one pack (verified first, see open_pack), handed out entry by entry
+    with shape checks; remembers which tensors were used so a pack that does not match
+    the model is caught."""
 
-    def __init__(self, pack_dir, dtype=mx.bfloat16, dense: bool | None = None):
-        self.path = Path(pack_dir)
+    def __init__(self, pack_dir, dtype=mx.bfloat16, dense: bool | None = None, verify: str = "first"):
+        self.path = open_pack(pack_dir, verify)
         self.manifest = read_manifest(self.path)
         self.entries: dict = self.manifest["entries"]
         self.dtype = dtype
@@ -192,12 +193,14 @@ def compute_dtype(dtype):
     return DTYPES[dtype]
 
 
-def open_pack(pack_dir) -> Path:
-    """`pack_dir` as a Path, or PackError when it holds no pack."""
+def open_pack(pack_dir, verify: str = "first") -> Path:
+    """`pack_dir` as a Path, verified before use as `verify` (--verify-pack: always,
+    first, never; monolith.pack.verify) says; PackError when it holds no pack or fails."""
     path = Path(pack_dir)
     if not is_pack(path):
         raise PackError(f"{path}: not a pack directory (build one with `python -m monolith.pack build`; "
                         "the command-line tools also take checkpoints and hub ids)")
+    ensure_verified(path, verify)
     return path
 
 

@@ -104,7 +104,6 @@ def _manifest(ckpt: Checkpoint, plan: Plan, tensors: dict, shards: dict, aux: di
         "shards": shards,
         "aux_files": aux,
         "source": {"format": ckpt.quant_format, "config_sha256": ckpt.config_sha256(), "files": sources},
-        "pack_sha256": mf.pack_sha256(tensors),
     }
 
 
@@ -167,6 +166,7 @@ def build_pack(
             manifest = _manifest(ckpt, plan, tensors, shards, aux, sources)
             if extra_manifest:
                 manifest.update(extra_manifest)
+            manifest["pack_sha256"] = mf.pack_sha256(manifest)
             mf.write_json(tmp / mf.MANIFEST, manifest)
             mf.write_json(tmp / mf.CONVERSION, _conversion(ckpt, plan, label, sources))
             mf.write_json(tmp / mf.VALIDATION, validate_pack(tmp, ckpt, plan))

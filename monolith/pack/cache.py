@@ -1,15 +1,21 @@
-"""The automatic pack cache: give it any model source, get a pack directory.
+"""The automatic pack cache: give it any model source, get a verified pack directory.
 
 A cached pack is keyed by the source's identity (resolved path or hub snapshot, every
 weight/config file's name, size and modification time) and the build options; when
 the source changes the pack is rebuilt in place. Full SHA-256 hashes of the source
-are in the pack's manifest; the key only has to notice change cheaply.
+are in the pack's manifest; the key only has to notice change cheaply. The key is kept
+beside the pack (`.NAME.cache_key`), as a pack directory holds only its own files.
+
+A cached pack is derived data: one that fails verification (a changed byte, an
+unlisted file, an older pack format) is logged, naming the file, and rebuilt from its
+source. A pack directory given as the source is the user's: it is verified and
+refused on any mismatch, never rebuilt.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import logging
 import re
 from pathlib import Path
 
@@ -18,15 +24,11 @@ from filelock import FileLock
 from ..checkpoint import resolve_checkpoint
 from . import manifest as mf
 from .build import build_pack
-from .recipe import RECIPE_VERSION
+from .manifest import cache_root
+from .recipe import RECIPE_VERSION, PackError
+from .verify import ensure_verified
 
-CACHE_KEY_FILE = "cache_key"
-
-
-def cache_root() -> Path:
-    env = os.environ.get("MONOLITH_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "monolith"
-    return base / "packs"
+log = logging.getLogger("monolith.pack")
 
 
 def source_key(path: Path, role: str | None, quantization: str) -> str:
@@ -43,21 +45,28 @@ def resolve_pack(
     revision: str | None = None,
     local_files_only: bool = False,
     cache_dir: Path | None = None,
+    verify: str = "first",
 ) -> Path:
-    """A pack directory for `source`: the source itself if it is a pack, else a cached
-    pack built (once) from the checkpoint."""
+    """A pack directory for `source`: the source itself if it is a pack (verified as
+    `verify` says, see verify.ensure_verified; PackError on a mismatch), else a cached
+    pack built (once) from the checkpoint and verified, rebuilt when it fails."""
     if Path(str(source)).is_dir() and mf.is_pack(Path(str(source))):
-        mf.read_manifest(Path(str(source)))
+        ensure_verified(Path(str(source)), verify)
         return Path(str(source))
     path = resolve_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
     key = source_key(path, role, quantization)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(source)).strip("_")[-80:] or "model"
     out = Path(cache_dir or cache_root()) / f"{slug}-{role or 'auto'}-{quantization}"
-    stamp = out / CACHE_KEY_FILE
+    stamp = out.parent / f".{out.name}.cache_key"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out, "cache")):  # check, build and stamp as one step
         if stamp.is_file() and stamp.read_text() == key and mf.is_pack(out):
-            return out
+            try:
+                ensure_verified(out, verify)
+                return out
+            except PackError as e:
+                log.warning("the cached pack %s failed verification: %s; rebuilding it from %s", out, e, source)
+        stamp.unlink(missing_ok=True)
         build_pack(path, out, role=role, quantization=quantization, force=True)
         stamp.write_text(key)
     return out

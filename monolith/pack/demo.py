@@ -11,7 +11,9 @@ resolve_pack, with the role and quantization serve and chat then resolve them wi
 checks each against expected.json: the pack_sha256 and every file the pack took from
 the bundle. A pack that does not match is removed from the cache and the start fails,
 naming the pack and both hashes. Later starts find the cached packs (resolve_pack's
-stamp: no rebuild) and re-check only what their manifests record.
+stamp: no rebuild) and re-check only what their manifests record; a cached pack that
+fails verification (a byte changed in the cache) is rebuilt from the bundle by
+resolve_pack, then checked against expected.json again.
 
 There is no fallback pair: a missing bundle (a broken install) is an error, not a
 server of random weights.
@@ -99,10 +101,11 @@ def _mismatches(manifest: dict, role: str, expected: dict) -> list[str]:
             if files.get(f"{role}/{name}", {}).get("sha256") != digest]
 
 
-def check_pack(bundle: Path, role: str, expected: dict, log) -> Path:
-    """The cached pack of the bundled `role`, built on first use, matching expected.json."""
+def check_pack(bundle: Path, role: str, expected: dict, log, verify: str = "first") -> Path:
+    """The cached pack of the bundled `role`, built on first use (and rebuilt when it
+    fails verification, see cache.py), matching expected.json."""
     started = time.time()
-    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role])
+    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role], verify=verify)
     manifest = read_manifest(pack)
     want, got = expected["packs"][role]["pack_sha256"], manifest.get("pack_sha256")
     changed = _mismatches(manifest, role, expected)
@@ -119,11 +122,12 @@ def check_pack(bundle: Path, role: str, expected: dict, log) -> Path:
     return pack
 
 
-def demo_pair(log=lambda message: None, bundle: Path | None = None) -> tuple[Path, Path]:
+def demo_pair(log=lambda message: None, bundle: Path | None = None, verify: str = "first") -> tuple[Path, Path]:
     """(target, draft) checkpoint directories of the bundled demo pair, their packs built
-    into the pack cache and checked (the first start) or found there (later starts)."""
+    into the pack cache and checked (the first start) or found there and verified as
+    `verify` (--verify-pack) says (later starts)."""
     bundle = Path(bundle).absolute() if bundle is not None else bundle_dir()
     expected = read_expected(bundle)
     for role in DEMO_PACKS:
-        check_pack(bundle, role, expected, log)
+        check_pack(bundle, role, expected, log, verify)
     return bundle / "target", bundle / "draft"

@@ -13,10 +13,18 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 PACK_FORMAT = "monolith-pack"
-PACK_FORMAT_VERSION = 1
+# 2: pack_sha256 covers the whole manifest (and so every copied file), not only the tensors
+PACK_FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 CONVERSION = "conversion.json"
 VALIDATION = "validation.json"
+# the build's reports beside the manifest: never read at run time, the only files a pack
+# holds that its manifest does not list (validation.json is written after the manifest)
+REPORTS = (CONVERSION, VALIDATION)
+# manifest fields outside pack_sha256: the hash itself and the split into shards (so the
+# hash does not depend on the shard size; verify.py checks each shard's header is the
+# canonical one for its tensors, so the shards' bytes follow from what is covered)
+NOT_HASHED = ("pack_sha256", "shards")
 # Files copied from the source next to the shards (the runtime needs config and tokenizer).
 AUX_FILES = (
     "config.json",
@@ -55,12 +63,19 @@ def sha256_file(path: Path) -> str:
 
 
 def tensor_inventory(tensors: dict) -> dict:
-    """What pack_sha256 covers: every tensor's dtype, shape and content hash."""
+    """Every tensor's dtype, shape and content hash (its entry in pack_sha256)."""
     return {name: {k: t[k] for k in ("dtype", "shape", "sha256")} for name, t in sorted(tensors.items())}
 
 
-def pack_sha256(tensors: dict) -> str:
-    return sha256_bytes(canonical_json(tensor_inventory(tensors)))
+def pack_sha256(manifest: dict) -> str:
+    """The pack's identity: the SHA-256 of the canonical manifest without NOT_HASHED,
+    every tensor as its inventory entry. It covers everything the runtime reads: the
+    architecture, role, quantization, layout, entries and tensors, and through
+    `aux_files` the bytes of config.json, generation_config.json, the tokenizer files
+    and the chat template."""
+    covered = {k: v for k, v in manifest.items() if k not in NOT_HASHED}
+    covered["tensors"] = tensor_inventory(manifest.get("tensors", {}))
+    return sha256_bytes(canonical_json(covered))
 
 
 def shard_name(index: int, count: int) -> str:
@@ -82,9 +97,18 @@ def read_manifest(pack_dir: Path) -> dict:
     if manifest.get("format_version") != PACK_FORMAT_VERSION:
         raise PackError(
             f"{path}: pack format version {manifest.get('format_version')} is not supported "
-            f"(this monolith reads version {PACK_FORMAT_VERSION}); rebuild the pack"
+            f"(this monolith reads version {PACK_FORMAT_VERSION}); rebuild the pack: "
+            f"python -m monolith.pack build SOURCE --out {Path(pack_dir)} --force "
+            "(packs in the pack cache are rebuilt by themselves)"
         )
     return manifest
+
+
+def cache_root() -> Path:
+    """Where the pack cache keeps its packs and state ($MONOLITH_CACHE/packs)."""
+    env = os.environ.get("MONOLITH_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "monolith"
+    return base / "packs"
 
 
 def lock_path(out: Path, purpose: str = "build") -> str:

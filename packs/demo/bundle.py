@@ -1,6 +1,7 @@
 """Bundle a trained demo pair into packs/demo/ as the embedded default.
 
     python packs/demo/bundle.py OUT
+    python packs/demo/bundle.py --rerecord
 
 OUT is the output of the recipe (train.py + draft.py): OUT/target (ModelOpt NVFP4) and
 OUT/draft (DeepSpec NVFP4, Markov W1 BF16). Their checkpoint files are copied into
@@ -10,6 +11,8 @@ from the copies in a scratch directory exactly as the first start of
 monolith.pack.demo), verified, and packs/demo/expected.json records each pack's
 pack_sha256, every bundled file's SHA-256 and size, the versions that built them and
 where the pair came from. Re-run it after retraining; nothing else holds the hashes.
+`--rerecord` keeps the bundled files and their origin and records the packs again (after
+a change of the pack format or of what pack_sha256 covers).
 """
 
 from __future__ import annotations
@@ -85,18 +88,23 @@ def origin(out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path, help="the recipe's output directory (holds target/ and draft/)")
+    ap.add_argument("out", type=Path, nargs="?", help="the recipe's output directory (holds target/ and draft/)")
+    ap.add_argument("--rerecord", action="store_true",
+                    help="keep the bundled files and their origin; record the packs built from them again")
     args = ap.parse_args()
+    if (args.out is None) != args.rerecord:
+        ap.error("give the recipe's OUT directory, or --rerecord")
 
     import mlx.core as mx
 
     from monolith.pack import build_pack, verify_pack
     from monolith.pack import manifest as mf
     from monolith.pack.build import quantizer_sha256
-    from monolith.pack.recipe import RECIPE_VERSION
     from monolith.pack.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS
+    from monolith.pack.recipe import RECIPE_VERSION
 
-    copy_pair(args.out)
+    if args.out is not None:
+        copy_pair(args.out)
     files = {}
     for role in DEMO_PACKS:
         for path in sorted((HERE / role).iterdir()):
@@ -125,7 +133,8 @@ def main() -> None:
         "built_with": {"monolith": importlib.metadata.version("monolith"), "mlx": mx.__version__, "python": platform.python_version(),
                        "recipe_version": RECIPE_VERSION, "pack_format_version": mf.PACK_FORMAT_VERSION,
                        "quantizer_sha256": quantizer_sha256()},
-        "origin": origin(args.out),
+        "origin": origin(args.out) if args.out is not None else
+        json.loads((HERE / "expected.json").read_text())["origin"],
     }
     tmp = HERE / ".expected.json.tmp"
     tmp.write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
