@@ -2,7 +2,6 @@
 against the target, the block mask, sample_from_anchor and embedding scale settings
 of every layout, and the architecture registry."""
 
-# ruff: noqa: F811 - the fixtures imported below are test parameters
 from __future__ import annotations
 
 import json
