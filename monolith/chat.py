@@ -22,7 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from .cli import ArgumentParser
-from .distributed import add_distributed_arguments, join, stage_log
+from .distributed import add_distributed_arguments, join, to_stderr
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
 from .runtime.checkpoint_file import (
     CheckpointFileError,
@@ -337,10 +337,6 @@ def _printable(text: str) -> str:
     return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else "\ufffd" for c in text)
 
 
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # Ctrl-C stops a reply: take SIGINT even when started with it ignored (a background
@@ -357,10 +353,10 @@ def main(argv=None) -> int:
     rank = None
     try:
         if args.distributed:
-            rank = join(args, plan, _log)
+            rank = join(args, plan, to_stderr)
             if not rank.leader:  # a stage only: rank 0 chats
-                return rank.serve(stage_log(rank.link.rank))
-        engine = load_engine(args, plan, _log, max_queue=1, queue_timeout=1e9,
+                return rank.serve()
+        engine = load_engine(args, plan, to_stderr, max_queue=1, queue_timeout=1e9,
                              **({} if rank is None else {"sources": rank.sources, "load": rank.target}))
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)

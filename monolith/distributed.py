@@ -37,7 +37,7 @@ import numpy as np
 from .launch import SetupError, Sources, resolve_sources
 from .models import load_model
 from .pack import read_manifest, resolve_pack
-from .pack.split import pack_costs, split_layers
+from .pack.split import split_layers, target_costs
 from .runtime.pipeline import Link, Pipeline, serve_stage
 
 MEASURE_ROWS = 8  # a verify round's rows: what the split is balanced for
@@ -81,12 +81,12 @@ class Rank:
             self.pipeline = Pipeline(self.model, self.link, self.split, self.timeout)
         self.pipeline.close()
 
-    def serve(self, log) -> int:
+    def serve(self) -> int:
         """A rank > 0: serve the stage until rank 0 stops; the exit status."""
         try:
             serve_stage(self.model, self.link)
         except Exception as e:  # noqa: BLE001 - rank 0 is gone or the ring broke: say so and exit
-            log(f"rank {self.link.rank}: the pipeline stopped: {type(e).__name__}: {e}")
+            to_stderr(f"rank {self.link.rank}: the pipeline stopped: {type(e).__name__}: {e}")
             return 1
         return 0
 
@@ -150,18 +150,16 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
     sources = resolve_sources(args, plan, log if leader else lambda message: None)
     manifest = read_manifest(Path(sources.target_pack))
     check_packs(ring, manifest.get("pack_sha256") or "", sources.target_pack)
-    config = read_config(sources.target_pack)
-    layers = config["num_hidden_layers"]
-    experts = config.get("num_experts_per_tok", 1) / config.get("num_experts", 1) if config.get("num_experts") \
-        else 1.0
-    costs = pack_costs(manifest, layers, experts)
+    costs = target_costs(sources.target_pack, manifest)
+    layers = len(costs.layer_reads)
     if layers < link.size:
         raise SetupError(f"--distributed: {link.size} ranks need at least {link.size} decoder layers; "
                          f"the model has {layers}")
     first = costs.head_reads + (draft_reads(args, sources) if leader else 0.0)
     split = broadcast_split(ring, split_layers(list(costs.layer_reads), link.size, first) if leader else None,
                             link.size)
-    model = load_stage(sources.target_pack, args.dtype, split[link.rank], leader, args.verify_pack)
+    model = load_model(sources.target_pack, args.dtype, layers=split[link.rank], head=leader,
+                       verify=args.verify_pack)
     took, head = measure_stage(model, leader)
     times = mx.distributed.all_gather(mx.array([took], dtype=mx.float32), group=ring).tolist()
     reads = [sum(costs.layer_reads[i] for i in part) for part in split]
@@ -173,7 +171,8 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
         del model
         gc.collect()
         mx.clear_cache()
-        model = load_stage(sources.target_pack, args.dtype, balanced[link.rank], leader, args.verify_pack)
+        model = load_model(sources.target_pack, args.dtype, layers=balanced[link.rank], head=leader,
+                           verify=args.verify_pack)
     log(f"rank {link.rank} of {link.size} (pid {os.getpid()}): layers {_layers(balanced[link.rank])}"
         + (" with the head" if leader else "") + f" (split by measured cost: {describe(balanced)})")
     return Rank(link, balanced, model, sources, args.distributed_timeout)
@@ -197,10 +196,6 @@ def broadcast_split(group, split: list[range] | None, ranks: int) -> list[range]
     stops = np.zeros(ranks, dtype=np.int32) if split is None else np.array([r.stop for r in split], dtype=np.int32)
     stops = [int(v) for v in mx.distributed.all_sum(mx.array(stops), group=group).tolist()]
     return [range(a, b) for a, b in zip([0] + stops[:-1], stops)]
-
-
-def load_stage(pack, dtype, layers: range, head: bool, verify: str = "first"):
-    return load_model(pack, dtype=dtype, layers=layers, head=head, verify=verify)
 
 
 def measure_stage(model, head: bool) -> tuple[float, float]:
@@ -242,13 +237,6 @@ def draft_reads(args, sources: Sources) -> float:
     return float(sum(s["bytes"] for s in read_manifest(Path(pack))["shards"].values()))
 
 
-def read_config(pack) -> dict:
-    import json
-
-    config = json.loads((Path(pack) / "config.json").read_text())
-    return config.get("text_config", config)
-
-
 def describe(split: list[range]) -> str:
     return ", ".join(f"rank {r}: {_layers(part)}" for r, part in enumerate(split))
 
@@ -257,6 +245,6 @@ def _layers(part: range) -> str:
     return f"{part.start}" if len(part) == 1 else f"{part.start}-{part.stop - 1}"
 
 
-def stage_log(rank: int):
-    """The other ranks' log: one line each, to stderr (stdout is rank 0's)."""
-    return lambda message: print(message, file=sys.stderr, flush=True)
+def to_stderr(message: str) -> None:
+    """The log of commands run under --distributed: stderr (stdout is rank 0's answer)."""
+    print(message, file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import json
 import sys
 
 from .cli import ArgumentParser
-from .distributed import add_distributed_arguments, join, stage_log
+from .distributed import add_distributed_arguments, join
 from .launch import (
     SetupError,
     add_model_arguments,
@@ -80,7 +80,7 @@ def _run(args, load, load_draft, stdout, stderr) -> int:
         return _generate(args, plan, params, ids, load, load_draft, stdout, stderr, None)
     rank = join(args, plan, log=lambda message: None)
     if not rank.leader:
-        return rank.serve(stage_log(rank.link.rank))
+        return rank.serve()
     try:
         return _generate(args, plan, params, ids, rank.target, load_draft, stdout, stderr, rank)
     finally:

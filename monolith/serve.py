@@ -11,7 +11,7 @@ import os
 import sys
 
 from .cli import ArgumentParser
-from .distributed import add_distributed_arguments, join, rank_of, stage_log
+from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .launch import SetupError, add_model_arguments, load_engine, plan_model
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     if args.distributed and rank_of(args) != 0:  # a stage only: rank 0 serves
         try:
-            return join(args, plan, stage_log(rank_of(args))).serve(stage_log(rank_of(args)))
+            return join(args, plan, to_stderr).serve()
         except SetupError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

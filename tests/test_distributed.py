@@ -234,14 +234,14 @@ def test_pack_inspect_shows_each_ranks_bytes(env, demo):
     """`pack inspect --ranks N`: every tensor's bytes on exactly one rank, rank 0 with the head."""
     from monolith.pack import read_manifest, resolve_pack
     from monolith.pack.inspect import inspect_pack
-    from monolith.pack.split import DTYPE_BYTES
+    from monolith.formats.stfile import ITEMSIZE
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MONOLITH_CACHE", env["MONOLITH_CACHE"])
         pack = resolve_pack(demo[1], role="target")
     total = 0
     for t in read_manifest(pack)["tensors"].values():
-        n = DTYPE_BYTES[t["dtype"]]
+        n = ITEMSIZE[t["dtype"]]
         for d in t["shape"]:
             n *= d
         total += n

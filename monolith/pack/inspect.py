@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 from . import manifest as mf
-from .split import pack_costs, split_layers
+from .split import split_layers, target_costs
 
 
 def inspect_pack(pack_dir, ranks: int | None = None) -> dict:
@@ -40,10 +39,7 @@ def rank_split(pack_dir: Path, manifest: dict, ranks: int) -> list[dict]:
     `--distributed` times the stages and may move a layer; the draft (rank 0) is not counted."""
     if manifest["role"] != "target":
         raise CheckpointError(f"{pack_dir}: a {manifest['role']} pack is not split across ranks (only targets are)")
-    config = json.loads((pack_dir / "config.json").read_text())
-    config = config.get("text_config", config)
-    experts = config["num_experts_per_tok"] / config["num_experts"] if config.get("num_experts") else 1.0
-    costs = pack_costs(manifest, config["num_hidden_layers"], experts)
+    costs = target_costs(pack_dir, manifest)
     try:
         split = split_layers(list(costs.layer_reads), ranks, costs.head_reads)
     except ValueError as e:

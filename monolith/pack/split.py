@@ -15,8 +15,12 @@ experts per token, not all of them; its memory is all of them.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..formats.stfile import ITEMSIZE
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer's tensor name
 
@@ -56,12 +60,16 @@ def pack_costs(manifest: dict, layers: int, experts_read: float = 1.0) -> PackCo
     return PackCosts(tuple(held), tuple(reads), head_held, head_reads)
 
 
-DTYPE_BYTES = {"F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1,
-               "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F64": 8, "I64": 8, "U64": 8}
+def target_costs(pack_dir: Path, manifest: dict) -> PackCosts:
+    """`pack_costs` of a target pack, its layer count and experts share from its config.json."""
+    config = json.loads((Path(pack_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    experts = config["num_experts_per_tok"] / config["num_experts"] if config.get("num_experts") else 1.0
+    return pack_costs(manifest, config["num_hidden_layers"], experts)
 
 
 def _nbytes(tensor: dict) -> int:
-    n = DTYPE_BYTES.get(tensor["dtype"], 1)
+    n = ITEMSIZE.get(tensor["dtype"], 1)
     for d in tensor["shape"]:
         n *= d
     return n
