@@ -365,6 +365,18 @@ class DecoderLayer:
         return self.mlp.add_norm(post, h, next_norm, self.eps)
 
 
+def _spans(caches: list, rows: list[int]) -> list[Span]:
+    """Where each cache's rows lie in a packed forward, every cache checked first
+    (CacheError before any work)."""
+    for cache, n in zip(caches, rows):
+        cache.check(n)
+    spans, start = [], 0
+    for cache, n in zip(caches, rows):
+        spans.append(Span(start, start + n, cache.offset))
+        start += n
+    return spans
+
+
 def _rows(x: mx.array, start: int, stop: int) -> mx.array:
     """Rows [start, stop) of x (x itself when that is all of them)."""
     return x if start == 0 and stop == x.shape[0] else x[start:stop]
@@ -449,13 +461,9 @@ class Qwen3_5:
         """A pipeline stage's share of a forward (runtime/pipeline.py): the packed rows x
         [1, N, H] entering this model's first layer, `rows[i]` of them cache i's ->
         (its last layer's output [1, N, H], {tapped layer id: output rows [N, H]})."""
-        spans, start = [], 0
-        for cache, n in zip(caches, rows):
-            cache.check(n)
-            spans.append(Span(start, start + n, cache.offset))
-            start += n
-        if start != x.shape[1]:
-            raise ValueError(f"{start} rows for the caches, {x.shape[1]} rows given")
+        spans = _spans(caches, rows)
+        if spans[-1].stop != x.shape[1]:
+            raise ValueError(f"{spans[-1].stop} rows for the caches, {x.shape[1]} rows given")
         x, _, tapped = self.run_layers(x, [Segment(None, c) for c in caches], spans, set(wanted))
         for cache, n in zip(caches, rows):
             cache.advance(n)
@@ -473,13 +481,7 @@ class Qwen3_5:
                 raise ValueError(f'logits must be "all", "last" or "none", got {s.logits!r}')
             tokens.append(self._tokens(s.tokens))
             taps.append(self._taps(s.taps))
-        for s, ids in zip(segments, tokens):
-            s.cache.check(ids.shape[0])
-        spans, start = [], 0
-        for s, ids in zip(segments, tokens):
-            spans.append(Span(start, start + ids.shape[0], s.cache.offset))
-            start += ids.shape[0]
-        return tokens, taps, spans
+        return tokens, taps, _spans([s.cache for s in segments], [ids.shape[0] for ids in tokens])
 
     def run_layers(self, x: mx.array, segments: list, spans: list[Span], wanted: set[int]):
         """The layers this model holds over packed rows x [1, N, H]: (their output, it
