@@ -195,10 +195,12 @@ def rss_waves(url: str, pid: int, waves: int, per_wave: int, seed: int) -> list[
                 start = rng.randrange(len(source) - 7000)
                 prompt = source[start:start + rng.choice([50, 300, 1500, 6000])]
                 http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
-            metrics = http.get("/metrics").text
-            cached = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                         if line.startswith("monolith_prompt_cache_bytes"))
-            out.append({"requests": (wave + 1) * per_wave, "rss": rss(pid), "prompt_cache_bytes": int(cached)})
+            metrics = {line.split()[0]: float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                       if line and not line.startswith("#")}
+            out.append({"requests": (wave + 1) * per_wave, "rss": rss(pid),
+                        "prompt_cache_bytes": int(metrics.get("monolith_prompt_cache_bytes", 0)),
+                        "mlx_active_bytes": int(metrics.get("monolith_mlx_active_bytes", 0)),
+                        "mlx_cache_bytes": int(metrics.get("monolith_mlx_cache_bytes", 0))})
     return out
 
 
@@ -210,10 +212,15 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--waves", type=int, default=6, help="waves of valid requests after the run (RSS)")
     ap.add_argument("--wave-requests", type=int, default=200)
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for the server, e.g. --server-arg=--prompt-cache-size=0 (repeatable)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="one more environment variable for the server (repeatable)")
+    ap.add_argument("--out", default="fuzz", help="results are written to bench/results/OUT.json and OUT.md")
     args = ap.parse_args()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **dict(e.split("=", 1) for e in args.env)}
     server = subprocess.Popen([sys.executable, "-m", "monolith.serve", "--no-draft", "--port", str(args.port),
-                               "--max-context", "4096", "--max-queue", "256", "--log-level", "error"],
+                               "--max-context", "4096", "--max-queue", "256", "--log-level", "error", *args.server_arg],
                               env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -278,7 +285,8 @@ def main() -> int:
         found = json.loads(engines.read_text()).get("engines", {})
         grammar = {name: e.get("special_tokens_allowed_inside_a_string") for name, e in found.items()}
     result = {"requests": args.requests, "clients": args.clients, "seed": args.seed, "seconds": elapsed,
-              "requests_per_s": args.requests / elapsed, "statuses": {str(k): v for k, v in sorted(
+              "requests_per_s": args.requests / max(elapsed, 1e-9),
+              "server_args": args.server_arg, "server_env": args.env, "statuses": {str(k): v for k, v in sorted(
                   statuses.items(), key=lambda kv: str(kv[0]))}, "server_errors": server_errors,
               "client_errors": failures[:20], "out_of_shape_4xx": out_of_shape[:20],
               "rss_bytes": {"ready": rss_ready, "peak_during": peak[0], "after": rss_after},
@@ -286,7 +294,8 @@ def main() -> int:
               "still_serving": final.status_code == 200,
               "control_tokens_allowed_inside_a_json_string": grammar}
     lines = ["# fuzz", "", (f"- {args.requests} requests from {args.clients} clients in {elapsed:.0f} s "
-                            f"({result['requests_per_s']:.0f}/s), seed {args.seed}; the demo server, plain decoding"),
+                            f"({result['requests_per_s']:.0f}/s), seed {args.seed}; the demo server, plain decoding"
+                            + (f", with {' '.join(args.server_arg + args.env)}" if args.server_arg or args.env else "")),
              "",
              "| status | requests |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in result["statuses"].items()]
@@ -296,7 +305,8 @@ def main() -> int:
                f"{rss_after / 2**20:.0f} MiB after"),
               f"- still serving a plain request afterwards: {result['still_serving']}",
               "- then valid requests, RSS after each wave: " + ", ".join(
-                  f"{w['requests']}: {w['rss'] / 2**20:.0f} MiB (prompt cache {w['prompt_cache_bytes'] / 2**20:.0f})"
+                  f"{w['requests']}: {w['rss'] / 2**20:.0f} MiB (prompt cache {w['prompt_cache_bytes'] / 2**20:.0f}, "
+                  f"MLX arrays {w['mlx_active_bytes'] / 2**20:.0f}, MLX buffer cache {w['mlx_cache_bytes'] / 2**20:.0f})"
                   for w in waves)]
     if grammar:
         lines.append("- control tokens a grammar lets into a JSON string (bench/grammar_engines.py): "
@@ -304,8 +314,8 @@ def main() -> int:
                                  for n, v in grammar.items()))
     text = "\n".join(lines) + "\n"
     print(text)
-    (ROOT / "bench/results/fuzz.json").write_text(json.dumps(result, indent=1) + "\n")
-    (ROOT / "bench/results/fuzz.md").write_text(text)
+    (ROOT / f"bench/results/{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (ROOT / f"bench/results/{args.out}.md").write_text(text)
     return 1 if server_errors or out_of_shape or not result["still_serving"] else 0
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import mlx.core as mx
 import openai
 import pytest
 from serving_rig import (
@@ -28,6 +30,7 @@ from serving_rig import (
     tok,  # noqa: F401 - a module fixture
 )
 
+from monolith.runtime import heap
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.stats import SpecStats
@@ -53,6 +56,70 @@ def test_metrics_move(server):
                  "spec_decode_num_accepted_tokens_total", "monolith_num_requests_waiting"):
         assert name in text
 
+
+
+def test_memory_metrics_account_for_the_process(server):
+    """The memory series read MLX's allocator and the kernel's RSS: the server runs in
+    this process, so they agree with what this process sees itself."""
+    rss_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+    served = server.metric("process_resident_memory_bytes")
+    assert abs(served - rss_kib * 1024) < 64 * 2**20
+    active = server.metric("monolith_mlx_active_bytes")
+    assert 2**20 < active <= mx.get_peak_memory()  # the weights at least
+    assert abs(active - mx.get_active_memory()) < 16 * 2**20
+    assert server.metric("monolith_mlx_peak_bytes") >= active
+    assert server.metric("monolith_mlx_cache_bytes") >= 0
+
+
+def _rss() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's arenas")
+def test_heap_trim_hands_back_what_a_thread_freed():
+    """The RSS growth bench/fuzz.py saw: memory a worker thread freed stays in its arena
+    (pinned by a few live blocks) until heap.trim()."""
+    kept = []
+
+    def churn():
+        blocks = [bytes(4096) for _ in range(40_000)]  # 160 MiB of malloc'd blocks in this thread's arena
+        kept.extend(blocks[::200])  # a live block every 800 KiB: the arena cannot shrink from its top
+        del blocks
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    worker.join()
+    held = _rss()
+    assert heap.trim()
+    assert held - _rss() > 64 * 2**20
+    assert len(kept) == 200
+
+
+def test_engine_trims_the_heap_when_it_goes_idle(model, tok, monkeypatch):
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode("ab")))
+    try:
+        for prompt in ("x", "y"):
+            engine.generate(GenerationRequest(prompt_ids=tuple(tok.encode(prompt)), max_tokens=2))
+        deadline = time.monotonic() + 10
+        while len(trims) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(trims) == 2  # once after each request, none while waiting
+    finally:
+        engine.close()
+
+
+def test_a_large_request_body_trims_the_heap_after_it(server, monkeypatch):
+    """Bodies the HTTP layer refuses never reach the engine: the app trims after any
+    body of a MiB or more (the fuzz run's multi-MiB prompts), and not after small ones."""
+    trims = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
+    big = {"model": NAME, "prompt": "word " * 300_000, "max_tokens": "many"}  # 1.5 MiB, then a 400
+    assert_error(server.post("/v1/completions", big), 400, "max_tokens")
+    assert len(trims) == 1
+    assert_error(server.post("/v1/completions", {**big, "prompt": "word"}), 400, "max_tokens")
+    assert len(trims) == 1
 
 def test_speculative_counters_reach_metrics(model, tok):
     spec = SpecStats(7, [7, 7, 7], [5, 3, 2])  # 3 drafts, 21 draft tokens, 10 accepted: (3, 3, 2, 1, 1, 0, 0) by position

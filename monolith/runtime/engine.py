@@ -41,6 +41,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..sampling import SamplingParams
+from . import heap
 from .batch import Batch
 from .events import (
     Delta,
@@ -317,9 +318,12 @@ class Engine:
                 admitted = [] if self._closed else self._admit()
             for job in admitted:
                 self._start(job)
+            worked = bool(admitted or len(batch))
             if len(batch):
                 for seq in batch.step():
                     self._end(seq)
+            if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
+                heap.trim()
 
     def _admit(self) -> list[Job]:
         """(Under the lock.) The queued jobs that start now, taken off the queue in order:

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..runtime import heap
 from ..runtime.engine import (
     EngineClosed,
     QueueFull,
@@ -60,6 +61,7 @@ from .schemas import (
 )
 
 log = logging.getLogger("monolith.serve")
+TRIM_AFTER_BYTES = 2**20  # a request body this large: hand the freed heap back after it (runtime/heap.py)
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,8 @@ class _Handlers:
                 response = render(APIError(500, "internal server error (the server log has the details)",
                                            code="internal_error"))
             self.state.metrics.requests.labels(name, str(response.status_code)).inc()
+            if getattr(request.state, "body_bytes", 0) >= TRIM_AFTER_BYTES:  # its copies are freed now
+                heap.trim()
             return response
 
         return run
@@ -374,6 +378,7 @@ class _Handlers:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                            code="request_timeout") from None
+        request.state.body_bytes = size
         if not size:
             raise bad("the request body is empty: send a JSON object")
         return parse_json_body(b"".join(chunks))

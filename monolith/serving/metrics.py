@@ -6,11 +6,13 @@ use vLLM's names (dspark.md section 5) so existing dashboards read them.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -58,6 +60,8 @@ class Metrics:
         self.running.set_function(lambda: engine.running)
         self.waiting.set_function(lambda: engine.waiting)
         self.registry.register(PromptCacheCollector(engine.prompt_cache))
+        self.registry.register(MemoryCollector())
+        ProcessCollector(registry=self.registry)
 
     def observe(self, finished: Finished, first_token_seconds: float | None, total_seconds: float) -> None:
         usage = finished.usage
@@ -109,4 +113,20 @@ class PromptCacheCollector:
         for family, name, doc, value in series:
             metric = family(f"monolith_prompt_cache_{name}", doc)
             metric.add_metric([], value or 0)
+            yield metric
+
+
+class MemoryCollector:
+    """MLX's allocator: bytes held by live arrays, bytes kept in its buffer cache for reuse,
+    and the peak of the first since start. With `process_resident_memory_bytes` (the
+    process collector's) and the prompt cache's bytes, these account for the RSS."""
+
+    def collect(self):
+        for name, doc, value in (
+                ("active_bytes", "Bytes of MLX arrays alive now (weights, caches, the prompt cache)",
+                 mx.get_active_memory()),
+                ("cache_bytes", "Bytes MLX keeps in its buffer cache for reuse", mx.get_cache_memory()),
+                ("peak_bytes", "The most bytes of MLX arrays alive at once since start", mx.get_peak_memory())):
+            metric = GaugeMetricFamily(f"monolith_mlx_{name}", doc)
+            metric.add_metric([], value)
             yield metric
