@@ -10,15 +10,20 @@ Origin headers, bad Content-Length, wrong methods and unknown paths. Valid reque
 generate at most 2 tokens. --clients threads send them at once.
 
 Then --waves waves of --wave-requests valid requests, the RSS after each (where the
-memory settles). Reported: the status histogram (0 5xx required: the script exits 1 otherwise), the
-4xx replies not in the API's error shape (uvicorn's plain-text 400 for malformed HTTP
-is accepted), the server's RSS (VmRSS) before, its peak during and after, throughput,
+memory settles), split by the server's /metrics into the prompt cache, MLX's arrays (the
+prompt cache among them), MLX's buffer cache and the rest (the C heap, code, Python).
+
+Reported: the status histogram (0 5xx required: the script exits 1 otherwise), the 4xx
+replies not in the API's error shape (uvicorn's plain-text 400 for malformed HTTP is
+accepted), the server's RSS (VmRSS) before, its peak during and after, throughput,
 and whether the server still answers a plain request at the end. Also the grammar
 engines' control-token finding from bench/results/grammar_engines.json (xgrammar lets
 <|im_start|> into a JSON string; llguidance allows none). Writes bench/results/fuzz.json
 and .md.
 
     python bench/fuzz.py [--requests 12000] [--clients 8] [--seed 0] [--port 8123]
+    python bench/fuzz.py --requests 0 --waves 8 --wave-requests 150 \
+        --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache   # memory only
 """
 
 from __future__ import annotations
@@ -306,7 +311,8 @@ def main() -> int:
               f"- still serving a plain request afterwards: {result['still_serving']}",
               "- then valid requests, RSS after each wave: " + ", ".join(
                   f"{w['requests']}: {w['rss'] / 2**20:.0f} MiB (prompt cache {w['prompt_cache_bytes'] / 2**20:.0f}, "
-                  f"MLX arrays {w['mlx_active_bytes'] / 2**20:.0f}, MLX buffer cache {w['mlx_cache_bytes'] / 2**20:.0f})"
+                  f"MLX arrays {w['mlx_active_bytes'] / 2**20:.0f}, MLX buffer cache {w['mlx_cache_bytes'] / 2**20:.0f}, "
+                  f"the rest {(w['rss'] - w['mlx_active_bytes'] - w['mlx_cache_bytes']) / 2**20:.0f})"
                   for w in waves)]
     if grammar:
         lines.append("- control tokens a grammar lets into a JSON string (bench/grammar_engines.py): "

@@ -18,7 +18,7 @@ from serving_rig import Server
 from monolith.models.cache import HybridCache, KVCache
 from monolith.runtime.engine import Engine
 from monolith.runtime.plain import PlainDecoder
-from monolith.runtime.prompt_cache import PromptCache
+from monolith.runtime.prompt_cache import HANDLE_BYTES, NODE_BYTES, PromptCache
 from monolith.runtime.session import Session
 from monolith.runtime.speculative import SpeculativeDecoder
 
@@ -229,9 +229,9 @@ def held_bytes(cache: PromptCache) -> int:
     while stack:
         node = stack.pop()
         stack.extend(node.children.values())
-        total += sum(a.nbytes for pair in node.rows for a in pair)
-        if node.state is not None:
-            total += sum(a.nbytes for pair in node.state.states for a in pair)
+        arrays = [a for pair in node.rows + list(node.state.states if node.state else ()) for a in pair]
+        total += sum(a.nbytes for a in arrays)
+        total += 4 * len(node.tokens) + NODE_BYTES + HANDLE_BYTES * len(arrays)  # the host's part
     return total
 
 

@@ -5,12 +5,14 @@ splits, the byte count, LRU eviction and where prefill checkpoints go."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from monolith.models.cache import GDNState, HybridCache, KVCache
-from monolith.runtime.prompt_cache import PromptCache
+from monolith.runtime.prompt_cache import HANDLE_BYTES, NODE_BYTES, PromptCache
 
 MAX_CONTEXT = 64
 HEADS, DIM = 1, 4  # KV rows: 2 x 16 bytes a token
@@ -56,9 +58,9 @@ def nodes(pc: PromptCache):
 def held_bytes(pc: PromptCache) -> int:
     total = 0
     for node in nodes(pc):
-        total += sum(a.nbytes for pair in node.rows for a in pair)
-        if node.state is not None:
-            total += sum(a.nbytes for pair in node.state.states for a in pair)
+        arrays = [a for pair in node.rows + list(node.state.states if node.state else ()) for a in pair]
+        total += sum(a.nbytes for a in arrays)
+        total += 4 * len(node.tokens) + NODE_BYTES + HANDLE_BYTES * len(arrays)  # the host's part
     return total
 
 
@@ -131,7 +133,7 @@ def test_a_prefix_of_an_edge_splits_it_and_both_parts_keep_their_rows():
     assert pc.nbytes == held_bytes(pc)
 
 
-def test_nbytes_is_the_sum_of_the_arrays_held():
+def test_nbytes_is_the_sum_of_the_arrays_and_the_host_memory_held():
     pc = PromptCache(BIG)
     assert pc.nbytes == 0
     for tokens in (A[:16], A[:6], A[:10] + [1, 2], [5, 6, 7], A[:10]):
@@ -140,7 +142,33 @@ def test_nbytes_is_the_sum_of_the_arrays_held():
     row = 2 * HEADS * DIM * 4  # keys and values, float32
     state = sum(a.nbytes for pair in fake_cache([]).snapshot().states for a in pair)
     tokens_held = 16 + 2 + 3  # every token's row once, however many checkpoints lie past it
-    assert pc.nbytes == tokens_held * row + pc.checkpoints * state and pc.checkpoints == 5
+    assert len(nodes(pc)) == pc.checkpoints == 5
+    handles = 2 + 2  # a checkpoint's arrays: keys and values of one row layer, conv and recurrent
+    assert pc.nbytes == tokens_held * (row + 4) + pc.checkpoints * (state + NODE_BYTES + handles * HANDLE_BYTES)
+
+
+def test_the_host_memory_of_a_node_is_within_what_the_budget_counts():
+    """The RSS growth bench/fuzz.py saw beside the prompt cache's arrays (a tuple of
+    Python ints per edge, about 36 bytes a token, not counted): what the tree allocates
+    on the host, traced by Python's allocator, stays within what nbytes counts beyond
+    the arrays' data. Each prompt is built while traced and dropped after its insert,
+    as a request's is."""
+    pc = PromptCache(BIG)
+    starts = [1000 + 100 * i for i in range(40)]
+    caches = [fake_cache(range(s, s + MAX_CONTEXT)) for s in starts]
+    snapshots = [c.snapshot() for c in caches]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for s, cache, snapshot in zip(starts, caches, snapshots):
+            pc.insert(list(range(s, s + MAX_CONTEXT)), cache, snapshot, None)
+        traced = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    data = sum(a.nbytes for n in nodes(pc) for pair in n.rows + list(n.state.states) for a in pair)
+    host = pc.nbytes - data
+    assert host == len(starts) * (4 * MAX_CONTEXT + NODE_BYTES + 4 * HANDLE_BYTES)
+    assert 0 < traced <= host, (traced, host)
 
 
 def sizes(length: int) -> int:

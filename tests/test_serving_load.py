@@ -5,6 +5,7 @@ engine session's exact-prefix resume."""
 from __future__ import annotations
 
 import json
+import platform
 import socket
 import sys
 import threading
@@ -73,6 +74,10 @@ def test_memory_metrics_account_for_the_process(server):
 
 def _rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
+
+def test_heap_trim_is_there_with_glibc_and_on_macos():
+    assert heap.trim() == (platform.libc_ver()[0] == "glibc" or sys.platform == "darwin")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's arenas")

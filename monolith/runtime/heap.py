@@ -1,4 +1,5 @@
-"""Handing the freed C heap back to the system when the engine goes idle.
+"""Handing the freed C heap back to the system: the engine does when it goes idle, the
+server after a request body of a MiB or more (which never reaches the engine if refused).
 
 Each request allocates and frees native memory on several threads: the tokenizer's, the
 HTTP server's workers, the engine's. glibc gives each thread an arena and keeps what a

@@ -16,7 +16,9 @@ the live cache already holds for the same tokens. Rows are copied out of the liv
 cache when a checkpoint is taken (`KVCache.rows`), never referenced: a view would pin
 the live buffer and make every later update copy all of it.
 
-Memory: `budget` bytes (every row and state array counted; 0 disables the cache), LRU
+Memory: `budget` bytes (every row and state array counted, and the host memory of each
+node: its edge's tokens, 4 bytes each, and the objects that hold it and its arrays; 0
+disables the cache), LRU
 by leaf: using a node touches its ancestors, so the least recently used leaf goes
 first, and a branch point left without children goes with it. An optional `store`
 (prompt_store.PromptStore) persists checkpoints and answers lookups the tree misses.
@@ -29,6 +31,7 @@ import itertools
 import math
 import os
 import subprocess
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,12 +40,15 @@ import mlx.core as mx
 from ..models.cache import DraftContext, GDNState, HybridCache, KVCache, Snapshot
 
 DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
+NODE_BYTES = 512  # host bytes of a node's own objects (the node, its lists and tuples), and
+HANDLE_BYTES = 256  # of each array's handles (Python's and MLX's), counted besides the arrays'
+# data and the edge's tokens (test_prompt_cache_tree measures the Python part of both)
 
 
 @dataclass(eq=False)
 class Node:
     start: int  # the parent's end
-    tokens: tuple[int, ...]  # the edge: tokens [start, end)
+    tokens: array  # the edge: tokens [start, end), int32 (a tuple of ints takes 9 times the bytes)
     parent: Node | None
     rows: list[tuple[mx.array, mx.array]]  # per row layer (target's, then the draft's): rows [start, end)
     state: Snapshot | None  # GDN states after `end` rows; None: a branch point
@@ -70,7 +76,8 @@ class Node:
         arrays = [a for pair in self.rows for a in pair]
         if self.state is not None:
             arrays += [a for pair in self.state.states for a in pair]
-        self.nbytes = sum(a.nbytes for a in arrays)
+        self.nbytes = (sum(a.nbytes for a in arrays) + len(self.tokens) * self.tokens.itemsize
+                       + NODE_BYTES + HANDLE_BYTES * len(arrays))
         return self.nbytes
 
 
@@ -89,7 +96,7 @@ class PromptCache:
         self.budget = budget
         self.checkpoint_every = checkpoint_every
         self.store = store
-        self.root = Node(0, (), None, [], None)
+        self.root = Node(0, array("i"), None, [], None)
         self.nbytes = 0
         self.stats = CacheStats()
         self._ticks = itertools.count(1)
@@ -125,7 +132,7 @@ class PromptCache:
         node, pos, best = self.root, 0, None
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
-            if child is None or child.end > limit or tuple(tokens[pos:child.end]) != child.tokens:
+            if child is None or child.end > limit or array("i", tokens[pos:child.end]) != child.tokens:
                 break
             node, pos = child, child.end
             if node.state is not None:
@@ -189,7 +196,7 @@ class PromptCache:
         else:
             copies = rows(pos, end)
             mx.eval([a for pair in copies for a in pair])
-            node = Node(pos, tuple(tokens[pos:end]), node, copies, state)
+            node = Node(pos, array("i", tokens[pos:end]), node, copies, state)
             node.parent.children[node.tokens[0]] = node
             self._leaves.discard(node.parent)
             self._leaves.add(node)
