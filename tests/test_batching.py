@@ -207,6 +207,28 @@ def test_a_stop_token_inside_an_accepted_block_ends_only_its_sequence(demo):
     assert spec is not None and sum(spec.accepted_per_round) > 0  # it stopped inside rounds that accepted proposals
 
 
+def test_a_rounds_tokens_reach_the_sink_as_one_delta(demo):
+    """Each request of a batch gets one Delta per round (the prefill's token, then each
+    speculative round's accepted tokens and bonus together), not one per token; the text
+    is the same."""
+    model, drafter, tok = demo
+    dec = decoder("speculative", model, drafter)
+    ps = prompts(tok)[:3]
+    want = [alone(model, tok, dec, p, 40)[0] for p in ps]
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    try:
+        sinks = [Collect() for _ in ps]
+        got = together(engine, [GenerationRequest(p, max_tokens=40) for p in ps], sinks)
+    finally:
+        engine.close()
+    assert [f.token_ids for f in got] == want
+    for sink, finished in zip(sinks, got):
+        assert "".join(sink.text) == tok.decode(list(finished.token_ids))
+        rounds = finished.speculative.rounds
+        assert sum(finished.speculative.accepted_per_round) > 0
+        assert 0 < sink.deltas <= rounds + 1 < len(finished.token_ids)
+
+
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
 def test_prompt_cache_serves_every_sequence_of_a_batch(demo, kind):
     """A shared system prompt is prefilled once; three requests extending it, served
@@ -402,18 +424,19 @@ def test_grammar_requests_in_a_batch_equal_alone(demo):
 
 
 def test_a_batch_packs_the_target_forward_the_draft_blocks_and_the_context_appends(demo, monkeypatch):
-    """Three speculative sequences in one batch: target forwards, draft blocks and draft
-    context appends each ran with all three sequences packed into one call."""
+    """Three speculative sequences in one batch: target forwards, draft blocks, their
+    proposal chains and draft context appends each ran with all three sequences packed
+    into one call."""
     model, drafter, tok = demo
-    sizes = {"target": [], "draft": [], "append": []}
+    sizes = {"target": [], "draft": [], "chain": [], "append": []}
     draft = drafter.draft
     for name, obj, method in (("target", type(model), "forward_batch"), ("draft", type(draft), "forward_batch"),
-                              ("append", type(draft), "append_batch")):
+                              ("chain", type(draft), "propose_batch"), ("append", type(draft), "append_batch")):
         real = getattr(obj, method)
 
-        def counted(self, items, real=real, name=name):
+        def counted(self, items, *args, real=real, name=name):
             sizes[name].append(len(items))
-            return real(self, items)
+            return real(self, items, *args)
 
         monkeypatch.setattr(obj, method, counted)
     engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder("speculative", model, drafter), max_batch=3)
@@ -421,7 +444,7 @@ def test_a_batch_packs_the_target_forward_the_draft_blocks_and_the_context_appen
         together(engine, [GenerationRequest(p, max_tokens=24) for p in prompts(tok)[:3]])
     finally:
         engine.close()
-    assert {name: max(n) for name, n in sizes.items()} == {"target": 3, "draft": 3, "append": 3}
+    assert {name: max(n) for name, n in sizes.items()} == {"target": 3, "draft": 3, "chain": 3, "append": 3}
 
 
 def test_the_fallback_sees_the_batch_around_it(demo, monkeypatch):

@@ -156,6 +156,34 @@ def test_text_stream_holds_back_stop_prefixes_and_partial_characters(tok):
     assert stream.stopped and all("\ufffd" not in p for p in pieces)
 
 
+def test_the_event_bridge_joins_the_deltas_that_queued_up():
+    """Deltas the engine pushed while the stream was busy go out as one (text and
+    logprobs in order); other events keep their place; an empty queue waits, with a
+    timeout."""
+    import asyncio
+
+    from monolith.runtime.events import Delta, Finished, Started, TokenLogprob, Usage
+    from monolith.serving.app import _EventBridge
+    from monolith.serving.metrics import Metrics
+
+    lp = [TokenLogprob(i, -float(i), ()) for i in range(4)]
+    done = Finished("length", Usage(1, 4, 0), (0, 1, 2, 3))
+
+    async def run():
+        bridge = _EventBridge(asyncio.get_running_loop(), Metrics(), 0.0)
+        with pytest.raises(asyncio.TimeoutError):
+            await bridge.get(0.01)
+        for event in (Started(0.0), Delta("a", (lp[0],)), Delta("b", (lp[1],)), Delta("c", (lp[2],)), done):
+            bridge.queue.put_nowait(event)
+        first = [await bridge.get(1.0) for _ in range(3)]
+        bridge.queue.put_nowait(Delta("d", (lp[3],)))
+        return first + [await bridge.get(1.0)]
+
+    started, joined, finished, alone = asyncio.run(run())
+    assert isinstance(started, Started) and finished is done
+    assert joined == Delta("abc", tuple(lp[:3])) and alone == Delta("d", (lp[3],))
+
+
 def test_seed_reproduces_and_matches_in_process_sampling(server, model, tok):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     ids = tok.encode("Random words")

@@ -7,9 +7,11 @@ drafts (if it does) and puts its rows into one shared target forward, so B seque
 cost little more than one where decode is bound by reading the weights. Sequences join
 between rounds, in queue order, as slots free up; a newcomer's prefill runs chunk by
 chunk inside the rounds, so the others keep streaming. A decoder without `steps` (a
-plain callable) runs its requests one at a time. Each request reports through a `sink` (called on the worker thread) with `Started`, then
-`Delta`s (text that is whole UTF-8 characters and cannot be the start of a stop
-string, with the logprobs of its tokens), then one `Finished` or `Failed`.
+plain callable) runs its requests one at a time. Each request reports through a `sink`
+(called on the worker thread) with `Started`, then `Delta`s (text that is whole UTF-8
+characters and cannot be the start of a stop string, with the logprobs of its tokens;
+one per round and request: a speculative round's tokens go out together, once the
+round has run for every sequence of the batch), then one `Finished` or `Failed`.
 `Job.cancel()` (a client that went away, Ctrl-C) stops a request at its next token,
 or removes it from the queue.
 
@@ -114,6 +116,7 @@ class Job:
         self._cancelled = threading.Event()
         self.task: Callable[[], object] | None = None  # Engine.call's work instead of a request
         self.result = self.error = None
+        self.held: list[Delta] = []  # the worker's: this round's text, sent when the round is over
 
     @property
     def cancelled(self) -> bool:
@@ -322,6 +325,8 @@ class Engine:
             if len(batch):
                 for seq in batch.step():
                     self._end(seq)
+                for seq in batch.sequences:
+                    self._release(seq.owner)
             if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
                 heap.trim()
 
@@ -399,6 +404,7 @@ class Engine:
             self._running.pop(job.id, None)
         if seq.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
+            self._release(job)
             self._emit(job, Failed(seq.error))
         job.done.set()
 
@@ -409,10 +415,13 @@ class Engine:
         job.started.set()
         self._emit(job, Started(queued))
         text = TextStream(self.tokenizer, request.stop)
+        steps = getattr(self.decoder, "steps", None)
 
         def on_token(token_id: int, logprob: TokenLogprob | None) -> bool:
             delta = text.add(token_id, logprob)
-            if delta is not None:
+            if delta is not None and steps is not None:
+                job.held.append(delta)  # sent after the batch's round (_serve_queue)
+            elif delta is not None:  # a decoder without steps runs whole: nothing comes between its tokens
                 self._emit(job, delta)
             return not (text.stopped or job.cancelled)
 
@@ -421,15 +430,16 @@ class Engine:
             args = (job.session, request.prompt_ids, request.max_tokens, request.params, self.stop_ids, on_token)
             kwargs = dict(logprobs=request.logprobs, cancelled=lambda: job.cancelled, boundaries=request.boundaries,
                           **constrained)
-            steps = getattr(self.decoder, "steps", None)
             outcome = (yield from steps(*args, **kwargs)) if steps is not None else self.decoder(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             job.session.reset()
+            self._release(job)
             self._emit(job, Failed(e))
             return
         tail = text.finish()
         if tail is not None:
-            self._emit(job, tail)
+            job.held.append(tail)
+        self._release(job)
         if text.stopped:
             finish = "stop"
         elif outcome.finish_reason == "abort":
@@ -440,6 +450,12 @@ class Engine:
         usage = Usage(outcome.prompt_tokens, generated, outcome.cached_tokens)
         self._emit(job, Finished(finish, usage, tuple(outcome.token_ids), queued, outcome.prefill_seconds,
                                  outcome.decode_seconds, outcome.decode_steps, outcome.speculative))
+
+    def _release(self, job: Job) -> None:
+        """Send the text a request's round held back, as one Delta."""
+        if job.held:
+            held, job.held = job.held, []
+            self._emit(job, Delta.join(held))
 
     @staticmethod
     def _emit(job: Job, event: Event) -> None:

@@ -167,6 +167,13 @@ class Delta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
 
+    @staticmethod
+    def join(deltas: Sequence[Delta]) -> Delta:
+        """One Delta for consecutive ones: their text and logprobs in order."""
+        if len(deltas) == 1:
+            return deltas[0]
+        return Delta("".join(d.text for d in deltas), tuple(lp for d in deltas for lp in d.logprobs))
+
 
 @dataclass(frozen=True)
 class Finished:

@@ -443,7 +443,7 @@ class _Handlers:
                 if left <= 0:
                     raise _engine_error(QueueTimeout("the request timed out waiting in the queue"))
                 try:
-                    event = await asyncio.wait_for(events.get(), left)
+                    event = await events.get(left)
                 except asyncio.TimeoutError:
                     continue
                 if isinstance(event, Started):
@@ -462,7 +462,7 @@ class _Handlers:
                 yield fmt.event(chunk)
             while True:
                 try:
-                    event = await asyncio.wait_for(events.get(), keepalive)
+                    event = await events.get(keepalive)
                 except asyncio.TimeoutError:
                     yield fmt.keepalive()
                     continue
@@ -487,7 +487,9 @@ class _Handlers:
 class _EventBridge:
     """Engine events (pushed on the worker thread) into an asyncio queue. The metrics of
     a request are recorded here, on the worker thread, so that a request whose client
-    has gone (nobody reads its queue any more) is counted too."""
+    has gone (nobody reads its queue any more) is counted too. `get` hands out the text
+    deltas that queued up while the reader was busy as one (one chunk, not one a token,
+    when the event loop falls behind several streams)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics, started: float):
         self.loop = loop
@@ -495,6 +497,7 @@ class _EventBridge:
         self.metrics = metrics
         self.started = started
         self.first_token: float | None = None
+        self._next = None  # an event taken off the queue behind the deltas `get` joined
 
     def put(self, event) -> None:
         if isinstance(event, Delta) and self.first_token is None:
@@ -503,8 +506,25 @@ class _EventBridge:
             self.metrics.observe(event, self.first_token, time.monotonic() - self.started)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    async def get(self):
-        return await self.queue.get()
+    async def get(self, timeout: float | None = None):
+        """The next event, within `timeout` seconds (asyncio.TimeoutError), with the
+        deltas queued right behind a delta joined to it."""
+        if self._next is not None:
+            event, self._next = self._next, None
+        elif not self.queue.empty():
+            event = self.queue.get_nowait()
+        else:
+            event = await asyncio.wait_for(self.queue.get(), timeout)
+        if not isinstance(event, Delta) or self.queue.empty():
+            return event
+        deltas = [event]
+        while not self.queue.empty():
+            more = self.queue.get_nowait()
+            if not isinstance(more, Delta):
+                self._next = more
+                break
+            deltas.append(more)
+        return Delta.join(deltas)
 
 
 async def _cancel_on_disconnect(request: Request, job) -> None:
