@@ -22,6 +22,7 @@ from monolith.kernels import kernel as kernel_module
 from monolith.models import Segment, load_model
 from monolith.models.cache import CacheError, GDNState, KVCache
 from monolith.pack import build_pack
+from monolith.sampling import SamplingParams
 from monolith.synth import write_target
 
 # max |batched - alone| / max |alone|, float32: packing changes only the row count of the
@@ -246,6 +247,19 @@ def test_draft_batched_equals_one_at_a_time(world, name):  # noqa: F811 - the fi
                 for hidden in (h, None))
         np.testing.assert_array_equal(np.array(g.tokens), np.array(w.tokens))
         np.testing.assert_array_equal(np.array(g.q), np.array(w.q))
+    chained = draft.propose_batch([(anchor, g, h) for (_, anchor), h, g in zip(items, want, (gamma, 2, gamma - 1))],
+                                  GREEDY)
+    for (ctx, anchor), h, g, p in zip(items, want, (gamma, 2, gamma - 1), chained):  # one chain: as each alone
+        q = draft.propose(ctx, anchor, g, GREEDY, hidden=h)
+        assert p.tokens.shape == (g,)
+        np.testing.assert_array_equal(np.array(p.tokens), np.array(q.tokens))
+        err = MEASURED[f"draft {name}: chained vs alone, max rel q"] = max_rel([(np32(p.q), np32(q.q))])
+        assert err <= TOL
+        if p.confidence is not None:
+            assert max_rel([(np32(p.confidence), np32(q.confidence))]) <= TOL
+    with pytest.raises(ValueError, match="own key"):
+        draft.propose_batch([(anchor, gamma, h) for (_, anchor), h in zip(items, want)], SamplingParams(temperature=1.0),
+                            mx.random.key(0))
     with pytest.raises(ValueError, match="share a context"):
         draft.forward_batch([items[0], items[0]])
 

@@ -172,11 +172,12 @@ class MarkovHead:
             return None
         return h.astype(mx.float32) @ self.from_h + self.bias
 
-    def initial_state(self) -> mx.array | None:
-        return mx.zeros((1, self.rank), mx.float32) if self.head_type == "rnn" else None
+    def initial_state(self, rows: int = 1) -> mx.array | None:
+        return mx.zeros((rows, self.rank), mx.float32) if self.head_type == "rnn" else None
 
     def step(self, e: mx.array, pre: mx.array | None, state: mx.array | None):
-        """Slot bias [1, V_draft] from e = W1[prev] [1, r] and this slot's `prepare` row."""
+        """Slot biases [B, V_draft] from e = W1[prev] [B, r] and this slot's `prepare`
+        rows [B, r] (one per sequence)."""
         if self.head_type == "vanilla":
             return self.w2(e), state
         if self.head_type == "gated":
@@ -342,14 +343,30 @@ class Draft:
         """`gamma` proposals after `anchor` (at position ctx.offset), drawn serially from
         U_k + B_k(prev); lazy arrays (evaluating them is the caller's one sync). `hidden`:
         `forward(ctx, anchor)` when the caller ran it already (forward_batch)."""
-        if not 1 <= gamma <= self.max_proposals:
-            raise ValueError(f"gamma must be in [1, {self.max_proposals}], got {gamma}")
+        h = self.forward(ctx, anchor) if hidden is None else hidden
+        return self.propose_batch([(anchor, gamma, h)], params, key)[0]
+
+    def propose_batch(self, items: list[tuple[object, int, mx.array]], params: SamplingParams,
+                      key: mx.array | None = None) -> list[Proposal]:
+        """`propose` for several sequences whose blocks ran (forward_batch), items (anchor,
+        gamma, hidden [block, H]): their lm_head rows, Markov chains and confidences run
+        as one, slot after slot (a sequence with a smaller gamma takes its first ones:
+        each slot depends only on those before it). Greedy only, or one sequence (a
+        sampled one draws from its own key)."""
+        if not items:
+            raise ValueError("propose_batch needs at least one item")
+        for _, gamma, _ in items:
+            if not 1 <= gamma <= self.max_proposals:
+                raise ValueError(f"gamma must be in [1, {self.max_proposals}], got {gamma}")
         if not params.greedy and key is None:
             raise ValueError("sampling with temperature > 0 needs a PRNG key (see key_chain)")
+        if not params.greedy and len(items) > 1:
+            raise ValueError("sampled proposals draw from each sequence's own key: one item at a time")
         first = 0 if self.args.sample_from_anchor else 1  # z-lab DFlash: slot 0 predicts nothing
-        h = (self.forward(ctx, anchor) if hidden is None else hidden)[first:first + gamma]
+        g = max(gamma for _, gamma, _ in items)
+        h = mx.stack([hidden[first:first + g] for _, _, hidden in items])  # [B, g, H]
         u = cast(self.lm_head(h), mx.float32)
-        prev = anchor.reshape(1).astype(mx.int32) if isinstance(anchor, mx.array) else mx.array([anchor], mx.int32)
+        prev = mx.concatenate([self._anchor(anchor) for anchor, _, _ in items])
         if self.markov is None:
             logits = filtered_logits(u, params)
             tokens = self._draw(logits, params, key)
@@ -360,7 +377,8 @@ class Draft:
         confidence = None
         if self.confidence_head is not None:
             confidence = mx.sigmoid(self.confidence_head.logits(h, prev_embeddings))
-        return Proposal(tokens, q, confidence)
+        return [Proposal(tokens[i, :gamma], q[i, :gamma], None if confidence is None else confidence[i, :gamma])
+                for i, (_, gamma, _) in enumerate(items)]
 
     def propose_guided(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams, key, guide,
                        limit: int, hidden: mx.array | None = None) -> Proposal:
@@ -437,37 +455,40 @@ class Draft:
         return bool(((np.asarray(words)[ids // 32] >> (ids % 32)) & 1).any())
 
     def _to_target(self, q: mx.array) -> mx.array:
-        """Draft-vocabulary rows [k, V_draft] -> target-vocabulary rows [k, V_target]."""
+        """Draft-vocabulary rows [..., V_draft] -> target-vocabulary rows [..., V_target]."""
         if self.draft_to_target is None:
             return q
-        out = mx.zeros((q.shape[0], self.target_vocab), mx.float32)
-        out[:, self.draft_to_target] = q
+        out = mx.zeros((*q.shape[:-1], self.target_vocab), mx.float32)
+        out[..., self.draft_to_target] = q
         return out
 
     def _draw(self, logits: mx.array, params: SamplingParams, key) -> mx.array:
-        """Draft ids from filtered logits [k, V_draft] -> target ids int32 [k]."""
+        """Draft ids from filtered logits [..., V_draft] -> target ids int32 [...]."""
         if params.greedy:
             ids = mx.argmax(logits, axis=-1)
-        else:
-            ids = mx.random.categorical(logits, axis=-1, key=key)
+        else:  # drawn over [k, V] rows: the draws a key gives do not depend on leading axes of 1
+            rows = logits.reshape(-1, logits.shape[-1])
+            ids = mx.random.categorical(rows, axis=-1, key=key).reshape(logits.shape[:-1])
         ids = ids.astype(mx.int32)
         return ids if self.draft_to_target is None else self.draft_to_target[ids]
 
     def _markov_chain(self, u, h, prev, params, key):
-        """Serial sampling: logits_k = U_k + B_k(prev), prev starting at the anchor.
-        Returns (tokens [k], filtered logits [k, V_draft], W1[prev_k] [k, r])."""
+        """Serial sampling of B sequences at once: logits_k = U_k + B_k(prev), prev starting
+        at the anchors [B]. Returns (tokens [B, k], filtered logits [B, k, V_draft],
+        W1[prev_k] [B, k, r])."""
         m = self.markov
-        pre, state = m.prepare(h), m.initial_state()
-        keys = None if params.greedy else mx.random.split(key, u.shape[0])
+        b, slots = u.shape[:2]
+        pre, state = m.prepare(h), m.initial_state(b)
+        keys = None if params.greedy else mx.random.split(key, slots)
         tokens, logits, embeddings = [], [], []
-        for k in range(u.shape[0]):
+        for k in range(slots):
             e = m.w1(prev)
-            bias, state = m.step(e, None if pre is None else pre[k:k + 1], state)
-            raw = u[k:k + 1] + bias
+            bias, state = m.step(e, None if pre is None else pre[:, k], state)
+            raw = u[:, k] + bias
             row = filtered_logits(raw, params)
             # greedy: argmax of the raw row (the same id, without the one-hot mask in the chain)
             prev = self._draw(raw if params.greedy else row, params, None if keys is None else keys[k])
             tokens.append(prev)
             logits.append(row)
             embeddings.append(e)
-        return mx.concatenate(tokens), mx.concatenate(logits), mx.concatenate(embeddings)
+        return mx.stack(tokens, axis=1), mx.stack(logits, axis=1), mx.stack(embeddings, axis=1)

@@ -110,7 +110,8 @@ def run_forwards(requests: list[Forward]) -> list:
 def run_proposals(requests: list[Propose]) -> list:
     """The Proposals of different sequences' draft blocks: the rows each drafter observed
     since its last proposal, then the blocks, run through each draft model packed; then
-    each sequence draws its proposals."""
+    the greedy sequences' proposals are drawn together (`propose_batch`: one chain, slot
+    after slot) and every other sequence draws its own."""
     results = [None] * len(requests)
     append_waiting([r.drafter for r in requests if getattr(r.drafter, "waiting", None)])
     for draft, members in _groups(requests, lambda r: getattr(r.drafter, "draft", None)).items():
@@ -118,8 +119,15 @@ def run_proposals(requests: list[Propose]) -> list:
             hidden = draft.forward_batch([(requests[i].drafter.context, requests[i].anchor) for i in members])
             for i, h in zip(members, hidden):
                 requests[i].extra = {"hidden": h}
+            chained = [i for i in members if requests[i].guide is None and requests[i].params.greedy]
+            if len(chained) > 1:
+                proposals = draft.propose_batch([(requests[i].anchor, requests[i].gamma, requests[i].extra["hidden"])
+                                                 for i in chained], requests[chained[0]].params)
+                for i, proposal in zip(chained, proposals):
+                    results[i] = proposal
         for i in members:
-            results[i] = requests[i].run()
+            if results[i] is None:
+                results[i] = requests[i].run()
     return results
 
 
