@@ -281,17 +281,24 @@ class Unconstrained:
 
 @pytest.mark.parametrize("name", ["speculators-nvfp4", "deepspec-rnn"])
 def test_draft_context_append_batched_equals_one_at_a_time(world, name):  # noqa: F811 - the fixture
-    """Three contexts at 3, 12 and 28 rows take 1, 3 and 8 more rows in one packed append:
-    each context's K/V rows are what its own append gives; a batch with a row that does
-    not fit changes no context."""
+    """Four contexts at 3, 12, 28 and 2 rows take 1, 3, 2 and 20 more rows in one packed
+    append (the short ones stacked, padded to the longest of them; the long one alone):
+    each context's K/V rows are what its own append gives, and nothing past them is
+    written; a batch with a row that does not fit changes no context."""
     draft, _ = world["draft"](name)
     feats = world["features"](draft.taps)
-    alone, packed = ([context_of(draft, feats[:n]) for n in (3, 12, 28)] for _ in range(2))
-    more = [feats[n:n + k] for n, k in ((3, 1), (12, 3), (28, 8))]
+    starts, counts = (3, 12, 28, 2), (1, 3, 2, 20)
+    assert max(counts[:3]) <= draft.block_size < counts[3]
+    alone, packed = ([context_of(draft, feats[:n]) for n in starts] for _ in range(2))
+    more = [feats[n:n + k] for n, k in zip(starts, counts)]
     for ctx, f in zip(alone, more):
         draft.append_context(ctx, f)
+    scratch = [[np32(layer.keys[:, :, c.offset + k:]) for layer in c.layers] for c, k in zip(packed, counts)]
     draft.append_batch(list(zip(packed, more)))
-    assert [c.offset for c in packed] == [c.offset for c in alone] == [4, 15, 36]
+    assert [c.offset for c in packed] == [c.offset for c in alone] == [4, 15, 30, 22]
+    for c, before in zip(packed, scratch):
+        for layer, rest in zip(c.layers, before):
+            np.testing.assert_array_equal(np32(layer.keys[:, :, c.offset:]), rest)
     pairs = [(np32(p.keys[:, :, :c.offset]), np32(a.keys[:, :, :c.offset]))
              for pc, c in zip(packed, alone) for p, a in zip(pc.layers, c.layers)]
     pairs += [(np32(p.values[:, :, :c.offset]), np32(a.values[:, :, :c.offset]))

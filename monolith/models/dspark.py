@@ -84,9 +84,11 @@ class Rope:
         self.base = None if args.rope_inv_freq else args.rope_theta
         self.freqs = None if not args.rope_inv_freq else 1 / mx.array(args.rope_inv_freq, mx.float32)
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
-        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0, offset=offset,
-                            freqs=self.freqs)
+    def __call__(self, x: mx.array, offsets: list[int]) -> mx.array:
+        """x [S, heads, T, D]: sequence s at positions offsets[s].. (always an offset array:
+        one sequence alone gets the same arithmetic as in a batch)."""
+        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0,
+                            offset=mx.array(offsets, mx.int32), freqs=self.freqs)
 
 
 class DraftLayer:
@@ -113,34 +115,38 @@ class DraftLayer:
         self.block_mask = "causal" if args.block_causal[index] else None
         self.rope = rope
 
-    def _keys_values(self, kv: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """[1, T, 2 * kv_rows] -> k_norm'd, roped keys and values [1, kv_heads, T, head_dim]."""
-        t = kv.shape[1]
-        k = kv[..., :self.kv_rows].reshape(1, t, self.kv_heads, self.head_dim)
-        v = kv[..., self.kv_rows:].reshape(1, t, self.kv_heads, self.head_dim)
-        k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offset)
+    def _keys_values(self, kv: mx.array, offsets: list[int]) -> tuple[mx.array, mx.array]:
+        """[S, T, 2 * kv_rows] of S sequences at positions offsets[s].. -> k_norm'd, roped
+        keys and values [S, kv_heads, T, head_dim]."""
+        s, t = kv.shape[:2]
+        k = kv[..., :self.kv_rows].reshape(s, t, self.kv_heads, self.head_dim)
+        v = kv[..., self.kv_rows:].reshape(s, t, self.kv_heads, self.head_dim)
+        k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offsets)
         return k, v.transpose(0, 2, 1, 3)
 
-    def context_kv(self, kv: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """K/V of context rows at positions offset..offset+n-1 from their projection
-        kv = self.kv(C) [1, n, 2 * kv_rows]."""
-        return self._keys_values(kv, offset)
+    def context_kv(self, kv: mx.array, offsets: list[int]) -> tuple[mx.array, mx.array]:
+        """K/V of S sequences' context rows, n each, at positions offsets[s]..+n-1, from
+        their projection kv = self.kv(C) [S, n, 2 * kv_rows]."""
+        return self._keys_values(kv, offsets)
 
     def __call__(self, x: mx.array, caches: list[KVCache], offsets: list[int]) -> mx.array:
-        """Packed blocks x [1, n * B, H]: block i (rows i*B..) at positions offsets[i].. over
+        """Packed blocks x [1, S * B, H]: block i (rows i*B..) at positions offsets[i].. over
         the context rows [0, offsets[i]) of caches[i]; its K/V go to the scratch rows
-        [offset, offset + B). Projections and the MLP run over all blocks at once."""
-        b = x.shape[1] // len(caches)
-        qkv = self.qkv(rms_norm(x, self.input_layernorm, self.eps))
+        [offset, offset + B). Projections, the q/k norms and RoPE and the MLP run over all
+        blocks at once; the cache writes and the attention, per block."""
+        s = len(caches)
+        b = x.shape[1] // s
+        qkv = self.qkv(rms_norm(x, self.input_layernorm, self.eps)).reshape(s, b, -1)
+        q = qkv[..., :self.q_rows].reshape(s, b, self.heads, self.head_dim)
+        q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offsets)
+        k, v = self._keys_values(qkv[..., self.q_rows:], offsets)
         outs = []
         for i, (cache, offset) in enumerate(zip(caches, offsets)):
-            rows = qkv if len(caches) == 1 else qkv[:, i * b:(i + 1) * b]
-            q = rows[..., :self.q_rows].reshape(1, b, self.heads, self.head_dim)
-            q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offset)
-            keys, values = cache.update(*self._keys_values(rows[..., self.q_rows:], offset), offset)
+            one = (lambda a: a) if s == 1 else (lambda a, i=i: a[i:i + 1])
+            keys, values = cache.update(one(k), one(v), offset)
             if self.window is not None and offset > self.window:
                 keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
-            o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.block_mask)
+            o = mx.fast.scaled_dot_product_attention(one(q), keys, values, scale=self.scale, mask=self.block_mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
         x = x + self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
@@ -176,8 +182,8 @@ class MarkovHead:
         return mx.zeros((rows, self.rank), mx.float32) if self.head_type == "rnn" else None
 
     def step(self, e: mx.array, pre: mx.array | None, state: mx.array | None):
-        """Slot biases [B, V_draft] from e = W1[prev] [B, r] and this slot's `prepare`
-        rows [B, r] (one per sequence)."""
+        """Slot biases [..., V_draft] from e = W1[prev] [..., r] and this slot's `prepare`
+        rows [..., r] (one per sequence)."""
         if self.head_type == "vanilla":
             return self.w2(e), state
         if self.head_type == "gated":
@@ -294,15 +300,38 @@ class Draft:
         rows = [features for _, features in items]
         packed = cast(rows[0] if len(rows) == 1 else mx.concatenate(rows), self.dtype)[None]
         c = rms_norm(self.fc(packed), self.hidden_norm, self.args.rms_norm_eps)
+        groups, index = self._append_groups([f.shape[0] for f in rows])
+        offsets = [ctx.offset for ctx, _ in items]
         for i, layer in enumerate(self.layers):
-            kv, start = layer.kv(c), 0
-            for ctx, features in items:
-                n = features.shape[0]
-                part = kv if len(items) == 1 else kv[:, start:start + n]
-                ctx.layers[i].update(*layer.context_kv(part, ctx.offset), ctx.offset)
-                start += n
+            kv = layer.kv(c)
+            for group in groups:
+                if len(items) == 1:
+                    part = kv
+                elif len(group) == 1:
+                    start = sum(f.shape[0] for f in rows[:group[0]])
+                    part = kv[:, start:start + rows[group[0]].shape[0]]
+                else:
+                    part = kv[0][index]
+                k, v = layer.context_kv(part, [offsets[j] for j in group])
+                for g, j in enumerate(group):
+                    n = rows[j].shape[0]
+                    one = (k, v) if len(group) == 1 else (k[g:g + 1, :, :n], v[g:g + 1, :, :n])
+                    items[j][0].layers[i].update(*one, offsets[j])
         for ctx, features in items:
             ctx.offset += features.shape[0]
+
+    def _append_groups(self, lengths: list[int]) -> tuple[list[list[int]], mx.array | None]:
+        """How append_batch runs the K/V norm and RoPE of items with these row counts: the
+        items of at most a block's rows (a round's kept rows) stacked as one group, each
+        padded to the longest with copies of its own last row (`index` gathers them from
+        the packed rows), and every longer item (a prefill chunk) alone."""
+        short = [j for j, n in enumerate(lengths) if n <= self.block_size] if len(lengths) > 1 else []
+        if len(short) < 2:
+            return [[j] for j in range(len(lengths))], None
+        starts = [sum(lengths[:j]) for j in range(len(lengths))]
+        width = max(lengths[j] for j in short)
+        index = mx.array([[starts[j] + min(t, lengths[j] - 1) for t in range(width)] for j in short], mx.int32)
+        return [short] + [[j] for j in range(len(lengths)) if j not in short], index
 
     # -- proposals
 
@@ -366,7 +395,8 @@ class Draft:
         g = max(gamma for _, gamma, _ in items)
         h = mx.stack([hidden[first:first + g] for _, _, hidden in items])  # [B, g, H]
         u = cast(self.lm_head(h), mx.float32)
-        prev = mx.concatenate([self._anchor(anchor) for anchor, _, _ in items])
+        anchors = [self._anchor(anchor) for anchor, _, _ in items]
+        prev = anchors[0] if len(anchors) == 1 else mx.concatenate(anchors)
         if self.markov is None:
             logits = filtered_logits(u, params)
             tokens = self._draw(logits, params, key)
@@ -377,7 +407,10 @@ class Draft:
         confidence = None
         if self.confidence_head is not None:
             confidence = mx.sigmoid(self.confidence_head.logits(h, prev_embeddings))
-        return [Proposal(tokens[i, :gamma], q[i, :gamma], None if confidence is None else confidence[i, :gamma])
+        def row(a: mx.array, i: int, n: int) -> mx.array:  # sequence i's first n slots
+            return a.reshape(a.shape[1:]) if len(items) == 1 and n == g else a[i, :n]
+
+        return [Proposal(row(tokens, i, gamma), row(q, i, gamma), None if confidence is None else row(confidence, i, gamma))
                 for i, (_, gamma, _) in enumerate(items)]
 
     def propose_guided(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams, key, guide,
@@ -478,17 +511,23 @@ class Draft:
         W1[prev_k] [B, k, r])."""
         m = self.markov
         b, slots = u.shape[:2]
-        pre, state = m.prepare(h), m.initial_state(b)
+        # every slot's rows [B, 1, ...]: one split of u (and of the prepared rows), no squeezes
+        us = mx.split(u, slots, axis=1) if slots > 1 else [u]
+        pre = m.prepare(h)
+        pres = [None] * slots if pre is None else mx.split(pre, slots, axis=1) if slots > 1 else [pre]
+        state = m.initial_state(b)
+        state = None if state is None else state[:, None]
         keys = None if params.greedy else mx.random.split(key, slots)
+        prev = prev[:, None]
         tokens, logits, embeddings = [], [], []
         for k in range(slots):
             e = m.w1(prev)
-            bias, state = m.step(e, None if pre is None else pre[:, k], state)
-            raw = u[:, k] + bias
+            bias, state = m.step(e, pres[k], state)
+            raw = us[k] + bias
             row = filtered_logits(raw, params)
             # greedy: argmax of the raw row (the same id, without the one-hot mask in the chain)
             prev = self._draw(raw if params.greedy else row, params, None if keys is None else keys[k])
             tokens.append(prev)
             logits.append(row)
             embeddings.append(e)
-        return mx.stack(tokens, axis=1), mx.stack(logits, axis=1), mx.stack(embeddings, axis=1)
+        return tuple(mx.concatenate(parts, axis=1) for parts in (tokens, logits, embeddings))
