@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from monolith.kernels import gated_delta
+from monolith.kernels import gated_delta, gated_delta_rows
 from monolith.kernels.recurrence import chunked
 
 DK, DV = 16, 12
@@ -58,6 +58,23 @@ def test_chunk_size_is_invisible(chunk):
     o, s = chunked(*args, chunk=chunk)
     assert_close(o, o_ref)
     assert_close(s, s_ref)
+
+
+@pytest.mark.parametrize("t, chunk", [(1, 64), (8, 64), (9, 4), (20, 8)])
+def test_the_state_after_every_row_is_the_fast_ops_over_those_rows(t, chunk):
+    """gated_delta_rows (what a CPU commit slices): the state after row r is what the
+    fast op leaves after the first r rows, for every r, across chunk boundaries; the
+    output and final state are gated_delta's."""
+    args = inputs(2, t, 2, 4, seed=t)
+    o, s, every = gated_delta_rows(*args, chunk=chunk)
+    assert every.shape == (2, t, 4, DV, DK) and every.dtype == mx.float32
+    o_ref, s_ref = chunked(*args, chunk=chunk)
+    np.testing.assert_array_equal(np.array(o), np.array(o_ref))
+    np.testing.assert_array_equal(np.array(s), np.array(s_ref))
+    q, k, v, gamma, beta, state = args
+    for r in range(1, t + 1):
+        _, want = fast(q[:, :r], k[:, :r], v[:, :r], gamma[:, :r], beta[:, :r], state)
+        assert_close(every[:, r - 1], want)
 
 
 def test_zero_state_and_dtypes():

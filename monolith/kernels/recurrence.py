@@ -26,13 +26,14 @@ def _tri_inv_vjp(primals, cotangent, output):
     return (-(x @ cotangent @ x),)
 
 
-def _chunk(q, k, v, lg, beta, s0):
+def _chunk(q, k, v, lg, beta, s0, rows: bool = False):
     """One chunk of C rows, heads as batch: q, k [B, H, C, Dk], v [B, H, C, Dv], lg (log
     gamma), beta [B, H, C], s0 [B, H, Dv, Dk]. With L_t = lg_1 + .. + lg_t and
     u_t = beta_t (v_t - gamma_t S_{t-1} k_t), S_t = e^L_t S0 + sum_{i<=t} e^(L_t-L_i) u_i k_i^T, so
     u_t + sum_{i<t} beta_t e^(L_t-L_i) (k_t.k_i) u_i = beta_t (v_t - e^L_t S0 k_t): a unit
     lower-triangular system. Decays are sums over their own rows (never differences of
-    cumulative sums), all <= 0: nothing overflows or cancels."""
+    cumulative sums), all <= 0: nothing overflows or cancels. With `rows`, also every
+    S_t [B, H, C, Dv, Dk] (the same sum, one row of decays each)."""
     c = q.shape[2]
     lower, eye = np.tri(c, dtype=np.float32), np.eye(c, dtype=np.float32)
     strict = mx.array(lower - eye)
@@ -42,7 +43,21 @@ def _chunk(q, k, v, lg, beta, s0):
     s0t, kt, beta = s0.swapaxes(-1, -2), k.swapaxes(-1, -2), beta[..., None]
     u = _tri_inv(beta * decay * (k @ kt) * strict + mx.array(eye)) @ (beta * (v - head * (k @ s0t)))
     o = head * (q @ s0t) + (decay * (q @ kt)) @ u
-    return o, head[:, :, -1:] * s0 + (u * tail).swapaxes(-1, -2) @ k
+    final = head[:, :, -1:] * s0 + (u * tail).swapaxes(-1, -2) @ k
+    if not rows:
+        return o, final
+    # S_t = e^L_t S0 + sum_i decay[t, i] u_i k_i^T: per t, [Dv, C] @ [C, Dk]
+    weighted = (decay[..., None] * u[:, :, None]).swapaxes(-1, -2)  # [B, H, t, Dv, i]
+    every = head[..., None] * s0[:, :, None] + weighted @ k[:, :, None]
+    return o, final, every
+
+
+def gated_delta_rows(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx.array,
+                     state: mx.array | None = None, chunk: int = 64) -> tuple[mx.array, mx.array, mx.array]:
+    """gated_delta, chunked, with the state after every row too: (o, the final state,
+    states [B, T, Hv, Dv, Dk], F32). A speculative commit takes the state after the kept
+    rows from these (one slice) instead of replaying them (the CPU's commit: replay.py)."""
+    return chunked(q, k, v, gamma, beta, state, chunk, rows=True)
 
 
 def gated_delta(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx.array,
@@ -61,9 +76,9 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx
     return chunked(q, k, v, gamma, beta, state, chunk)
 
 
-def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64):
+def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64, rows: bool = False):
     """gated_delta in chunks of `chunk` rows (_chunk). gamma below the smallest normal F32
-    counts as that (its gradient is 0 there)."""
+    counts as that (its gradient is 0 there). `rows`: gated_delta_rows."""
     b, t, hk, dk = k.shape
     hv, dv = v.shape[2:]
     dtype = mx.result_type(q, k)
@@ -73,10 +88,14 @@ def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64):
     q, k, v = (cast(x, mx.float32).transpose(0, 2, 1, 3) for x in (q, k, v))
     lg = mx.log(mx.maximum(cast(gamma, mx.float32), TINY)).transpose(0, 2, 1)
     beta = cast(beta, mx.float32).transpose(0, 2, 1)
-    outs = []
+    outs, every = [], []
     for s in range(0, t, chunk):
-        rows = slice(s, s + chunk)
-        o, state = _chunk(q[:, :, rows], k[:, :, rows], v[:, :, rows], lg[:, :, rows], beta[:, :, rows], state)
+        part = slice(s, s + chunk)
+        o, state, *states = _chunk(q[:, :, part], k[:, :, part], v[:, :, part], lg[:, :, part], beta[:, :, part],
+                                   state, rows)
         outs.append(o)
-    o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    return cast(o.transpose(0, 2, 1, 3), dtype), state
+        every += states
+    o = cast((outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).transpose(0, 2, 1, 3), dtype)
+    if not rows:
+        return o, state
+    return o, state, (every[0] if len(every) == 1 else mx.concatenate(every, axis=2)).swapaxes(1, 2)

@@ -23,6 +23,7 @@ from ..kernels import (
     add_rms_norm,
     attention_prologue,
     gated_delta,
+    gated_delta_rows,
     gated_rms_norm,
     gdn_premix,
     moe_combine,
@@ -206,14 +207,19 @@ class GatedDeltaNet:
             pre = gdn_premix(_stack_rows(proj, members), conv, self.conv_weight, self.neg_decay, self.dt_bias,
                              self.hk, self.dk, self.hv, self.dv)
             # value head h reads key head h // (Hv / Hk) inside the op; state [G, Hv, Dv, Dk]
-            o, recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
+            every = None
+            if any(states[i].record for i in group) and not use_metal():  # the CPU commits by slicing these
+                o, recurrent, every = gated_delta_rows(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
+            else:
+                o, recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
             for j, i in enumerate(group):
                 state, one = states[i], _member(j, len(group))
                 state.conv = one(pre.window)[:, t:]  # the last K-1 pre-conv rows
                 if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
                     state.conv = mx.array(state.conv)
                 if state.record:
-                    state.tape = GDNTape(*(one(a) for a in (pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)))
+                    state.tape = GDNTape(*(one(a) for a in (pre.window, pre.q, pre.k, pre.v, pre.gamma, pre.beta)),
+                                         states=None if every is None else one(every))
                 state.recurrent = one(recurrent)
                 outs[i] = one(o)
         if len(outs) == 1:
