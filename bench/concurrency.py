@@ -3,7 +3,7 @@
 For each mode (plain: --no-draft; speculative: the draft, with --spec-sched fixed by
 default so that it drafts even where the server's break-even would fall back to plain
 steps) and each client count C of --clients, a list of N greedy streamed /v1/completions
-requests (default N = max(8, 2C)) is sent twice:
+requests (default N = max(16, 4C)) is sent twice:
 
 - sequentially: one client, one request at a time, to a server started with
   `--max-batch 1` (the baseline; a server without that flag: as it is);
@@ -22,10 +22,14 @@ prompt cache serves no request from an earlier row. `ignore_eos` is sent when th
 accepts it (probed once), so that outputs run to --max-tokens; without it the code
 prompts rarely stop early.
 
-Reported per (mode, C): aggregate tok/s (all completion tokens / wall time), per-request
-decode tok/s (median of (tokens - 1) / (last text delta - first text delta)), TTFT p50 /
-p95 (request sent -> first text, queueing included), the concurrent / sequential
-aggregate ratio, the peak of monolith_num_requests_running seen by a /metrics scrape
+Reported per (mode, C): aggregate tok/s (all completion tokens / wall time); steady tok/s,
+the same while all C clients were busy: from the first send until the first request in
+flight at the last send ended (each stream's tokens interpolated between its first and
+last text delta), so that the end of a finite run, where fewer than C requests remain
+(with speculation their lengths in rounds differ), does not count; the share of the wall
+time that end took; per-request decode tok/s (median of (tokens - 1) / (last text delta
+- first text delta)), TTFT p50 / p95 (request sent -> first text, queueing included),
+the concurrent / sequential ratios of the aggregate and the steady tok/s, the peak of monolith_num_requests_running seen by a /metrics scrape
 every 0.5 s, the speculative rounds' tokens per round, and how many concurrent outputs
 differ from the sequential text of the same request (batched == alone). With both modes,
 also how many speculative sequential outputs differ from the plain ones.
@@ -88,6 +92,7 @@ class Request:
 @dataclass
 class Result:
     id: str
+    sent: float  # seconds after the run's first send
     ttft: float
     seconds: float
     decode_seconds: float
@@ -136,10 +141,12 @@ def request_lists(counts: dict[int, int], max_tokens: int, seed: int) -> dict[in
 # ------------------------------------------------------------------ clients
 
 
-def send(client: httpx.Client, url: str, req: Request, extra: dict) -> Result:
+def send(client: httpx.Client, url: str, req: Request, extra: dict, start: float) -> Result:
+    sent = time.perf_counter() - start
     reply = complete(client, url, req.prompt, req.max_tokens, extra=extra)
-    return Result(req.id, reply.ttft, reply.seconds, reply.decode_seconds, reply.usage.get("completion_tokens", 0),
-                  reply.usage.get("prompt_tokens", 0), reply.finish_reason, reply.text)
+    return Result(req.id, sent, reply.ttft, reply.seconds, reply.decode_seconds,
+                  reply.usage.get("completion_tokens", 0), reply.usage.get("prompt_tokens", 0), reply.finish_reason,
+                  reply.text)
 
 
 def run_clients(url: str, reqs: list[Request], clients: int, extra: dict) -> tuple[list[Result], float]:
@@ -158,12 +165,12 @@ def run_clients(url: str, reqs: list[Request], clients: int, extra: dict) -> tup
                 if i >= len(reqs):
                     return
                 try:
-                    results[i] = send(client, url, reqs[i], extra)
+                    results[i] = send(client, url, reqs[i], extra, start)
                 except BaseException as e:  # noqa: BLE001 - re-raised below, on the main thread
                     errors.append(e)
 
     threads = [threading.Thread(target=worker) for _ in range(clients)]
-    start = time.perf_counter()
+    start = time.perf_counter()  # before the threads: every send is after it
     for t in threads:
         t.start()
     for t in threads:
@@ -174,11 +181,31 @@ def run_clients(url: str, reqs: list[Request], clients: int, extra: dict) -> tup
     return results, wall
 
 
+def steady(results: list[Result], wall: float) -> tuple[float, float]:
+    """(tok/s while every client was busy, the share of the wall after that): the window
+    ends when the first request in flight at the last send ends; a stream's tokens count
+    up linearly from its first to its last text delta."""
+    last_send = max(r.sent for r in results)
+    end = min(r.sent + r.seconds for r in results if r.sent <= last_send <= r.sent + r.seconds)
+
+    def tokens_by(t: float, r: Result) -> float:
+        first = r.sent + r.ttft
+        if r.tokens == 0 or t < first:
+            return 0.0
+        if r.decode_seconds <= 0 or t >= first + r.decode_seconds:
+            return float(r.tokens)
+        return 1 + (r.tokens - 1) * (t - first) / r.decode_seconds
+
+    return sum(tokens_by(end, r) for r in results) / end, 1 - end / wall
+
+
 def summarize(results: list[Result], wall: float) -> dict:
     tokens = sum(r.tokens for r in results)
     per_request = [(r.tokens - 1) / r.decode_seconds for r in results if r.tokens > 1 and r.decode_seconds > 0]
     ttft = [r.ttft for r in results]
+    steady_tok_s, drain = steady(results, wall)
     return {"wall_seconds": wall, "completion_tokens": tokens, "aggregate_tok_s": tokens / wall,
+            "steady_tok_s": steady_tok_s, "drain_share": drain,
             "per_request_tok_s": float(np.median(per_request)) if per_request else None,
             "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)), "ttft_p95_ms": 1000 * float(np.percentile(ttft, 95))}
 
@@ -329,7 +356,8 @@ def build_rows(mode: str, seq: dict, conc: dict | None, max_batch: int | None) -
             diff = mismatches(c["results"], reference)
             row.update(max_batch=max_batch if max_batch is not None else "none (FIFO)",
                        concurrent={k: v for k, v in c.items() if k != "results"},
-                       ratio=c["aggregate_tok_s"] / s["aggregate_tok_s"], mismatches=len(diff), mismatched=diff[:10])
+                       ratio=c["aggregate_tok_s"] / s["aggregate_tok_s"],
+                       steady_ratio=c["steady_tok_s"] / s["steady_tok_s"], mismatches=len(diff), mismatched=diff[:10])
         rows.append(row)
     return rows
 
@@ -340,9 +368,10 @@ def fmt(value, spec: str = ".1f") -> str:
 
 def markdown(report: dict) -> str:
     lines = [("| mode | C | requests | max-batch seq / conc | tokens | seq tok/s | conc tok/s | ratio "
+              "| steady seq / conc tok/s | steady ratio | end share conc "
               "| per-req tok/s seq / conc | TTFT p50 seq / conc ms | TTFT p95 seq / conc ms | peak running "
               "| tok/round | mismatches |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         s, c = r["sequential"], r.get("concurrent") or {}
         tpr = c.get("tokens_per_round", s.get("tokens_per_round"))
@@ -350,7 +379,9 @@ def markdown(report: dict) -> str:
             f"| {r['mode']} | {r['clients']} | {r['requests']} "
             f"| {r['sequential_max_batch']} / {r.get('max_batch', '-')} "
             f"| {s['completion_tokens']} | {s['aggregate_tok_s']:.1f} | {fmt(c.get('aggregate_tok_s'))} "
-            f"| {fmt(r.get('ratio'), '.2f')} | {fmt(s['per_request_tok_s'])} / {fmt(c.get('per_request_tok_s'))} "
+            f"| {fmt(r.get('ratio'), '.2f')} | {s['steady_tok_s']:.1f} / {fmt(c.get('steady_tok_s'))} "
+            f"| {fmt(r.get('steady_ratio'), '.2f')} | {fmt(c.get('drain_share'), '.0%')} "
+            f"| {fmt(s['per_request_tok_s'])} / {fmt(c.get('per_request_tok_s'))} "
             f"| {s['ttft_p50_ms']:.0f} / {fmt(c.get('ttft_p50_ms'), '.0f')} "
             f"| {s['ttft_p95_ms']:.0f} / {fmt(c.get('ttft_p95_ms'), '.0f')} "
             f"| {c.get('peak_running', s['peak_running'])} | {fmt(tpr, '.2f')} | {r.get('mismatches', '-')} |")
@@ -389,7 +420,7 @@ def parse_args(argv):
     ap.add_argument("--draft", help="draft for the speculative mode (the demo pair has its own)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--clients", help="client counts (default 1,2,4,8; --quick 1,4)")
-    ap.add_argument("--requests", type=int, help="requests per client count (default max(8, 2C); --quick max(4, C))")
+    ap.add_argument("--requests", type=int, help="requests per client count (default max(16, 4C); --quick max(4, C))")
     ap.add_argument("--max-tokens", type=int, help="completion tokens per request (default 128; --quick 48)")
     ap.add_argument("--max-batch", type=int, help="--max-batch of the concurrent server (default: the largest C)")
     ap.add_argument("--spec-sched", default="fixed", choices=("fixed", "threshold", "cost", "server-default"),
@@ -428,7 +459,7 @@ def main(argv=None) -> int:
         from soak import run_soak
 
         return run_soak(args, batching, max_batch)
-    counts = {c: args.requests or (max(4, c) if args.quick else max(8, 2 * c)) for c in args.clients}
+    counts = {c: args.requests or (max(4, c) if args.quick else max(16, 4 * c)) for c in args.clients}
     lists = request_lists(counts, args.max_tokens, args.seed)
     concurrent = batching or args.concurrent_anyway
     if not batching:
