@@ -2,8 +2,8 @@
 
 For each mode (plain: --no-draft; speculative: the draft, with --spec-sched fixed by
 default so that it drafts even where the server's break-even would fall back to plain
-steps) and each client count C of --clients, a list of N greedy streamed /v1/completions
-requests (default N = max(16, 4C)) is sent twice:
+steps) and each client count C of --clients, --repeat lists (default 3) of N greedy
+streamed /v1/completions requests (default N = max(16, 4C)) are each sent twice:
 
 - sequentially: one client, one request at a time, to a server started with
   `--max-batch 1` (the baseline; a server without that flag: as it is);
@@ -12,7 +12,8 @@ requests (default N = max(16, 4C)) is sent twice:
 
 The two servers of a mode run side by side and take each list in turn (sequential,
 then concurrent), so that a change in the machine's load (other processes share it)
-hits both runs of a row alike; --serial-servers starts them one after the other, for a
+hits both runs of a repeat alike (a row's ratio is the median of its repeats' own
+ratios); --serial-servers starts them one after the other, for a
 model of which two copies do not fit in memory. Each server first answers one short
 request of each prompt length (a warm-up, not measured).
 
@@ -41,7 +42,7 @@ bench/results/concurrency.json and .md. `--soak SECONDS` runs bench/soak.py's mi
 instead (bench/results/concurrency_soak.json and .md).
 
     python bench/concurrency.py [--quick] [--clients 1,2,4,8] [--modes plain,speculative]
-        [--requests N] [--max-tokens 128] [--max-batch B] [--model M --draft D]
+        [--requests N] [--repeat 3] [--max-tokens 128] [--max-batch B] [--model M --draft D]
     python bench/concurrency.py --soak 600 [--modes speculative]
 
 The servers inherit the environment: on Linux, run with
@@ -120,21 +121,26 @@ class Prompts:
         return text[start:start + chars], f"{path.name}:{start}"
 
 
-def request_lists(counts: dict[int, int], max_tokens: int, seed: int) -> dict[int | str, list[Request]]:
-    """A distinct list of requests for each client count (C -> N requests), and under
-    "warmup" one short request of each prompt length (sent to a new server first)."""
+def request_lists(counts: dict[int, int], max_tokens: int, seed: int, repeat: int = 1) -> dict:
+    """For each client count C, `repeat` lists of N requests (C -> [[N requests], ...]),
+    every prompt distinct (so the prompt cache serves none from an earlier list), and
+    under "warmup" one short request of each prompt length (sent to a new server first)."""
     rng, prompts, seen = random.Random(seed), Prompts(), set()
-    lists = {}
-    for key, n in {"warmup": len(PROMPT_CHARS), **counts}.items():
-        lists[key] = []
-        while len(lists[key]) < n:
-            chars = PROMPT_CHARS[len(lists[key])] if key == "warmup" else rng.choice(PROMPT_CHARS)
+
+    def one(key, n: int, name: str) -> list[Request]:
+        out = []
+        while len(out) < n:
+            chars = PROMPT_CHARS[len(out)] if key == "warmup" else rng.choice(PROMPT_CHARS)
             prompt, source = prompts.window(rng, chars)
             if prompt[:200] in seen:
                 continue
             seen.add(prompt[:200])
-            name = f"{key if key == 'warmup' else f'c{key}'}-{len(lists[key])}"
-            lists[key].append(Request(name, prompt, 8 if key == "warmup" else max_tokens, source))
+            out.append(Request(f"{name}-{len(out)}", prompt, 8 if key == "warmup" else max_tokens, source))
+        return out
+
+    lists: dict = {"warmup": one("warmup", len(PROMPT_CHARS), "warmup")}
+    for c, n in counts.items():
+        lists[c] = [one(c, n, f"c{c}" if r == 0 else f"c{c}r{r}") for r in range(repeat)]
     return lists
 
 
@@ -197,6 +203,29 @@ def steady(results: list[Result], wall: float) -> tuple[float, float]:
         return 1 + (r.tokens - 1) * (t - first) / r.decode_seconds
 
     return sum(tokens_by(end, r) for r in results) / end, 1 - end / wall
+
+
+def combine(runs: list[dict]) -> dict:
+    """One row from the repeats of a list: the median of each rate, TTFT percentiles over
+    every request, summed tokens and seconds, the peak; each repeat kept under "runs"."""
+    results = [r for run in runs for r in run["results"]]
+    ttft = [r.ttft for r in results]
+    tpr = [run["tokens_per_round"] for run in runs if run["tokens_per_round"] is not None]
+    return {"results": results, "runs": [{k: v for k, v in run.items() if k != "results"} for run in runs],
+            "wall_seconds": sum(run["wall_seconds"] for run in runs),
+            "completion_tokens": sum(run["completion_tokens"] for run in runs),
+            **{k: float(np.median([run[k] for run in runs])) for k in ("aggregate_tok_s", "steady_tok_s",
+                                                                        "drain_share")},
+            "per_request_tok_s": median_of(run["per_request_tok_s"] for run in runs),
+            "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)), "ttft_p95_ms": 1000 * float(np.percentile(ttft, 95)),
+            "peak_running": max(run["peak_running"] for run in runs),
+            "spec_rounds": sum(run["spec_rounds"] for run in runs),
+            "tokens_per_round": float(np.median(tpr)) if tpr else None}
+
+
+def median_of(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
 
 
 def summarize(results: list[Result], wall: float) -> dict:
@@ -304,15 +333,19 @@ def serve_mode(args, mode: str, lists: dict, servers: list[tuple[str, int | None
                 run_clients(server.url, lists["warmup"], 1, extra)
                 live.append((label, concurrent, server, extra, Scrapes(server)))
                 out[label] = {"command": command[1:], "extra": extra, "rows": {}}
-            for clients, reqs in lists.items():
+            for clients, repeats in lists.items():
                 if clients == "warmup":
                     continue
-                for label, concurrent, server, extra, scrapes in live:
-                    scrapes.mark()
-                    results, wall = run_clients(server.url, reqs, clients if concurrent else 1, extra)
-                    row = out[label]["rows"][clients] = {"results": results, **summarize(results, wall),
-                                                         **scrapes.since()}
-                    print(f"  {label} C={clients}: {row['aggregate_tok_s']:.1f} tok/s, {wall:.1f} s", flush=True)
+                runs: dict = {label: [] for label, *_ in live}
+                for reqs in repeats:  # the servers take turns within each repeat
+                    for label, concurrent, server, extra, scrapes in live:
+                        scrapes.mark()
+                        results, wall = run_clients(server.url, reqs, clients if concurrent else 1, extra)
+                        run = {"results": results, **summarize(results, wall), **scrapes.since()}
+                        runs[label].append(run)
+                        print(f"  {label} C={clients}: {run['aggregate_tok_s']:.1f} tok/s, {wall:.1f} s", flush=True)
+                for label, repeated in runs.items():
+                    out[label]["rows"][clients] = combine(repeated)
             for label, _, server, _, _ in live:
                 out[label]["decoding"] = served_decoding(server)
     return out
@@ -352,12 +385,16 @@ def build_rows(mode: str, seq: dict, conc: dict | None, max_batch: int | None) -
                "sequential": {k: v for k, v in s.items() if k != "results"}}
         if conc is not None:
             c = conc["rows"][clients]
+            pairs = list(zip(c["runs"], s["runs"]))  # each repeat's two runs took turns on the machine
             reference = {r.id: r for r in s["results"]}
             diff = mismatches(c["results"], reference)
             row.update(max_batch=max_batch if max_batch is not None else "none (FIFO)",
                        concurrent={k: v for k, v in c.items() if k != "results"},
-                       ratio=c["aggregate_tok_s"] / s["aggregate_tok_s"],
-                       steady_ratio=c["steady_tok_s"] / s["steady_tok_s"], mismatches=len(diff), mismatched=diff[:10])
+                       ratio=median_of(cr["aggregate_tok_s"] / sr["aggregate_tok_s"] for cr, sr in pairs),
+                       steady_ratio=median_of(cr["steady_tok_s"] / sr["steady_tok_s"] for cr, sr in pairs),
+                       ratios=[cr["aggregate_tok_s"] / sr["aggregate_tok_s"] for cr, sr in pairs],
+                       steady_ratios=[cr["steady_tok_s"] / sr["steady_tok_s"] for cr, sr in pairs],
+                       mismatches=len(diff), mismatched=diff[:10])
         rows.append(row)
     return rows
 
@@ -379,8 +416,8 @@ def markdown(report: dict) -> str:
             f"| {r['mode']} | {r['clients']} | {r['requests']} "
             f"| {r['sequential_max_batch']} / {r.get('max_batch', '-')} "
             f"| {s['completion_tokens']} | {s['aggregate_tok_s']:.1f} | {fmt(c.get('aggregate_tok_s'))} "
-            f"| {fmt(r.get('ratio'), '.2f')} | {s['steady_tok_s']:.1f} / {fmt(c.get('steady_tok_s'))} "
-            f"| {fmt(r.get('steady_ratio'), '.2f')} | {fmt(c.get('drain_share'), '.0%')} "
+            f"| {spread(r, 'ratio')} | {s['steady_tok_s']:.1f} / {fmt(c.get('steady_tok_s'))} "
+            f"| {spread(r, 'steady_ratio')} | {fmt(c.get('drain_share'), '.0%')} "
             f"| {fmt(s['per_request_tok_s'])} / {fmt(c.get('per_request_tok_s'))} "
             f"| {s['ttft_p50_ms']:.0f} / {fmt(c.get('ttft_p50_ms'), '.0f')} "
             f"| {s['ttft_p95_ms']:.0f} / {fmt(c.get('ttft_p95_ms'), '.0f')} "
@@ -388,8 +425,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def spread(row: dict, key: str) -> str:
+    """A row's median ratio, with the repeats' range when there are several."""
+    if row.get(key) is None:
+        return "-"
+    each = row[key + "s"]
+    return f"{row[key]:.2f}" + (f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else "")
+
+
 def notes(report: dict) -> list[str]:
     out = [machine_note(report["machine"]),
+           (f"each row: {report['settings']['repeat']} lists of requests, each sent to the sequential and then the "
+            "concurrent server; tok/s are the medians of the repeats, ratios the medians (and range) of each "
+            "repeat's own ratio; requests and tokens are totals"),
            (f"model: {report['model']}; max_tokens {report['settings']['max_tokens']}, "
             f"ignore_eos {'sent' if report['ignore_eos'] else 'not accepted by the server'}")]
     for name, server in report["servers"].items():
@@ -422,6 +470,8 @@ def parse_args(argv):
     ap.add_argument("--clients", help="client counts (default 1,2,4,8; --quick 1,4)")
     ap.add_argument("--requests", type=int, help="requests per client count (default max(16, 4C); --quick max(4, C))")
     ap.add_argument("--max-tokens", type=int, help="completion tokens per request (default 128; --quick 48)")
+    ap.add_argument("--repeat", type=int, help="lists per client count, each sent to both servers in turn; rows are "
+                                               "their medians (default 3; --quick 1)")
     ap.add_argument("--max-batch", type=int, help="--max-batch of the concurrent server (default: the largest C)")
     ap.add_argument("--spec-sched", default="fixed", choices=("fixed", "threshold", "cost", "server-default"),
                     help="speculative mode's --spec-sched (default fixed: always draft; server-default: no flag)")
@@ -448,6 +498,9 @@ def parse_args(argv):
         args.modes = [m for m in args.modes if m != "speculative"]
     args.clients = [int(c) for c in (args.clients or ("1,4" if args.quick else "1,2,4,8")).split(",")]
     args.max_tokens = args.max_tokens or (48 if args.quick else 128)
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     return args
 
 
@@ -460,14 +513,15 @@ def main(argv=None) -> int:
 
         return run_soak(args, batching, max_batch)
     counts = {c: args.requests or (max(4, c) if args.quick else max(16, 4 * c)) for c in args.clients}
-    lists = request_lists(counts, args.max_tokens, args.seed)
+    lists = request_lists(counts, args.max_tokens, args.seed, args.repeat)
     concurrent = batching or args.concurrent_anyway
     if not batching:
         print("the server has no --max-batch (no batching yet): "
               + ("concurrent clients go to its FIFO queue" if concurrent else "sequential runs only"))
     report = {"benchmark": "concurrency", "machine": machine(), "model": args.model or "the bundled demo pair",
               "batching": batching, "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
-              "requests": {c: [{"id": r.id, "source": r.source, "prompt_chars": len(r.prompt)} for r in reqs]
+              "requests": {c: [{"id": r.id, "source": r.source, "prompt_chars": len(r.prompt)}
+                               for r in (reqs if c == "warmup" else [r for rep in reqs for r in rep])]
                            for c, reqs in lists.items()},
               "servers": {}, "rows": []}
     sequential_text = {}
