@@ -11,12 +11,12 @@ from .embedding import nvfp4_embedding
 from .gated_norm import gated_rms_norm
 from .kernel import ENV, KernelBackendError, Launch, MetalKernel, backend, use_metal
 from .premix import Premix, gdn_premix
-from .recurrence import gated_delta, gated_delta_rows
+from .recurrence import gated_delta, gated_delta_rows, on_gpu
 from .replay import gdn_replay
 from .router import moe_route
 
 __all__ = [
     "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue", "backend",
     "check_kernels", "gated_delta", "gated_delta_rows", "gated_rms_norm", "gdn_premix", "gdn_replay", "moe_combine", "moe_route",
-    "nvfp4_embedding", "use_metal",
+    "nvfp4_embedding", "on_gpu", "use_metal",
 ]

@@ -71,9 +71,14 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx
     in the dtype of q and k (result_type(q, k), as the fast op) and the final state in F32.
     The fast op where it is a kernel (Metal) or for one row (its CPU step is ~30
     primitives, a chunk ~60), else chunked()."""
-    if q.shape[1] == 1 or (mx.metal.is_available() and mx.default_device() == mx.gpu):
+    if q.shape[1] == 1 or on_gpu():
         return mx.fast.gated_delta_update(q, k, v, gamma, beta, initial_state=state)
     return chunked(q, k, v, gamma, beta, state, chunk)
+
+
+def on_gpu() -> bool:
+    """Does MLX run on the GPU (where the fast op is a real kernel)?"""
+    return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
 def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64, rows: bool = False):

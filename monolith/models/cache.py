@@ -17,8 +17,8 @@ Commit by replay (dspark.md 4.5): `snapshot(record=True)` makes the next forward
 per GDN layer, a tape (the conv window and the per-row q, k, v, gamma, beta), and
 `commit(snap, rows)` rebuilds the states after exactly the first `rows` rows of that
 forward from the snapshot, without rerunning the model (all rows: the forward's own
-states, no replay); without Metal the forward keeps the state after every row, and
-the commit takes the one after the kept rows.
+states, no replay); on the CPU the forward keeps the state after every row, and the
+commit takes the one after the kept rows.
 
 The draft's `DraftContext` holds the K/V of the committed context rows per draft layer;
 its snapshot is its offset (rows past it are overwritten by the next append).
@@ -75,9 +75,9 @@ class KVCache:
 class GDNTape:
     """One GDN layer's inputs over the rows of a forward: window [1, K-1+T, C] (the
     previous conv state then the new pre-conv rows, F32) and the recurrence inputs
-    q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], gamma, beta [1, T, Hv] (F32); without Metal
-    also the recurrent state after every row, states [1, T, Hv, Dv, Dk] (F32: the CPU pays
-    per primitive, so a slice of these beats a replay)."""
+    q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], gamma, beta [1, T, Hv] (F32); on the CPU also
+    the recurrent state after every row, states [1, T, Hv, Dv, Dk] (F32: the CPU pays per
+    primitive, so a slice of these beats a replay)."""
 
     window: mx.array
     q: mx.array

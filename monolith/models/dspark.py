@@ -407,10 +407,13 @@ class Draft:
         confidence = None
         if self.confidence_head is not None:
             confidence = mx.sigmoid(self.confidence_head.logits(h, prev_embeddings))
-        def row(a: mx.array, i: int, n: int) -> mx.array:  # sequence i's first n slots
+
+        def row(a: mx.array | None, i: int, n: int) -> mx.array | None:  # sequence i's first n slots
+            if a is None:
+                return None
             return a.reshape(a.shape[1:]) if len(items) == 1 and n == g else a[i, :n]
 
-        return [Proposal(row(tokens, i, gamma), row(q, i, gamma), None if confidence is None else row(confidence, i, gamma))
+        return [Proposal(row(tokens, i, gamma), row(q, i, gamma), row(confidence, i, gamma))
                 for i, (_, gamma, _) in enumerate(items)]
 
     def propose_guided(self, ctx: DraftContext, anchor, gamma: int, params: SamplingParams, key, guide,

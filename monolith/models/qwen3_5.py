@@ -28,6 +28,7 @@ from ..kernels import (
     gdn_premix,
     moe_combine,
     moe_route,
+    on_gpu,
     use_metal,
 )
 from .cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
@@ -208,7 +209,7 @@ class GatedDeltaNet:
                              self.hk, self.dk, self.hv, self.dv)
             # value head h reads key head h // (Hv / Hk) inside the op; state [G, Hv, Dv, Dk]
             every = None
-            if any(states[i].record for i in group) and not use_metal():  # the CPU commits by slicing these
+            if any(states[i].record for i in group) and not (use_metal() or on_gpu()):  # the CPU commits by slicing
                 o, recurrent, every = gated_delta_rows(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
             else:
                 o, recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
