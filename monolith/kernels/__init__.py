@@ -17,6 +17,6 @@ from .router import moe_route
 
 __all__ = [
     "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue", "backend",
-    "check_kernels", "gated_delta", "gated_delta_rows", "gated_rms_norm", "gdn_premix", "gdn_replay", "moe_combine", "moe_route",
-    "nvfp4_embedding", "on_gpu", "use_metal",
+    "check_kernels", "gated_delta", "gated_delta_rows", "gated_rms_norm", "gdn_premix", "gdn_replay",
+    "moe_combine", "moe_route", "nvfp4_embedding", "on_gpu", "use_metal",
 ]

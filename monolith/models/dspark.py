@@ -18,6 +18,7 @@ projections and MLPs, each attending over its own context.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
 from .cache import CacheError, DraftContext, KVCache
 from .draft_args import DraftArgs
 from .layers import Embedding, FusedLinear, Linear, cast, rms_norm
-from .qwen3_5 import MLP
+from .qwen3_5 import MLP, member
 from .weights import PackWeights
 
 __all__ = ["Draft", "DraftContext", "Proposal"]
@@ -142,7 +143,7 @@ class DraftLayer:
         k, v = self._keys_values(qkv[..., self.q_rows:], offsets)
         outs = []
         for i, (cache, offset) in enumerate(zip(caches, offsets)):
-            one = (lambda a: a) if s == 1 else (lambda a, i=i: a[i:i + 1])
+            one = member(i, s)
             keys, values = cache.update(one(k), one(v), offset)
             if self.window is not None and offset > self.window:
                 keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
@@ -300,7 +301,9 @@ class Draft:
         rows = [features for _, features in items]
         packed = cast(rows[0] if len(rows) == 1 else mx.concatenate(rows), self.dtype)[None]
         c = rms_norm(self.fc(packed), self.hidden_norm, self.args.rms_norm_eps)
-        groups, index = self._append_groups([f.shape[0] for f in rows])
+        lengths = [f.shape[0] for f in rows]
+        starts = list(itertools.accumulate(lengths, initial=0))
+        groups, index = self._append_groups(lengths, starts)
         offsets = [ctx.offset for ctx, _ in items]
         for i, layer in enumerate(self.layers):
             kv = layer.kv(c)
@@ -308,27 +311,25 @@ class Draft:
                 if len(items) == 1:
                     part = kv
                 elif len(group) == 1:
-                    start = sum(f.shape[0] for f in rows[:group[0]])
-                    part = kv[:, start:start + rows[group[0]].shape[0]]
+                    part = kv[:, starts[group[0]]:starts[group[0] + 1]]
                 else:
                     part = kv[0][index]
                 k, v = layer.context_kv(part, [offsets[j] for j in group])
                 for g, j in enumerate(group):
-                    n = rows[j].shape[0]
-                    one = (k, v) if len(group) == 1 else (k[g:g + 1, :, :n], v[g:g + 1, :, :n])
+                    one = (k, v) if len(group) == 1 else (k[g:g + 1, :, :lengths[j]], v[g:g + 1, :, :lengths[j]])
                     items[j][0].layers[i].update(*one, offsets[j])
-        for ctx, features in items:
-            ctx.offset += features.shape[0]
+        for ctx, n in zip((ctx for ctx, _ in items), lengths):
+            ctx.offset += n
 
-    def _append_groups(self, lengths: list[int]) -> tuple[list[list[int]], mx.array | None]:
-        """How append_batch runs the K/V norm and RoPE of items with these row counts: the
-        items of at most a block's rows (a round's kept rows) stacked as one group, each
-        padded to the longest with copies of its own last row (`index` gathers them from
-        the packed rows), and every longer item (a prefill chunk) alone."""
+    def _append_groups(self, lengths: list[int], starts: list[int]) -> tuple[list[list[int]], mx.array | None]:
+        """How append_batch runs the K/V norm and RoPE of items with these row counts
+        (starting at these packed rows): the items of at most a block's rows (a round's
+        kept rows) stacked as one group, each padded to the longest with copies of its own
+        last row (`index` gathers them from the packed rows), and every longer item (a
+        prefill chunk) alone."""
         short = [j for j, n in enumerate(lengths) if n <= self.block_size] if len(lengths) > 1 else []
         if len(short) < 2:
             return [[j] for j in range(len(lengths))], None
-        starts = [sum(lengths[:j]) for j in range(len(lengths))]
         width = max(lengths[j] for j in short)
         index = mx.array([[starts[j] + min(t, lengths[j] - 1) for t in range(width)] for j in short], mx.int32)
         return [short] + [[j] for j in range(len(lengths)) if j not in short], index

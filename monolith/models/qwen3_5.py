@@ -214,7 +214,7 @@ class GatedDeltaNet:
             else:
                 o, recurrent = gated_delta(pre.q, pre.k, pre.v, pre.gamma, pre.beta, recurrent)
             for j, i in enumerate(group):
-                state, one = states[i], _member(j, len(group))
+                state, one = states[i], member(j, len(group))
                 state.conv = one(pre.window)[:, t:]  # the last K-1 pre-conv rows
                 if t > SPARE_ROWS:  # a prefill chunk: copy them, or a restore point keeps the whole window alive
                     state.conv = mx.array(state.conv)
@@ -258,7 +258,7 @@ def _stack_rows(x: mx.array, spans: list[Span]) -> mx.array:
     return mx.concatenate([s.of(x) for s in spans])
 
 
-def _member(j: int, size: int):
+def member(j: int, size: int):
     """Batch entry j of a stacked result (the result itself for a batch of one)."""
     return (lambda a: a) if size == 1 else (lambda a: a[j:j + 1])
 
@@ -290,7 +290,7 @@ class Attention:
                                                self.heads, self.kv_heads, self.head_dim, self.rotary_dim,
                                                self.rope_theta, self.eps)
             for j, i in enumerate(group):
-                one = _member(j, len(group))
+                one = member(j, len(group))
                 keys, values = caches[i].update(one(k), one(v), spans[i].offset)
                 o = mx.fast.scaled_dot_product_attention(one(q), keys, values, scale=self.scale,
                                                          mask="causal" if t > 1 else None)

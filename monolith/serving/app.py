@@ -515,7 +515,7 @@ class _EventBridge:
             event = self.queue.get_nowait()
         else:
             event = await asyncio.wait_for(self.queue.get(), timeout)
-        if not isinstance(event, Delta) or self.queue.empty():
+        if not isinstance(event, Delta):
             return event
         deltas = [event]
         while not self.queue.empty():
