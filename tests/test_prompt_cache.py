@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from oracles import GREEDY, assert_same_greedy
 from serving_rig import Server
+from test_prompt_cache_tree import held_bytes
 
 from monolith.models.cache import HybridCache, KVCache
 from monolith.runtime.engine import Engine
 from monolith.runtime.plain import PlainDecoder
-from monolith.runtime.prompt_cache import HANDLE_BYTES, NODE_BYTES, PromptCache
+from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
 from monolith.runtime.speculative import SpeculativeDecoder
 
@@ -221,18 +222,6 @@ def test_a_checkpoint_of_another_sequence_drops_the_live_points_it_overwrites(lo
     warm, cold = run(decoder, live, z), run(decoder, Session(), z)
     assert warm.cached_tokens < len(x)  # no X point survived
     assert_same_greedy(model, z, warm.token_ids, cold.token_ids)
-
-
-def held_bytes(cache: PromptCache) -> int:
-    """The bytes of every array the tree holds, counted from the arrays."""
-    total, stack = 0, list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        arrays = [a for pair in node.rows + list(node.state.states if node.state else ()) for a in pair]
-        total += sum(a.nbytes for a in arrays)
-        total += 4 * len(node.tokens) + NODE_BYTES + HANDLE_BYTES * len(arrays)  # the host's part
-    return total
 
 
 # ------------------------------------------------------------------ cancellation
