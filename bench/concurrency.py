@@ -30,9 +30,10 @@ last text delta), so that the end of a finite run, where fewer than C requests r
 (with speculation their lengths in rounds differ), does not count; the share of the wall
 time that end took; per-request decode tok/s (median of (tokens - 1) / (last text delta
 - first text delta)), TTFT p50 / p95 (request sent -> first text, queueing included),
-the concurrent / sequential ratios of the aggregate and the steady tok/s, the peak of monolith_num_requests_running seen by a /metrics scrape
-every 0.5 s, the speculative rounds' tokens per round, and how many concurrent outputs
-differ from the sequential text of the same request (batched == alone). With both modes,
+the concurrent / sequential ratios of the aggregate and the steady tok/s, the peak of
+monolith_num_requests_running seen by a /metrics scrape every 0.5 s, the speculative
+rounds' tokens per round, and how many concurrent outputs differ from the sequential
+text of the same request (batched == alone). With both modes,
 also how many speculative sequential outputs differ from the plain ones.
 
 A server whose --help has no --max-batch cannot batch: then only the sequential runs
@@ -386,15 +387,14 @@ def build_rows(mode: str, seq: dict, conc: dict | None, max_batch: int | None) -
         if conc is not None:
             c = conc["rows"][clients]
             pairs = list(zip(c["runs"], s["runs"]))  # each repeat's two runs took turns on the machine
+            ratios = [cr["aggregate_tok_s"] / sr["aggregate_tok_s"] for cr, sr in pairs]
+            steady_ratios = [cr["steady_tok_s"] / sr["steady_tok_s"] for cr, sr in pairs]
             reference = {r.id: r for r in s["results"]}
             diff = mismatches(c["results"], reference)
             row.update(max_batch=max_batch if max_batch is not None else "none (FIFO)",
                        concurrent={k: v for k, v in c.items() if k != "results"},
-                       ratio=median_of(cr["aggregate_tok_s"] / sr["aggregate_tok_s"] for cr, sr in pairs),
-                       steady_ratio=median_of(cr["steady_tok_s"] / sr["steady_tok_s"] for cr, sr in pairs),
-                       ratios=[cr["aggregate_tok_s"] / sr["aggregate_tok_s"] for cr, sr in pairs],
-                       steady_ratios=[cr["steady_tok_s"] / sr["steady_tok_s"] for cr, sr in pairs],
-                       mismatches=len(diff), mismatched=diff[:10])
+                       ratio=median_of(ratios), steady_ratio=median_of(steady_ratios), ratios=ratios,
+                       steady_ratios=steady_ratios, mismatches=len(diff), mismatched=diff[:10])
         rows.append(row)
     return rows
 
