@@ -30,6 +30,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from monolith.models.layers import whole_graphs
+
 sys.path.insert(0, str(Path(__file__).parent))
 from target_forward import PRESETS, count_primitives
 
@@ -85,16 +87,17 @@ def target_row(model, b: int, rows: int, context: int, repeats: int) -> dict:
             mx.eval(logits, c.arrays())
 
     one, many = time_pair(batched, separate, repeats)
-    reset()  # MLX primitives evaluated: the packed forward, then the B separate ones
-    results = model.forward_batch([Segment(t, c) for t, c in zip(tokens, caches)])
-    packed = count_primitives(*[logits for logits, _ in results], *[a for c in caches for a in c.arrays()])
-    mx.eval([logits for logits, _ in results], [c.arrays() for c in caches])
-    reset()
-    alone = 0
-    for t, c in zip(tokens, caches):
-        logits, _ = model.forward(t, c)
-        alone += count_primitives(logits, *c.arrays())
-        mx.eval(logits, c.arrays())
+    with whole_graphs():  # MLX primitives evaluated: the packed forward, then the B separate ones
+        reset()
+        results = model.forward_batch([Segment(t, c) for t, c in zip(tokens, caches)])
+        packed = count_primitives(*[logits for logits, _ in results], *[a for c in caches for a in c.arrays()])
+        mx.eval([logits for logits, _ in results], [c.arrays() for c in caches])
+        reset()
+        alone = 0
+        for t, c in zip(tokens, caches):
+            logits, _ = model.forward(t, c)
+            alone += count_primitives(logits, *c.arrays())
+            mx.eval(logits, c.arrays())
     return {"batch": b, "rows": rows, "batched_ms": one * 1e3, "separate_ms": many * 1e3, "ratio": one / many,
             "batched_primitives": packed, "separate_primitives": alone}
 

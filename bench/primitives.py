@@ -58,7 +58,7 @@ from monolith.kernels import (
 from monolith.kernels import kernel as kernel_module
 from monolith.kernels.kernel import MetalKernel
 from monolith.models import qwen3_5
-from monolith.models.layers import Experts, Linear
+from monolith.models.layers import Experts, Linear, whole_graphs
 from monolith.models.weights import model_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ def primitives(models, path, rows, context, kind, kept):
     counts = {}
     for layers, model in models.items():
         tokens = mx.array(list(range(1, rows + 1)), dtype=mx.int32)
-        with metal_primitives(), (kernels_counted() if path == "kernels" else contextlib.nullcontext()):
+        with metal_primitives(), whole_graphs(), (kernels_counted() if path == "kernels" else contextlib.nullcontext()):
             counts[layers] = count(*step_graph(model, tokens, context, kind, kept))
     small, large = counts[PERIOD], counts[2 * PERIOD]
     period = large[0] - small[0]

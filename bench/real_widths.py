@@ -141,6 +141,13 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
 def graph_counts(model, drafter, prompt, gamma: int) -> dict:
     """Primitives (graph nodes) of one decode step, one draft proposal and one verify +
     commit of gamma + 1 rows after the prompt."""
+    from monolith.models.layers import whole_graphs
+
+    with whole_graphs():  # the counted graphs stay whole
+        return _graph_counts(model, drafter, prompt, gamma)
+
+
+def _graph_counts(model, drafter, prompt, gamma: int) -> dict:
     import mlx.core as mx
 
     from monolith.sampling import SamplingParams

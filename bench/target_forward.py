@@ -23,6 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from monolith.models.layers import whole_graphs
+
 WARMUP_STEPS = 4
 PRESETS = {
     # a small MoE target that still has every kind of layer and a few MB of weights
@@ -102,7 +104,8 @@ def forward_table(model, manifest, contexts, repeats, dtype_bytes) -> list[dict]
 
             row[f"t{t}_ms"] = timed(step, repeats) * 1e3
             cache.restore(snap)
-            logits, _ = model(tokens, cache)
+            with whole_graphs():
+                logits, _ = model(tokens, cache)
             row[f"t{t}_primitives"] = count_primitives(logits, *cache.arrays())
             row[f"t{t}_bytes"] = bytes_touched(manifest, model.args, t, context, dtype_bytes)
             mx.eval(logits)

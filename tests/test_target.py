@@ -442,3 +442,35 @@ def test_gated_delta_update_is_the_target_recurrence(t, hk, hv, dk, dv, decay):
     assert y.shape == (1, t, hv, dv) and final.shape == (1, hv, dv, dk) and final.dtype == mx.float32
     assert rel(np.array(y)[0], want) < 1e-5
     assert rel(np.array(final)[0].transpose(0, 2, 1), want_state) < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,t,length,mask", [
+    (4, 2, 8, 300, "causal"), (4, 2, 1, 57, None), (4, 4, 8, 8, None), (8, 2, 8, 40, "causal"), (2, 1, 5, 5, "causal"),
+])
+def test_attention_matches_mlx_fast_sdpa(heads, kv_heads, t, length, mask):
+    """The CPU's attention (matmuls and a softmax through pow) against MLX's own
+    scaled_dot_product_attention: grouped heads, the causal mask aligned to the last keys,
+    and keys that are a prefix of a larger cache buffer."""
+    from monolith.models.layers import attention, fast_exp
+
+    k1, k2 = mx.random.split(mx.random.key(heads * 100 + t))
+    q = mx.random.normal((1, heads, t, 64), key=k1) * 2
+    buffer = mx.random.normal((2, 1, kv_heads, length + 16, 64), key=k2) * 2
+    keys, values = buffer[0, :, :, :length], buffer[1, :, :, :length]
+    ours = attention(q, keys, values, 0.125, mask)
+    reference = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask)
+    assert ours.shape == reference.shape
+    assert rel(np.array(ours), np.array(reference)) < 1e-6
+    if fast_exp():
+        with pytest.raises(ValueError, match="mask"):
+            attention(q, keys, values, 0.125, "sliding")
+
+
+def test_swiglu_matches_silu_times_up():
+    """swiglu (on the CPU through pow) against silu(gate) * up in float64."""
+    from monolith.models.layers import swiglu
+
+    x = mx.random.normal((32, 2 * 96), key=mx.random.key(3)) * 6
+    gate, up = np.array(x[:, :96], dtype=np.float64), np.array(x[:, 96:], dtype=np.float64)
+    expected = gate / (1 + np.exp(-gate)) * up
+    assert np.abs(np.array(swiglu(x)) - expected).max() < 1e-5 * np.abs(expected).max()

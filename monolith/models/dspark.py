@@ -27,7 +27,7 @@ import numpy as np
 from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
 from .cache import CacheError, DraftContext, KVCache
 from .draft_args import DraftArgs
-from .layers import Embedding, FusedLinear, Linear, cast, rms_norm
+from .layers import Embedding, FusedLinear, Linear, attention, cast, rms_norm, run_now
 from .qwen3_5 import MLP, member
 from .weights import PackWeights
 
@@ -147,7 +147,7 @@ class DraftLayer:
             keys, values = cache.update(one(k), one(v), offset)
             if self.window is not None and offset > self.window:
                 keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
-            o = mx.fast.scaled_dot_product_attention(one(q), keys, values, scale=self.scale, mask=self.block_mask)
+            o = attention(one(q), keys, values, self.scale, self.block_mask)
             outs.append(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
         x = x + self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
         return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
@@ -356,6 +356,7 @@ class Draft:
         offsets = [ctx.offset for ctx, _ in items]
         for i, layer in enumerate(self.layers):
             x = layer(x, [ctx.layers[i] for ctx, _ in items], offsets)
+            run_now(x)
         h = rms_norm(x, self.norm, self.args.rms_norm_eps)[0]
         b = self.block_size
         return [h] if len(items) == 1 else [h[i * b:(i + 1) * b] for i in range(len(items))]

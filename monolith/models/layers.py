@@ -12,9 +12,12 @@ Experts use the gather forms (gather_qmm / gather_mm) of the same ops.
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
+
 import mlx.core as mx
 
-from ..kernels import nvfp4_embedding
+from ..kernels import nvfp4_embedding, on_gpu
 
 # pack precision -> (mode, group_size, bits) of MLX's quantized ops
 QUANT_MODES = {"nvfp4": ("nvfp4", 16, 4), "fp8": ("mxfp8", 32, 8)}
@@ -27,17 +30,91 @@ def cast(x: mx.array, dtype) -> mx.array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+pipeline_layers = True  # run_now hands each layer over (off inside whole_graphs)
+
+
+@contextmanager
+def whole_graphs():
+    """Forwards built inside stay whole until something evaluates them (run_now waits):
+    for counting a forward's MLX primitives from its outputs, and for comparing."""
+    global pipeline_layers
+    saved, pipeline_layers = pipeline_layers, False
+    try:
+        yield
+    finally:
+        pipeline_layers = saved
+
+
+def run_now(*arrays) -> None:
+    """On the CPU, start computing a layer's outputs while the host builds the next layer.
+    MLX's CPU stream runs ops only once an eval submits them, so a forward evaluated at its
+    end leaves the CPU idle while the host builds the graph, and the host idle while the
+    CPU runs it; handing over each layer overlaps the two
+    (bench/results/layer_pipelining.md). On a GPU the graph is left whole for one eval."""
+    if pipeline_layers and not on_gpu():
+        mx.async_eval(*arrays)
+
+
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """Zero-centred RMSNorm with the stored (1 + w) in F32: computed in F32 (MLX
     promotes to the F32 weight), cast back to x's dtype."""
     return cast(mx.fast.rms_norm(x, weight, eps), x.dtype)
 
 
+LOG2_E = math.log2(math.e)
+
+
+def fast_exp() -> bool:
+    """Does exp(x) run as 2 ** (x * log2(e)) here? On the CPU: the CPU wheels' exp (and the
+    sigmoid and softmax built on it) is a scalar polynomial calling libm's fmaf, about 15
+    ns a value, against about 5 for pow, which costs the speculative round's per-row
+    activations and per-sequence attention most (bench/results/cpu_ops.md). The results
+    differ from exp by a few parts in 10^7. A GPU keeps exp, and so does BF16 compute."""
+    return not on_gpu()
+
+
 @mx.compile
-def swiglu(gate_up: mx.array) -> mx.array:
-    """silu(gate) * up from a fused [..., 2I] gate|up output."""
+def _swiglu_exp(gate_up: mx.array) -> mx.array:
     gate, up = mx.split(gate_up, 2, axis=-1)
     return gate * mx.sigmoid(gate) * up
+
+
+@mx.compile
+def _swiglu_pow(gate_up: mx.array) -> mx.array:
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    return gate / (1 + mx.power(2.0, gate * -LOG2_E)) * up
+
+
+def swiglu(gate_up: mx.array) -> mx.array:
+    """silu(gate) * up from a fused [..., 2I] gate|up output (through pow with fast_exp()
+    in F32: a BF16 x * log2(e) would lose the exponent's low bits)."""
+    return _swiglu_pow(gate_up) if fast_exp() and gate_up.dtype == mx.float32 else _swiglu_exp(gate_up)
+
+
+@mx.compile
+def _exp_shifted(scores: mx.array, top: mx.array) -> mx.array:
+    return mx.power(2.0, (scores - top) * LOG2_E)
+
+
+def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: str | None = None) -> mx.array:
+    """mx.fast.scaled_dot_product_attention over q [B, H, T, D] and keys, values [B, Hkv,
+    L, D] (grouped: query head h reads key head h // (H / Hkv)); mask None or "causal"
+    (the T queries are the last T of the L positions). With fast_exp() and F32 inputs it
+    runs as matmuls and a softmax through pow, which MLX's CPU fallback would run through
+    exp; otherwise the fast op."""
+    if not fast_exp() or q.dtype != mx.float32:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    b, heads, t, d = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    scores = (q * scale).reshape(b, kv_heads, group * t, d) @ keys.swapaxes(-1, -2)
+    if mask == "causal" and t > 1:
+        visible = mx.arange(length)[None] <= mx.arange(length - t, length)[:, None]  # [T, L]
+        scores = mx.where(mx.tile(visible, (group, 1)), scores, -mx.inf)
+    elif mask not in (None, "causal"):
+        raise ValueError(f'mask must be None or "causal", got {mask!r}')
+    e = _exp_shifted(scores, scores.max(axis=-1, keepdims=True))
+    return ((e / e.sum(axis=-1, keepdims=True)) @ values).reshape(b, heads, t, d)
 
 
 class _PackMatrix:

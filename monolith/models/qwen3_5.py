@@ -32,7 +32,16 @@ from ..kernels import (
     use_metal,
 )
 from .cache import SPARE_ROWS, GDNState, GDNTape, HybridCache, KVCache
-from .layers import Embedding, Linear, SwitchGLU, cast, rms_norm, swiglu
+from .layers import (
+    Embedding,
+    Linear,
+    SwitchGLU,
+    attention,
+    cast,
+    rms_norm,
+    run_now,
+    swiglu,
+)
 
 
 class ConfigError(ValueError):
@@ -292,8 +301,7 @@ class Attention:
             for j, i in enumerate(group):
                 one = member(j, len(group))
                 keys, values = caches[i].update(one(k), one(v), spans[i].offset)
-                o = mx.fast.scaled_dot_product_attention(one(q), keys, values, scale=self.scale,
-                                                         mask="causal" if t > 1 else None)
+                o = attention(one(q), keys, values, self.scale, "causal" if t > 1 else None)
                 outs[i] = o.transpose(0, 2, 1, 3).reshape(1, t, -1) * one(gate)
         return self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
 
@@ -499,6 +507,7 @@ class Qwen3_5:
         tapped, first = {}, self.owned.start
         for i, layer, next_norm in zip(self.owned, self.layers, next_norms):
             x, normed = layer(x, normed, [s.cache.layers[i - first] for s in segments], spans, next_norm)
+            run_now(x, normed)
             if i in wanted:
                 tapped[i] = x[0]
         return x, normed, tapped
