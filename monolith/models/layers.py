@@ -12,6 +12,7 @@ Experts use the gather forms (gather_qmm / gather_mm) of the same ops.
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 
@@ -66,8 +67,8 @@ LOG2_E = math.log2(math.e)
 
 def fast_exp() -> bool:
     """Does exp(x) run as 2 ** (x * log2(e)) here? On the CPU: the CPU wheels' exp (and the
-    sigmoid and softmax built on it) is a scalar polynomial calling libm's fmaf, about 15
-    ns a value, against about 5 for pow, which costs the speculative round's per-row
+    sigmoid and softmax built on it) is a scalar polynomial calling libm's fmaf, about 14
+    ns a value, against about 6 for pow, which costs the speculative round's per-row
     activations and per-sequence attention most (bench/results/cpu_ops.md). The results
     differ from exp by a few parts in 10^7. A GPU keeps exp, and so does BF16 compute."""
     return not on_gpu()
@@ -91,6 +92,12 @@ def swiglu(gate_up: mx.array) -> mx.array:
     return _swiglu_pow(gate_up) if fast_exp() and gate_up.dtype == mx.float32 else _swiglu_exp(gate_up)
 
 
+@functools.lru_cache(maxsize=64)
+def _query_rows(group: int, t: int) -> mx.array:
+    """[group * T, 1]: each grouped query row's index within its T queries."""
+    return mx.tile(mx.arange(t), group)[:, None]
+
+
 @mx.compile
 def _exp_shifted(scores: mx.array, top: mx.array) -> mx.array:
     return mx.power(2.0, (scores - top) * LOG2_E)
@@ -108,9 +115,8 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask:
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     scores = (q * scale).reshape(b, kv_heads, group * t, d) @ keys.swapaxes(-1, -2)
-    if mask == "causal" and t > 1:
-        visible = mx.arange(length)[None] <= mx.arange(length - t, length)[:, None]  # [T, L]
-        scores = mx.where(mx.tile(visible, (group, 1)), scores, -mx.inf)
+    if mask == "causal" and t > 1:  # key j (counted from the first query's own) <= query i
+        scores = mx.where(mx.arange(t - length, t)[None] <= _query_rows(group, t), scores, -mx.inf)
     elif mask not in (None, "causal"):
         raise ValueError(f'mask must be None or "causal", got {mask!r}')
     e = _exp_shifted(scores, scores.max(axis=-1, keepdims=True))
