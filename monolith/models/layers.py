@@ -94,8 +94,11 @@ def swiglu(gate_up: mx.array) -> mx.array:
 
 @functools.lru_cache(maxsize=64)
 def _query_rows(group: int, t: int) -> mx.array:
-    """[group * T, 1]: each grouped query row's index within its T queries."""
-    return mx.tile(mx.arange(t), group)[:, None]
+    """[group * T, 1]: each grouped query row's index within its T queries (evaluated
+    here, so the cached array holds data, not a graph, whichever thread uses it)."""
+    rows = mx.tile(mx.arange(t), group)[:, None]
+    mx.eval(rows)
+    return rows
 
 
 @mx.compile
