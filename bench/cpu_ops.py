@@ -28,8 +28,7 @@ from monolith.models import layers
 
 
 def timed(fn, repeats: int) -> float:
-    fn()
-    mx.synchronize()
+    mx.eval(fn())  # warm-up: compiles the compiled ones
     runs = []
     for _ in range(5):
         start = time.perf_counter()

@@ -114,14 +114,14 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask:
     exp; otherwise the fast op."""
     if not fast_exp() or q.dtype != mx.float32:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    if mask not in (None, "causal"):
+        raise ValueError(f'mask must be None or "causal", got {mask!r}')
     b, heads, t, d = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     scores = (q * scale).reshape(b, kv_heads, group * t, d) @ keys.swapaxes(-1, -2)
     if mask == "causal" and t > 1:  # key j (counted from the first query's own) <= query i
         scores = mx.where(mx.arange(t - length, t)[None] <= _query_rows(group, t), scores, -mx.inf)
-    elif mask not in (None, "causal"):
-        raise ValueError(f'mask must be None or "causal", got {mask!r}')
     e = _exp_shifted(scores, scores.max(axis=-1, keepdims=True))
     return ((e / e.sum(axis=-1, keepdims=True)) @ values).reshape(b, heads, t, d)
 
