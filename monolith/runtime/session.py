@@ -41,8 +41,8 @@ class Session:
         """Put the cache at the longest restore point `prompt` extends that leaves at
         least `new_tokens` tokens to prefill (a point equal to the whole prompt counts
         only if it kept its logits), or at a deeper checkpoint of the prompt cache (which
-        leaves at least one); return (cache, cached token count, the logits there or
-        None). With a `drafter` (a speculative decoder's), a checkpoint also fills the
+        leaves at least one); return (cache, cached token count, the prompt's next-token
+        logits when the point is the whole prompt, else None: the rest is to prefill). With a `drafter` (a speculative decoder's), a checkpoint also fills the
         drafter's context, session.draft_snapshot."""
         if self.cache is None or self.cache.max_context != max_context:
             self.cache = model.make_cache(max_context)
@@ -62,7 +62,8 @@ class Session:
         self._count(best.length)
         self.tokens = prompt[:best.length]
         self._points = [p for p in self._points if p.length <= best.length]  # later ones get overwritten
-        return self.cache, best.length, best.logits
+        whole = best.length == len(prompt)  # a shorter point's logits are for its own next token, not the prompt's
+        return self.cache, best.length, best.logits if whole else None
 
     def _checkpoint_for(self, prompt: list[int], live: int, new_tokens: int, drafter, max_context: int) -> int | None:
         """Load the prompt cache's deepest checkpoint of `prompt` if it lies past `live`
