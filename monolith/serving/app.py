@@ -567,7 +567,8 @@ def _engine_error(error: Exception) -> APIError:
     if isinstance(error, PipelineError):
         log.error("generation failed: %s", error)
         return APIError(503, str(error), code="model_unavailable")
-    if isinstance(error, ValueError):
-        return bad(str(error))
+    if isinstance(error, RequestError):  # the engine's check of the request itself
+        return bad(str(error), error.field)
+    # anything else, a ValueError too, is our own failure: the client's request was valid
     log.error("generation failed: %s: %s", type(error).__name__, error, exc_info=error)
     return APIError(500, "generation failed (the server log has the details)", code="internal_error")
