@@ -12,6 +12,7 @@ restart, on the demo pair and on dense and MoE synthetic targets."""
 from __future__ import annotations
 
 import json
+import random
 
 import httpx
 import pytest
@@ -23,15 +24,17 @@ from monolith.serve import build_parser
 
 TURN1 = [{"role": "user", "content": "What does os.path.join do?"}]
 MAX_TOKENS = 24
+MEASURED: dict = {}
 
 
-def serve_engine(loaded, *argv, **kw):
+def serve_engine(loaded, *argv, target_dir=None, **kw):
     """An Engine made as `python -m monolith.serve ARGV` makes it, on already loaded
-    models (the demo pair's: no pack is read again)."""
+    (model, drafter, tokenizer), by default the demo pair's (no pack is read again);
+    the tokenizer is read from `target_dir`."""
     model, drafter, _ = loaded
     args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--max-context", "1024", *argv])
-    draft = None if "--no-draft" in argv else "the demo draft"
-    sources = launch.Sources(bundle_dir() / "target", draft)
+    draft = None if "--no-draft" in argv else "the loaded draft"
+    sources = launch.Sources(target_dir or bundle_dir() / "target", draft)
     return launch.load_engine(args, launch.plan_model(args), lambda line: None, sources=sources,
                               load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter, **kw)
 
@@ -77,3 +80,101 @@ def test_an_edited_reply_in_the_history_gets_the_cold_servers_answer(demo_f32, m
         turn2b = TURN1 + [{"role": "assistant", "content": reply1 + " Also see pathlib."},
                           {"role": "user", "content": "And what does os.path.split do?"}]
         assert chat(warm, turn2b, stream=True) == chat(cold, turn2b)
+
+
+# ------------------------------------------------------------------ the differential harness
+
+CASES = 6  # one of each kind per mode: the suite's fixed sample (bench/warm_cold.py runs thousands)
+SEED = 31
+EVERY = "16"  # the prompt cache's checkpoint interval here: cuts land inside intervals
+HARNESS_MODES = {
+    "plain": ("--no-draft", "--prompt-cache-size", "0"),
+    "plain, prompt cache": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY),
+    "plain, prompt cache on disk, restarted": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "DIR"),
+    "plain, 4 clients batched": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "--max-batch", "4"),
+    "drafting": ("--spec-sched", "fixed", "--prompt-cache-size", "0"),
+    "drafting, prompt cache": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY),
+    "drafting, prompt cache on disk, restarted": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
+                                                  "DIR"),
+    "drafting, 4 clients batched": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
+                                    "--max-batch", "4"),
+}
+CACHE_FLAGS = {"--prompt-cache-size": 1, "--prompt-cache-checkpoint-every": 1, "--prompt-cache-dir": 1,
+               "--max-batch": 1}
+
+
+def decoder_flags(argv):
+    """The flags of argv without the prompt cache's and the batch's: the cold engine's."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+        elif arg in CACHE_FLAGS:
+            skip = CACHE_FLAGS[arg]
+        else:
+            out.append(arg)
+    return out
+
+
+def harness(loaded, target_dir, argv, tmp_path, cases=CASES, seed=SEED, prefill_chunk="32"):
+    """Play `cases` generated histories against a warm engine made with serve's `argv`
+    ("DIR": a --prompt-cache-dir, the engine restarted half way) and a cold one: the
+    WarmCold that saw them."""
+    from histories import Histories, WarmCold
+
+    restart = "DIR" in argv
+    argv = [str(tmp_path / "prompts") if a == "DIR" else a for a in argv]
+    if restart:
+        argv[argv.index(str(tmp_path / "prompts")):0] = ["--prompt-cache-dir"]
+    argv += ["--prefill-chunk-size", prefill_chunk]
+    clients = int(argv[argv.index("--max-batch") + 1]) if "--max-batch" in argv else 1
+    warm = serve_engine(loaded, *argv, target_dir=target_dir)
+    cold = serve_engine(loaded, *decoder_flags(argv), target_dir=target_dir)
+    tok = warm.tokenizer
+    generated = Histories(random.Random(seed), tok.encode_chat, int(EVERY)).cases(cases)
+    check = WarmCold(warm, cold, loaded[0])
+    try:
+        if restart:
+            check.run(generated[:cases // 2])
+            warm.close()
+            check.warm = warm = serve_engine(loaded, *argv, target_dir=target_dir)
+            check.run(generated[cases // 2:])
+        else:
+            check.run(generated, clients)
+    finally:
+        warm.close()
+        cold.close()
+    return check
+
+
+@pytest.mark.parametrize("mode", HARNESS_MODES)
+def test_warm_equals_cold_on_the_demo_pair(demo_f32, mode, tmp_path):
+    check = harness(demo_f32, bundle_dir() / "target", HARNESS_MODES[mode], tmp_path)
+    assert check.requests >= 2 * CASES
+    assert not check.mismatches, check.mismatches[:3]
+    MEASURED[f"warm == cold, demo pair, {mode}: requests, near-ties"] = (check.requests, check.near_ties)
+
+
+@pytest.fixture(scope="module", params=["MoE", "dense"])
+def synthetic(request, tmp_path_factory):
+    """A synthetic target (MoE or dense) and a DSpark draft for it, float32: (its
+    checkpoint directory, (model, drafter, tokenizer))."""
+    from monolith.synth import write_draft, write_target
+    from monolith.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp(request.param)
+    target = write_target(root / "target", dense=request.param == "dense", seed=5)
+    draft = write_draft(root / "draft", target, seed=5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(root / "cache"))
+        model = launch.load_target(target, dtype="float32")
+        drafter = launch.load_drafter(draft, model, dtype="float32", quantization="none")
+    return target, (model, drafter, load_tokenizer(target))
+
+
+@pytest.mark.parametrize("mode", ["plain, prompt cache", "drafting, prompt cache", "drafting, 4 clients batched"])
+def test_warm_equals_cold_on_synthetic_targets(synthetic, mode, tmp_path):
+    target, loaded = synthetic
+    check = harness(loaded, target, HARNESS_MODES[mode], tmp_path)
+    assert check.requests >= 2 * CASES
+    assert not check.mismatches, check.mismatches[:3]
