@@ -231,6 +231,7 @@ class WarmCold:
         self.warm, self.cold, self.model = warm, cold, model
         self.max_tokens, self.near_tie = max_tokens, near_tie
         self.requests = self.near_ties = 0
+        self.colds: dict = {}  # GenerationRequest -> the cold engine's token ids
         self.mismatches: list[Mismatch] = []
 
     def ids(self, ask: Ask) -> tuple[list[int], tuple[int, ...]]:
@@ -248,15 +249,17 @@ class WarmCold:
         prompt, ends = self.ids(ask)
         request = GenerationRequest(tuple(prompt), self.max_tokens, boundaries=ends)
         _, warm = self.warm.generate(request)
-        _, cold = self.cold.generate(request, Session())
+        cold = self.colds.get(request)
+        if cold is None:  # a cold server's greedy reply depends on the request alone
+            _, finished = self.cold.generate(request, Session())
+            cold = self.colds[request] = list(finished.token_ids)
         self.requests += 1
-        if list(warm.token_ids) != list(cold.token_ids):
-            at, margin = self.parting(prompt, list(warm.token_ids), list(cold.token_ids))
+        if list(warm.token_ids) != cold:
+            at, margin = self.parting(prompt, list(warm.token_ids), cold)
             if margin < self.near_tie:
                 self.near_ties += 1
             else:
-                self.mismatches.append(Mismatch(ask.kind, len(prompt), list(warm.token_ids),
-                                                list(cold.token_ids), at, margin))
+                self.mismatches.append(Mismatch(ask.kind, len(prompt), list(warm.token_ids), cold, at, margin))
         return self.warm.tokenizer.decode(list(warm.token_ids), skip_special_tokens=True)
 
     def parting(self, prompt: list[int], warm: list[int], cold: list[int]) -> tuple[int, float]:

@@ -89,14 +89,14 @@ SEED = 31
 EVERY = "16"  # the prompt cache's checkpoint interval here: cuts land inside intervals
 HARNESS_MODES = {
     "plain": ("--no-draft", "--prompt-cache-size", "0"),
-    "plain, prompt cache": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY),
-    "plain, prompt cache on disk, restarted": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "DIR"),
-    "plain, 4 clients batched": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "--max-batch", "4"),
+    "plain + prompt cache": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY),
+    "plain + prompt cache on disk + restart": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "DIR"),
+    "plain + 4 clients batched": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "--max-batch", "4"),
     "drafting": ("--spec-sched", "fixed", "--prompt-cache-size", "0"),
-    "drafting, prompt cache": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY),
-    "drafting, prompt cache on disk, restarted": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
+    "drafting + prompt cache": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY),
+    "drafting + prompt cache on disk + restart": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
                                                   "DIR"),
-    "drafting, 4 clients batched": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
+    "drafting + 4 clients batched": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
                                     "--max-batch", "4"),
 }
 CACHE_FLAGS = {"--prompt-cache-size": 1, "--prompt-cache-checkpoint-every": 1, "--prompt-cache-dir": 1,
@@ -116,7 +116,7 @@ def decoder_flags(argv):
     return out
 
 
-def harness(loaded, target_dir, argv, tmp_path, cases=CASES, seed=SEED, prefill_chunk="32"):
+def harness(loaded, target_dir, argv, tmp_path, cases=CASES, seed=SEED, prefill_chunk="32", max_tokens=8):
     """Play `cases` generated histories against a warm engine made with serve's `argv`
     ("DIR": a --prompt-cache-dir, the engine restarted half way) and a cold one: the
     WarmCold that saw them."""
@@ -132,7 +132,7 @@ def harness(loaded, target_dir, argv, tmp_path, cases=CASES, seed=SEED, prefill_
     cold = serve_engine(loaded, *decoder_flags(argv), target_dir=target_dir)
     tok = warm.tokenizer
     generated = Histories(random.Random(seed), tok.encode_chat, int(EVERY)).cases(cases)
-    check = WarmCold(warm, cold, loaded[0])
+    check = WarmCold(warm, cold, loaded[0], max_tokens)
     try:
         if restart:
             check.run(generated[:cases // 2])
@@ -172,9 +172,36 @@ def synthetic(request, tmp_path_factory):
     return target, (model, drafter, load_tokenizer(target))
 
 
-@pytest.mark.parametrize("mode", ["plain, prompt cache", "drafting, prompt cache", "drafting, 4 clients batched"])
+@pytest.mark.parametrize("mode", ["plain + prompt cache", "drafting + prompt cache", "drafting + 4 clients batched"])
 def test_warm_equals_cold_on_synthetic_targets(synthetic, mode, tmp_path):
     target, loaded = synthetic
     check = harness(loaded, target, HARNESS_MODES[mode], tmp_path)
     assert check.requests >= 2 * CASES
     assert not check.mismatches, check.mismatches[:3]
+
+
+@pytest.mark.parametrize("decoding", [("--no-draft",), ("--spec-sched", "fixed")], ids=["plain", "drafting"])
+def test_a_prompt_served_before_is_prefilled_only_for_its_last_token(demo_f32, decoding):
+    """The same prompt after 5 other requests resumes from the prompt cache one token
+    before its end (whatever is left in the live session), and cached_tokens says so."""
+    from monolith.runtime.events import GenerationRequest
+
+    engine = serve_engine(demo_f32, *decoding)
+    tok = engine.tokenizer
+    try:
+        def send(text, system=None):
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": text}]
+            ids = tok.encode_chat(messages)
+            _, finished = engine.generate(GenerationRequest(tuple(ids), 8, boundaries=tuple(tok.message_ends(ids))))
+            return ids, finished
+
+        ids, first = send("What does os.path.join do?", "Be brief.")
+        for text in ["Write a function that reverses a list.", "What is a tuple?", "How do I sort a dict?",
+                     "Explain context managers.", "What is a generator?"]:
+            send(text)
+        _, again = send("What does os.path.join do?", "Be brief.")
+        assert again.usage.cached_tokens == len(ids) - 1
+        assert again.token_ids == first.token_ids
+    finally:
+        engine.close()
