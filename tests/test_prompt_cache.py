@@ -59,7 +59,7 @@ def run(decoder, session, prompt, boundaries=(), n=NEW, cancelled=lambda: False)
 class Contract:
     """The checkpoints the prompt cache promises to hold (nothing evicted): of each
     request's prompt, the prefixes ending at the multiples of `every`, at its message
-    ends and at its end; and the request's whole sequence (prompt + output but the last
+    ends, one token before its end and at its end; and the request's whole sequence (prompt + output but the last
     token, which is never fed). A request resumes from the longest one it starts with
     that leaves a token to prefill."""
 
@@ -68,7 +68,7 @@ class Contract:
 
     def add(self, prompt, boundaries, output):
         ends = {p for p in range(1, len(prompt) + 1)
-                if (self.every and p % self.every == 0) or p in boundaries or p == len(prompt)}
+                if (self.every and p % self.every == 0) or p in boundaries or p in (len(prompt) - 1, len(prompt))}
         self.held |= {tuple(prompt[:p]) for p in ends}
         self.held.add(tuple(prompt) + tuple(output[:-1]))
 

@@ -116,9 +116,13 @@ class PromptCache:
 
     def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
         """Positions in (start, end] to checkpoint while prefilling rows [start, end): the
-        multiples of checkpoint_every, the given message boundaries, and end."""
+        multiples of checkpoint_every, the given message boundaries, one token before the
+        end (the same prompt again resumes there: a resume leaves a token to prefill, whose
+        logits start the reply) and end."""
         every = self.checkpoint_every
         wanted = {b for b in boundaries if start < b < end}
+        if start < end - 1:
+            wanted.add(end - 1)
         if every:
             wanted.update(range((start // every + 1) * every, end, every))
         return sorted(wanted) + [end] if end > start else []
