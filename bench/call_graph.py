@@ -1,12 +1,14 @@
 """How many monolith modules one chat completion passes through, from the HTTP handler
 to the state commit, and how many distinct calls cross a module boundary on the way
-(issue 14's before/after counts).
+(issue 14's and issue 31's before/after counts), with and without drafting; and the
+lines of runtime/.
 
-    python bench/call_graph.py [--json FILE] [--draft-block-size N]
+    python bench/call_graph.py [--json FILE]
 
 Builds a tiny synthetic target + DSpark pair, loads it the way `serve` does (drafting
-forced with --spec-sched fixed so that every round verifies and commits), then traces
-one POST /v1/chat/completions with sys.setprofile on every thread. A "cross-module
+forced with --spec-sched fixed so that every round verifies and commits; then without
+the draft), then traces one POST /v1/chat/completions with sys.setprofile on every
+thread. A "cross-module
 call" is a distinct (caller module, callee module.function) pair, both in monolith;
 "round calls" are those made inside the speculative decoder's round, and "flips"
 count the edges that run from models/ to runtime/ (a lower layer calling up).
@@ -25,24 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _engine(tmp: Path):
+def _engine(tmp: Path, drafting: bool):
+    from monolith import launch
+    from monolith.serve import build_parser
     from monolith.synth import write_pair
 
-    write_pair(tmp / "pair", seed=3)
-    argv = ["--model", str(tmp / "pair" / "target"), "--draft", str(tmp / "pair" / "draft"),
-            "--spec-sched", "fixed", "--max-context", "256", "--no-warmup"]
-    try:  # the runtime after issue 14
-        from monolith import launch
-        from monolith.serve import build_parser
-
-        args = build_parser().parse_args(argv)
-        return launch.load_engine(args, launch.plan_model(args), lambda m: None)
-    except ImportError:  # before it
-        from monolith.serve import build_parser
-        from monolith.launch import load_engine, plan_model
-
-        args = build_parser().parse_args(argv)
-        return load_engine(args, plan_model(args), lambda m: None)
+    if not (tmp / "pair").exists():
+        write_pair(tmp / "pair", seed=3)
+    argv = ["--model", str(tmp / "pair" / "target"), "--max-context", "256", "--no-warmup"]
+    if drafting:
+        argv += ["--draft", str(tmp / "pair" / "draft"), "--spec-sched", "fixed"]
+    args = build_parser().parse_args(argv)
+    return launch.load_engine(args, launch.plan_model(args), lambda m: None)
 
 
 EDGES: set[tuple[str, str]] = set()
@@ -72,8 +68,10 @@ def trace_request(engine) -> dict:
 
     app = create_app(lambda: engine, ServerConfig(("m",), None, 1 << 20), lambda e: None)
     edges, modules = EDGES, MODULES
+    EDGES.clear()
+    MODULES.clear()
 
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # a loopback Host, as a local client sends
         client.get("/health")
         body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
                 "temperature": 0}
@@ -104,15 +102,21 @@ def main() -> None:
     args = ap.parse_args()
     threading.setprofile(profile)  # before the engine's worker and the app's thread start
     sys.setprofile(profile)
+    report = {}
     with tempfile.TemporaryDirectory() as tmp:
-        engine = _engine(Path(tmp))
-        try:
-            report = trace_request(engine)
-        finally:
-            engine.close()
-    print(f"modules entered: {report['modules']}")
-    print(f"distinct cross-module calls: {report['cross_module_calls']}")
-    print(f"models -> runtime calls: {report['models_to_runtime_calls']}")
+        for name, drafting in (("speculative", True), ("plain", False)):
+            engine = _engine(Path(tmp), drafting)
+            try:
+                report[name] = trace_request(engine)
+            finally:
+                engine.close()
+    runtime = sorted((ROOT / "monolith" / "runtime").glob("*.py"))
+    report["runtime_lines"] = sum(len(p.read_text().splitlines()) for p in runtime)
+    report["runtime_files"] = len(runtime)
+    for name in ("speculative", "plain"):
+        print(f"{name}: modules entered {report[name]['modules']}, distinct cross-module calls "
+              f"{report[name]['cross_module_calls']}, models -> runtime calls {report[name]['models_to_runtime_calls']}")
+    print(f"runtime/: {report['runtime_lines']} lines in {report['runtime_files']} files")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
 
