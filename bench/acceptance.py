@@ -239,7 +239,7 @@ def served_decoder(args, model, drafter, gamma: int, max_context: int):
     NVFP4 draft with a Fallback to plain steps, or plain decoding where a round cannot
     pay), and the break-even it measured."""
     from monolith.launch import drafting_decoder
-    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.decoder import PlainDecoder
 
     flags = argparse.Namespace(draft_block_size=gamma, spec_sched=None, spec_threshold=None, max_context=max_context,
                                prefill_chunk_size=512)
@@ -252,9 +252,9 @@ class Decoders:
     always drafting) and the served one."""
 
     def __init__(self, args, model, drafters: dict, gamma: int, max_context: int):
-        from monolith.runtime.plain import PlainDecoder
+        from monolith.runtime.decoder import PlainDecoder
         from monolith.runtime.scheduler import make_scheduler
-        from monolith.runtime.speculative import SpeculativeDecoder
+        from monolith.runtime.decoder import SpeculativeDecoder
 
         self.plain = PlainDecoder(model, max_context)
         self.drafts = {label: SpeculativeDecoder(model, d, max_context, gamma=gamma, scheduler=make_scheduler("fixed"))

@@ -31,6 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from monolith.models.layers import whole_graphs
+from monolith.runtime.rounds import prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
 from target_forward import PRESETS, count_primitives
@@ -41,7 +42,7 @@ def caches_at(model, b: int, context: int) -> list:
     vocab, caches = model.args.vocab_size, []
     for i in range(b):
         cache = model.make_cache(context + 16)
-        model.prefill(mx.random.randint(0, vocab, (context,), key=mx.random.key(100 + i)).astype(mx.int32), cache)
+        prefill(model, mx.random.randint(0, vocab, (context,), key=mx.random.key(100 + i)).astype(mx.int32), cache)
         mx.eval(cache.arrays())
         caches.append(cache)
     return caches

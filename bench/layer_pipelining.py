@@ -33,9 +33,8 @@ MODES = ("plain", "speculative")
 def decoders(max_context: int) -> dict:
     from monolith.launch import load_drafter, load_target
     from monolith.pack.demo import demo_pair
-    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
     from monolith.runtime.scheduler import FixedScheduler
-    from monolith.runtime.speculative import SpeculativeDecoder
     from monolith.tokenizer import load_tokenizer
 
     target, draft = demo_pair()

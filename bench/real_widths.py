@@ -101,9 +101,8 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
     from monolith.launch import load_drafter
     from monolith.models import load_model
     from monolith.runtime.engine import generate
-    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
     from monolith.runtime.scheduler import make_scheduler
-    from monolith.runtime.speculative import SpeculativeDecoder
     from monolith.sampling import SamplingParams
 
     out: dict = {}
@@ -150,11 +149,12 @@ def graph_counts(model, drafter, prompt, gamma: int) -> dict:
 def _graph_counts(model, drafter, prompt, gamma: int) -> dict:
     import mlx.core as mx
 
+    from monolith.runtime.rounds import prefill
     from monolith.sampling import SamplingParams
     from target_forward import count_primitives
 
     cache = model.make_cache(len(prompt) + 32)
-    logits = model.prefill(mx.array(prompt, dtype=mx.int32), cache)
+    logits = prefill(model, mx.array(prompt, dtype=mx.int32), cache)
     mx.eval(logits, cache.arrays())
     snap = cache.snapshot()
     step, _ = model.forward(mx.array([1], dtype=mx.int32), cache, logits="last")

@@ -95,7 +95,7 @@ def speculative_modes(args, model, drafters: dict, gamma: int, params):
     decoder) on one prompt; the cost schedulers share one calibration per drafter."""
     from monolith.runtime.calibrate import measure_costs
     from monolith.runtime.scheduler import make_scheduler
-    from monolith.runtime.speculative import SpeculativeDecoder
+    from monolith.runtime.decoder import SpeculativeDecoder
 
     max_context = args.prompt_tokens + args.max_tokens + 16
     schedulers = [s.strip() for s in args.sched.split(",") if s.strip()]
@@ -176,7 +176,7 @@ def write_report(args, rows: list[dict], gamma: int) -> None:
 def main() -> None:
     args = parse_args()
     from monolith.launch import load_drafter
-    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.decoder import PlainDecoder
     from monolith.sampling import SamplingParams
     from monolith.tokenizer import load_tokenizer
 

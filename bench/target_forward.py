@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from monolith.models.layers import whole_graphs
+from monolith.runtime.rounds import prefill
 
 WARMUP_STEPS = 4
 PRESETS = {
@@ -90,7 +91,7 @@ def forward_table(model, manifest, contexts, repeats, dtype_bytes) -> list[dict]
     for context in contexts:
         cache = model.make_cache(context + 16)
         prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context)).astype(mx.int32)
-        model.prefill(prompt, cache, chunk_size=512)
+        prefill(model, prompt, cache, chunk_size=512)
         mx.eval(cache.arrays())
         snap = cache.snapshot()
         row = {"context": context}
@@ -115,7 +116,7 @@ def forward_table(model, manifest, contexts, repeats, dtype_bytes) -> list[dict]
 
 def ours_decode(model, prompt, steps: int) -> float:
     cache = model.make_cache(len(prompt) + steps + WARMUP_STEPS + 16)
-    logits = model.prefill(mx.array(prompt, dtype=mx.int32), cache)
+    logits = prefill(model, mx.array(prompt, dtype=mx.int32), cache)
     token = mx.argmax(logits).reshape(1).astype(mx.int32)
     for _ in range(WARMUP_STEPS):
         logits, _ = model(token, cache)

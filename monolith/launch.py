@@ -39,7 +39,7 @@ from .runtime.prompt_cache import (
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
 from .runtime.rounds import check_gamma
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
-from .runtime.speculative import SpeculativeDecoder
+from .runtime.decoder import SpeculativeDecoder
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 

@@ -4,8 +4,7 @@ monolith.runtime.engine.generate, the call the engine's worker makes."""
 from __future__ import annotations
 
 from monolith.runtime.engine import generate
-from monolith.runtime.plain import PlainDecoder
-from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
 from monolith.sampling import SamplingParams
 
 

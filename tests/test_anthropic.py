@@ -18,7 +18,7 @@ from serving_rig import Server, demo_servers, scripted
 
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
-from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024

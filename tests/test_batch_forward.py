@@ -22,6 +22,7 @@ from monolith.kernels import kernel as kernel_module
 from monolith.models import Segment, load_model
 from monolith.models.cache import CacheError, GDNState, KVCache
 from monolith.pack import build_pack
+from monolith.runtime.rounds import prefill
 from monolith.sampling import SamplingParams
 from monolith.synth import write_target
 
@@ -63,7 +64,7 @@ def prepared(model, plan=PLAN):
     for i, (before, rows, taps, logits) in enumerate(plan):
         cache = model.make_cache(MAX_CONTEXT)
         if before:
-            model.prefill(ids(model, before, 10 + i), cache, chunk_size=7)
+            prefill(model, ids(model, before, 10 + i), cache, chunk_size=7)
         segments.append(Segment(ids(model, rows, 20 + i), cache, taps, logits))
     return segments
 

@@ -12,10 +12,9 @@ import pytest
 
 from monolith.runtime.engine import Engine, QueueFull
 from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
-from monolith.runtime.plain import PlainDecoder
+from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
-from monolith.runtime.speculative import SpeculativeDecoder
 from monolith.sampling import SamplingParams
 
 MAX_CONTEXT = 512

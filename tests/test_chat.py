@@ -288,7 +288,7 @@ def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_p
 
 
 def test_save_and_load_with_a_draft(tmp_path, synth_pair_f32):
-    from monolith.runtime.speculative import SpeculativeDecoder
+    from monolith.runtime.decoder import SpeculativeDecoder
 
     model, drafter, tok = synth_pair_f32
     saved = tmp_path / "c.safetensors"

@@ -1,4 +1,4 @@
-"""Plain decoding (monolith.runtime.plain) and `python -m monolith.generate`: against a
+"""Plain decoding (monolith.runtime.decoder.PlainDecoder) and `python -m monolith.generate`: against a
 fake bigram model, subprocess argument errors, and one test with the real model."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from decoding import plain
 
 from monolith.generate import main
 from monolith.runtime.events import ContextLengthError, Outcome
+from monolith.runtime.rounds import chunk_ends
 from monolith.sampling import SamplingParams, key_chain, sample
 from monolith.tokenizer import (
     load_tokenizer,
@@ -115,7 +116,7 @@ def test_greedy_follows_the_argmax_chain():
     assert isinstance(result, Outcome)
     assert result.token_ids == want == seen
     assert result.finish_reason == "length" and result.prompt_tokens == 3
-    assert model.prefills == [[5, 6, 7]]
+    assert model.prefills == [[5, 6], [7]]  # a restore point one token before the end: the same prompt resumes there
     assert result.prefill_seconds > 0 and result.decode_seconds > 0
     assert result.prefill_tok_s > 0 and result.decode_tok_s > 0 and result.decode_steps == 11
 
@@ -231,7 +232,7 @@ def test_cli_json_with_prompt_ids(capsys, pack_dir, tok):
                           "rounds", "accepted_per_round", "per_position_acceptance"}
     assert stats["rounds"] is stats["accepted_per_round"] is stats["per_position_acceptance"] is None
     assert stats["prefill_tok_s"] > 0 and stats["decode_seconds"] > 0
-    assert model.prefills == [[5, 6, 7]] and model.caches[0].max_context == 32768
+    assert model.prefills == [[5, 6], [7]] and model.caches[0].max_context == 32768
 
 
 def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):
@@ -240,7 +241,8 @@ def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):
                                          "--prefill-chunk-size", "4", "--max-context", "100"], model)
     assert code == 0, err
     prompt = tok.encode_chat([{"role": "user", "content": "Hello there"}])
-    assert model.prefills == [prompt[i:i + 4] for i in range(0, len(prompt), 4)]
+    ends = [0] + chunk_ends(0, len(prompt), 4, [len(prompt) - 1])  # chunks of 4, and the last token alone
+    assert model.prefills == [prompt[a:b] for a, b in zip(ends, ends[1:])]
     want = model.greedy_chain(prompt[-1], 20)
     assert out == tok.decode(want) + "\n"
     assert err.count("\n") == 1 and f"prompt: {len(prompt)} tokens" in err and "generated: 20 tokens" in err

@@ -38,6 +38,7 @@ from monolith.kernels import (
     router,
 )
 from monolith.kernels.source import find_body
+from monolith.runtime.rounds import prefill
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = list(MODULES.values())
@@ -214,7 +215,7 @@ def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
 
     monkeypatch.setattr(GatedDeltaNet, "__call__", spy)
     cache = model.make_cache(32)
-    model.prefill(mx.array([3, 14, 15, 92, 65], dtype=mx.int32), cache)
+    prefill(model, mx.array([3, 14, 15, 92, 65], dtype=mx.int32), cache)
     snap = cache.snapshot(record=True)
     seen.clear()
     block = mx.array([35, 89, 79, 32, 38, 46], dtype=mx.int32)

@@ -150,7 +150,7 @@ def test_the_directory_keeps_its_bound(model, tok, tmp_path):
 
 
 def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, synth_pair_f32):
-    from monolith.runtime.speculative import SpeculativeDecoder
+    from monolith.runtime.decoder import SpeculativeDecoder
 
     model, drafter, tok = synth_pair_f32
     directory = tmp_path / "checkpoints"

@@ -35,7 +35,7 @@ from monolith.runtime.accept import accept_greedy, accept_sampled
 from monolith.runtime.drafter import Drafter, Proposal
 from monolith.runtime.events import ContextLengthError
 from monolith.runtime.rounds import Rounds
-from monolith.runtime.speculative import SpeculativeDecoder
+from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.stats import SpecStats
 from monolith.sampling import SamplingParams, filtered_probs
 
@@ -322,7 +322,7 @@ def test_logprobs_with_a_draft_equal_plain(model, error_at, break_even):
     """The logprobs of every emitted token (accepted, corrected, bonus, and, with a
     fallback that pays never, plain rounds) come from the target's rows: they equal plain
     decoding's, top tokens included."""
-    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.decoder import PlainDecoder
     from monolith.runtime.session import Session
 
     max_context = len(PROMPT) + 30

@@ -20,6 +20,7 @@ from monolith.models import load_model
 from monolith.models.cache import CacheError, Snapshot
 from monolith.models.layers import Embedding, Linear
 from monolith.pack import PackError, build_pack
+from monolith.runtime.rounds import prefill
 from monolith.synth import Preset, write_target
 
 TOL = 1e-4  # max |ours - reference| / max |reference|, F32 compute
@@ -195,7 +196,7 @@ def test_prefill_chunking_is_invisible(moe_f32):
     results = []
     for chunk in (512, 6, 1):
         cache = model.make_cache(64)
-        last = model.prefill(mx.array(ids, dtype=mx.int32), cache, chunk_size=chunk)
+        last = prefill(model, mx.array(ids, dtype=mx.int32), cache, chunk_size=chunk)
         assert cache.offset == len(ids) and last.shape == (model.args.vocab_size,)
         rows, _ = model(follow, cache)
         results.append((np.array(last), np.array(rows)))
@@ -220,7 +221,7 @@ def test_a_snapshot_after_a_prefill_chunk_holds_only_the_states(moe_f32):
     gc.collect()
     base = mx.get_active_memory()
     cache = model.make_cache(512)
-    model.prefill(ids, cache, chunk_size=300)
+    prefill(model, ids, cache, chunk_size=300)
     snap = cache.snapshot()
     mx.eval([a for pair in snap.states for a in pair])
     del cache
@@ -235,7 +236,7 @@ def test_verify_block_equals_one_row_decodes_and_snapshot_restore(moe_f32):
     ids = mx.array(prompt(model.args.vocab_size, 12, seed=6), dtype=mx.int32)
     block = mx.array(prompt(model.args.vocab_size, 8, seed=7), dtype=mx.int32)
     cache = model.make_cache(32)
-    model.prefill(ids, cache)
+    prefill(model, ids, cache)
     snap = cache.snapshot()
     assert snap.offset == 12
     verify, _ = model(block, cache)
@@ -356,12 +357,12 @@ def test_too_long_raises_before_any_work(moe_f32):
     cache = model.make_cache(16)
     before = [id(a) for a in cache.arrays()]
     with pytest.raises(CacheError, match=r"17 rows.*max_context=16"):
-        model.prefill(mx.array(prompt(512, 17), dtype=mx.int32), cache)
+        prefill(model, mx.array(prompt(512, 17), dtype=mx.int32), cache)
     # a forward may use the spare verify rows, not more
     with pytest.raises(CacheError, match=r"25 rows.*max_context=16 \(\+8 spare rows\)"):
         model(mx.array(prompt(512, 25), dtype=mx.int32), cache)
     assert cache.offset == 0 and [id(a) for a in cache.arrays()] == before
-    model.prefill(mx.array(prompt(512, 16), dtype=mx.int32), cache)
+    prefill(model, mx.array(prompt(512, 16), dtype=mx.int32), cache)
     model(mx.array(prompt(512, 8), dtype=mx.int32), cache)
     assert cache.offset == 24
     with pytest.raises(CacheError, match="1 rows at offset 24"):

@@ -536,21 +536,6 @@ class Qwen3_5:
             at += n
         return results
 
-    def prefill(self, tokens, cache: HybridCache, chunk_size: int = 512) -> mx.array:
-        """Run a prompt in chunks; return the last row's logits [vocab] (F32)."""
-        tokens = self._tokens(tokens)
-        total = tokens.shape[0]
-        cache.check(total, limit=cache.max_context)
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-        for start in range(0, total, chunk_size):
-            if start + chunk_size < total:
-                self.forward(tokens[start:start + chunk_size], cache, logits="none")
-                mx.eval(cache.arrays())  # bound the graph and free the chunk's activations
-            else:
-                logits, _ = self.forward(tokens[start:], cache, logits="last")
-        return logits[-1]
-
     def _tokens(self, tokens) -> mx.array:
         if not isinstance(tokens, mx.array):
             ids = np.asarray(tokens, dtype=np.int64)

@@ -20,8 +20,8 @@ restore points), so a request whose prompt extends it prefills only the new toke
 the next chat turn, or the same prompt again. A request that brings no session of its
 own runs on one of the engine's `max_batch` sessions (the free one whose tokens share
 the longest prefix with its prompt); all of them share the prompt cache. The
-generation itself is `decoder.steps(session, prompt, ...)` (plain.PlainDecoder or
-speculative.SpeculativeDecoder); events.py holds the request and event types,
+generation itself is `decoder.steps(session, prompt, ...)` (decoder.PlainDecoder or
+decoder.SpeculativeDecoder); events.py holds the request and event types,
 textstream.py the released text.
 
 serve, chat, generate and the benchmarks all run requests through an Engine;
@@ -59,7 +59,7 @@ from .events import (
     check_request,
 )
 from .grammar import GrammarTokenizer
-from .plain import PlainDecoder
+from .decoder import PlainDecoder
 from .prompt_cache import PromptCache
 from .session import Session
 from .textstream import TextStream

@@ -196,9 +196,6 @@ class Pipeline:
     def forward(self, tokens, cache, taps=None, logits: str = "all"):
         return self.forward_batch([Segment(tokens, cache, tuple(taps or ()), logits)])[0]
 
-    def prefill(self, tokens, cache, chunk_size: int = 512):
-        return type(self.local).prefill(self, tokens, cache, chunk_size)
-
     def forward_batch(self, segments: list[Segment]):
         local = self.local
         tokens, taps, spans = local.layout(segments)

@@ -1,5 +1,6 @@
-"""The rounds of one speculative sequence (dspark.md 4): prefill with taps, then rounds
-of draft -> schedule -> verify -> accept -> commit.
+"""The rounds of one sequence (dspark.md 4), the one decode loop of every decoder:
+prefill (with taps when a drafter reads them), then rounds of draft -> schedule ->
+verify -> accept -> commit. Plain decoding is rounds that never draft.
 
 Positions: after the prefill the cache holds the P prompt rows and the first token, the
 anchor, sits at position P outside the cache. A round verifies [anchor, x_1..x_l] in
@@ -9,12 +10,15 @@ the gated DeltaNet states are replayed from the pre-verify snapshot over exactly
 rows (`HybridCache.commit`), and the drafter observes their tap features. The bonus is
 the next anchor.
 
-A `Fallback` may make a round a plain one-row step (no draft; the drafter observes the
-rows such rounds commit in one batch before it next drafts, `sync_drafter`) while the
-recent rounds emit fewer tokens than a round costs in plain steps (scheduler.Fallback;
-the break-even is calibrate.measure_break_even). Plain steps are pipelined as in plain.py,
-and across rounds too: when the next round will be plain as well, the run ends with the
-next step already queued (`Queued`; dropped, and its row rewound, if no round takes it).
+A plain round is a one-row step (no draft). Plain steps are pipelined: the next step is
+queued before the current token is read (`mx.async_eval`), so the host's work on token
+t overlaps the device's on token t+1, and across rounds too: a run ends with the next
+step already queued (`Queued`; dropped, and its row rewound, if no round takes it), so
+each token costs one host sync. Without a drafter every round is one plain step (each
+token reaches the caller as it is read); with one, a `Fallback` may make rounds plain
+(the drafter observes the rows such rounds commit in one batch before it next drafts,
+`sync_drafter`) while the recent rounds emit fewer tokens than a round costs in plain
+steps (scheduler.Fallback; the break-even is calibrate.measure_break_even).
 
 Limits: a round never emits more tokens than max_tokens or the context allow (the
 sequence, prompt + output, stays within max_context, as in plain decoding), so the
@@ -28,7 +32,9 @@ forces taken without a draw); the verify rows are masked by the grammar along th
 path, and acceptance compares the masked distributions, so the output follows plain
 constrained sampling exactly. Rejected proposals are rolled back in the guide. Rounds
 never fall back to plain steps then, and drafting reads each drawn proposal (one host
-sync per drawn token).
+sync per drawn token). Without a drafter, the tokens the grammar forces after the
+anchor are the proposals (one-hot q: always accepted), so a forced run costs one
+forward (jump-forward); the next token is drawn from the masked row after it.
 
 Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The draft and the commit
 are queued with mx.async_eval as soon as their graphs exist, so the GPU works while the
@@ -54,9 +60,7 @@ from .accept import accept_greedy, accept_sampled
 from .batch import Forward, Peers, Propose, Steps, drive
 from .drafter import Drafter, Proposal
 from .events import TokenLogprob
-from .plain import logprob_arrays, read_logprob
 from .scheduler import ALONE, Fallback, FixedScheduler, Scheduler
-from .session import chunk_ends
 from .stats import SpecStats
 
 DEFAULT_GAMMA = 7  # proposals per round: 8 verify rows
@@ -109,20 +113,23 @@ class RoundResult:
 
 class Rounds:
     """One sequence: the target's cache, the drafter's context, the anchor; `prefill`
-    once, then `round` until done (speculative.SpeculativeDecoder runs them)."""
+    once, then `round` until done (decoder.py runs them)."""
 
-    def __init__(self, model, drafter: Drafter, params: SamplingParams, max_context: int, gamma: int,
+    def __init__(self, model, drafter: Drafter | None, params: SamplingParams, max_context: int, gamma: int = 0,
                  scheduler: Scheduler | None = None, profile: bool = False, fallback: Fallback | None = None,
                  cache=None, logprobs: int | None = None, guide=None):
-        """`gamma`: the proposals per round, 1..drafter.max_proposals (check_gamma);
-        `logprobs` (None: off; k: with the k likeliest) makes every emitted token carry
-        its TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
+        """`drafter` None: plain decoding, every round a plain step (under a grammar, the
+        tokens it forces after the anchor are verified with it: jump-forward); `gamma`:
+        the proposals per round, 1..drafter.max_proposals (check_gamma); `logprobs`
+        (None: off; k: with the k likeliest) makes every emitted token carry its
+        TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
         constrains the output (see the module doc)."""
-        if guide is not None and not hasattr(drafter, "propose_guided"):
+        if guide is not None and drafter is not None and not hasattr(drafter, "propose_guided"):
             raise ValueError(f"{drafter!r} cannot propose under a grammar (no propose_guided)")
-        if guide is not None:
+        if guide is not None or drafter is None:
             fallback = None
         self.model, self.drafter, self.params = model, drafter, params
+        self.taps = tuple(drafter.taps) if drafter is not None else ()
         self.max_context = max_context
         self.gamma = gamma
         self.scheduler = scheduler or FixedScheduler()
@@ -132,12 +139,15 @@ class Rounds:
         self.profile = profile
         self.keys = None if params.greedy else key_chain(params.seed)
         self.cache = model.make_cache(max_context) if cache is None else cache
-        self.stats = SpecStats(self.gamma if guide is None else 2 * self.gamma)  # forced positions come on top
+        self.stats = None  # plain decoding: no speculation to measure
+        if drafter is not None:
+            self.stats = SpecStats(self.gamma if guide is None else 2 * self.gamma)  # forced positions come on top
         self.anchor: int | None = None
         self.logprobs = logprobs
         self.first_logprob: TokenLogprob | None = None  # the prefill's token's
         self.guide = guide
-        drafter.start(max_context)
+        if drafter is not None:
+            drafter.start(max_context)
 
     def _key(self) -> mx.array | None:
         return None if self.keys is None else next(self.keys)
@@ -151,29 +161,18 @@ class Rounds:
     def prefill_steps(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
                       on_stop: Callable[[int], None] | None = None,
                       cancelled: Callable[[], bool] = lambda: False) -> Steps:
-        """Run `tokens` (the prompt past the cached rows) in chunks ending on multiples of
-        chunk_size from row 0 and at `stops` (positions in the sequence), handing every
-        row's features to the drafter and calling `on_stop(position)` once the cache and
-        the drafter hold the rows up to each stop; return the first generated token (the
-        first anchor), or None when `cancelled()` turned true between chunks (the cache
-        and the drafter then hold the rows prefilled so far)."""
-        cache, taps = self.cache, self.drafter.taps  # the engine checked that the prompt fits
-        begin, total = cache.offset, cache.offset + len(tokens)
-        ids = mx.array(list(tokens), dtype=mx.int32)
-        done = begin
-        for end in chunk_ends(begin, total, chunk_size, stops):
-            last = end == total
-            logits, features = yield Forward(self.model, ids[done - begin:end - begin], cache, tuple(taps),
-                                             "last" if last else "none")
-            self.drafter.observe(features)
-            done = end
-            if not last:
-                mx.eval(cache.arrays(), self.drafter.arrays())  # bound the graph between chunks
-            if end in stops and on_stop is not None:
-                on_stop(end)
-            if not last and cancelled():
-                return None
-        row = logits[-1]
+        """`prefill_rows` over `tokens` (the prompt past the cached rows), every row's
+        features handed to the drafter; return the first generated token (the first
+        anchor), or None when `cancelled()` turned true between chunks (the cache and the
+        drafter then hold the rows prefilled so far)."""
+        drafter = self.drafter
+        observe = None if drafter is None else drafter.observe
+        bound = (lambda: mx.eval(self.cache.arrays())) if drafter is None else \
+            (lambda: mx.eval(self.cache.arrays(), drafter.arrays()))
+        row = yield from prefill_rows(self.model, tokens, self.cache, chunk_size, stops, self.taps, observe, bound,
+                                      on_stop, cancelled)
+        if row is None:
+            return None
         token = sample(row if self.guide is None else mask_logits(row, self.guide.words()), self.params, self._key())
         self.first_logprob = read_logprob((token, *logprob_arrays(row, token, self.logprobs)))
         self.anchor = int(token.item())
@@ -207,8 +206,9 @@ class Rounds:
             # kept rows' features reach the draft's context with the next proposal (packed in a batch)
             mx.async_eval(self.cache.arrays(), self.unobserved)
         committed = time.perf_counter()
-        self.stats.record(result.proposed, result.accepted,
-                          (drafted - started, verified - drafted, committed - verified) if self.profile else None)
+        if self.stats is not None:
+            self.stats.record(result.proposed, result.accepted,
+                              (drafted - started, verified - drafted, committed - verified) if self.profile else None)
         return result
 
     @property
@@ -219,7 +219,10 @@ class Rounds:
     def plain_steps(self, max_new: int) -> Steps:
         """The plain rounds a Fallback chose, up to its next probe (at most PLAIN_RUN, and
         within max_new and the context), as one result: `run_plain`, queueing the next
-        step when the Fallback says the next round is plain too."""
+        step when the Fallback says the next round is plain too. Without a drafter: one
+        step, the next one queued (each token reaches the caller as it is read)."""
+        if self.fallback is None:
+            return (yield from self.run_plain_steps(1, True))
         n = max(1, min(max_new, self.max_context - self.committed - 1, PLAIN_RUN, self.fallback.plain_run()))
         self.fallback.skip(n - 1)
         return (yield from self.run_plain_steps(n, self.fallback.plain_next()))
@@ -229,14 +232,14 @@ class Rounds:
         return drive(self.run_plain_steps(n, queue_next))
 
     def run_plain_steps(self, n: int, queue_next: bool) -> Steps:
-        """n one-row steps pipelined as in plain.py (the next step is queued before the
+        """n one-row steps, pipelined (the next step is queued before the
         current token is read), no tapes; their tap features wait in `unobserved` for the
         drafter. Starts from a queued step if there is one; `queue_next` leaves the step
         after the last one queued (when the context has room for its row)."""
-        cache, taps = self.cache, self.drafter.taps
+        cache, taps = self.cache, self.taps
 
         def step(token: mx.array, snapshot: Snapshot | None = None) -> Steps:
-            logits, features = yield Forward(self.model, token, cache, tuple(taps))
+            logits, features = yield Forward(self.model, token, cache, taps)
             token = sample(logits[-1], self.params, self._key())
             logprob = logprob_arrays(logits[-1], token, self.logprobs)
             token = token.reshape(1).astype(mx.int32)
@@ -253,9 +256,11 @@ class Rounds:
                 self.queued = yield from step(current.token, cache.snapshot())
             tokens.append(int(current.token.item()))
             logprobs.append(read_logprob((current.token, *current.logprob)))
-            self.unobserved.append(current.features)
+            if self.drafter is not None:
+                self.unobserved.append(current.features)
         self.anchor = tokens[-1]
-        self.stats.plain_rounds += n
+        if self.stats is not None:
+            self.stats.plain_rounds += n
         return RoundResult(tokens, 0, 0, logprobs if self.logprobs is not None else None)
 
     # The round's stages, separately (the benchmarks time and count each one).
@@ -273,6 +278,9 @@ class Rounds:
         if room < 1:
             raise ValueError(f"no room for a round: max_new={max_new}, {self.committed} rows committed "
                              f"of max_context={self.max_context}")
+        if self.drafter is None:
+            return self.forced_block(room) if self.guide is not None else \
+                Block(None, None, mx.zeros((0,), mx.int32), None, plain=True)
         gamma = min(self.gamma, room - 1)  # the bonus is always emitted
         draft_key, accept_key = self._key(), self._key()
         peers = ALONE
@@ -305,6 +313,21 @@ class Rounds:
             masks = guide.masks(l)
         return Block(proposal, confidence, proposed, accept_key, masks=masks)
 
+    def forced_block(self, room: int) -> Block:
+        """Plain decoding under a grammar: the tokens the grammar forces after the anchor
+        (up to the room before the bonus), verified with it in one forward, so a forced
+        run costs one forward (jump-forward); their q is one-hot, so they are accepted."""
+        guide, forced = self.guide, []
+        while len(forced) < room - 1 and (token := guide.forced()) is not None:
+            guide.push(token)
+            forced.append(token)
+        proposed = mx.array(forced, dtype=mx.int32) if forced else mx.zeros((0,), mx.int32)
+        q = None
+        if forced and not self.params.greedy:
+            q = (mx.arange(self.model.args.vocab_size)[None] == proposed[:, None]).astype(mx.float32)
+        proposal = Proposal(proposed, q, None) if forced else None
+        return Block(proposal, None, proposed, self._key(), masks=guide.masks(len(forced)))
+
     def verify(self, block: Block) -> mx.array:
         """`verify_steps` alone."""
         return drive(self.verify_steps(block))
@@ -316,7 +339,7 @@ class Rounds:
         cache, l = self.cache, block.size
         block.snapshot = cache.snapshot(record=l > 0)  # a one-row round keeps its row: no replay
         rows = mx.concatenate([mx.array([self.anchor], dtype=mx.int32), block.proposed])
-        logits, block.features = yield Forward(self.model, rows, cache, tuple(self.drafter.taps))
+        logits, block.features = yield Forward(self.model, rows, cache, self.taps)
         raw = logits
         if block.masks is not None:
             logits = mask_logits(logits, block.masks)
@@ -338,10 +361,11 @@ class Rounds:
             self.guide.rollback(l - accepted)
             self.guide.push(bonus)
         self.cache.commit(block.snapshot, accepted + 1)
-        self.sync_drafter()  # rows in order
-        self.drafter.observe(block.features[:accepted + 1])
         self.anchor = bonus
-        if block.proposal is not None:
+        if self.drafter is not None:
+            self.sync_drafter()  # rows in order
+            self.drafter.observe(block.features[:accepted + 1])
+        if block.proposal is not None and self.drafter is not None:
             self.scheduler.update(l, accepted, block.confidence)
             if self.fallback is not None:
                 self.fallback.update(accepted + 1)
@@ -356,9 +380,84 @@ class Rounds:
         if self.queued is not None:
             self.cache.restore(self.queued.snapshot)
             self.queued = None
-        if self.unobserved:
+        if self.unobserved and self.drafter is not None:
             rows, self.unobserved = self.unobserved, []
             self.drafter.observe(rows[0] if len(rows) == 1 else mx.concatenate(rows))
+
+
+def prefill_rows(model, tokens: Sequence[int] | mx.array, cache, chunk_size: int = 512, stops: Sequence[int] = (),
+                 taps: tuple = (), observe: Callable[[mx.array], None] | None = None,
+                 bound: Callable[[], None] | None = None, on_stop: Callable[[int], None] | None = None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Steps:
+    """The one prefill: `tokens` through `model` after the rows `cache` holds, in chunks
+    ending on multiples of chunk_size from row 0 and at `stops` (positions in the
+    sequence), so a prompt prefilled from a checkpoint runs the same chunks as a cold
+    prefill that took it. Each chunk's tap features go to `observe`; between chunks
+    `bound()` evaluates the state (default: the cache's; it bounds the graph) and
+    `on_stop(position)` runs once the cache holds the rows up to each stop. Returns the
+    last row's logits [vocab], or None when `cancelled()` turned true between chunks."""
+    begin = cache.offset
+    ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
+    total = begin + ids.shape[0]
+    done, logits = begin, None
+    for end in chunk_ends(begin, total, chunk_size, stops):
+        last = end == total
+        logits, features = yield Forward(model, ids[done - begin:end - begin], cache, taps,
+                                         "last" if last else "none")
+        if observe is not None:
+            observe(features)
+        done = end
+        if not last and bound is not None:
+            bound()
+        elif not last:
+            mx.eval(cache.arrays())
+        if end in stops and on_stop is not None:
+            on_stop(end)
+        if not last and cancelled():
+            return None
+    return logits[-1]
+
+
+def prefill(model, tokens, cache, chunk_size: int = 512) -> mx.array:
+    """`prefill_rows` alone, on the calling thread: the last row's logits (CacheError
+    before any work when the tokens do not fit the cache's context)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    cache.check(len(tokens), limit=cache.max_context)
+    return drive(prefill_rows(model, tokens, cache, chunk_size))
+
+
+def chunk_ends(start: int, end: int, chunk_size: int, stops=()) -> list[int]:
+    """Where the prefill chunks of rows [start, end) end: at the multiples of chunk_size
+    (counted from row 0) and at `stops`, each chunk at most chunk_size rows."""
+    ends = set(range((start // chunk_size + 1) * chunk_size, end, chunk_size))
+    ends.update(s for s in stops if start < s < end)
+    ends.add(end)
+    return sorted(ends) if end > start else []
+
+
+def logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:
+    """(the sampled token's logprob, and with k the k likeliest ids and their logprobs),
+    lazy, under `row`'s raw distribution; () without logprobs (k None)."""
+    if k is None:
+        return ()
+    logprobs = row - mx.logsumexp(row, keepdims=True)
+    chosen = logprobs[token]
+    if not k:
+        return (chosen,)
+    top = mx.argpartition(-logprobs, k - 1)[:k]
+    return chosen, top, logprobs[top]
+
+
+def read_logprob(pending: tuple) -> TokenLogprob | None:
+    """The TokenLogprob of (token, *logprob_arrays(...)), or None without logprobs."""
+    if len(pending) == 1:
+        return None
+    token_id, chosen = int(pending[0].item()), float(pending[1].item())
+    top = ()
+    if len(pending) == 4:
+        top = tuple(sorted(zip(pending[2].tolist(), pending[3].tolist()), key=lambda p: -p[1]))
+    return TokenLogprob(token_id, chosen, top)
 
 
 def check_gamma(gamma: int | None, max_proposals: int) -> int:

@@ -20,14 +20,14 @@ MAX_RESTORE_POINTS = 6  # besides the empty cache; each holds references to the 
 class _Point:
     length: int  # the session's first `length` tokens are in the cache at this point
     snapshot: object  # the cache's Snapshot there
-    logits: mx.array | None  # next-token logits there, when kept (prompt ends)
 
 
 class Session:
     """A new prompt resumes from the longest restore point it extends exactly, or from a
     deeper checkpoint of the prompt cache (loaded into the live cache); anything else
-    starts from the empty cache. Restoring a point is free: KV rows past the offset are
-    ignored and the recurrent states are held by reference."""
+    starts from the empty cache. Either way at least one prompt token is left to
+    prefill: its logits start the reply. Restoring a point is free: KV rows past the
+    offset are ignored and the recurrent states are held by reference."""
 
     def __init__(self, prompt_cache: PromptCache | None = None):
         self.cache = None
@@ -37,35 +37,31 @@ class Session:
         self.fallback = None  # the speculative decoder's scheduler.Fallback: a conversation that goes on keeps it
         self.prompt_cache = prompt_cache
 
-    def resume(self, model, prompt: Sequence[int], max_context: int, new_tokens: int = 0, drafter=None):
+    def resume(self, model, prompt: Sequence[int], max_context: int, drafter=None):
         """Put the cache at the longest restore point `prompt` extends that leaves at
-        least `new_tokens` tokens to prefill (a point equal to the whole prompt counts
-        only if it kept its logits), or at a deeper checkpoint of the prompt cache (which
-        leaves at least one); return (cache, cached token count, the prompt's next-token
-        logits when the point is the whole prompt, else None: the rest is to prefill). With a `drafter` (a speculative decoder's), a checkpoint also fills the
-        drafter's context, session.draft_snapshot."""
+        least one token to prefill, or at a deeper checkpoint of the prompt cache; return
+        (cache, cached token count). With a `drafter` (a speculative decoder's), a
+        checkpoint also fills the drafter's context, session.draft_snapshot."""
         if self.cache is None or self.cache.max_context != max_context:
             self.cache = model.make_cache(max_context)
-            self.tokens, self._points = [], [_Point(0, self.cache.snapshot(), None)]
+            self.tokens, self._points = [], [_Point(0, self.cache.snapshot())]
             self.draft_snapshot = None
         prompt = list(prompt)
         best = self._points[0]
         for point in self._points[1:]:
             n = point.length
-            if (n > best.length and n <= len(prompt) - new_tokens and (n < len(prompt) or point.logits is not None)
-                    and self.tokens[:n] == prompt[:n]):
+            if best.length < n < len(prompt) and self.tokens[:n] == prompt[:n]:
                 best = point
-        stored = self._checkpoint_for(prompt, best.length, max(new_tokens, 1), drafter, max_context)
+        stored = self._checkpoint_for(prompt, best.length, drafter, max_context)
         if stored is not None:
-            return self.cache, stored, None
+            return self.cache, stored
         self.cache.restore(best.snapshot)
         self._count(best.length)
         self.tokens = prompt[:best.length]
         self._points = [p for p in self._points if p.length <= best.length]  # later ones get overwritten
-        whole = best.length == len(prompt)  # a shorter point's logits are for its own next token, not the prompt's
-        return self.cache, best.length, best.logits if whole else None
+        return self.cache, best.length
 
-    def _checkpoint_for(self, prompt: list[int], live: int, new_tokens: int, drafter, max_context: int) -> int | None:
+    def _checkpoint_for(self, prompt: list[int], live: int, drafter, max_context: int) -> int | None:
         """Load the prompt cache's deepest checkpoint of `prompt` if it lies past `live`
         tokens (the live cache's best point); its length, or None."""
         cache = self.prompt_cache
@@ -79,7 +75,7 @@ class Session:
                 draft = drafter.snapshot()
             if draft is None:  # this drafter cannot resume: nothing to load its context into
                 return None
-        node = cache.lookup(prompt, len(prompt) - new_tokens, self.cache, draft)
+        node = cache.lookup(prompt, len(prompt) - 1, self.cache, draft)
         if node is None or node.end <= live:
             return None
         held = common_prefix(self.tokens, prompt, node.end)
@@ -89,7 +85,7 @@ class Session:
             self.fallback = None
         self.tokens = prompt[:node.end]
         self._points = [p for p in self._points if p.length <= held]
-        self._points.append(_Point(node.end, node.state, None))
+        self._points.append(_Point(node.end, node.state))
         self.draft_snapshot = draft
         self._count(node.end)
         return node.end
@@ -112,20 +108,21 @@ class Session:
         self.prompt_cache.insert(list(tokens), self.cache, state, draft)
 
     def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
-        """Where prefilling rows [start, end) takes checkpoints: end, and with a prompt
-        cache its interval's multiples and the message `boundaries` in between."""
+        """Where prefilling rows [start, end) takes checkpoints: one token before the end
+        (the same prompt again resumes there) and the end, and with a prompt cache its
+        interval's multiples and the message `boundaries` in between."""
         if self.prompt_cache is None or not self.prompt_cache.budget:
-            return [end] if end > start else []
+            return [s for s in (end - 1, end) if s > start]
         return self.prompt_cache.stops(start, end, boundaries)
 
-    def mark(self, tokens: Sequence[int], logits: mx.array | None = None, snapshot=None) -> None:
+    def mark(self, tokens: Sequence[int], snapshot=None) -> None:
         """Record a restore point: the cache holds exactly `tokens` (or held them at
         `snapshot`, taken with len(tokens) rows)."""
         tokens = list(tokens)
         if len(tokens) > len(self.tokens):
             self.tokens = tokens
         snap = self.cache.snapshot() if snapshot is None else snapshot
-        self._points = [p for p in self._points if p.length != len(tokens)] + [_Point(len(tokens), snap, logits)]
+        self._points = [p for p in self._points if p.length != len(tokens)] + [_Point(len(tokens), snap)]
         self._points.sort(key=lambda p: p.length)
         if len(self._points) > MAX_RESTORE_POINTS + 1:  # keep the empty cache and the newest points
             self._points = [self._points[0]] + self._points[-MAX_RESTORE_POINTS:]
@@ -165,7 +162,7 @@ class Session:
         if draft is not None:
             draft.adopt(len(tokens))
         self.tokens = list(tokens)
-        self._points = [_Point(0, empty, None), _Point(len(tokens), snapshot, None)]
+        self._points = [_Point(0, empty), _Point(len(tokens), snapshot)]
         self.draft_snapshot, self.fallback = draft, None
 
     def reset(self) -> None:
@@ -178,13 +175,4 @@ class Session:
     @property
     def restore_points(self) -> list[int]:
         return [p.length for p in self._points]
-
-
-def chunk_ends(start: int, end: int, chunk_size: int, stops=()) -> list[int]:
-    """Where the prefill chunks of rows [start, end) end: at the multiples of chunk_size
-    (counted from row 0) and at `stops`, each chunk at most chunk_size rows."""
-    ends = set(range((start // chunk_size + 1) * chunk_size, end, chunk_size))
-    ends.update(s for s in stops if start < s < end)
-    ends.add(end)
-    return sorted(ends) if end > start else []
 

@@ -82,7 +82,7 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
         return done[:count]
     from monolith.launch import load_target
     from monolith.runtime import engine
-    from monolith.runtime.plain import PlainDecoder
+    from monolith.runtime.decoder import PlainDecoder
     from monolith.sampling import SamplingParams
 
     model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")

@@ -1,14 +1,31 @@
-"""Speculative decoding on a `Session`, with the call shape of plain.PlainDecoder.
+"""The decoders: one loop (rounds.py) on a `Session`, with or without a drafter.
 
-A prompt that extends the session's tokens prefills only its new ones here too: the
-drafter's context snapshot is kept with the session (a drafter that cannot resume
-prefills every prompt whole). Logprobs come from the target's rows that chose each
-token: the verify rows for accepted, corrected and bonus tokens, the step's row in a
-plain round.
+A decoder is called as `decoder(session, prompt, max_tokens, params, stop_ids, on_token,
+logprobs=None, cancelled=..., boundaries=(), guide=None) -> Outcome`, or as a generator
+of its forwards (`steps`, batch.py: the engine runs it in a Batch with other
+sequences); its arguments were checked at the boundary (events.check_request).
+`PlainDecoder` never drafts; `SpeculativeDecoder` drafts with a DSpark / DFlash drafter.
+Both resume, prefill, decode and keep their state the same way:
+
+- the session resumes from its longest restore point or prompt-cache checkpoint that
+  leaves at least one prompt token to prefill (the same prompt again: its last token);
+- the prefill runs the rest in chunks, taking prompt-cache checkpoints at the session's
+  stops (`Session.stops`: every N tokens, the message `boundaries`, the prompt's end and
+  one token before it); a cancel takes effect between chunks, keeping what was
+  prefilled;
+- rounds emit tokens to `on_token(id, logprob)` until a stop token (not output),
+  max_tokens or the context's end, or `on_token` returning False;
+- at the end the cache holds the prompt and every emitted token but the last, which is
+  kept as a restore point and a checkpoint.
+
+Logprobs come from the target's rows that chose each token: the verify rows for
+accepted, corrected and bonus tokens, the step's row in a plain round. A prompt that
+extends the session's tokens prefills only its new ones: the drafter's context snapshot
+is kept with the session (a drafter that cannot resume prefills every prompt whole).
 With a `break_even` (calibrate.measure_break_even), each conversation gets a
 scheduler.Fallback: rounds become plain steps while drafting does not pay; a prompt
 that extends the session (the next turn) goes on with the state the last request left.
-A `guide` (grammar.Guide) constrains the output through speculation (rounds.py).
+A `guide` (grammar.Guide) constrains the output (rounds.py).
 """
 
 from __future__ import annotations
@@ -27,9 +44,11 @@ from .session import Session
 
 
 class SpeculativeDecoder:
-    logprobs = True  # from the target's verify rows (rounds.verify_logprobs)
+    """The one decode loop; `drafter` None decodes plainly (see PlainDecoder)."""
 
-    def __init__(self, model, drafter: Drafter, max_context: int, prefill_chunk_size: int = 512,
+    logprobs = True  # from the target's rows (rounds.verify_logprobs, rounds.logprob_arrays)
+
+    def __init__(self, model, drafter: Drafter | None, max_context: int, prefill_chunk_size: int = 512,
                  gamma: int | None = None, scheduler: Scheduler | None = None, break_even: float | None = None,
                  profile: bool = False, on_round: Callable[[RoundResult, Rounds], None] | None = None,
                  step_costs: StepCosts | None = None):
@@ -42,7 +61,7 @@ class SpeculativeDecoder:
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size!r}")
         self.prefill_chunk_size = prefill_chunk_size
-        self.gamma = check_gamma(gamma, drafter.max_proposals)
+        self.gamma = 0 if drafter is None else check_gamma(gamma, drafter.max_proposals)
         self.scheduler = scheduler
         if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:
             scheduler.set_costs(*measure_costs(model, drafter, self.gamma, SamplingParams()))
@@ -61,8 +80,8 @@ class SpeculativeDecoder:
     @property
     def concurrent(self) -> bool:
         """Can several sequences run at once (in a Batch)? Each needs a drafter of its own:
-        `drafter.fork()`."""
-        return hasattr(self.drafter, "fork")
+        `drafter.fork()` (plain decoding needs none)."""
+        return self.drafter is None or hasattr(self.drafter, "fork")
 
     def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
               stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
@@ -74,14 +93,18 @@ class SpeculativeDecoder:
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
-        drafter = self.drafter.fork() if self.concurrent else self.drafter
+        drafter = self.drafter
+        if drafter is not None and hasattr(drafter, "fork"):
+            drafter = drafter.fork()
         rounds = self._resume(session, drafter, prompt, params, logprobs, guide)
         cached = rounds.cache.offset
-        resumable = drafter.snapshot() is not None
+        resumable = drafter is None or drafter.snapshot() is not None
 
         def checkpoint(end: int) -> None:
-            if resumable:  # the context as of now (it appends the rows it observed)
-                session.checkpoint(prompt[:end], draft=drafter.snapshot())
+            if end == len(prompt) - 1 and resumable:  # the same prompt again resumes here
+                session.mark(prompt[:end])
+            if resumable:  # the drafter's context as of now (it appends the rows it observed)
+                session.checkpoint(prompt[:end], draft=None if drafter is None else drafter.snapshot())
 
         first = yield from rounds.prefill_steps(prompt[cached:], self.prefill_chunk_size,
                                                 session.stops(cached, len(prompt), boundaries), checkpoint, cancelled)
@@ -101,19 +124,19 @@ class SpeculativeDecoder:
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, finish == "stop",
                        rounds.stats)
 
-    def _resume(self, session: Session, drafter: Drafter, prompt: list[int], params: SamplingParams,
+    def _resume(self, session: Session, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
                 logprobs: int | None, guide) -> Rounds:
         """The sequence's rounds on the session's cache, at the longest point both the
         cache and the drafter's context can resume from."""
-        cache, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=drafter)
+        cache, cached = session.resume(self.model, prompt, self.max_context, drafter=drafter)
         rounds = Rounds(self.model, drafter, params, self.max_context, self.gamma, self.scheduler,
                         self.profile, cache=cache, logprobs=logprobs, guide=guide)
-        if cached and not drafter.restore(session.draft_snapshot, cached):
+        if cached and drafter is not None and not drafter.restore(session.draft_snapshot, cached):
             session.reset()  # no draft context for this point: a checkpoint (which holds one), or start over
-            _, cached, _ = session.resume(self.model, prompt, self.max_context, new_tokens=1, drafter=drafter)
+            _, cached = session.resume(self.model, prompt, self.max_context, drafter=drafter)
             if cached:
                 drafter.restore(session.draft_snapshot, cached)
-        if self.break_even is not None and guide is None:  # under a grammar every round drafts
+        if self.break_even is not None and guide is None and drafter is not None:  # a grammar: every round drafts
             kept = session.fallback if cached else None
             rounds.fallback = kept if kept is not None else Fallback(self.break_even, self.step_costs, self.gamma)
         return rounds
@@ -122,8 +145,9 @@ class SpeculativeDecoder:
         """After a run (or its failure): the cache holds the prompt and every emitted
         token but the last (the next anchor); keep that point with the drafter's context."""
         rounds.sync_drafter()
-        snapshot = rounds.drafter.snapshot()
-        if snapshot is not None and rounds.cache.offset == len(committed):
+        drafting = rounds.drafter is not None
+        snapshot = rounds.drafter.snapshot() if drafting else None
+        if (snapshot is not None or not drafting) and rounds.cache.offset == len(committed):
             session.mark(committed)
             session.draft_snapshot, session.fallback = snapshot, rounds.fallback
             session.checkpoint(committed, draft=snapshot)
@@ -157,3 +181,11 @@ def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset
         pending = result.tokens
         logprobs = result.logprobs or [None] * len(pending)
         emitted += pending
+
+
+class PlainDecoder(SpeculativeDecoder):
+    """Plain decoding: the rounds of SpeculativeDecoder without a drafter, every round
+    one pipelined step (jump-forward under a grammar)."""
+
+    def __init__(self, model, max_context: int, prefill_chunk_size: int = 512):
+        super().__init__(model, None, max_context, prefill_chunk_size)
