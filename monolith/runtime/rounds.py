@@ -185,7 +185,11 @@ class Rounds:
         return drive(self.round_steps(max_new))
 
     def round_steps(self, max_new: int) -> Steps:
-        """`round` as a generator of its draft block and forwards (batch.py)."""
+        """`round` as a generator of its draft block and forwards (batch.py). Without a
+        drafter or a grammar: one plain step, the next one queued (each token reaches the
+        caller as it is read)."""
+        if self.drafter is None and self.guide is None:  # plain decoding: one pipelined step
+            return (yield from self.run_plain_steps(1, True))
         started = time.perf_counter()
         block = yield from self.draft_steps(max_new)
         if block.plain:
@@ -219,10 +223,7 @@ class Rounds:
     def plain_steps(self, max_new: int) -> Steps:
         """The plain rounds a Fallback chose, up to its next probe (at most PLAIN_RUN, and
         within max_new and the context), as one result: `run_plain`, queueing the next
-        step when the Fallback says the next round is plain too. Without a drafter: one
-        step, the next one queued (each token reaches the caller as it is read)."""
-        if self.fallback is None:
-            return (yield from self.run_plain_steps(1, True))
+        step when the Fallback says the next round is plain too."""
         n = max(1, min(max_new, self.max_context - self.committed - 1, PLAIN_RUN, self.fallback.plain_run()))
         self.fallback.skip(n - 1)
         return (yield from self.run_plain_steps(n, self.fallback.plain_next()))
@@ -278,9 +279,8 @@ class Rounds:
         if room < 1:
             raise ValueError(f"no room for a round: max_new={max_new}, {self.committed} rows committed "
                              f"of max_context={self.max_context}")
-        if self.drafter is None:
-            return self.forced_block(room) if self.guide is not None else \
-                Block(None, None, mx.zeros((0,), mx.int32), None, plain=True)
+        if self.drafter is None:  # under a grammar (round_steps runs plain steps without one)
+            return self.forced_block(room)
         gamma = min(self.gamma, room - 1)  # the bonus is always emitted
         draft_key, accept_key = self._key(), self._key()
         peers = ALONE
