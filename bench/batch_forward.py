@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from monolith.models.layers import whole_graphs
-from monolith.runtime.rounds import prefill
+from monolith.runtime.prefill import prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
 from target_forward import PRESETS, count_primitives

@@ -100,8 +100,8 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
 
     from monolith.launch import load_drafter
     from monolith.models import load_model
-    from monolith.runtime.engine import generate
     from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+    from monolith.runtime.engine import generate
     from monolith.runtime.scheduler import make_scheduler
     from monolith.sampling import SamplingParams
 
@@ -149,7 +149,7 @@ def graph_counts(model, drafter, prompt, gamma: int) -> dict:
 def _graph_counts(model, drafter, prompt, gamma: int) -> dict:
     import mlx.core as mx
 
-    from monolith.runtime.rounds import prefill
+    from monolith.runtime.prefill import prefill
     from monolith.sampling import SamplingParams
     from target_forward import count_primitives
 

@@ -29,8 +29,8 @@ import httpx
 
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime.engine import generate
 from monolith.runtime.decoder import PlainDecoder
+from monolith.runtime.engine import generate
 from monolith.sampling import SamplingParams
 from monolith.synth import PRESETS, Preset, write_target
 from monolith.tokenizer import load_tokenizer

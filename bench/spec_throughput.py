@@ -94,8 +94,8 @@ def speculative_modes(args, model, drafters: dict, gamma: int, params):
     """A function of the reference continuation giving every speculative mode's (name,
     decoder) on one prompt; the cost schedulers share one calibration per drafter."""
     from monolith.runtime.calibrate import measure_costs
-    from monolith.runtime.scheduler import make_scheduler
     from monolith.runtime.decoder import SpeculativeDecoder
+    from monolith.runtime.scheduler import make_scheduler
 
     max_context = args.prompt_tokens + args.max_tokens + 16
     schedulers = [s.strip() for s in args.sched.split(",") if s.strip()]

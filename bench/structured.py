@@ -44,8 +44,8 @@ from grammar_engines import (  # the 248K vocabulary, built once and cached
 
 from monolith.launch import load_drafter, load_target
 from monolith.pack.demo import demo_pair
-from monolith.runtime.grammar import GrammarTokenizer
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.grammar import GrammarTokenizer
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams, mask_logits
 from monolith.serving import structured

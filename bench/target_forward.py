@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from monolith.models.layers import whole_graphs
-from monolith.runtime.rounds import prefill
+from monolith.runtime.prefill import prefill
 
 WARMUP_STEPS = 4
 PRESETS = {

@@ -3,8 +3,8 @@ monolith.runtime.engine.generate, the call the engine's worker makes."""
 
 from __future__ import annotations
 
-from monolith.runtime.engine import generate
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.engine import generate
 from monolith.sampling import SamplingParams
 
 

@@ -16,9 +16,9 @@ from decoding import plain
 
 from monolith.models import load_model
 from monolith.pack import build_pack
+from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
-from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.sampling import SamplingParams
 from monolith.serving.app import ServerConfig, create_app
 from monolith.synth import write_pair

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from serving_rig import Server, demo_servers, scripted
 
+from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
-from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024

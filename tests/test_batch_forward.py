@@ -22,7 +22,7 @@ from monolith.kernels import kernel as kernel_module
 from monolith.models import Segment, load_model
 from monolith.models.cache import CacheError, GDNState, KVCache
 from monolith.pack import build_pack
-from monolith.runtime.rounds import prefill
+from monolith.runtime.prefill import prefill
 from monolith.sampling import SamplingParams
 from monolith.synth import write_target
 

@@ -18,7 +18,7 @@ from decoding import plain
 
 from monolith.generate import main
 from monolith.runtime.events import ContextLengthError, Outcome
-from monolith.runtime.rounds import chunk_ends
+from monolith.runtime.prefill import chunk_ends
 from monolith.sampling import SamplingParams, key_chain, sample
 from monolith.tokenizer import (
     load_tokenizer,

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from numeric import chi_square_ok
 
-from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams, filtered_probs, mask_logits
 from monolith.serving import structured

@@ -38,7 +38,7 @@ from monolith.kernels import (
     router,
 )
 from monolith.kernels.source import find_body
-from monolith.runtime.rounds import prefill
+from monolith.runtime.prefill import prefill
 
 REPO = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = list(MODULES.values())

@@ -17,10 +17,10 @@ from serving_rig import Server
 from test_prompt_cache_tree import held_bytes
 
 from monolith.models.cache import HybridCache, KVCache
-from monolith.runtime.engine import Engine
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.engine import Engine
+from monolith.runtime.prefill import prefill
 from monolith.runtime.prompt_cache import PromptCache
-from monolith.runtime.rounds import prefill
 from monolith.runtime.session import Session
 
 MAX_CONTEXT = 512

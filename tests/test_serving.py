@@ -29,9 +29,9 @@ from serving_rig import (
 from monolith.launch import load_drafter
 from monolith.models import load_model
 from monolith.runtime.calibrate import measure_break_even
-from monolith.runtime.engine import Engine
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
-from monolith.runtime.rounds import prefill
+from monolith.runtime.engine import Engine
+from monolith.runtime.prefill import prefill
 from monolith.runtime.session import Session
 from monolith.runtime.textstream import TextStream
 from monolith.sampling import SamplingParams

@@ -32,10 +32,10 @@ from oracles import (
 
 from monolith.models.cache import GDNState, KVCache
 from monolith.runtime.accept import accept_greedy, accept_sampled
+from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.drafter import Drafter, Proposal
 from monolith.runtime.events import ContextLengthError
 from monolith.runtime.rounds import Rounds
-from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.stats import SpecStats
 from monolith.sampling import SamplingParams, filtered_probs
 

@@ -20,7 +20,7 @@ from monolith.models import load_model
 from monolith.models.cache import CacheError, Snapshot
 from monolith.models.layers import Embedding, Linear
 from monolith.pack import PackError, build_pack
-from monolith.runtime.rounds import prefill
+from monolith.runtime.prefill import prefill
 from monolith.synth import Preset, write_target
 
 TOL = 1e-4  # max |ours - reference| / max |reference|, F32 compute

@@ -46,7 +46,7 @@ from .session import Session
 class SpeculativeDecoder:
     """The one decode loop; `drafter` None decodes plainly (see PlainDecoder)."""
 
-    logprobs = True  # from the target's rows (rounds.verify_logprobs, rounds.logprob_arrays)
+    logprobs = True  # from the target's rows (logprobs.py)
 
     def __init__(self, model, drafter: Drafter | None, max_context: int, prefill_chunk_size: int = 512,
                  gamma: int | None = None, scheduler: Scheduler | None = None, break_even: float | None = None,

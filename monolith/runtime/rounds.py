@@ -60,6 +60,8 @@ from .accept import accept_greedy, accept_sampled
 from .batch import Forward, Peers, Propose, Steps, drive
 from .drafter import Drafter, Proposal
 from .events import TokenLogprob
+from .logprobs import logprob_arrays, read_logprob, read_verify_logprobs, verify_logprobs
+from .prefill import prefill_rows
 from .scheduler import ALONE, Fallback, FixedScheduler, Scheduler
 from .stats import SpecStats
 
@@ -385,81 +387,6 @@ class Rounds:
             self.drafter.observe(rows[0] if len(rows) == 1 else mx.concatenate(rows))
 
 
-def prefill_rows(model, tokens: Sequence[int] | mx.array, cache, chunk_size: int = 512, stops: Sequence[int] = (),
-                 taps: tuple = (), observe: Callable[[mx.array], None] | None = None,
-                 bound: Callable[[], None] | None = None, on_stop: Callable[[int], None] | None = None,
-                 cancelled: Callable[[], bool] = lambda: False) -> Steps:
-    """The one prefill: `tokens` through `model` after the rows `cache` holds, in chunks
-    ending on multiples of chunk_size from row 0 and at `stops` (positions in the
-    sequence), so a prompt prefilled from a checkpoint runs the same chunks as a cold
-    prefill that took it. Each chunk's tap features go to `observe`; between chunks
-    `bound()` evaluates the state (default: the cache's; it bounds the graph) and
-    `on_stop(position)` runs once the cache holds the rows up to each stop. Returns the
-    last row's logits [vocab], or None when `cancelled()` turned true between chunks."""
-    begin = cache.offset
-    ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
-    total = begin + ids.shape[0]
-    done, logits = begin, None
-    for end in chunk_ends(begin, total, chunk_size, stops):
-        last = end == total
-        logits, features = yield Forward(model, ids[done - begin:end - begin], cache, taps,
-                                         "last" if last else "none")
-        if observe is not None:
-            observe(features)
-        done = end
-        if not last and bound is not None:
-            bound()
-        elif not last:
-            mx.eval(cache.arrays())
-        if end in stops and on_stop is not None:
-            on_stop(end)
-        if not last and cancelled():
-            return None
-    return logits[-1]
-
-
-def prefill(model, tokens, cache, chunk_size: int = 512) -> mx.array:
-    """`prefill_rows` alone, on the calling thread: the last row's logits (CacheError
-    before any work when the tokens do not fit the cache's context)."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    cache.check(len(tokens), limit=cache.max_context)
-    return drive(prefill_rows(model, tokens, cache, chunk_size))
-
-
-def chunk_ends(start: int, end: int, chunk_size: int, stops=()) -> list[int]:
-    """Where the prefill chunks of rows [start, end) end: at the multiples of chunk_size
-    (counted from row 0) and at `stops`, each chunk at most chunk_size rows."""
-    ends = set(range((start // chunk_size + 1) * chunk_size, end, chunk_size))
-    ends.update(s for s in stops if start < s < end)
-    ends.add(end)
-    return sorted(ends) if end > start else []
-
-
-def logprob_arrays(row: mx.array, token: mx.array, k: int | None) -> tuple:
-    """(the sampled token's logprob, and with k the k likeliest ids and their logprobs),
-    lazy, under `row`'s raw distribution; () without logprobs (k None)."""
-    if k is None:
-        return ()
-    logprobs = row - mx.logsumexp(row, keepdims=True)
-    chosen = logprobs[token]
-    if not k:
-        return (chosen,)
-    top = mx.argpartition(-logprobs, k - 1)[:k]
-    return chosen, top, logprobs[top]
-
-
-def read_logprob(pending: tuple) -> TokenLogprob | None:
-    """The TokenLogprob of (token, *logprob_arrays(...)), or None without logprobs."""
-    if len(pending) == 1:
-        return None
-    token_id, chosen = int(pending[0].item()), float(pending[1].item())
-    top = ()
-    if len(pending) == 4:
-        top = tuple(sorted(zip(pending[2].tolist(), pending[3].tolist()), key=lambda p: -p[1]))
-    return TokenLogprob(token_id, chosen, top)
-
-
 def check_gamma(gamma: int | None, max_proposals: int) -> int:
     """The proposals per round, default min(7, max_proposals)."""
     if gamma is None:
@@ -468,31 +395,3 @@ def check_gamma(gamma: int | None, max_proposals: int) -> int:
         raise ValueError(f"the draft block size must be an integer in 1..{max_proposals} "
                          f"(the draft's proposals per block), got {gamma!r}")
     return gamma
-
-
-def verify_logprobs(logits: mx.array, proposed: mx.array, bonus: mx.array, k: int) -> tuple:
-    """Lazy, per verify row i (l + 1 rows): the logprob of proposal i + 1 (rows 0..l-1),
-    of the bonus, and with k > 0 the k likeliest ids and their logprobs; under the raw
-    distribution of the target's rows, as plain decoding reports them."""
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    l = proposed.shape[0]
-    chosen = mx.take_along_axis(lp[:l], proposed.astype(mx.int32)[:, None], axis=-1)[:, 0] if l \
-        else mx.zeros((0,), lp.dtype)
-    arrays = (chosen, lp[:, bonus])
-    if k:
-        top = mx.argpartition(-lp, k - 1, axis=-1)[:, :k]
-        arrays += (top, mx.take_along_axis(lp, top, axis=-1))
-    return arrays
-
-
-def read_verify_logprobs(arrays: tuple, tokens: list[int]) -> list[TokenLogprob]:
-    """The TokenLogprobs of a round's emitted tokens (the accepted proposals, then the
-    bonus from the row after them), from verify_logprobs' evaluated arrays."""
-    chosen, bonus = np.array(arrays[0]), np.array(arrays[1])
-    top = [np.array(a) for a in arrays[2:]]
-    out = []
-    for row, token in enumerate(tokens):
-        value = float(bonus[row] if row == len(tokens) - 1 else chosen[row])
-        pairs = sorted(zip(top[0][row].tolist(), top[1][row].tolist()), key=lambda p: -p[1]) if top else []
-        out.append(TokenLogprob(token, value, tuple(pairs)))
-    return out
