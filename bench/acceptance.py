@@ -19,7 +19,7 @@ and loading its NVFP4 draft with quantization "none" only repacks the NVFP4 weig
 BF16 rows and the NVFP4/BF16 comparison need a BF16 draft checkpoint (--draft-bf16, e.g.
 OUT/draft-bf16 of the recipe that produced the bundle); without one they are skipped.
 
-Measures (shared/docs/dspark.md 5), gamma = --block-size (7):
+Measures (as monolith/runtime/stats.py defines them), gamma = --block-size (7):
 - timed runs: per prompt and repeat, plain then each draft, greedy then sampled at
   --temperature (seed --seed + prompt index, the same for plain and every draft);
   tok/s = decode tok/s, medians over repeats; speedup = draft tok/s / plain tok/s of

@@ -255,25 +255,14 @@ class WarmCold:
             cold = self.colds[request] = list(finished.token_ids)
         self.requests += 1
         if list(warm.token_ids) != cold:
-            at, margin = self.parting(prompt, list(warm.token_ids), cold)
+            from oracles import first_parting
+
+            at, margin = first_parting(self.model, prompt, list(warm.token_ids), cold)
             if margin < self.near_tie:
                 self.near_ties += 1
             else:
                 self.mismatches.append(Mismatch(ask.kind, len(prompt), list(warm.token_ids), cold, at, margin))
         return self.warm.tokenizer.decode(list(warm.token_ids), skip_special_tokens=True)
-
-    def parting(self, prompt: list[int], warm: list[int], cold: list[int]) -> tuple[int, float]:
-        import mlx.core as mx
-        import numpy as np
-
-        for i, (a, b) in enumerate(zip(warm, cold)):
-            if a != b:
-                tokens = prompt + cold[:i]
-                cache = self.model.make_cache(len(tokens) + 1)
-                logits, _ = self.model(mx.array(tokens, dtype=mx.int32), cache)
-                top = np.sort(np.array(logits[-1], dtype=np.float32))[::-1]
-                return i, float(top[0] - top[1])
-        return min(len(warm), len(cold)), float("inf")
 
     def run(self, cases: list[Case], clients: int = 1) -> None:
         """Play the cases, `clients` at a time (threads: the warm engine batches them)."""

@@ -123,10 +123,8 @@ def harness(loaded, target_dir, argv, tmp_path, cases=CASES, seed=SEED, prefill_
     from histories import Histories, WarmCold
 
     restart = "DIR" in argv
-    argv = [str(tmp_path / "prompts") if a == "DIR" else a for a in argv]
-    if restart:
-        argv[argv.index(str(tmp_path / "prompts")):0] = ["--prompt-cache-dir"]
-    argv += ["--prefill-chunk-size", prefill_chunk]
+    store = ["--prompt-cache-dir", str(tmp_path / "prompts")]
+    argv = [flag for a in argv for flag in (store if a == "DIR" else [a])] + ["--prefill-chunk-size", prefill_chunk]
     clients = int(argv[argv.index("--max-batch") + 1]) if "--max-batch" in argv else 1
     warm = serve_engine(loaded, *argv, target_dir=target_dir)
     cold = serve_engine(loaded, *decoder_flags(argv), target_dir=target_dir)

@@ -33,10 +33,10 @@ def prefill_rows(model, tokens: Sequence[int] | mx.array, cache, chunk_size: int
         if observe is not None:
             observe(features)
         done = end
-        if not last and bound is not None:
-            bound()
-        elif not last:
+        if not last and bound is None:
             mx.eval(cache.arrays())
+        elif not last:
+            bound()
         if end in stops and on_stop is not None:
             on_stop(end)
         if not last and cancelled():

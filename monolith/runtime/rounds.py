@@ -1,4 +1,4 @@
-"""The rounds of one sequence (dspark.md 4), the one decode loop of every decoder:
+"""The rounds of one sequence, the one decode loop of every decoder:
 prefill (with taps when a drafter reads them), then rounds of draft -> schedule ->
 verify -> accept -> commit. Plain decoding is rounds that never draft.
 
@@ -169,8 +169,7 @@ class Rounds:
         drafter then hold the rows prefilled so far)."""
         drafter = self.drafter
         observe = None if drafter is None else drafter.observe
-        bound = (lambda: mx.eval(self.cache.arrays())) if drafter is None else \
-            (lambda: mx.eval(self.cache.arrays(), drafter.arrays()))
+        bound = None if drafter is None else (lambda: mx.eval(self.cache.arrays(), drafter.arrays()))
         row = yield from prefill_rows(self.model, tokens, self.cache, chunk_size, stops, self.taps, observe, bound,
                                       on_stop, cancelled)
         if row is None:
