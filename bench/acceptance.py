@@ -31,7 +31,7 @@ Measures (as monolith/runtime/stats.py defines them), gamma = --block-size (7):
   outputs differ from plain ones by construction (same distribution, other draws).
 - "served": what serve and chat run by default, the NVFP4 draft with a
   scheduler.Fallback (plain one-row rounds while drafting does not pay; break-even from
-  calibrate.measure_break_even; the decoder monolith.launch builds for serve): tok/s,
+  calibrate.measure_break_even; the decoder monolith.engine_setup builds for serve): tok/s,
   speedup, drafted and plain rounds.
 - matched prefix (untimed, greedy proposals): the reference continuation of a prompt is
   the target's plain greedy output. One target forward over prompt + reference gives
@@ -146,7 +146,7 @@ def held_out_stream(info: dict) -> tuple[np.ndarray, str]:
 
 
 def load_pair(info: dict, dtype):
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
     from monolith.pack import read_manifest, resolve_pack
 
     if info["kind"] == "bundle" and info["cache"] is None:
@@ -235,10 +235,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def served_decoder(args, model, drafter, gamma: int, max_context: int):
-    """What serve and chat run by default with this draft (monolith.launch builds it: the
+    """What serve and chat run by default with this draft (monolith.engine_setup builds it: the
     NVFP4 draft with a Fallback to plain steps, or plain decoding where a round cannot
     pay), and the break-even it measured."""
-    from monolith.launch import drafting_decoder
+    from monolith.engine_setup import drafting_decoder
     from monolith.runtime.decoder import PlainDecoder
 
     flags = argparse.Namespace(draft_block_size=gamma, spec_sched=None, spec_threshold=None, max_context=max_context,

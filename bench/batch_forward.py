@@ -153,7 +153,7 @@ def main() -> None:
 
 
 def run(args, work: Path) -> None:
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
     from monolith.models import load_model
     from monolith.pack import build_pack
     from monolith.pack.demo import demo_pair

@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "break_even.json")
     args = ap.parse_args()
 
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
     from monolith.pack.demo import demo_pair
     from monolith.runtime.calibrate import measure_break_even, round_can_pay, round_pay_limit
     from monolith.runtime.rounds import check_gamma

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _engine(tmp: Path, drafting: bool):
-    from monolith import launch
+    from monolith import engine_setup
     from monolith.serve import build_parser
     from monolith.synth import write_pair
 
@@ -38,7 +38,7 @@ def _engine(tmp: Path, drafting: bool):
     if drafting:
         argv += ["--draft", str(tmp / "pair" / "draft"), "--spec-sched", "fixed"]
     args = build_parser().parse_args(argv)
-    return launch.load_engine(args, launch.plan_model(args), lambda m: None)
+    return engine_setup.load_engine(args, engine_setup.plan_model(args), lambda m: None)
 
 
 EDGES: set[tuple[str, str]] = set()

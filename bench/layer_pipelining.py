@@ -31,7 +31,7 @@ MODES = ("plain", "speculative")
 
 
 def decoders(max_context: int) -> dict:
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
     from monolith.pack.demo import demo_pair
     from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
     from monolith.runtime.scheduler import FixedScheduler

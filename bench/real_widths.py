@@ -98,7 +98,7 @@ def pack_stage(source: str, out: str, role: str) -> dict:
 def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_tokens: int) -> dict:
     import mlx.core as mx
 
-    from monolith.launch import load_drafter
+    from monolith.engine_setup import load_drafter
     from monolith.models import load_model
     from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
     from monolith.runtime.engine import generate

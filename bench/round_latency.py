@@ -183,7 +183,7 @@ def main() -> None:
         ap.error("--model and --draft go together")
 
     from monolith.pack import read_manifest, resolve_pack
-    from monolith.launch import load_drafter
+    from monolith.engine_setup import load_drafter
 
     work, target_pack, draft_src, model = load_pair(args)
     contexts = [int(c) for c in args.contexts.split(",")]

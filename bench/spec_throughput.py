@@ -175,7 +175,7 @@ def write_report(args, rows: list[dict], gamma: int) -> None:
 
 def main() -> None:
     args = parse_args()
-    from monolith.launch import load_drafter
+    from monolith.engine_setup import load_drafter
     from monolith.runtime.decoder import PlainDecoder
     from monolith.sampling import SamplingParams
     from monolith.tokenizer import load_tokenizer

@@ -42,7 +42,7 @@ from grammar_engines import (  # the 248K vocabulary, built once and cached
     vocabulary,
 )
 
-from monolith.launch import load_drafter, load_target
+from monolith.engine_setup import load_drafter, load_target
 from monolith.pack.demo import demo_pair
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
 from monolith.runtime.grammar import GrammarTokenizer

@@ -35,14 +35,14 @@ def run_mode(mode: str, cases: int, seed: int, max_tokens: int) -> dict:
     global _LOADED
     from test_warm_cold import HARNESS_MODES, harness
 
-    from monolith import launch
+    from monolith import engine_setup
     from monolith.pack.demo import bundle_dir, demo_pair
     from monolith.tokenizer import load_tokenizer
 
     if _LOADED is None:
         target, draft = demo_pair()
-        model = launch.load_target(target, dtype="float32")
-        _LOADED = (model, launch.load_drafter(draft, model, dtype="float32"), load_tokenizer(target))
+        model = engine_setup.load_target(target, dtype="float32")
+        _LOADED = (model, engine_setup.load_drafter(draft, model, dtype="float32"), load_tokenizer(target))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         check = harness(_LOADED, bundle_dir() / "target", HARNESS_MODES[mode], Path(tmp), cases=cases, seed=seed,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .cli import ArgumentParser
 from .distributed import add_distributed_arguments, join, to_stderr
-from .launch import SetupError, add_model_arguments, load_engine, plan_model
+from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
 from .runtime.checkpoint_file import (
     CheckpointFileError,
     device_rows,

@@ -34,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .launch import SetupError, Sources, resolve_sources
+from .engine_setup import SetupError, Sources, resolve_sources
 from .models import load_model
 from .pack import read_manifest, resolve_pack
 from .pack.split import split_layers, target_costs
@@ -71,7 +71,7 @@ class Rank:
         return self.link.rank == 0
 
     def target(self, *_, **__) -> Pipeline:
-        """Rank 0's target for launch.load_engine(load=...)."""
+        """Rank 0's target for engine_setup.load_engine(load=...)."""
         self.pipeline = Pipeline(self.model, self.link, self.split, self.timeout)
         return self.pipeline
 

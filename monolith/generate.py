@@ -4,7 +4,7 @@ or print one JSON object with --json. Greedy unless --temperature is above 0. Wi
 --draft, speculative decoding: the same output distribution (greedy: the same tokens),
 and the stats gain rounds and acceptance; --json then also times the draft, verify and
 commit stages (which adds host syncs per round). The model flags are serve's and
-chat's (monolith.launch); generate drafts every round unless --spec-sched says otherwise."""
+chat's (monolith.engine_setup); generate drafts every round unless --spec-sched says otherwise."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 from .cli import ArgumentParser
 from .distributed import add_distributed_arguments, join
-from .launch import (
+from .engine_setup import (
     SetupError,
     add_model_arguments,
     load_drafter,

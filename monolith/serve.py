@@ -12,7 +12,7 @@ import sys
 
 from .cli import ArgumentParser
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
-from .launch import SetupError, add_model_arguments, load_engine, plan_model
+from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_BATCH = 4  # bench/concurrency.py: see README, "Concurrent requests"

@@ -64,7 +64,7 @@ def tiny_pack(tmp_path_factory):
 
 def _loaded_pair(cache_dir, target, draft, quantization="auto"):
     """(model, drafter, tokenizer) of a target and draft, float32, packed into cache_dir."""
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
     from monolith.tokenizer import load_tokenizer
 
     with pytest.MonkeyPatch.context() as patch:

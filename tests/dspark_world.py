@@ -13,7 +13,7 @@ import pytest
 from dspark_reference import ReferenceDraft
 
 from monolith.checkpoint import open_checkpoint
-from monolith.launch import load_target
+from monolith.engine_setup import load_target
 from monolith.models import load_draft
 from monolith.pack import build_pack, unpack_pack
 from monolith.sampling import SamplingParams

@@ -281,7 +281,7 @@ def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo, monkeypatch):
     max_context plus the verify block's spare rows, the recurrent and conv states, the
     draft's context); max_batch of them that do not fit the free memory are refused at
     start, naming both flags."""
-    from monolith import launch
+    from monolith import engine_setup
     from monolith.models.cache import SPARE_ROWS
 
     model, drafter, _ = demo
@@ -294,13 +294,13 @@ def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo, monkeypatch):
         (a.linear_conv_kernel_dim - 1) * conv
         + a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim)
     draft = d.num_layers * 2 * d.num_kv_heads * (1000 + d.block_size) * d.head_dim * size
-    each = launch.sequence_bytes(model, drafter, 1000)
+    each = engine_setup.sequence_bytes(model, drafter, 1000)
     assert each == kv + gdn + draft
     logs = []
-    monkeypatch.setattr(launch, "available_memory", lambda: 4 * each + 1)
-    assert launch.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
-    with pytest.raises(launch.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
-        launch.batch_memory(model, drafter, 1000, 5, logs.append)
+    monkeypatch.setattr(engine_setup, "available_memory", lambda: 4 * each + 1)
+    assert engine_setup.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
+    with pytest.raises(engine_setup.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
+        engine_setup.batch_memory(model, drafter, 1000, 5, logs.append)
 
 
 def test_a_batch_answers_peers_and_keeps_a_failure_to_its_sequence(demo):

@@ -15,7 +15,7 @@ from dspark_world import (
 from numeric import rel
 
 from monolith.checkpoint import open_checkpoint
-from monolith.launch import load_target
+from monolith.engine_setup import load_target
 from monolith.models import load_draft
 from monolith.pack import build_pack
 from monolith.synth import write_target

@@ -18,7 +18,7 @@ from dspark_world import (
 )
 
 from monolith.checkpoint import open_checkpoint
-from monolith.launch import load_target
+from monolith.engine_setup import load_target
 from monolith.models import DraftError, load_draft
 from monolith.models.draft_args import SpeculatorsDraftArgs
 from monolith.pack import PackError, build_pack

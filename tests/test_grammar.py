@@ -220,7 +220,7 @@ def test_greedy_speculation_under_a_grammar_equals_reference_for_draft_kinds(tmp
     schema: greedy speculative output equals the reference loop of full forwards."""
     from dataclasses import replace
 
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
     from monolith.synth import write_draft, write_target
     from monolith.synth.draft_config import draft_sizes
     from monolith.tokenizer import load_tokenizer

@@ -17,7 +17,7 @@ from pack_helpers import pack_tensor, run_cli
 
 from monolith import chat, generate, serve
 from monolith.formats import SafetensorsFile
-from monolith.launch import (
+from monolith.engine_setup import (
     load_drafter,
     load_engine,
     load_target,

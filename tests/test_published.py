@@ -441,7 +441,7 @@ def test_each_target_layout_packs_loads_and_generates(packs, layout):
 def test_each_draft_layout_speculative_equals_plain(tiny, packs, layout, monkeypatch, tmp_path):
     from monolith.models import load_model
     from decoding import plain as run
-    from monolith.launch import load_drafter
+    from monolith.engine_setup import load_drafter
     from monolith.sampling import SamplingParams
     from decoding import speculate
 

@@ -97,7 +97,7 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
 
 
 def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pair):
-    from monolith import launch
+    from monolith import engine_setup
     from monolith.runtime.calibrate import BreakEven
 
     target_pack, draft, _ = pair
@@ -108,8 +108,8 @@ def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pai
     logs = []
     # 7 proposals: a round emits at most 8 tokens; with the margin it drafts up to 7.2
     for cost, drafts in ((7.2, True), (8.0, False)):
-        monkeypatch.setattr(launch, "measure_break_even", lambda *a, c=cost, **k: BreakEven(c, (c, c, c)))
-        decoder = launch.speculative_decoder(args, model, draft, logs.append)
+        monkeypatch.setattr(engine_setup, "measure_break_even", lambda *a, c=cost, **k: BreakEven(c, (c, c, c)))
+        decoder = engine_setup.speculative_decoder(args, model, draft, logs.append)
         if drafts:
             assert decoder.break_even == cost
         else:

@@ -26,7 +26,7 @@ from serving_rig import (
     tok,  # noqa: F401 - a module fixture
 )
 
-from monolith.launch import load_drafter
+from monolith.engine_setup import load_drafter
 from monolith.models import load_model
 from monolith.runtime.calibrate import measure_break_even
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder

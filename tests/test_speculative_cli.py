@@ -102,7 +102,7 @@ def real_pair(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", DRAFT_FORMATS)
 def test_real_draft_greedy_speculative_equals_plain(real_pair, fmt, monkeypatch, tmp_path):
-    from monolith.launch import load_drafter
+    from monolith.engine_setup import load_drafter
 
     monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
     target_pack, drafts = real_pair

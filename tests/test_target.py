@@ -15,7 +15,7 @@ import pytest
 from numeric import rel
 
 from monolith import formats
-from monolith.launch import load_target
+from monolith.engine_setup import load_target
 from monolith.models import load_model
 from monolith.models.cache import CacheError, Snapshot
 from monolith.models.layers import Embedding, Linear

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serving_rig import Server
 
-from monolith import launch
+from monolith import engine_setup
 from monolith.pack.demo import bundle_dir
 from monolith.serve import build_parser
 
@@ -34,8 +34,8 @@ def serve_engine(loaded, *argv, target_dir=None, **kw):
     model, drafter, _ = loaded
     args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--max-context", "1024", *argv])
     draft = None if "--no-draft" in argv else "the loaded draft"
-    sources = launch.Sources(target_dir or bundle_dir() / "target", draft)
-    return launch.load_engine(args, launch.plan_model(args), lambda line: None, sources=sources,
+    sources = engine_setup.Sources(target_dir or bundle_dir() / "target", draft)
+    return engine_setup.load_engine(args, engine_setup.plan_model(args), lambda line: None, sources=sources,
                               load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter, **kw)
 
 
@@ -165,8 +165,8 @@ def synthetic(request, tmp_path_factory):
     draft = write_draft(root / "draft", target, seed=5)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MONOLITH_CACHE", str(root / "cache"))
-        model = launch.load_target(target, dtype="float32")
-        drafter = launch.load_drafter(draft, model, dtype="float32", quantization="none")
+        model = engine_setup.load_target(target, dtype="float32")
+        drafter = engine_setup.load_drafter(draft, model, dtype="float32", quantization="none")
     return target, (model, drafter, load_tokenizer(target))
 
 

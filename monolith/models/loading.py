@@ -51,7 +51,7 @@ UNUSED_DRAFT_TENSORS = ("t2d", "verifier_norm")
 
 def load_model(pack_dir, dtype=None, dense: bool | None = None, layers: range | None = None,
                head: bool = True, verify: str = "first") -> Qwen3_5:
-    """The target model of a pack directory (monolith.launch resolves a checkpoint
+    """The target model of a pack directory (monolith.engine_setup resolves a checkpoint
     directory or hub id into one). `dtype` is the compute dtype ("bfloat16", "float32",
     or None: the device's default); weights stay in pack precision, or are dense F32
     (`dense`, default: on the CPU when they fit, see weights.py). A pipeline stage
@@ -91,7 +91,7 @@ def _held(name: str, model) -> bool:
 
 
 def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None, verify: str = "first") -> Draft:
-    """The DSpark / DFlash draft of a pack directory for `target_model` (monolith.launch
+    """The DSpark / DFlash draft of a pack directory for `target_model` (monolith.engine_setup
     resolves checkpoints and hub ids), its pack verified first as `verify` says. Checked
     against the target at load: taps, hidden size, vocabulary (DraftError names the field)."""
     dtype = compute_dtype(dtype)

@@ -80,7 +80,7 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
     done = np.load(path)["seqs"] if path.exists() and not force else np.zeros((0, PROMPT_LEN + GEN_LEN), np.int32)
     if len(done) >= count:
         return done[:count]
-    from monolith.launch import load_target
+    from monolith.engine_setup import load_target
     from monolith.runtime import engine
     from monolith.runtime.decoder import PlainDecoder
     from monolith.sampling import SamplingParams
@@ -123,7 +123,7 @@ def served_target_rows(out: Path, seqs: np.ndarray, taps) -> tuple[np.ndarray, .
     [N, L, len(taps) * H], its top-TOPK next-token ids and renormalized probabilities
     [N, L, TOPK], and its argmax [N, L]. The draft learns the quantized target it will
     serve with, not the BF16 one it was exported from."""
-    from monolith.launch import load_target
+    from monolith.engine_setup import load_target
 
     model = load_target(out / "target", dtype="float32", cache_dir=out / "packs")
     feats, ids, probs, greedy = [], [], [], []
@@ -318,7 +318,7 @@ def main():
 def check_runtime(out: Path, P, seqs: np.ndarray, p_anchor: int = 100) -> float:
     """Our runtime Draft (BF16 checkpoint, F32 compute, fed by the runtime target's taps)
     vs the mirror on one block: max |hidden diff| (the mirror uses BF16-rounded weights)."""
-    from monolith.launch import load_drafter, load_target
+    from monolith.engine_setup import load_drafter, load_target
 
     s = SIZES
     model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")

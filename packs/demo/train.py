@@ -194,7 +194,7 @@ def export_target(P, out: Path, tj: str, fmt: str) -> Path:
 def check_runtime(P, src: Path, held_ids, n=64):
     """Our inference forward (pack of the BF16 checkpoint, F32 compute) vs the training
     forward on the same (BF16-rounded) weights."""
-    from monolith.launch import load_target
+    from monolith.engine_setup import load_target
 
     model = load_target(src, dtype="float32")
     toks = held_ids[:n]
