@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import anyio
 from starlette.applications import Starlette
@@ -50,6 +49,7 @@ from ..runtime.events import (
 from ..runtime.grammar import Grammar
 from ..runtime.pipeline import PipelineError
 from . import anthropic, anthropic_options, anthropic_reply, responses_api, structured
+from .context_edits import edit_context
 from .errors import APIError, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
@@ -316,7 +316,7 @@ class _Handlers:
         started = time.monotonic()
         req = anthropic.parse_messages_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
-        chat, applied, _ = await self.edit_context(engine, req, False)
+        chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False)
         prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, chat)
         if req.thinking.budget is not None:  # a grammar ends the reasoning
             constraint = anthropic_options.budget_grammar(req.thinking, reasoning_open, constraint,
@@ -329,35 +329,12 @@ class _Handlers:
         engine = self._engine()
         req = anthropic.parse_count_tokens_request(await self._body(request), self.state.defaults)
         self._model(req.model)
-        chat, _, original = await self.edit_context(engine, req, True)
+        chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True)
         prompt_ids, _, _ = await self.encode_chat(engine, chat)
         body = {"input_tokens": len(prompt_ids)}
         if req.edits is not None:
             body["context_management"] = {"original_input_tokens": original}
         return JSONResponse(body)
-
-    async def edit_context(self, engine, req, original: bool) -> tuple[ChatRequest, list[dict] | None, int | None]:
-        """(the chat request after req's context edits, the edits applied (None: none
-        asked for), with `original` the prompt's tokens before them) (context_edits.py)."""
-        if req.edits is None:
-            return req.chat, None, None
-        chat, counted = req.chat, {}
-
-        def count(messages: list[dict]) -> int:
-            key = json.dumps(messages, sort_keys=True)
-            if key not in counted:
-                try:
-                    text = engine.tokenizer.apply_chat_template(messages, chat.tools, **chat.template_kwargs)
-                except ValueError as e:  # TokenizerError: the template refused the conversation
-                    raise bad(str(e), "messages") from None
-                counted[key] = len(engine.tokenizer.encode(text, add_special_tokens=False))
-            return counted[key]
-
-        def edit():
-            messages, applied = req.edits.apply(chat.messages, count)
-            return replace(chat, messages=messages), applied, count(chat.messages) if original else None
-
-        return await anyio.to_thread.run_sync(edit)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API on the chat path (responses_api.py)."""

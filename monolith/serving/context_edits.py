@@ -21,8 +21,9 @@ template and tokenizes), so `cleared_input_tokens` is exact.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import bad
 
@@ -108,6 +109,28 @@ class ContextEdits:
 
 def _tool_uses(messages: list[dict]) -> list[tuple[int, dict]]:
     return [(i, call) for i, m in enumerate(messages) if m["role"] == "assistant" for call in m.get("tool_calls") or ()]
+
+
+def edit_context(req, tokenizer, original: bool) -> tuple[object, list[dict] | None, int | None]:
+    """(req.chat after req.edits, the edits applied (None: none were asked for), with
+    `original` the prompt's tokens before them). Renders the template: a worker thread's
+    work."""
+    if req.edits is None:
+        return req.chat, None, None
+    chat, counted = req.chat, {}
+
+    def count(messages: list[dict]) -> int:
+        key = json.dumps(messages, sort_keys=True)
+        if key not in counted:
+            try:
+                text = tokenizer.apply_chat_template(messages, chat.tools, **chat.template_kwargs)
+            except ValueError as e:  # TokenizerError: the template refused the conversation
+                raise bad(str(e), "messages") from None
+            counted[key] = len(tokenizer.encode(text, add_special_tokens=False))
+        return counted[key]
+
+    messages, applied = req.edits.apply(chat.messages, count)
+    return replace(chat, messages=messages), applied, count(chat.messages) if original else None
 
 
 # ------------------------------------------------------------------ the request field
