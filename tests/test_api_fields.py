@@ -90,9 +90,11 @@ def chat_history(**assistant):
 
 
 def claude_blocks(*blocks, role="user"):
-    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": list(blocks)}] \
-        if role == "assistant" else []
-    return {"messages": [*turns, {"role": "user", "content": list(blocks) if role == "user" else "and?"}]}
+    """`blocks` as a user turn, or as an assistant turn between two user turns."""
+    if role == "user":
+        return {"messages": [{"role": "user", "content": list(blocks)}]}
+    return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": list(blocks)},
+                         {"role": "user", "content": "and?"}]}
 
 
 TOOL_USE = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
@@ -122,8 +124,7 @@ SAMPLES = {
         "messages[].content[].input_audio": chat_content({"type": "input_audio",
                                                           "input_audio": {"data": "AAAA", "format": "wav"}}),
         "messages[].content[].file": chat_content({"type": "file", "file": {"file_id": "file-1"}}),
-        "messages[].content[].refusal": {"messages": [{"role": "user", "content": "hi"}, {
-            "role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}, {"role": "user", "content": "ok"}]},
+        "messages[].content[].refusal": chat_history(content=[{"type": "refusal", "refusal": "no"}]),
         "messages[].tool_calls": chat_history(tool_calls=[{"id": "call_1", "type": "function",
                                                            "function": {"name": "f", "arguments": "{}"}}]),
         "messages[].tool_call_id": {"messages": [
@@ -402,9 +403,9 @@ def test_messages_row(server, field, mark):
     check(mark, field, lambda: client.beta.messages.create(**kwargs, extra_body=extra), anthropic.APIStatusError)
 
 
-COUNTED = sdk_fields("messages") & {k for kind in (message_count_tokens_params.MessageCountTokensParams,
-                                                   beta_count_params.MessageCountTokensParams)
-                                    for k in kind.__required_keys__ | kind.__optional_keys__}
+COUNTED = {name for kind in (message_count_tokens_params.MessageCountTokensParams,
+                             beta_count_params.MessageCountTokensParams)
+           for name in kind.__required_keys__ | kind.__optional_keys__}  # count_tokens' own fields
 
 
 @pytest.mark.parametrize("field, mark", [case for case in cases("messages")
