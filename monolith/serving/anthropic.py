@@ -13,7 +13,8 @@ context_edits.py.
 
 Accepted and inert (HINTS): `metadata`, `cache_control` at any level (the prompt cache
 keeps every prefix on its own, and usage reports its hits exactly), `service_tier`,
-`speed`, `inference_geo`, `diagnostics`. Claude Code's `x-anthropic-billing-header:` line
+`speed`, `inference_geo`, `diagnostics`, `billing_policy`, `fallbacks`,
+`fallback_credit_token`. Claude Code's `x-anthropic-billing-header:` line
 at the start of the system prompt is dropped: it changes on every request and would
 leave no prefix to reuse.
 """
@@ -30,8 +31,10 @@ from .schemas import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat
 from .structured import Structure
 
 # accepted and inert: metadata (user_id), cache_control (the prompt cache keeps every
-# prefix on its own), service_tier, speed, inference_geo, diagnostics
-HINTS = {"metadata", "cache_control", "service_tier", "speed", "inference_geo", "diagnostics"}
+# prefix on its own), service_tier, speed, inference_geo, diagnostics, and the beta's
+# billing fields (this server never declines a request, so never falls back)
+HINTS = {"metadata", "cache_control", "service_tier", "speed", "inference_geo", "diagnostics", "billing_policy",
+         "fallbacks", "fallback_credit_token"}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config",
                 "context_management"} | HINTS
 MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
