@@ -268,6 +268,17 @@ def test_a_port_taken_by_something_else_is_a_clear_error(env):
     assert not os.path.exists(env["FAKE_CLIENT_RECORD"])
 
 
+def test_serve_gets_the_flags_as_typed_less_launchs_own_and_never_the_key():
+    from monolith.launch import client_origin, serve_flags
+
+    typed = ["--model", "M", "--api-key", "K", "--served-model-name", "a", "b", "--client-bin=/x/claude",
+             "--prompt-cache-size", "4G", "--print-env", "--api-key=K2", "--port", "9"]
+    assert serve_flags(typed) == ["--model", "M", "--served-model-name", "a", "b", "--prompt-cache-size", "4G",
+                                  "--port", "9"]
+    assert [client_origin(h, 9) for h in ("127.0.0.1", "0.0.0.0", "::", "[::1]", "localhost")] == [
+        "http://127.0.0.1:9", "http://127.0.0.1:9", "http://[::1]:9", "http://[::1]:9", "http://localhost:9"]
+
+
 def test_usage_errors_exit_1(env):
     for args, message in ((("--port", "1", "claude"), "name the client first"), (("aider",), "invalid choice"),
                           (("claude", "--api-key", " "), "--api-key is empty"),
