@@ -6,6 +6,11 @@ Each client is also told the server's context (`max_model_len` from /v1/models) 
 it has a setting for it: for a model name it does not know, each of them otherwise
 assumes a window of its own (Claude Code 200K; Codex a generic default; OpenCode none,
 which turns its compaction off), so a long session would overflow instead of compacting.
+
+Checked by hand against the demo pair with Claude Code 2.1.197 (no login screen; the
+request reaches /v1/messages with a bearer token and no attribution block), Codex CLI
+0.171.0 (`exec` takes the provider and reaches /v1/responses) and OpenCode 1.18.33
+(`run` answers through /v1/chat/completions, the title through the same model).
 """
 
 from __future__ import annotations
