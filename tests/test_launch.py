@@ -57,8 +57,11 @@ except Exception as e:
 with open(os.environ["FAKE_CLIENT_RECORD"], "w") as f:
     json.dump(record, f)
 if "--wait-for-sigint" in args:
+    print("waiting for SIGINT", flush=True)
     while not got_sigint:
         time.sleep(0.05)
+    time.sleep(1)  # room for a second one, which a double delivery would send
+    print("SIGINTs:", len(got_sigint), flush=True)
     sys.exit(3)
 sys.exit(int(args[args.index("--exit") + 1]) if "--exit" in args else 0)
 """
@@ -187,6 +190,25 @@ def test_ctrl_c_goes_to_the_client_and_the_server_is_stopped_after_it(env):
     assert proc.returncode == 3, err  # the client's status on SIGINT: it got the Ctrl-C, launch lived on
     _record(env)
     assert "stopped the server" in err and not _answers(port)
+
+
+def test_a_ctrl_c_in_the_terminal_reaches_the_client_once(env):
+    """In a terminal the Ctrl-C reaches the client from the terminal itself: launch must not
+    send it a second one (a double press quits Claude Code)."""
+    pexpect = pytest.importorskip("pexpect")
+    port = _free_port()
+    child = pexpect.spawn(sys.executable, ["-m", "monolith.launch", "claude", "--port", str(port), *SERVE_FLAGS, "--",
+                                           "--wait-for-sigint"], env=env, encoding="utf-8", timeout=300)
+    try:
+        child.expect("waiting for SIGINT")
+        child.sendcontrol("c")
+        child.expect(r"SIGINTs: (\d+)")
+        assert child.match.group(1) == "1"
+        child.expect("stopped the server")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 3 and not _answers(port)
 
 
 # ------------------------------------------------------------------ a server that is already there
