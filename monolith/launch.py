@@ -146,7 +146,8 @@ def served_models(origin: str, key: str | None) -> dict[str, int | None]:
     status, body = answer
     if status == 401:
         raise LaunchError(f"the monolith server at {origin} " + ("refuses the key given" if key else "wants an API key")
-                          + ": give its key with --api-key (or $MONOLITH_API_KEY)")
+                          + ": give its key with --api-key (or $MONOLITH_API_KEY), or give another --port to have "
+                          "launch start a server of its own")
     try:
         models = {m["id"]: m.get("max_model_len") for m in body["data"] if m.get("owned_by") == "monolith"}
     except (TypeError, KeyError, AttributeError):
@@ -227,13 +228,15 @@ def found_server(origin: str, key: str | None, wanted: str | None, state: dict, 
     """The server that already answers at `origin`, ready for the client."""
     if state["status"] not in ("ok", "loading"):
         raise LaunchError(f"the monolith server at {origin} cannot serve: {state.get('message', state['status'])}")
-    model = pick_model(origin, served_models(origin, key), wanted)
+    models = served_models(origin, key)
+    model = pick_model(origin, models, wanted)
     say(f"using the monolith server already at {origin} ({model})"
         + (f"; it keeps its own settings, so these are not used: {' '.join(unused)}" if unused else ""))
     if state["status"] == "loading":
         say("waiting for it to finish loading")
         wait_loading(origin)
-    return Server(origin, key, model, served_models(origin, key).get(model))
+        models = served_models(origin, key)  # its context is known once it is loaded
+    return Server(origin, key, model, models.get(model))
 
 
 # ------------------------------------------------------------------ the client

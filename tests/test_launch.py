@@ -290,6 +290,51 @@ def test_a_port_taken_by_something_else_is_a_clear_error(env):
     assert not os.path.exists(env["FAKE_CLIENT_RECORD"])
 
 
+class _LoadingServer(http.server.BaseHTTPRequestHandler):
+    """Answers as a monolith server that is loading for its first two /health polls (or fails)."""
+
+    polls = 0
+    outcome = {"status": "ok"}
+
+    def do_GET(self):
+        if self.path == "/health":
+            type(self).polls += 1
+            body = {"status": "loading"} if self.polls <= 2 else self.outcome
+            status = 200 if body["status"] == "ok" else 503
+        else:
+            entry = {"id": "m", "owned_by": "monolith"}
+            body, status = {"data": [entry | ({"max_model_len": 512} if self.polls > 2 else {})]}, 200
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("outcome", [{"status": "ok"}, {"status": "failed", "message": "no such model"}])
+def test_a_found_server_still_loading_is_waited_for(outcome):
+    from monolith.launch import LaunchError, found_server, health
+
+    handler = type("Handler", (_LoadingServer,), {"outcome": outcome})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{server.server_port}"
+    try:
+        state = health(origin)
+        assert state == {"status": "loading"}
+        if outcome["status"] == "ok":
+            found = found_server(origin, None, None, state, [])
+            assert (found.model, found.context) == ("m", 512)  # the context once loaded
+        else:
+            with pytest.raises(LaunchError, match="did not become ready: no such model"):
+                found_server(origin, None, None, state, [])
+    finally:
+        server.shutdown()
+
+
 def test_serve_gets_the_flags_as_typed_less_launchs_own_and_never_the_key():
     from monolith.launch import client_origin, serve_flags
 
