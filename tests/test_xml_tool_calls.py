@@ -15,7 +15,7 @@ from pathlib import Path
 import anthropic
 import jsonschema
 import pytest
-from serving_rig import Server
+from serving_rig import Server, assert_error
 
 from monolith.models import load_model
 from monolith.pack import build_pack
@@ -192,3 +192,179 @@ def test_json_values_and_json_calls_keep_whitespace_to_one_blank_per_gap(xml_mod
     for form in ({"indent": 1}, {"separators": (",  ", ": ")}, {"separators": (",\t", ": ")}):
         text = json.dumps(call, ensure_ascii=False, **form)
         assert not accepts(demo_gt, demo_tok, json_grammar, f"<tool_call>\n{text}\n</tool_call>"), text
+
+
+# ------------------------------------------------------------------ formats
+
+FORMAT_EXAMPLES = {
+    "date": (["2024-02-29", "2000-02-29", "0001-01-31", "9999-12-31", "2023-04-30"],
+             ["2023-02-29", "1900-02-29", "0000-01-01", "2024-04-31", "2024-13-01", "2024-1-01", "20240101"]),
+    "time": (["23:59:59Z", "00:00:00.123456789+14:00", "12:30:00-05:30"],
+             ["24:00:00Z", "23:59:60Z", "12:00:00", "12:00Z", "12:00:00.Z", "12:00:00.1234567890Z",
+              "12:00:00z"]),
+    "date-time": (["2024-02-29T12:00:00Z", "1999-12-31T23:59:59.5+01:00"],
+                  ["2024-02-29 12:00:00Z", "2023-02-29T12:00:00Z", "2024-02-29T12:00:00"]),
+    "duration": (["P1Y2M3DT4H5M6S", "PT1S", "P1W", "P3D", "PT2H30M", "P1M"],
+                 ["P", "PT", "P1Y1W", "P1S", "P1H", "PT1D", "P1.5Y"]),
+    "email": (["a.b+c@example.com", "x@localhost", "!#$%&'*+/=?^_`{|}~-@a-b.c"],
+              ["a@@b", "@b.c", "a@", "a..b@c", ".a@b", "a@-b.c", "a b@c", "é@c.d", f"{'a' * 65}@b.c"]),
+    "hostname": (["example.com", "a", "a-b.c0", "xn--bcher-kva.example", f"{'a' * 63}.b"],
+                 ["-a.com", "a-.com", "a..b", "a.b.", "a_b.com", f"{'a' * 64}.b", ".".join(["a" * 63] * 4) + ".ab"]),
+    "ipv4": (["0.0.0.0", "255.255.255.255", "192.168.1.10"],
+             ["256.0.0.1", "01.2.3.4", "1.2.3", "1.2.3.4.5", "1.2.3.-4"]),
+    "ipv6": (["::", "::1", "1::", "1:2:3:4:5:6:7:8", "1::8", "::ffff:1.2.3.4", "1:2:3:4:5:6:1.2.3.4", "FE80::aB"],
+             ["1:2:3:4:5:6:7:8:9", "1::2::3", ":::", "fe80::1%eth0", "12345::", "1:2:3:4:5:6:7:1.2.3.4", "1:2"]),
+    "uuid": (["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000"],
+             ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400", "g23e4567-e89b-12d3-a456-426614174000"]),
+    "uri": (["https://example.com/a/b?c=d&e#f", "mailto:x@y.z", "urn:isbn:0451450523", "http://u:p@h:80/", "a:",
+             "x:%41", "file:///etc/hosts"],
+            ["no scheme", "1http://x", "http://a:b", "http://a b", "http://%zz", "//host/path", "http://a/<b>"]),
+}
+
+
+def one_parameter(schema) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": schema}, "required": ["v"]}}}
+
+
+def named(tool) -> dict:
+    return {"type": "function", "function": {"name": tool["function"]["name"]}}
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_EXAMPLES))
+def test_format_examples(xml_model, gt, name):
+    _, tok = xml_model
+    tool = one_parameter({"type": "string", "format": name})
+    grammar = grammar_of([tool], tok, named(tool))
+    good, bad = FORMAT_EXAMPLES[name]
+    for value in good:
+        assert accepts(gt, tok, grammar, xml_call("f", {"v": value})), value
+    for value in bad:
+        assert not accepts(gt, tok, grammar, xml_call("f", {"v": value})), value
+
+
+def format_ok(name: str, value: str) -> bool:
+    """The standard library's (and jsonschema's) judgement of `value` as a `name`."""
+    import datetime
+    import urllib.parse
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    if name in ("date", "email", "ipv4", "ipv6", "uuid"):
+        return checker.conforms(value, name) and (name != "email" or host_ok(value.rsplit("@", 1)[1]))
+    if name in ("date-time", "time"):
+        moment = datetime.datetime.fromisoformat(value if name == "date-time" else "2000-01-01T" + value)
+        return moment.tzinfo is not None
+    if name == "hostname":
+        return host_ok(value)
+    if name == "uri":
+        parts = urllib.parse.urlsplit(value)
+        return bool(parts.scheme) and value.isascii() and " " not in value and (parts.port or 0) >= 0
+    return value.startswith("P") and value[-1] in "YMWDHS"  # duration: the examples above check the rest
+
+
+def host_ok(host: str) -> bool:
+    labels = host.split(".")
+    return len(host) <= 253 and all(
+        0 < len(label) <= 63 and label.isascii() and label.replace("-", "").isalnum()
+        and not label.startswith("-") and not label.endswith("-") for label in labels)
+
+
+def random_text(gt, tok, grammar, rng, steps=300) -> str | None:
+    """What the grammar lets through when every token is drawn uniformly among the allowed
+    ones (a path a free model may take), or None if it has not ended after `steps`."""
+    import numpy as np
+
+    guide, out, eos = gt.guide(grammar), [], tok.eos_token_ids[0]
+    for _ in range(steps):
+        words = guide.words()
+        ids = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:gt.width])
+        if eos in ids:
+            return tok.decode(out)
+        token = int(rng.choice(ids))
+        guide.push(token)
+        out.append(token)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_EXAMPLES))
+def test_random_paths_through_a_format_are_valid(xml_model, gt, name):
+    import numpy as np
+
+    from monolith.serving.tools import parse_tool_calls
+
+    _, tok = xml_model
+    tool = one_parameter({"type": "string", "format": name})
+    grammar = grammar_of([tool], tok, named(tool))
+    rng = np.random.default_rng(0)
+    texts = [random_text(gt, tok, grammar, rng) for _ in range(40)]
+    ended = [t for t in texts if t is not None]
+    assert len(ended) >= 30
+    for text in ended:
+        content, calls = parse_tool_calls(text, [tool])
+        assert content is None and len(calls) == 1, text
+        value = json.loads(calls[0].arguments)["v"]
+        assert format_ok(name, value), (name, value)
+
+
+# ------------------------------------------------------------------ over HTTP
+
+FORMS = {"type": "function", "function": {"name": "book", "description": "Book a slot", "parameters": {
+    "type": "object", "properties": {
+        "size": {"type": "string", "enum": ["S", "M", "L"]},
+        "code": {"type": "string", "pattern": "^[a-z]{2}[0-9]$"},
+        "label": {"type": "string", "minLength": 1, "maxLength": 6},
+        "day": {"type": "string", "format": "date"},
+        "at": {"type": "string", "format": "date-time"},
+        "host": {"type": "string", "format": "ipv4"},
+        "ref": {"type": "string", "format": "uuid"},
+        "seats": {"type": "integer", "minimum": 1, "maximum": 4}},
+    "required": ["size", "code", "label", "day", "at", "host", "ref", "seats"]}}}
+
+
+def test_every_kind_of_string_constraint_holds_over_seeds(server):
+    for choice in ("required", named(FORMS)):
+        for seed in SEEDS:
+            for arguments in assert_valid_calls(forced_calls(server, [FORMS], choice, seed, max_tokens=400),
+                                                [FORMS]):
+                assert format_ok("date-time", arguments["at"]), arguments
+
+
+def test_through_the_anthropic_endpoint(server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in (PAINT, FORMS)]
+    for _ in range(3):  # the Messages API has no seed: whatever the draw, the calls hold
+        reply = client.messages.create(model=NAME, max_tokens=400, tools=tools, tool_choice={"type": "any"},
+                                       thinking={"type": "disabled"}, extra_body={"temperature": 1},
+                                       messages=[{"role": "user", "content": "Go."}])
+        assert reply.stop_reason == "tool_use", reply
+        assert reply.content and all(block.type == "tool_use" for block in reply.content), reply.content
+        schemas = {t["name"]: t["input_schema"] for t in tools}
+        for block in reply.content:
+            jsonschema.validate(block.input, schemas[block.name],
+                                format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+@pytest.mark.parametrize("schema, named_in_message", [
+    ({"type": "string", "format": "color"}, "parameters.properties.v.format 'color' is not supported"),
+    ({"type": "string", "anyOf": [{"maxLength": 2}]}, "parameters.properties.v.anyOf"),
+    ({"type": "string", "pattern": "(?=a)b"}, "parameters.properties.v.pattern"),
+    ({"type": "string", "enum": [1, "</parameter>"]}, "parameters.properties.v.enum"),
+    ({"type": "string", "maxLength": -1}, "parameters.properties.v.maxLength"),
+])
+def test_a_string_constraint_raw_text_cannot_honour_is_a_400_naming_it(server, schema, named_in_message):
+    response = server.post("/v1/chat/completions", {
+        "model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [one_parameter(schema)],
+        "tool_choice": "required", **NO_THINKING})
+    error = assert_error(response, 400, param="tools")
+    assert "tool 'f'" in error["message"] and named_in_message in error["message"], error
+
+
+@pytest.mark.parametrize("name, key", [("f>", "v"), ("f", "a>b"), ("f", " v"), ("f", "a\nb")])
+def test_names_a_tag_cannot_carry_are_a_400(server, name, key):
+    tool = {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {key: {"type": "integer"}}}}}
+    response = server.post("/v1/chat/completions", {
+        "model": NAME, "messages": [{"role": "user", "content": "x"}], "tools": [tool], "tool_choice": "required",
+        **NO_THINKING})
+    assert "cannot be written" in assert_error(response, 400, param="tools")["message"]
