@@ -166,6 +166,17 @@ def test_raw_text_never_holds_a_closing_tag(xml_model, gt, tag):
         assert not accepts(gt, tok, grammar, xml_call("order", {**GOOD, "free": free}))
 
 
+def test_long_bounded_text_with_markup_in_it(xml_model, gt):
+    """A long maxLength next to the closing-tag rule (a negation with a count exhausted
+    llguidance's lexer at 60 characters: the matcher failed mid-generation)."""
+    _, tok = xml_model
+    grammar = grammar_of([one_parameter({"type": "string", "maxLength": 5000})], tok)
+    text = "<div>a</div> </param <parameter=x> </tool_call </functio>\n" * 60
+    assert accepts(gt, tok, grammar, xml_call("f", {"v": text[:4990]}))
+    assert not accepts(gt, tok, grammar, xml_call("f", {"v": text[:4990] + "</function>"}))
+    assert not accepts(gt, tok, grammar, xml_call("f", {"v": "x" * 5001}))
+
+
 def test_json_values_and_json_calls_keep_whitespace_to_one_blank_per_gap(xml_model, gt, demo_f32):
     from monolith.runtime.grammar import GrammarTokenizer
 

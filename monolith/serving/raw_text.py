@@ -25,9 +25,40 @@ import llguidance
 from .errors import bad
 
 CLOSING_TAGS = ("</parameter>", "</function>", "</tool_call>")
-NO_CLOSING_TAG = "~/(?s:.)*<\\/(?:parameter|function|tool_call)>(?s:.)*/"
 UNSUPPORTED = ("allOf", "anyOf", "oneOf", "not", "$ref", "$dynamicRef", "if", "then", "else")
-REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&~-/")
+REGEX_SPECIAL = "\\.+*?()|[]{}^$#&~-/"
+
+
+def _escape(char: str) -> str:
+    return "\\" + char if char in REGEX_SPECIAL else char
+
+
+def _avoiding(tags) -> str:
+    """A regex of the texts that hold none of `tags` (each begins with `<` and holds no
+    other `<`), written without negation: llguidance's lexer cannot intersect a negation
+    with a long count (`.{0,60}` already exhausts it). After each `<` the text follows a
+    tag's spelling for a while, then leaves it by a character no tag continues with (a
+    `<` starts over); a text may end inside a spelling."""
+    trie: dict = {}
+    for tag in tags:
+        node = trie
+        for char in tag[1:]:
+            node = node.setdefault(char, {})
+
+    def prefixes(node: dict) -> str:  # the spellings a text may stop at (no tag is whole)
+        branches = [_escape(c) + prefixes(child) for c, child in sorted(node.items()) if child]
+        return "(?:" + "|".join(["", *branches]) + ")" if branches else ""
+
+    def departures(node: dict) -> str:  # a spelling, then a character that leaves every tag
+        leave = "[^<" + "".join(_escape(c) for c in sorted(node)) + "]"
+        branches = [_escape(c) + departures(child) for c, child in sorted(node.items()) if child]
+        return "(?:" + "|".join([leave, *branches]) + ")"
+
+    stop = "<" + prefixes(trie)
+    return f"(?:[^<]|(?:{stop})*<{departures(trie)})*(?:{stop})*"
+
+
+NO_CLOSING_TAG = f"/{_avoiding(CLOSING_TAGS)}/"
 
 # ------------------------------------------------------------------ formats (regex text)
 
@@ -106,7 +137,7 @@ def lexeme(schema: dict, where: str) -> str:
             raise bad(f"{where}.{key}: not supported for a string parameter written as raw text "
                       "(the chat template's XML tool calls)", "tools")
     terms = [term for term in (_choices(schema, where), _pattern(schema, where), _length(schema, where),
-                               _format(schema, where)) if term] or ["/(?s:.)*/"]
+                               _format(schema, where)) if term]
     return " & ".join([*(f"({term})" for term in terms), NO_CLOSING_TAG])
 
 
