@@ -166,6 +166,34 @@ def test_raw_text_never_holds_a_closing_tag(xml_model, gt, tag):
         assert not accepts(gt, tok, grammar, xml_call("order", {**GOOD, "free": free}))
 
 
+def test_the_no_closing_tag_regex_is_exactly_the_texts_without_one():
+    """Against `tag in text`, on random texts made of the tags' pieces (Python's re runs
+    the same regex syntax)."""
+    import random
+    import re
+
+    from monolith.serving.raw_text import CLOSING_TAGS, _avoiding
+
+    regex = re.compile(_avoiding(CLOSING_TAGS), re.DOTALL)
+    pieces = ["<", "/", ">", "a", "\n", *(t[:i] for t in CLOSING_TAGS for i in range(1, len(t) + 1)),
+              *(t[i:] for t in CLOSING_TAGS for i in range(1, len(t)))]
+    rng = random.Random(0)
+    for _ in range(20000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6)))
+        assert bool(regex.fullmatch(text)) == (not any(tag in text for tag in CLOSING_TAGS)), text
+
+
+def test_a_json_value_may_point_into_the_parameters_defs(xml_model, gt):
+    _, tok = xml_model
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                              "required": ["x"], "additionalProperties": False}},
+        "properties": {"v": {"$ref": "#/$defs/point"}}, "required": ["v"]}}}
+    grammar = grammar_of([tool], tok)
+    assert accepts(gt, tok, grammar, xml_call("f", {"v": {"x": 3}}))
+    assert not accepts(gt, tok, grammar, xml_call("f", {"v": {"y": 3}}))
+
+
 def test_long_bounded_text_with_markup_in_it(xml_model, gt):
     """A long maxLength next to the closing-tag rule (a negation with a count exhausted
     llguidance's lexer at 60 characters: the matcher failed mid-generation)."""
