@@ -89,7 +89,7 @@ def test_a_string_enum_parameter_keeps_its_enum(server, choice):
 
 SHOP = {"type": "function", "function": {"name": "order", "parameters": {"type": "object", "properties": {
     "color": {"type": "string", "enum": ["red", "dark blue", 7]},
-    "unit": {"type": "string", "const": "kg"},
+    "unit": {"type": "string", "const": "kg", "enum": ["kg", "lb"]},
     "sku": {"type": "string", "pattern": "^[A-Z]{3}-\\d{2}$"},
     "note": {"type": "string", "minLength": 2, "maxLength": 4},
     "free": {"type": "string"},
@@ -389,6 +389,7 @@ def test_through_the_anthropic_endpoint(server):
     ({"type": "string", "anyOf": [{"maxLength": 2}]}, "parameters.properties.v.anyOf"),
     ({"type": "string", "pattern": "(?=a)b"}, "parameters.properties.v.pattern"),
     ({"type": "string", "enum": [1, "</parameter>"]}, "parameters.properties.v.enum"),
+    ({"type": "string", "const": "c", "enum": ["a", "b"]}, "parameters.properties.v.const"),
     ({"type": "string", "maxLength": -1}, "parameters.properties.v.maxLength"),
 ])
 def test_a_string_constraint_raw_text_cannot_honour_is_a_400_naming_it(server, schema, named_in_message):

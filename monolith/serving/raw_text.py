@@ -142,19 +142,19 @@ def lexeme(schema: dict, where: str) -> str:
 
 
 def _choices(schema: dict, where: str) -> str | None:
-    """`const` / `enum` as an alternation of string literals."""
-    if "const" in schema:
-        values, key = [schema["const"]], "const"
-    elif "enum" in schema:
-        values, key = schema["enum"], "enum"
-    else:
+    """`const` / `enum` (both, when both are given) as an alternation of string literals."""
+    if "const" not in schema and "enum" not in schema:
         return None
+    values = schema.get("enum", [])
     if not isinstance(values, list):
         raise bad(f"{where}.enum must be an array", "tools")
+    if "const" in schema:
+        values = [schema["const"]] if "enum" not in schema or schema["const"] in values else []
+    key = "const" if "const" in schema else "enum"
     strings = [v for v in values if isinstance(v, str) and not any(tag in v for tag in CLOSING_TAGS)]
     if not strings:
-        raise bad(f"{where}.{key}: no string that raw text can hold (a string without </parameter>, "
-                  "</function> or </tool_call>)", "tools")
+        raise bad(f"{where}.{key}: no value that raw text can hold (a string that const and enum allow, "
+                  "without </parameter>, </function> or </tool_call>)", "tools")
     return " | ".join(json.dumps(v, ensure_ascii=False) for v in dict.fromkeys(strings))
 
 
