@@ -15,6 +15,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from .raw_text import is_raw_text
+
 OPENERS = {"<tool_call>": "</tool_call>", "<function=": "</function>"}
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -157,19 +159,18 @@ class ToolCallParser:
             key, value = match.group(1).strip(), match.group(2)
             value = value.removeprefix("\n")
             value = value.removesuffix("\n")
-            schema = properties.get(key)
-            arguments[key] = _convert(value, schema.get("type") if isinstance(schema, dict) else None)
+            arguments[key] = _convert(value, properties.get(key))
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
 
 
-def _convert(value: str, kind) -> object:
-    """A parameter's text as its schema type: strings stay text; other types (and no
-    type given) are read as JSON when they parse."""
-    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+def _convert(value: str, schema) -> object:
+    """A parameter's text as its schema says: a string's stays text (is_raw_text); other
+    values (and those of an unknown parameter) are read as JSON when they parse."""
+    if is_raw_text(schema):
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return value
 
 
