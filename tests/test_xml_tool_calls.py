@@ -384,6 +384,27 @@ def test_through_the_anthropic_endpoint(server):
                                 format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
 
+def test_an_eager_xml_call_streams_its_input_parameter_by_parameter(server):
+    """tools[].eager_input_streaming with the real template's XML calls: the tool_use
+    block opens when the call names its function, and its input_json_delta pieces (one
+    a parameter as it closes) add up to the input the non-streamed call parses."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    tool = {"name": FORMS["function"]["name"], "input_schema": FORMS["function"]["parameters"],
+            "eager_input_streaming": True}
+    with client.messages.stream(model=NAME, max_tokens=400, tools=[tool], thinking={"type": "disabled"},
+                                tool_choice={"type": "tool", "name": tool["name"]}, extra_body={"temperature": 1},
+                                messages=[{"role": "user", "content": "Go."}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+              and e.delta.type == "input_json_delta"]
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    assert len(pieces) >= len(tool["input_schema"]["required"])  # at least one a parameter
+    assert json.loads("".join(pieces)) == final.content[0].input
+    jsonschema.validate(final.content[0].input, tool["input_schema"],
+                        format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
 @pytest.mark.parametrize("schema, named_in_message", [
     ({"type": "string", "format": "color"}, "parameters.properties.v.format 'color' is not supported"),
     ({"type": "string", "anyOf": [{"maxLength": 2}]}, "parameters.properties.v.anyOf"),
