@@ -240,13 +240,14 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
 
 
 def sequence_bytes(model, drafter, max_context: int) -> int:
-    """The memory one running sequence's caches take: the target's cache and the draft's
-    context (their arrays are lazy: nothing is allocated to count them)."""
-    arrays = model.make_cache(max_context).arrays()
+    """The memory one running sequence's caches take once they hold `max_context` rows:
+    the target's cache and the draft's context (KV rows are allocated as they are written:
+    nothing is allocated to count them)."""
+    layers = list(model.make_cache(max_context).layers)
     draft = getattr(drafter, "draft", None)
     if draft is not None:
-        arrays += draft.make_context(max_context).arrays()
-    return sum(a.nbytes for a in arrays)
+        layers += draft.make_context(max_context).layers
+    return sum(layer.max_nbytes for layer in layers)
 
 
 def batch_memory(model, drafter, max_context: int, max_batch: int, log) -> int:
