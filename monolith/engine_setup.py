@@ -43,6 +43,8 @@ from .runtime.decoder import SpeculativeDecoder
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
+CONTEXT_MEMORY_SHARE = 0.5  # a default context's --max-batch caches take at most this share of the free memory
+CONTEXT_STEP = 1024  # a default context capped by memory is a multiple of this
 SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "spec_threshold", "draft_revision",
                      "draft_pack")
 
@@ -69,7 +71,10 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
                          "drafting does not pay, naming a scheduler always drafts")
     ap.add_argument("--spec-threshold", type=float,
                     help=f"with --spec-sched threshold: the survival cut-off (default {DEFAULT_THRESHOLD})")
-    ap.add_argument("--max-context", type=int, default=32768, help="prompt + generated tokens, at most")
+    ap.add_argument("--max-context", type=int,
+                    help="prompt + generated tokens, at most (default: the model's own context, its config's "
+                         "max_position_embeddings, capped so that the running sequences' caches at it take at most "
+                         f"{CONTEXT_MEMORY_SHARE:.0%}% of the memory free after loading)")
     ap.add_argument("--pack", help="the target's pack directory: used as is if it holds a pack, "
                                    "else built there from --model (default: the pack cache)")
     ap.add_argument("--draft-pack", help="the draft's pack directory (as --pack)")
@@ -210,16 +215,20 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     (serve, chat); generate always drafts. `load` / `load_draft` make the models. Without
     `cache_by_default` (generate: one request per process) the prompt cache is on only
     when a --prompt-cache flag asks for it. `max_batch` sequences run at once (serve's
-    --max-batch): their caches must fit the memory free after loading."""
+    --max-batch): their caches must fit the memory free after loading. Without
+    --max-context the context is the model's own, capped by memory (`choose_context`)."""
     started = time.perf_counter()
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
     tokenizer = load_tokenizer(sources.target_pack)
+    drafter = None if sources.draft is None else speculative_drafter(args, model, sources.draft, log, load_draft)
+    context = choose_context(args.max_context, model, drafter, max_batch, log)
+    args = argparse.Namespace(**vars(args) | {"max_context": context})  # the flags, with the context chosen
     decoder, draft_name = None, None
-    if sources.draft is not None:
+    if drafter is not None:
         try:
-            decoder = speculative_decoder(args, model, sources.draft, log, fallback, profile, load_draft, max_batch)
+            decoder = drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)[0]
             draft_name = None if decoder is None else str(plan.draft or sources.draft)
         except SetupError as e:
             if plan.draft_explicit:
@@ -239,14 +248,52 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     return engine
 
 
+def choose_context(asked: int | None, model, drafter, max_batch: int, log) -> int:
+    """The context the engine serves, logged in one line with why: --max-context as given
+    (`asked`; past the model's own context with a warning: those positions are untrained),
+    else the model's own (its config's max_position_embeddings), capped so that
+    `max_batch` sequences' caches at it (the target's and the draft's) take at most
+    CONTEXT_MEMORY_SHARE of the memory free after loading: the rest is for the prompt
+    cache's default budget (a share of what the sequences leave) and the forwards'
+    working memory. Caches grow as they fill, so the cap bounds what they may reach."""
+    own = model.args.max_position_embeddings
+    if asked is not None:
+        past = own is not None and asked > own
+        log(f"context: {asked} tokens (--max-context)" + (
+            f"; warning: past the model's own context of {own} tokens (max_position_embeddings), where it was "
+            "never trained: expect worse output there" if past else ""))
+        return asked
+    if own is None:
+        raise SetupError("the model's config states no max_position_embeddings (its own context): give --max-context")
+    one = sequence_bytes(model, drafter, 1)
+    per_token = sequence_bytes(model, drafter, 2) - one
+    free = available_memory()
+    room = CONTEXT_MEMORY_SHARE * free / max_batch - (one - per_token)  # bytes for the rows of one sequence
+    fits = int(room // per_token) if per_token else own
+    batch = f"{max_batch} sequence{'s' if max_batch > 1 else ''}"
+    if fits >= own:
+        log(f"context: {own} tokens, the model's own (max_position_embeddings); the caches of {batch} at it take "
+            f"{max_batch * sequence_bytes(model, drafter, own) / 2**30:.2f} GiB of the {free / 2**30:.2f} GiB free")
+        return own
+    context = fits - fits % CONTEXT_STEP if fits >= CONTEXT_STEP else fits
+    if context < 2:
+        raise SetupError(f"{free / 2**30:.2f} GiB is free after loading the model: too little for the caches of "
+                         f"{batch} of even 2 tokens; free memory, lower --max-batch or give --max-context")
+    log(f"context: {context} tokens, capped by memory: the model's own {own} would take "
+        f"{max_batch * sequence_bytes(model, drafter, own) / 2**30:.2f} GiB of cache for {batch}, more than "
+        f"{CONTEXT_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB free after loading (--max-context sets it)")
+    return context
+
+
 def sequence_bytes(model, drafter, max_context: int) -> int:
-    """The memory one running sequence's caches take: the target's cache and the draft's
-    context (their arrays are lazy: nothing is allocated to count them)."""
-    arrays = model.make_cache(max_context).arrays()
+    """The memory one running sequence's caches take once they hold `max_context` rows:
+    the target's cache and the draft's context (KV rows are allocated as they are written:
+    nothing is allocated to count them)."""
+    layers = list(model.make_cache(max_context).layers)
     draft = getattr(drafter, "draft", None)
     if draft is not None:
-        arrays += draft.make_context(max_context).arrays()
-    return sum(a.nbytes for a in arrays)
+        layers += draft.make_context(max_context).layers
+    return sum(layer.max_nbytes for layer in layers)
 
 
 def batch_memory(model, drafter, max_context: int, max_batch: int, log) -> int:
@@ -290,16 +337,13 @@ def prompt_cache(args, model, drafter, log, by_default: bool = True, reserved: i
     return PromptCache(budget, every, store)
 
 
-def speculative_decoder(args, model, draft: str, log, fallback: bool = True, profile: bool = False,
-                        load_draft=load_drafter, max_batch: int = 1) -> SpeculativeDecoder | None:
-    """The decoder that runs speculative rounds with the draft of `draft` (see
-    `drafting_decoder`), or None: decode plainly."""
+def speculative_drafter(args, model, draft: str, log, load_draft=load_drafter) -> DraftModelDrafter:
+    """The drafter over the draft of `draft` for `model`, loaded as the draft flags say
+    (`drafting_decoder` makes the decoder that runs it)."""
     quantization = args.draft_quantization or "auto"
     log(f"loading the draft {draft} (quantization {quantization})")
-    drafter = load_draft(draft, model, dtype=args.dtype, quantization=quantization,
-                         revision=args.draft_revision, local_files_only=args.local_files_only,
-                         verify=args.verify_pack)
-    return drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)[0]
+    return load_draft(draft, model, dtype=args.dtype, quantization=quantization, revision=args.draft_revision,
+                      local_files_only=args.local_files_only, verify=args.verify_pack)
 
 
 def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: bool = False,

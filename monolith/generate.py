@@ -90,7 +90,7 @@ def _run(args, load, load_draft, stdout, stderr) -> int:
 def _generate(args, plan, params, ids, load, load_draft, stdout, stderr, rank) -> int:
     sources = rank.sources if rank is not None else resolve_sources(args, plan, log=lambda message: None)
     prompt_ids = ids if ids is not None else prompt_tokens(args, load_tokenizer(sources.target_pack))
-    if len(prompt_ids) + 1 > args.max_context:  # checked before loading the model
+    if args.max_context is not None and len(prompt_ids) + 1 > args.max_context:  # checked before loading
         raise ContextLengthError(len(prompt_ids), args.max_context)
     engine = load_engine(args, plan, lambda message: None, sources=sources, fallback=False, profile=args.json,
                          load=load, load_draft=load_draft, cache_by_default=False)

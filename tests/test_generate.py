@@ -35,6 +35,7 @@ VOCAB = 512  # the tiny synthetic target's vocab_size (the tokenizer has 410 tok
 class FakeArgs:
     vocab_size: int
     eos_token_ids: tuple
+    max_position_embeddings: int = 32768  # the model's own context: the default --max-context
 
 
 class FakeCache:
@@ -43,6 +44,7 @@ class FakeCache:
     def __init__(self, max_context):
         self.max_context = max_context
         self.offset = 0
+        self.layers = []  # no KV rows, no states: it takes no memory
 
     def snapshot(self):
         return self.offset
@@ -232,7 +234,7 @@ def test_cli_json_with_prompt_ids(capsys, pack_dir, tok):
                           "rounds", "accepted_per_round", "per_position_acceptance"}
     assert stats["rounds"] is stats["accepted_per_round"] is stats["per_position_acceptance"] is None
     assert stats["prefill_tok_s"] > 0 and stats["decode_seconds"] > 0
-    assert model.prefills == [[5, 6], [7]] and model.caches[0].max_context == 32768
+    assert model.prefills == [[5, 6], [7]] and model.caches[-1].max_context == 32768  # the model's own
 
 
 def test_cli_streams_text_and_prints_stats(capsys, pack_dir, tok):

@@ -109,7 +109,8 @@ def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pai
     # 7 proposals: a round emits at most 8 tokens; with the margin it drafts up to 7.2
     for cost, drafts in ((7.2, True), (8.0, False)):
         monkeypatch.setattr(engine_setup, "measure_break_even", lambda *a, c=cost, **k: BreakEven(c, (c, c, c)))
-        decoder = engine_setup.speculative_decoder(args, model, draft, logs.append)
+        drafter = engine_setup.speculative_drafter(args, model, draft, logs.append)
+        decoder = engine_setup.drafting_decoder(args, model, drafter, logs.append)[0]
         if drafts:
             assert decoder.break_even == cost
         else:

@@ -4,7 +4,8 @@ gives a restore point, `restore(snap)` goes back to it, and the hybrid cache's
 A speculative round calls nothing else.
 
 The target's `HybridCache` (one per sequence) holds, per decoder layer, either a
-`KVCache` (full attention: keys/values for max_context + spare rows) or a `GDNState`
+`KVCache` (full attention: keys/values for up to max_context + spare rows, allocated as
+rows are written) or a `GDNState`
 (linear attention: the last K-1 pre-conv rows and the F32 recurrent state), and
 `offset`, the number of committed rows. KV rows past `offset` are ignored and
 overwritten, so going back costs nothing for attention. A GDN state cannot be rewound:
@@ -33,6 +34,7 @@ import mlx.core as mx
 from ..kernels import gdn_replay
 
 SPARE_ROWS = 8  # KV rows beyond max_context: room for one speculative verify block
+GROWTH_ROWS = 256  # a KV cache's rows grow to a multiple of this
 
 
 class CacheError(ValueError):
@@ -40,15 +42,40 @@ class CacheError(ValueError):
 
 
 class KVCache:
-    """Keys and values of one attention layer, [1, kv_heads, capacity, head_dim]."""
+    """Keys and values of one attention layer, [1, kv_heads, rows, head_dim], for up to
+    `capacity` rows. The rows are allocated as they are written: a write past them grows
+    both arrays to at least twice their rows (a multiple of GROWTH_ROWS, at most the
+    capacity), so a sequence takes the memory of what it holds, not of the context it may
+    reach, and growing copies each row a bounded number of times."""
 
     def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype):
-        self.keys = mx.zeros((1, kv_heads, capacity, head_dim), dtype)
-        self.values = mx.zeros((1, kv_heads, capacity, head_dim), dtype)
+        self.capacity = capacity
+        self.keys = mx.zeros((1, kv_heads, 0, head_dim), dtype)
+        self.values = mx.zeros((1, kv_heads, 0, head_dim), dtype)
+
+    @property
+    def max_nbytes(self) -> int:
+        """The bytes of keys and values at the capacity."""
+        _, heads, _, dim = self.keys.shape
+        return 2 * heads * self.capacity * dim * self.keys.itemsize
+
+    def _reserve(self, end: int) -> None:
+        """Allocate rows [0, end)."""
+        rows = self.keys.shape[2]
+        if end <= rows:
+            return
+        if end > self.capacity:
+            raise CacheError(f"rows up to {end} do not fit a KV cache of {self.capacity} rows")
+        grown = min(self.capacity, -(-max(end, 2 * rows) // GROWTH_ROWS) * GROWTH_ROWS)
+        _, heads, _, dim = self.keys.shape
+        pad = mx.zeros((1, heads, grown - rows, dim), self.keys.dtype)
+        self.keys = mx.concatenate([self.keys, pad], axis=2)
+        self.values = mx.concatenate([self.values, pad], axis=2)
 
     def update(self, keys: mx.array, values: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Write rows [offset, offset + T) and return all rows up to there."""
         end = offset + keys.shape[2]
+        self._reserve(end)
         self.keys[:, :, offset:end] = keys
         self.values[:, :, offset:end] = values
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -64,9 +91,10 @@ class KVCache:
     def write(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Put rows (from `rows`) back at [start, start + T)."""
         end = start + keys.shape[2]
-        if end > self.keys.shape[2] or keys.shape[:2] + keys.shape[3:] != self.keys.shape[:2] + self.keys.shape[3:]:
-            raise CacheError(f"rows of shape {tuple(keys.shape)} at {start} do not fit a cache of shape "
-                             f"{tuple(self.keys.shape)}")
+        if end > self.capacity or keys.shape[:2] + keys.shape[3:] != self.keys.shape[:2] + self.keys.shape[3:]:
+            raise CacheError(f"rows of shape {tuple(keys.shape)} at {start} do not fit a cache of "
+                             f"{self.capacity} rows of shape {tuple(self.keys.shape[:2] + self.keys.shape[3:])}")
+        self._reserve(end)
         self.keys[:, :, start:end] = keys.astype(self.keys.dtype)
         self.values[:, :, start:end] = values.astype(self.values.dtype)
 
@@ -110,6 +138,10 @@ class GDNState:
 
     def arrays(self) -> list[mx.array]:
         return [self.conv, self.recurrent]
+
+    @property
+    def max_nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
 
 
 @dataclass(frozen=True)
@@ -233,8 +265,8 @@ class HybridCache:
 
 
 class DraftContext:
-    """Per draft layer, K/V of the committed context rows in a `KVCache` [1, kv_heads,
-    max_context + block_size, head_dim]; `offset` = committed rows. The rows from offset
+    """Per draft layer, K/V of the committed context rows in a `KVCache` of max_context +
+    block_size rows; `offset` = committed rows. The rows from offset
     on are the running proposal's scratch space."""
 
     def __init__(self, layers: list[KVCache], max_context: int):

@@ -50,7 +50,7 @@ from ..runtime.grammar import Grammar
 from ..runtime.pipeline import PipelineError
 from . import anthropic, anthropic_options, anthropic_reply, responses_api, structured
 from .context_edits import edit_context
-from .errors import APIError, bad
+from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
@@ -188,6 +188,8 @@ class _Handlers:
                 self._check_origin(request)
                 self._authorize(request)
                 response = await handler(request)
+            except ContextOverflow as e:  # each API words it as its own
+                response = render(e.worded_for(name))
             except APIError as e:
                 response = render(e)
             except Exception:
@@ -410,9 +412,7 @@ class _Handlers:
         try:
             job = engine.submit(gen, events.put)
         except ContextLengthError as e:
-            raise bad(f"the prompt is {e.prompt_tokens} tokens, but this server's context is {e.max_context} "
-                      "tokens and the prompt plus at least one generated token must fit", prompt_param,
-                      "context_length_exceeded") from None
+            raise ContextOverflow(e.prompt_tokens, e.max_context, prompt_param) from None
         except RequestError as e:
             raise bad(str(e), prompt_param if e.field == "prompt" else e.field) from None
         except QueueFull as e:
@@ -553,9 +553,7 @@ def _fits(engine, text: str, param: str) -> None:
     """400 before tokenizing a prompt that cannot fit the context whatever it encodes to."""
     least = engine.tokenizer.min_tokens(text)
     if least + 1 > engine.max_context:
-        raise bad(f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, at least {least} tokens, but "
-                  f"this server's context is {engine.max_context} tokens and the prompt plus at least one generated "
-                  "token must fit", param, "context_length_exceeded")
+        raise ContextOverflow(least, engine.max_context, param, at_least=True)
 
 
 def _hostname(host: str) -> str:

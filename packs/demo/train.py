@@ -40,7 +40,7 @@ PRESET = Preset(
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
     linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
     shared_expert_intermediate_size=128, vocab_size=2048, rope_theta=10_000.0, partial_rotary_factor=0.25,
-    max_position_embeddings=4096, lm_head_gain=1.0,
+    max_position_embeddings=262_144, lm_head_gain=1.0,
 )
 SEQ_LEN = 256
 BATCH = 8
