@@ -169,7 +169,8 @@ def opencode_env(home, url):
 
 
 def test_opencode(server, note, tmp_path):
-    opencode = need(node_client("opencode"), "OpenCode")
+    # the Linux x64 package's binary (tests/clients/package.json says why not opencode-ai)
+    opencode = need(CLIENTS / "node_modules" / "opencode-linux-x64" / "bin" / "opencode", "OpenCode")
     with Check(server, {"read": {"filePath": str(note)}}) as check:
         env = opencode_env(tmp_path / "home", check.proxy.url)
         argv = [opencode, "run", "-m", f"monolith/{MODEL}"]
