@@ -248,8 +248,11 @@ def test_aider(server, note, tmp_path):
     reach the server."""
     need(AIDER, "Aider (its own virtual environment, tests/clients/install.sh)")
     with Check(server, {}) as check:
-        env = private_env(tmp_path / "home", OPENAI_API_BASE=check.proxy.url + "/v1", OPENAI_API_KEY=KEY)
-        argv = [AIDER, "--model", f"openai/{MODEL}", "--no-git", "--yes-always", "--no-check-update",
+        env = private_env(tmp_path / "home", OPENAI_API_BASE=check.proxy.url + "/v1", OPENAI_API_KEY=KEY,
+                          LITELLM_LOCAL_MODEL_COST_MAP="True")
+        settings = tmp_path / "model-settings.yml"  # a bound on the reply, as for the other clients
+        settings.write_text(f"- name: openai/{MODEL}\n  edit_format: whole\n  extra_params:\n    max_tokens: 256\n")
+        argv = [AIDER, "--model", f"openai/{MODEL}", "--model-settings-file", settings, "--no-git", "--yes-always", "--no-check-update",
                 "--no-show-model-warnings", "--analytics-disable", "--no-show-release-notes", "--map-tokens", "0",
                 "--no-stream", "--no-pretty"]
         check.assert_ok(timed("aider turn 1", run_client, argv + ["--message", "Say hello."], env, note.parent))
