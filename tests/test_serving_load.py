@@ -268,7 +268,7 @@ BAD_CHAT = [
     ({"response_format": {"type": "regex"}}, "response_format.type"),
     ({"tool_choice": "any", "tools": TOOLS}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ]
 

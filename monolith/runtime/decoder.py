@@ -73,9 +73,9 @@ class SpeculativeDecoder:
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
-                 guide=None) -> Outcome:
+                 guide=None, on_resume: Callable[[int], None] = lambda cached: None) -> Outcome:
         return drive(self.steps(session, prompt, max_tokens, params, stop_ids, on_token, logprobs, cancelled,
-                                boundaries, guide))
+                                boundaries, guide, on_resume))
 
     @property
     def concurrent(self) -> bool:
@@ -86,9 +86,10 @@ class SpeculativeDecoder:
     def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
               stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
               cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
-              guide=None) -> Steps:
+              guide=None, on_resume: Callable[[int], None] = lambda cached: None) -> Steps:
         """The call as a generator of its draft blocks and forwards (batch.py), on a drafter
-        of its own when the drafter forks."""
+        of its own when the drafter forks; `on_resume(cached)` is told how many prompt
+        tokens it resumed with, before the prefill."""
         max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
@@ -98,6 +99,7 @@ class SpeculativeDecoder:
             drafter = drafter.fork()
         rounds = self._resume(session, drafter, prompt, params, logprobs, guide)
         cached = rounds.cache.offset
+        on_resume(cached)
         resumable = drafter is None or drafter.snapshot() is not None
 
         def checkpoint(end: int) -> None:

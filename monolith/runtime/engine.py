@@ -8,7 +8,8 @@ cost little more than one where decode is bound by reading the weights. Sequence
 between rounds, in queue order, as slots free up; a newcomer's prefill runs chunk by
 chunk inside the rounds, so the others keep streaming. A decoder without `steps` (a
 plain callable) runs its requests one at a time. Each request reports through a `sink`
-(called on the worker thread) with `Started`, then `Delta`s (text that is whole UTF-8
+(called on the worker thread) with `Started`, `Resumed` (the prompt tokens the session or
+the prompt cache held), then `Delta`s (text that is whole UTF-8
 characters and cannot be the start of a stop string, with the logprobs of its tokens;
 one per round and request: a speculative round's tokens go out together, once the
 round has run for every sequence of the batch), then one `Finished` or `Failed`.
@@ -53,6 +54,7 @@ from .events import (
     GenerationRequest,
     Outcome,
     RequestError,
+    Resumed,
     Started,
     TokenLogprob,
     Usage,
@@ -430,7 +432,11 @@ class Engine:
             args = (job.session, request.prompt_ids, request.max_tokens, request.params, self.stop_ids, on_token)
             kwargs = dict(logprobs=request.logprobs, cancelled=lambda: job.cancelled, boundaries=request.boundaries,
                           **constrained)
-            outcome = (yield from steps(*args, **kwargs)) if steps is not None else self.decoder(*args, **kwargs)
+            if steps is not None:
+                outcome = yield from steps(*args, **kwargs, on_resume=lambda cached: self._emit(job, Resumed(cached)))
+            else:  # a decoder without steps does not say what it resumed from
+                self._emit(job, Resumed(0))
+                outcome = self.decoder(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             job.session.reset()
             self._release(job)

@@ -163,6 +163,14 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Resumed:
+    """The sequence resumed with `cached_tokens` prompt tokens from the session or the
+    prompt cache (the rest is prefilled); sent after Started, before any Delta."""
+
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Delta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
@@ -208,4 +216,4 @@ class Failed:
     error: Exception
 
 
-Event = Started | Delta | Finished | Failed
+Event = Started | Resumed | Delta | Finished | Failed

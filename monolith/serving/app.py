@@ -43,11 +43,13 @@ from ..runtime.events import (
     Finished,
     GenerationRequest,
     RequestError,
+    Resumed,
     Started,
 )
 from ..runtime.grammar import Grammar
 from ..runtime.pipeline import PipelineError
-from . import anthropic, responses_api, structured
+from . import anthropic, anthropic_options, anthropic_reply, responses_api, structured
+from .context_edits import edit_context
 from .errors import APIError, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
@@ -170,7 +172,7 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def anthropic_error(e: APIError) -> JSONResponse:
-    return JSONResponse(anthropic.error_body(e), status_code=e.status)
+    return JSONResponse(anthropic_reply.error_body(e), status_code=e.status)
 
 
 class _Handlers:
@@ -309,25 +311,30 @@ class _Handlers:
                                     started, engine.tokenizer.message_ends(prompt_ids), constraint)
 
     async def messages(self, request: Request) -> Response:
-        """Anthropic's Messages API (anthropic.py); the prompt's length is in message_start."""
+        """Anthropic's Messages API (anthropic.py, anthropic_reply.py)."""
         engine = self._engine()
         started = time.monotonic()
         req = anthropic.parse_messages_request(await self._body(request), self.state.defaults)
         name = self._model(req.model)
-        prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req.chat)
-        if req.budget is not None:  # thinking.budget_tokens: a grammar ends the reasoning
-            constraint = anthropic.budget_grammar(req, reasoning_open, constraint, engine.tokenizer,
-                                                  _grammar_tokenizer(engine))
-        fmt = anthropic.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer)
-        return await self._generate(request, engine, prompt_ids, req.chat, fmt, "messages", started,
+        chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False)
+        prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, chat)
+        if req.thinking.budget is not None:  # a grammar ends the reasoning
+            constraint = anthropic_options.budget_grammar(req.thinking, reasoning_open, constraint,
+                                                          engine.tokenizer, _grammar_tokenizer(engine))
+        fmt = anthropic_reply.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer, applied)
+        return await self._generate(request, engine, prompt_ids, chat, fmt, "messages", started,
                                     engine.tokenizer.message_ends(prompt_ids), constraint)
 
     async def count_tokens(self, request: Request) -> Response:
         engine = self._engine()
         req = anthropic.parse_count_tokens_request(await self._body(request), self.state.defaults)
         self._model(req.model)
-        prompt_ids, _, _ = await self.encode_chat(engine, req.chat)
-        return JSONResponse({"input_tokens": len(prompt_ids)})
+        chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True)
+        prompt_ids, _, _ = await self.encode_chat(engine, chat)
+        body = {"input_tokens": len(prompt_ids)}
+        if req.edits is not None:
+            body["context_management"] = {"original_input_tokens": original}
+        return JSONResponse(body)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API on the chat path (responses_api.py)."""
@@ -413,10 +420,12 @@ class _Handlers:
         except EngineClosed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
         try:
-            await self._wait_started(request, job, events)
+            cached = await self._wait_started(request, job, events)
         except BaseException:
             job.cancel()
             raise
+        if hasattr(fmt, "resumed"):  # a format that reports the cache's hits before the first token
+            fmt.resumed(cached)
         if req.stream:
             return StreamingResponse(self._stream(job, events, fmt, req.include_usage),
                                      media_type="text/event-stream",
@@ -435,22 +444,27 @@ class _Handlers:
             watcher.cancel()
             job.cancel()  # a no-op once finished
 
-    async def _wait_started(self, request: Request, job, events: _EventBridge) -> None:
+    async def _wait_started(self, request: Request, job, events: _EventBridge) -> int:
+        """Wait until the request has left the queue (bounded by its deadline) and resumed:
+        the prompt tokens it resumed with."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        started = False
         try:
             while True:
                 left = job.deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 and not started:
                     raise _engine_error(QueueTimeout("the request timed out waiting in the queue"))
                 try:
-                    event = await events.get(left)
+                    event = await events.get(None if started else left)
                 except asyncio.TimeoutError:
                     continue
                 if isinstance(event, Started):
-                    return
-                if isinstance(event, Failed):
+                    started = True
+                elif isinstance(event, Resumed):
+                    return event.cached_tokens
+                elif isinstance(event, Failed):
                     raise _engine_error(event.error)
-                if isinstance(event, Finished):  # cancelled while queued: the client has gone
+                elif isinstance(event, Finished):  # cancelled while queued: the client has gone
                     raise APIError(499, "the request was cancelled", code="cancelled")
         finally:
             watcher.cancel()

@@ -2,9 +2,10 @@
 or an `APIError` whose message names the field (`param`).
 
 Fields a client may send that would change the result but are not implemented
-(penalties, logit_bias, n > 1, echo, ...) are refused, never
-ignored; fields that change nothing (user, metadata, ...) are accepted. A JSON null
-means "not given", as the OpenAI API treats it.
+(penalties, logit_bias, n > 1, echo, audio, ...) are refused naming them, never
+ignored; fields that change nothing (ids, metadata, caching and service hints) are
+accepted. A JSON null means "not given", as the OpenAI API treats it.
+docs/api-fields.md has the table of every field and why.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..runtime.events import MAX_TOP_LOGPROBS
 from ..sampling import SamplingError, SamplingParams
@@ -23,15 +24,28 @@ MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
-# accepted and ignored: they do not change what is generated
-INERT_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options"}
-# accepted only at the value that means "off"
+# accepted and ignored: ids, metadata, caching and service hints, and a predicted output
+# (a latency hint): none changes what is generated
+INERT_FIELDS = {"user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_key",
+                "prompt_cache_options", "prompt_cache_retention", "prediction"}
+# accepted only at the value that means "off" (or the API's default)
 NEUTRAL_VALUES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
-                  "n": 1, "best_of": 1, "echo": False, "suffix": ""}
-SAMPLING_FIELDS = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "logprobs"}
+                  "n": 1, "best_of": 1, "echo": False, "suffix": "", "modalities": ["text"], "verbosity": "medium"}
+# refused whatever their value: what they ask for does not exist here
+REFUSED_FIELDS = {"audio": "audio output is not supported", "web_search_options": "there is no web search",
+                  "moderation": "no moderation model runs here",
+                  "functions": "deprecated and not supported: send tools",
+                  "function_call": "deprecated and not supported: send tool_choice"}
+SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                   "seed", "stop", "logprobs"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "chat_template_kwargs", "response_format"}
+                                 "parallel_tool_calls", "chat_template_kwargs", "response_format",
+                                 "reasoning_effort"}
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # no obfuscation padding is sent
+# reasoning_effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
+# effort levels, only thinking on or off
+THINKING_BY_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True,
+                      "max": True}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
 # what the renderer sets itself (and `self`, the render method's own argument), and the
 # special token names Hugging Face templates read
@@ -112,17 +126,59 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        tools, choice = _allowed_tools(choice, tools)
     structure = tool_choice(choice, tools)
+    parallel = _optional(body, "parallel_tool_calls", bool, "true or false")
+    if structure is not None and parallel is False:
+        structure = replace(structure, single=True)
     form = response_format(body.get("response_format"))
     if form is not None and structure is not None:
         raise bad("response_format and a tool_choice that forces a call cannot both constrain the output",
                   "response_format")
-    kwargs = _optional(body, "chat_template_kwargs", dict, "an object") or {}
+    return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
+                       template_kwargs=_template_kwargs(body), structure=structure or form)
+
+
+def _template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs, with reasoning_effort's thinking switch (the two must agree)."""
+    kwargs = dict(_optional(body, "chat_template_kwargs", dict, "an object") or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise bad(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
-                       template_kwargs=dict(kwargs), structure=structure or form)
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return kwargs
+    if effort not in THINKING_BY_EFFORT:
+        raise bad(f"reasoning_effort must be one of {', '.join(THINKING_BY_EFFORT)}, got {json.dumps(effort)[:60]}",
+                  "reasoning_effort")
+    thinking = THINKING_BY_EFFORT[effort]
+    if kwargs.get("enable_thinking", thinking) != thinking:
+        raise bad(f"reasoning_effort {effort!r} turns thinking {'on' if thinking else 'off'}, but "
+                  "chat_template_kwargs.enable_thinking says otherwise; send one", "reasoning_effort")
+    return {**kwargs, "enable_thinking": thinking}
+
+
+def _allowed_tools(choice: dict, tools: list[dict] | None) -> tuple[list[dict] | None, str]:
+    """tool_choice {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}} -> (the tools
+    the model is shown: only the allowed ones, the tool_choice "auto" or "required")."""
+    allowed = choice.get("allowed_tools")
+    where = "tool_choice.allowed_tools"
+    if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required") \
+            or not isinstance(allowed.get("tools"), list):
+        raise bad(f"{where} must be {{\"mode\": \"auto\" | \"required\", \"tools\": [...]}}", where)
+    names = set()
+    for i, entry in enumerate(allowed["tools"]):
+        fn = entry.get("function") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or entry.get("type") != "function" or not isinstance(fn, dict):
+            raise bad(f"{where}.tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                      f"{where}.tools[{i}]")
+        names.add(fn.get("name"))
+    shown = [t for t in tools or () if t["function"]["name"] in names]
+    missing = sorted(str(n) for n in names - {t["function"]["name"] for t in shown})
+    if missing:
+        raise bad(f"{where}.tools names {', '.join(missing)}, not in tools", f"{where}.tools")
+    return shown or None, allowed["mode"]
 
 
 def parse_completion_request(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> CompletionRequest:
@@ -150,7 +206,11 @@ def parse_completion_request(body: dict, defaults: SamplingDefaults = SamplingDe
 
 
 def _check_fields(body: dict, known: set[str]) -> None:
-    unknown = sorted(k for k in body if k not in known and k not in INERT_FIELDS and k not in NEUTRAL_VALUES)
+    given = {k for k, v in body.items() if v is not None}  # null: not given
+    refused = sorted(given & set(REFUSED_FIELDS))
+    if refused:
+        raise bad(f"{refused[0]}: {REFUSED_FIELDS[refused[0]]}", refused[0])
+    unknown = sorted(k for k in given if k not in known and k not in INERT_FIELDS and k not in NEUTRAL_VALUES)
     if unknown:
         raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                   "(fields that would change the result are refused, not ignored)", unknown[0])
@@ -165,13 +225,7 @@ def _check_fields(body: dict, known: set[str]) -> None:
 def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> GenerationFields:
     model = _optional(body, "model", str, "a string")
     stream = _optional(body, "stream", bool, "true or false") or False
-    options = _optional(body, "stream_options", dict, "an object")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad("stream_options is only allowed with stream: true", "stream_options")
-        include_usage = _optional(options, "include_usage", bool, "true or false", "stream_options.include_usage")
-        include_usage = bool(include_usage)
+    include_usage = _stream_options(body) and stream
     max_tokens = _positive_int(body, "max_tokens")
     if chat:
         completion = _positive_int(body, "max_completion_tokens")
@@ -194,6 +248,17 @@ def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> Ge
         raise bad(str(e), e.field) from None
     return GenerationFields(model, stream, include_usage, max_tokens, params, _stop(body.get("stop")),
                             _logprobs(body, chat))
+
+
+def _stream_options(body: dict) -> bool:
+    """stream_options' include_usage (the options change nothing when not streaming)."""
+    options = _optional(body, "stream_options", dict, "an object") or {}
+    unknown = sorted(set(options) - STREAM_OPTIONS)
+    if unknown:
+        raise bad(f"stream_options.{unknown[0]} is not supported", f"stream_options.{unknown[0]}")
+    for name in STREAM_OPTIONS:
+        _optional(options, name, bool, "true or false", f"stream_options.{name}")
+    return bool(options.get("include_usage"))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

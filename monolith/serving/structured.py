@@ -9,13 +9,22 @@
   written in the chat template's own format: Qwen3's `<tool_call>{"name": ..,
   "arguments": ..}</tool_call>`, or, when the template writes `<function=`, Qwen3.5/3.6's
   `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`
-  (parameters in the schema's order, optional ones may be left out; a string value is
-  raw text, other values JSON, as serving/tools.py reads them back).
+  (parameters in the schema's order, optional ones may be left out). A string
+  parameter's value is raw text that keeps its schema (`enum`, `const`, `pattern`,
+  `minLength` / `maxLength`, `format`: serving/raw_text.py) and can never hold a closing
+  tag; other values are JSON. serving/tools.py reads both back as written
+  (`raw_text.is_raw_text` decides which, for both).
 
-Between JSON tokens the grammar allows one space, or a newline and up to 20 blanks of
-indentation (llama.cpp's JSON grammars bound whitespace the same way: unbounded
-whitespace lets a model loop on it until max_tokens). The output may begin with up to 4
-blanks. When the prompt leaves Qwen's reasoning open, the constraint starts after the
+Whitespace between JSON tokens is bounded: unbounded whitespace lets a weak model loop
+on it until max_tokens. In `response_format` JSON each gap allows one space, or a newline
+and up to 20 blanks of indentation (llama.cpp's JSON grammars bound it the same way). In
+forced tool calls (the JSON call and the XML format's JSON values) each gap allows at
+most one blank, a space or a newline, and nothing more: the one-line form the templates
+write (`{"a": 1, "b": [2, 3]}`) and an unindented one per line, at most one character
+per gap. (On the demo pair, greedy: with no newline allowed, its `required` calls
+repeated until max_tokens on 5 prompts of 5; a named call took 49-53 tokens with the
+response_format bound, 45-48 with this one.) The output may begin with up to 4 blanks.
+When the prompt leaves Qwen's reasoning open, the constraint starts after the
 `</think>` token: the model reasons freely first.
 """
 
@@ -25,9 +34,11 @@ import json
 from dataclasses import dataclass
 
 from ..runtime.grammar import Grammar, GrammarError
+from . import raw_text
 from .errors import APIError, bad
 
 WHITESPACE = r"(?:\n[ \t]{0,20}| )?"
+CALL_WHITESPACE = r"[ \n]?"
 LEADING = r"/[ \t\r\n]{0,4}/"
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 THINK_END = "</think>"
@@ -127,17 +138,17 @@ def _short(message: str) -> str:
     return " ".join(lines)[:500] or "the grammar is invalid"
 
 
-def _json(schema) -> str:
+def _json(schema, whitespace: str = WHITESPACE, param: str = "response_format") -> str:
     if schema is True:
         schema = {}
     if isinstance(schema, dict):
         if "x-guidance" in schema:  # llguidance's options (e.g. "lenient" would drop keywords silently)
-            raise bad("the schema may not set x-guidance (llguidance's compiler options)", "response_format")
-        schema = {**schema, "x-guidance": {"whitespace_pattern": WHITESPACE}}
+            raise bad("the schema may not set x-guidance (llguidance's compiler options)", param)
+        schema = {**schema, "x-guidance": {"whitespace_pattern": whitespace}}
     try:
         return "%json " + json.dumps(schema)
     except RecursionError:
-        raise bad("the schema is nested too deeply", "response_format") from None
+        raise bad("the schema is nested too deeply", param) from None
 
 
 def _tag(tokenizer, text: str) -> str:
@@ -150,7 +161,8 @@ def _json_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
     schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
                                                "arguments": fn.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False}
-    rule = f"call_{index}: {_tag(tokenizer, '<tool_call>')} \"\\n\" {_json(schema)} \"\\n\" {_tag(tokenizer, '</tool_call>')}"
+    body = _json(schema, CALL_WHITESPACE, "tools")
+    rule = f"call_{index}: {_tag(tokenizer, '<tool_call>')} \"\\n\" {body} \"\\n\" {_tag(tokenizer, '</tool_call>')}"
     return f"call_{index}", rule
 
 
@@ -161,19 +173,36 @@ def _xml_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
     if not isinstance(properties, dict) or not isinstance(required, list):
         raise bad(f"tool {fn['name']!r}: parameters.properties must be an object and parameters.required a list",
                   "tools")
+    _check_tag_name(fn["name"], f"tool {fn['name']!r}: the name")
+    definitions = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
     parts, rules = [], []
     for j, (key, schema) in enumerate(properties.items()):
+        where = f"tool {fn['name']!r}: parameters.properties.{key}"
+        _check_tag_name(key, where)
         name = f"param_{index}_{j}"
-        if isinstance(schema, dict) and schema.get("type") == "string":
-            value = "TEXT_CLOSED"  # the raw text and its closing tag, one lexeme
+        if raw_text.is_raw_text(schema):  # the text and its closing tag, one lexeme (below)
+            value = name.upper()
+            rules.append(f'{value}: ({raw_text.lexeme(schema, where)}) "\\n</parameter>\\n"')
         else:
-            value = f'{_json(schema)} "\\n</parameter>\\n"'
+            value = f'{_json(_with(schema, definitions), CALL_WHITESPACE, "tools")} "\\n</parameter>\\n"'
         rules.append(f"{name}: {json.dumps(f'<parameter={key}>')} \"\\n\" {value}")
         parts.append(name if key in required else f"{name}?")
     head = json.dumps(f"\n<function={fn['name']}>\n")
     rule = (f"call_{index}: {_tag(tokenizer, '<tool_call>')} {head} {' '.join(parts)} "
             f"\"</function>\\n\" {_tag(tokenizer, '</tool_call>')}")
-    # text ending in its closing tag, which it holds nowhere else (a lexeme is matched
-    # longest-first, so the tag must be in it: text then a separate tag would swallow it)
-    text = 'TEXT_CLOSED: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)<\\/parameter>(?s:.){2,}/'
-    return f"call_{index}", "\n".join([rule, *rules, text] if index == 0 else [rule, *rules])
+    # a lexeme is matched longest-first, so a raw text's closing tag is in its lexeme: text
+    # then a separate tag would swallow it
+    return f"call_{index}", "\n".join([rule, *rules])
+
+
+def _with(schema, definitions: dict):
+    """A parameter's schema with the parameters' `$defs` its `$ref`s point into."""
+    return {**definitions, **schema} if isinstance(schema, dict) and definitions else schema
+
+
+def _check_tag_name(name: str, where: str) -> None:
+    """A name as a tag writes it (`<function=NAME>`, `<parameter=NAME>`) and tools.py reads
+    it back: no `>` or newline, no blank at either end."""
+    if not isinstance(name, str) or not name or name != name.strip() or ">" in name or "\n" in name:
+        raise bad(f"{where} {name!r} cannot be written in the chat template's XML tool calls "
+                  "(empty, '>', a newline, or blanks at an end)", "tools")

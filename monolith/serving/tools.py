@@ -15,9 +15,13 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from .raw_text import is_raw_text
+
 OPENERS = {"<tool_call>": "</tool_call>", "<function=": "</function>"}
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_FUNCTION_OPEN = re.compile(r"<function=([^>\n]+)>")
+_JSON_NAME = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._closer: str | None = None  # inside a block: the tag that ends it
+        self.last_block = ""  # the call block that ended last
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
@@ -53,6 +58,7 @@ class ToolCallParser:
                     break
                 end += len(self._closer)
                 block, self._buffer, self._closer = self._buffer[:end], self._buffer[end:], None
+                self.last_block = block
                 parsed = self._parse_block(block)
                 if parsed is None:
                     content.append(block)
@@ -72,6 +78,27 @@ class ToolCallParser:
         self.calls += calls
         return "".join(content), calls
 
+    @property
+    def pending(self) -> str | None:
+        """The text of the call block being written (None outside one)."""
+        return self._buffer if self._closer is not None else None
+
+    def partial(self, block: str) -> tuple[str | None, str]:
+        """A call block's first call so far: (its name once written, its arguments as JSON
+        text so far). The text only grows as the block does, and for a complete block it
+        is the whole arguments object (what an eagerly streamed call sends in pieces)."""
+        inner = block.removeprefix("<tool_call>").lstrip()
+        if inner.startswith("{"):
+            return _partial_json(inner)
+        match = _FUNCTION_OPEN.match(inner)
+        if match is None:
+            return None, ""
+        name, body = match.group(1).strip(), inner[match.end():]
+        end = body.find("</function>")
+        done = [m.group(0) for m in _PARAMETER.finditer(body if end < 0 else body[:end])]
+        arguments = self._parse_function(name, "".join(done)).arguments
+        return name, arguments if end >= 0 else arguments[:-1]
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the text: an unterminated block is a call if it parses (a model may
         stop right after `</function>`), else content."""
@@ -79,6 +106,7 @@ class ToolCallParser:
         calls = []
         if self._closer is not None:
             self._closer = None
+            self.last_block = rest
             parsed = self._parse_block(rest)
             if parsed is not None:
                 calls, rest = parsed, ""
@@ -131,20 +159,43 @@ class ToolCallParser:
             key, value = match.group(1).strip(), match.group(2)
             value = value.removeprefix("\n")
             value = value.removesuffix("\n")
-            schema = properties.get(key)
-            arguments[key] = _convert(value, schema.get("type") if isinstance(schema, dict) else None)
+            arguments[key] = _convert(value, properties.get(key))
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
 
 
-def _convert(value: str, kind) -> object:
-    """A parameter's text as its schema type: strings stay text; other types (and no
-    type given) are read as JSON when they parse."""
-    if kind == "string" or (isinstance(kind, list) and "string" in kind and len(kind) == 1):
+def _convert(value: str, schema) -> object:
+    """A parameter's text as its schema says: a string's stays text (is_raw_text); other
+    values (and those of an unknown parameter) are read as JSON when they parse."""
+    if is_raw_text(schema):
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return value
+
+
+def _partial_json(inner: str) -> tuple[str | None, str]:
+    """(name, arguments so far) of a `{"name": .., "arguments": {..}}` call being written:
+    the arguments object's text up to where it ends (the outer object's end is not its)."""
+    match = _JSON_NAME.match(inner)
+    if match is None:
+        return None, ""
+    name, rest = json.loads(match.group(1)), inner[match.end():]
+    if not rest.startswith("{"):  # arguments as a string: only whole
+        return name, ""
+    depth, quoted, escaped = 0, False, False
+    for i, ch in enumerate(rest):
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return name, rest[:i + 1]
+    return name, rest
 
 
 def _opener_prefix_length(text: str) -> int:
