@@ -181,11 +181,13 @@ API_OF_PATH = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1
 class ForcingProxy:
     """A test-only HTTP proxy in front of the server. On a request whose last message is
     the user's task (it holds `trigger`; never a tool result), it sets `tool_choice` to
-    the tool named in `pins` and narrows that tool's schema to the pinned arguments. It
-    records every exchange: path, the body as forwarded, status, reply bytes."""
+    the tool named in `pins` and narrows that tool's schema to the pinned arguments. With
+    `stop`, it sets those stop sequences on every other Messages request, so that the weak
+    model's reply ends as a stop, not at max_tokens (which Claude Code reports as an
+    error). It records every exchange: path, the body as forwarded, status, reply bytes."""
 
-    def __init__(self, upstream: str, trigger: str = "", pins: dict | None = None):
-        self.upstream, self.trigger, self.pins = upstream, trigger, pins or {}
+    def __init__(self, upstream: str, trigger: str = "", pins: dict | None = None, stop: list | None = None):
+        self.upstream, self.trigger, self.pins, self.stop = upstream, trigger, pins or {}, stop
         self.exchanges: list[dict] = []
         self.http = httpx.Client(base_url=upstream, timeout=httpx.Timeout(600, connect=10))
         proxy = self
@@ -225,6 +227,9 @@ class ForcingProxy:
             return raw, record
         if api and self.trigger and is_users_task(api, body, self.trigger):
             record["forced"] = force_tool(api, body, self.pins)
+            raw = json.dumps(body).encode()
+        elif api == "messages" and self.stop:
+            body["stop_sequences"] = self.stop
             raw = json.dumps(body).encode()
         record["request"] = body
         return raw, record
