@@ -243,6 +243,8 @@ class ForcingProxy:
         try:
             record["status"] = response.status_code
             record["reply"] = self.relay(handler, response)
+        except (BrokenPipeError, ConnectionResetError):
+            record["reply"] = b"(the client went away)"
         finally:
             response.close()
 

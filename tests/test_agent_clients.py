@@ -146,6 +146,11 @@ def codex_argv(codex, url):
 
 @pytest.mark.xfail(reason="issue 33: Codex's Responses requests", strict=False)
 def test_codex(server, note, tmp_path):
+    """Codex speaks only the Responses API. Every request it sends is refused today, each
+    with a 400 on /v1/responses: `client_metadata` (its ids), `include:
+    ["reasoning.encrypted_content"]`, a tool of type "namespace" (multi_agent_v1) and one
+    of type "web_search"; with those four removed the server answers, the history of a
+    resumed session included."""
     codex = need(node_client("codex"), "Codex CLI")
     with Check(server, {"exec_command": {"cmd": f"cat {note.name}"}}) as check:
         env = private_env(tmp_path / "home", MONOLITH_TEST_KEY=KEY, CODEX_HOME=str(tmp_path / "home" / "codex"))
@@ -237,7 +242,7 @@ def test_llm(server, note, tmp_path):
                 f"    return open({str(note)!r}).read()\n"
     with Check(server, {"read_note": {"name": "secret"}}) as check:
         env = llm_env(tmp_path / "home", check.proxy.url)
-        argv = [sys.executable, "-m", "llm", "-m", MODEL]
+        argv = [sys.executable, "-m", "llm", "-m", MODEL, "-o", "max_tokens", "256"]  # llm sends no bound itself
         check.assert_ok(timed("llm turn 1", run_client, argv + ["Say hello."], env, tmp_path))
         result = timed("llm turn 2", run_client, argv + ["-c", "--functions", functions, TASK], env, tmp_path)
         check.assert_ok(result)
