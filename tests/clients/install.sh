@@ -1,0 +1,14 @@
+#!/bin/sh
+# Installs the pinned agent clients that tests/test_agent_clients.py runs: the Node ones
+# from package-lock.json where npm exists (the tests skip them, saying so, elsewhere), and
+# Aider in its own virtual environment (.aider-venv), because its exact pins conflict
+# with the test extras. A second run reuses the Aider environment.
+set -e
+cd "$(dirname "$0")"
+if command -v npm >/dev/null 2>&1; then
+    npm ci --no-audit --no-fund --loglevel=error
+else
+    echo "npm not found: the Node clients' tests will skip"
+fi
+[ -x .aider-venv/bin/python ] || python -m venv .aider-venv
+.aider-venv/bin/python -m pip install -q --disable-pip-version-check -r aider-requirements.txt
