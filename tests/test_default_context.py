@@ -94,24 +94,18 @@ def test_short_of_memory_the_default_is_capped_so_the_batch_takes_half_the_free_
         engine.close()
 
 
-def test_an_explicit_context_is_honoured(demo_f32, free_memory):
+@pytest.mark.parametrize("given, warned", [(3000, False), (300_000, True)])
+def test_an_explicit_context_is_honoured_past_the_models_own_with_a_warning(demo_f32, free_memory, given, warned):
     free_memory(64 * GIB)
-    engine, logs = start(demo_f32, "--max-context", "3000", draft=False)
+    engine, logs = start(demo_f32, "--max-context", str(given), draft=False)
     try:
-        assert engine.max_context == 3000
-        assert context_lines(logs) == ["context: 3000 tokens (--max-context)"]
-    finally:
-        engine.close()
-
-
-def test_an_explicit_context_past_the_models_own_is_honoured_with_a_warning(demo_f32, free_memory):
-    free_memory(64 * GIB)
-    engine, logs = start(demo_f32, "--max-context", "300000", draft=False)
-    try:
-        assert engine.max_context == 300_000
+        assert engine.max_context == given
         [line] = context_lines(logs)
-        assert line.startswith("context: 300000 tokens (--max-context)") and "warning" in line \
-            and "262144" in line, line
+        if warned:
+            assert line.startswith(f"context: {given} tokens (--max-context)") and "warning" in line \
+                and "262144" in line, line
+        else:
+            assert line == f"context: {given} tokens (--max-context)"
     finally:
         engine.close()
 
