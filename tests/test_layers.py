@@ -1,7 +1,8 @@
 """The dependency direction (architecture.md): formats <- checkpoint <- pack <- models <-
-runtime <- launch <- serving, distributed <- the command-line faces, with kernels, sampling,
-tokenizer and cli as leaves. No module imports from a higher layer, not even late
-inside a function, and module imports form no loop."""
+runtime <- engine_setup <- serving, distributed <- the command-line faces, and the agent
+launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves. No
+module imports from a higher layer, not even late inside a function, and module imports
+form no loop."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import monolith
 ROOT = Path(monolith.__file__).parent
 # every top-level package or module of monolith, by layer: an import may only go down
 LAYERS = {
-    "formats": 0, "kernels": 0, "sampling": 0, "tokenizer": 0, "cli": 0,
+    "formats": 0, "kernels": 0, "sampling": 0, "tokenizer": 0, "cli": 0, "agents": 0,
     "checkpoint": 1, "synth": 1,
     "pack": 2,
     "models": 3,
     "runtime": 4,
-    "launch": 5,
+    "engine_setup": 5,
     "serving": 6, "distributed": 6,
     "generate": 7, "serve": 7, "chat": 7,
+    "launch": 8,  # runs serve
 }
 
 
