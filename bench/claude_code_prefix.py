@@ -2,7 +2,7 @@
 (issue 32): does turn 2 prefill only what is new?
 
 Claude Code sends a long system prompt and tool list with every request, and puts a
-per-request `x-anthropic-billing-header: ... cch=XXXXX;` line first in the system
+per-request `x-anthropic-billing-header: ... cch=<5 hex digits>;` line first in the system
 prompt. The server drops that line, so turn 2's prompt extends turn 1's. The bench
 starts `python -m monolith.serve` (the demo pair, plain decoding, --max-context 65536)
 and sends, as Claude Code does (streamed /v1/messages with thinking adaptive, effort

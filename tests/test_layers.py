@@ -1,4 +1,4 @@
-"""The dependency direction (architecture.md): formats <- checkpoint <- pack <- models <-
+"""The dependency direction: formats <- checkpoint <- pack <- models <-
 runtime <- engine_setup <- serving, distributed <- the command-line faces, and the agent
 launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves. No
 module imports from a higher layer, not even late inside a function, and module imports

@@ -58,10 +58,6 @@ class MessagesRequest:
     edits: ContextEdits | None = None  # context_management (context_edits.py)
     eager: frozenset[str] = frozenset()  # tools whose input streams as the call is written
 
-    @property
-    def show_thinking(self) -> bool:
-        return self.thinking.show
-
 
 # ------------------------------------------------------------------ requests
 

@@ -54,7 +54,7 @@ class MessagesFormat:
         self.splitter = ReasoningSplitter(reasoning_open)
         self.parser = ToolCallParser(req.tools) if req.tools else None
         self.eager = req.eager
-        self.show_thinking = req.show_thinking
+        self.show_thinking = req.thinking.show
         self.applied_edits = applied_edits  # None: the request had no context_management
         self.raw: list[str] = []  # the text as the engine released it
         self.content: list[dict] = []  # the blocks so far (what the events add up to)
