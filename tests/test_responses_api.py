@@ -17,12 +17,10 @@ from serving_rig import assert_error, demo_servers
 
 from monolith.runtime.events import Delta, Finished, Usage
 from monolith.serving.errors import APIError
-from monolith.serving.responses_api import (
-    ResponseFormat,
-    ResponseStore,
-    items_to_messages,
-    parse_request,
-)
+from monolith.serving.responses_api import parse_request
+from monolith.serving.responses_items import items_to_messages
+from monolith.serving.responses_reply import ResponseFormat
+from monolith.serving.responses_store import ResponseStore
 from monolith.serving.schemas import SamplingDefaults
 
 MAX_CONTEXT = 1024

@@ -48,12 +48,13 @@ from ..runtime.events import (
 )
 from ..runtime.grammar import Grammar
 from ..runtime.pipeline import PipelineError
-from . import anthropic, anthropic_options, anthropic_reply, responses_api, structured
+from . import anthropic, anthropic_options, anthropic_reply, responses_api, responses_reply, structured
 from .context_edits import edit_context
 from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
+from .responses_store import ResponseStore
 from .schemas import (
     ChatRequest,
     SamplingDefaults,
@@ -88,7 +89,7 @@ class ServerState:
         self.token_text: TokenText | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.responses = responses_api.ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
+        self.responses = ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
@@ -339,12 +340,12 @@ class _Handlers:
         return JSONResponse(body)
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API on the chat path (responses_api.py)."""
+        """OpenAI's Responses API on the chat path (responses_api.py, responses_reply.py)."""
         engine = self._engine()
         started = time.monotonic()
         call = responses_api.parse_request(await self._body(request), self.state.defaults, self.state.responses)
         name = self._model(call.request.model)
-        make_format = responses_api.format_maker(name, call, self.state.responses, engine.tokenizer)
+        make_format = responses_reply.format_maker(name, call, self.state.responses, engine.tokenizer)
         return await self.generate_chat(request, engine, call.request, make_format, started, "input")
 
     async def stored_response(self, request: Request) -> Response:

@@ -1,0 +1,121 @@
+"""Responses API items -> chat messages: `input` (and a stored response's `output`)
+as the chat path's messages. Messages with text parts, `function_call`,
+`function_call_output` and `reasoning` items; the items of one assistant turn
+(reasoning, message, calls) become one assistant message."""
+
+from __future__ import annotations
+
+import json
+
+from .errors import bad
+from .schemas import json_arguments
+
+TEXT_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
+PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
+ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+}
+
+
+def items_to_messages(items: list, where: str, known_calls: set | None = None) -> list[dict]:
+    """Input (or output) items -> chat messages: consecutive reasoning, assistant message
+    and function_call items make one assistant message."""
+    known_calls = set(known_calls or ())
+    messages: list[dict] = []
+    turn: dict | None = None  # the assistant message being assembled
+
+    def flush():
+        nonlocal turn
+        if turn is not None:
+            turn.setdefault("content", "")
+            messages.append(turn)
+            turn = None
+
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise bad(f"{at} must be an object", at)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind not in ITEM_KEYS:
+            raise bad(f"{at}.type must be one of {', '.join(ITEM_KEYS)} (other item types are not supported), "
+                      f"got {json.dumps(kind)[:60]}", f"{at}.type")
+        extra = sorted(set(item) - ITEM_KEYS[kind])
+        if extra:
+            raise bad(f"{at} ({kind}) has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+        if kind == "message":
+            role = item.get("role")
+            if role not in TEXT_PARTS:
+                raise bad(f"{at}.role must be one of {', '.join(TEXT_PARTS)}, got {json.dumps(role)[:60]}",
+                          f"{at}.role")
+            text = _text_content(item.get("content"), TEXT_PARTS[role], f"{at}.content")
+            if role != "assistant":
+                flush()
+                messages.append({"role": "system" if role == "developer" else role, "content": text})
+                continue
+            if turn is not None and (turn.get("content") or turn.get("tool_calls")):
+                flush()
+            turn = turn or {"role": "assistant"}
+            turn["content"] = text
+        elif kind == "reasoning":
+            if item.get("encrypted_content") is not None:
+                raise bad(f"{at}.encrypted_content: this server has no encrypted reasoning; send the reasoning "
+                          "as content", f"{at}.encrypted_content")
+            parts = item.get("content") or item.get("summary") or []
+            text = _parts(parts, {"reasoning_text", "summary_text"},
+                          f"{at}.{'content' if item.get('content') else 'summary'}")
+            if turn is not None:
+                flush()
+            turn = {"role": "assistant", "reasoning_content": text}
+        elif kind == "function_call":
+            call_id, name = string_field(item, "call_id", at), string_field(item, "name", at)
+            parsed = json_arguments(string_field(item, "arguments", at, empty=True), f"{at}.arguments")
+            turn = turn or {"role": "assistant"}
+            turn.setdefault("tool_calls", []).append(
+                {"type": "function", "id": call_id, "function": {"name": name, "arguments": parsed}})
+            known_calls.add(call_id)
+        else:  # function_call_output
+            call_id = string_field(item, "call_id", at)
+            if call_id not in known_calls:
+                raise bad(f"{at}.call_id {call_id!r} answers no function_call of this conversation",
+                          f"{at}.call_id")
+            output = item.get("output")
+            text = output if isinstance(output, str) else _parts(output, {"input_text"}, f"{at}.output")
+            flush()
+            messages.append({"role": "tool", "content": text, "tool_call_id": call_id})
+    flush()
+    return messages
+
+
+def string_field(item: dict, name: str, at: str, empty: bool = False) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or not (value or empty):
+        raise bad(f"{at}.{name} must be a {'' if empty else 'non-empty '}string", f"{at}.{name}")
+    return value
+
+
+def _text_content(value, part_type: str, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    return _parts(value, {part_type}, where)
+
+
+def _parts(value, kinds: set[str], where: str) -> str:
+    if not isinstance(value, list):
+        raise bad(f"{where} must be a string or a list of {' / '.join(sorted(kinds))} parts", where)
+    texts = []
+    for i, part in enumerate(value):
+        at = f"{where}[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise bad(f"{at}: only {' / '.join(sorted(kinds))} parts are supported here, got "
+                      f"{json.dumps(kind)[:60]}", at)
+        extra = sorted(set(part) - PART_KEYS.get(kind, {"type", "text"}))
+        if extra:
+            raise bad(f"{at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{at}.text must be a string", f"{at}.text")
+        texts.append(part["text"])
+    return "".join(texts)

@@ -1,0 +1,227 @@
+"""The Responses API's reply: the generated text split into output items in order, a
+`reasoning` item (the think block, as `reasoning_text` content), `message` items with
+`output_text`, and `function_call` items. Streamed, the same split emits the semantic
+events (`event: TYPE` + `data: {... "type", "sequence_number"}`); the non-streamed reply
+runs the same split over the same deltas, so both give the same output. Whitespace
+between text and a call belongs to neither. A finished response is stored (unless
+`store: false`) with its conversation, for `previous_response_id`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from ..runtime.events import Delta, Finished
+from .errors import APIError
+from .reasoning import ReasoningSplitter
+from .responses_api import ResponsesCall
+from .responses_items import items_to_messages
+from .responses_store import ResponseStore
+from .structured import THINK_END
+from .tools import ToolCallParser
+
+
+class ResponseFormat:
+    """The response object and its stream events (the format interface of responses.py)."""
+
+    def __init__(self, model: str, call: ResponsesCall, reasoning_open: bool, store: ResponseStore,
+                 think_end_id: int | None):
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+        self.call = call
+        self.store = store
+        self.think_end_id = think_end_id
+        self.splitter = ReasoningSplitter(reasoning_open)
+        self.parser = ToolCallParser(call.request.tools) if call.request.tools else None
+        self.items: list[dict] = []  # the output items; the last one may be open
+        self.open: dict | None = None
+        self.pending = ""  # trailing whitespace of the text, held until more text or a call
+        self.texts: list[str] = []
+        self.sequence = 0
+        self.reasoned = reasoning_open
+
+    # ---------------------------------------------------------------- the split
+
+    def _feed(self, text: str) -> list[dict]:
+        reasoning, content = self.splitter.feed(text)
+        return self._route(reasoning, content)
+
+    def _route(self, reasoning: str, content: str, final: bool = False) -> list[dict]:
+        events = self._reasoning(reasoning) if reasoning else []
+        if self.parser is None:
+            text, calls = content, []
+        else:
+            text, calls = self.parser.feed(content)
+            if final:
+                more, more_calls = self.parser.finish()
+                text, calls = text + more, calls + more_calls
+        events += self._text(text)
+        for call in calls:
+            self.pending = ""
+            events += self._close("completed")
+            events += self._call(call)
+        return events
+
+    def _finish(self, status: str) -> list[dict]:
+        events = self._route(*self.splitter.finish(), final=True)
+        if self.open is not None and self.open["type"] == "message" and self.pending:
+            events += self._delta(self.pending)
+        self.pending = ""
+        return events + self._close("incomplete" if status == "incomplete" else "completed")
+
+    def _reasoning(self, text: str) -> list[dict]:
+        self.reasoned = True
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._close("completed")
+            events += self._add({"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [],
+                                 "content": [], "status": "in_progress"}, {"type": "reasoning_text", "text": ""})
+        self.open["content"][0]["text"] += text
+        return events + [self._at({"type": "response.reasoning_text.delta", "content_index": 0, "delta": text})]
+
+    def _text(self, text: str) -> list[dict]:
+        text, self.pending = self.pending + text, ""
+        body = text.rstrip()
+        self.pending = text[len(body):]
+        if not body:
+            return []
+        events = []
+        if self.open is None or self.open["type"] != "message":
+            events += self._close("completed")
+            if self.items:  # after a reasoning item or a call: no leading blank lines
+                body = body.lstrip()
+            events += self._add({"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                                 "status": "in_progress", "content": []},
+                                {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+        return events + self._delta(body)
+
+    def _delta(self, text: str) -> list[dict]:
+        self.open["content"][0]["text"] += text
+        return [self._at({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": []})]
+
+    def _call(self, call) -> list[dict]:
+        item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": call.id, "name": call.name,
+                "arguments": "", "status": "in_progress"}
+        events = self._add(item, None)
+        item["arguments"] = call.arguments
+        events += [self._at({"type": "response.function_call_arguments.delta", "delta": call.arguments}),
+                   self._at({"type": "response.function_call_arguments.done", "arguments": call.arguments,
+                             "name": call.name})]
+        return events + self._close("completed")
+
+    def _add(self, item: dict, part: dict | None) -> list[dict]:
+        self.items.append(item)
+        self.open = item
+        events = [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": _copy(item)}]
+        if part is not None:
+            item["content"].append(dict(part))
+            events.append(self._at({"type": "response.content_part.added", "content_index": 0, "part": part}))
+        return events
+
+    def _at(self, event: dict) -> dict:
+        """An event about the open item."""
+        return {**event, "item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _close(self, status: str) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.items) - 1
+        item["status"] = status
+        events = []
+        if item["type"] != "function_call":
+            part = item["content"][0]
+            kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
+            done = {"type": f"response.{kind}.done", "item_id": item["id"], "output_index": index,
+                    "content_index": 0, "text": part["text"]}
+            if kind == "output_text":
+                done["logprobs"] = []
+            events += [done, {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
+                              "content_index": 0, "part": _copy(part)}]
+        return events + [{"type": "response.output_item.done", "output_index": index, "item": _copy(item)}]
+
+    # ---------------------------------------------------------------- the object
+
+    def _body(self, status: str, finished: Finished | None = None, error: dict | None = None) -> dict:
+        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
+                else None, "model": self.model, "output": _copy(self.items), **self.call.echo,
+                "store": self.call.store, "usage": None}
+        if finished is not None:
+            u = finished.usage
+            body["usage"] = {"input_tokens": u.prompt_tokens,
+                             "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                             "output_tokens": u.completion_tokens,
+                             "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(finished)},
+                             "total_tokens": u.total_tokens}
+            if status in ("completed", "incomplete"):
+                body["completed_at"] = int(time.time())
+        return body
+
+    def _reasoning_tokens(self, finished: Finished) -> int:
+        """The generated tokens up to and with the `</think>` token (all of them when the
+        block was never closed), 0 without reasoning."""
+        if not self.reasoned:
+            return 0
+        ids = list(finished.token_ids)
+        return ids.index(self.think_end_id) + 1 if self.think_end_id in ids else len(ids)
+
+    def _done(self, finished: Finished) -> dict:
+        status = {"stop": "completed", "length": "incomplete"}.get(finished.finish_reason, "cancelled")
+        self.final_events = self._finish(status)
+        body = self._body(status, finished)
+        if self.call.store:
+            self.store.put(body, self.call.history + items_to_messages(self.items, "output"))
+        return body
+
+    # ---------------------------------------------------------------- the format interface
+
+    def collect(self, delta: Delta) -> None:
+        self.texts.append(delta.text)
+
+    def response(self, finished: Finished) -> dict:
+        for text in self.texts:
+            self._feed(text)
+        return self._done(finished)
+
+    def stream_start(self, include_usage: bool) -> list[dict]:
+        return [{"type": "response.created", "response": self._body("in_progress")},
+                {"type": "response.in_progress", "response": self._body("in_progress")}]
+
+    def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
+        return self._feed(delta.text)
+
+    def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
+        body = self._done(finished)
+        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(body["status"],
+                                                                                         "response.failed")
+        return self.final_events + [{"type": kind, "response": body}]
+
+    def event(self, chunk: dict) -> str:
+        chunk = {**chunk, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {chunk['type']}\ndata: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def keepalive(self) -> str:
+        return ": keep-alive\n\n"
+
+    def failure(self, error: APIError) -> str:
+        code = "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 \
+            else "invalid_prompt"
+        return self.event({"type": "response.failed",
+                           "response": self._body("failed", error={"code": code, "message": error.message})})
+
+    def end(self) -> str:
+        return ""
+
+
+def format_maker(model: str, call: ResponsesCall, store: ResponseStore, tokenizer):
+    """make_format(reasoning_open) for the app's generate_chat."""
+    think_end_id = tokenizer.token_to_id(THINK_END)
+    return lambda reasoning_open: ResponseFormat(model, call, reasoning_open, store, think_end_id)
+
+
+def _copy(value):
+    return json.loads(json.dumps(value))
