@@ -289,6 +289,9 @@ SAMPLES = {
         "input[].type: reasoning": {"input": [{"role": "user", "content": "hi"}, {
             "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
             {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and?"}]},
+        "input[].phase": {"input": [{"role": "user", "content": "Hi"}, {
+            "type": "message", "role": "assistant", "phase": "final_answer", "content": "Hello."},
+            {"role": "user", "content": "Again"}]},
         "input[].content[].type: input_image": {"input": [{"role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
         "input[].type: item_reference": {"input": [{"type": "item_reference", "id": "msg_1"}]},
@@ -323,6 +326,8 @@ SAMPLES = {
         "background": {"background": True},
         "background_options": {"background_options": {}},
         "top_logprobs": {"top_logprobs": 2},
+        "presence_penalty": {"presence_penalty": 0.5},
+        "frequency_penalty": {"frequency_penalty": 0.5},
         "max_tool_calls": {"max_tool_calls": 2},
         "conversation": {"conversation": "conv_1"},
         "prompt": {"prompt": {"id": "pmpt_1"}},

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openresponses_spec import check_event, check_response
 from serving_rig import assert_error, demo_servers
 
 from monolith.runtime.events import Delta, Finished, Usage
@@ -291,21 +292,6 @@ def test_hostile_bodies_never_get_a_5xx(servers):
     assert_error(httpx.put(url, content=b"{}"), 405)
 
 
-def test_raw_stream_framing(servers):
-    server = servers["plain"]
-    with httpx.stream("POST", server.url + "/v1/responses", timeout=60,
-                      json={"model": NAME, "input": "hi", "stream": True, "max_output_tokens": 5}) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        text = "".join(r.iter_text())
-    blocks = [b for b in text.split("\n\n") if b.strip()]
-    for block in blocks:
-        event, data = block.split("\n")
-        assert event.startswith("event: ") and data.startswith("data: ")
-        assert json.loads(data[6:])["type"] == event[7:]
-        validate_event(json.loads(data[6:]))
-    assert "[DONE]" not in text
-
-
 def scripted_reply(body: dict, deltas: list[str], reason: str, token_ids: tuple, stream: bool,
                    think_end_id: int = 7, reasoning_open: bool = False):
     """The format fed scripted deltas (no model): (events or None, the response body)."""
@@ -330,12 +316,18 @@ DELTAS = ["<think>", "ponder", "ing</think>\n\n", "Hello", " world", "\n\n<tool_
 
 
 def validate_event(event: dict) -> None:
-    """Validate an event strictly with the SDK's pydantic class for its type."""
+    """Validate an event strictly with the SDK's pydantic class for its type, and against
+    the Open Responses schema. The two disagree on one name: raw reasoning streams as the
+    specification's `response.reasoning.delta` / `.done`, which the SDK (and OpenAI's own
+    API) call `response.reasoning_text.*`; the server follows the specification, and the
+    SDK passes the events it does not know through untouched."""
     from openai.types.responses import ResponseStreamEvent
 
+    check_event(event)
     union = typing.get_args(typing.get_args(ResponseStreamEvent)[0])  # Annotated[Union[...], discriminator]
     by_type = {typing.get_args(c.model_fields["type"].annotation)[0]: c for c in union}
-    by_type[event["type"]].model_validate(with_cache_writes(event))
+    if event["type"] not in ("response.reasoning.delta", "response.reasoning.done"):
+        by_type[event["type"]].model_validate(with_cache_writes(event))
 
 
 def with_cache_writes(value):
@@ -371,10 +363,11 @@ def test_the_split_into_items_and_events_validates_against_the_sdk_types():
     for event in events:
         validate_event(event)
     Response.model_validate(with_cache_writes(whole))
+    check_response(whole)
     assert [e["type"] for e in events if e["type"].endswith(".delta")] == [
-        "response.reasoning_text.delta"] * 2 + ["response.output_text.delta"] * 2 + [
+        "response.reasoning.delta"] * 2 + ["response.output_text.delta"] * 2 + [
         "response.function_call_arguments.delta"]
-    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "pondering"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning.delta") == "pondering"
 
     _, cut = scripted_reply({}, ["<think>", "still thinking"], "length", (1, 2, 3), stream=False)
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -383,6 +376,7 @@ def test_the_split_into_items_and_events_validates_against_the_sdk_types():
     events, cut = scripted_reply({}, ["Hi", " there"], "length", (1, 2), stream=True)
     assert events[-1]["type"] == "response.incomplete" and cut["output"][0]["status"] == "incomplete"
     Response.model_validate(with_cache_writes(cut))
+    check_response(cut)
 
 
 def test_output_items_come_back_as_the_same_chat_turn():
@@ -400,14 +394,18 @@ def test_a_failure_mid_stream_is_a_response_failed_event():
     fmt = ResponseFormat(NAME, parse_request({"input": "x"}, SamplingDefaults(), store), False, store, None)
     for event in fmt.stream_start(False) + fmt.stream_delta(Delta("Hel"), False):
         fmt.event(event)
-    frame = fmt.failure(APIError(503, "the server is shutting down", code="shutting_down"))
-    event = json.loads(frame.split("\ndata: ", 1)[1])
-    assert frame.startswith("event: response.failed\n") and event["sequence_number"] == 5
+    frames = fmt.failure(APIError(503, "the server is shutting down", code="shutting_down"))
+    error, event = (json.loads(f.split("\ndata: ", 1)[1]) for f in frames.split("\n\n")[:2])
+    assert frames.startswith("event: error\n") and (error["sequence_number"], event["sequence_number"]) == (5, 6)
+    assert error["error"] == {"type": "server_error", "code": "shutting_down",
+                              "message": "the server is shutting down", "param": None}
+    assert (error["code"], error["message"]) == ("shutting_down", "the server is shutting down")
     assert event["response"]["status"] == "failed" and event["response"]["error"] == {
         "code": "server_error", "message": "the server is shutting down"}
     assert event["response"]["output"][0]["content"][0]["text"] == "Hel"
+    validate_event(error)
     validate_event(event)
-    assert fmt.end() == ""
+    assert fmt.end() == "data: [DONE]\n\n"
 
 
 def test_reasoning_effort_switches_qwens_thinking(servers, demo_f32):

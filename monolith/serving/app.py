@@ -154,6 +154,7 @@ def create_app(load: Callable[[], object], config: ServerConfig,
               methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
         Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
+        Route("/v1/responses/input_tokens", handlers.endpoint("responses", handlers.input_tokens), methods=["POST"]),
         Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
               methods=["GET"]),
     ]
@@ -347,6 +348,14 @@ class _Handlers:
         name = self._model(call.request.model)
         make_format = responses_reply.format_maker(name, call, self.state.responses, engine.tokenizer)
         return await self.generate_chat(request, engine, call.request, make_format, started, "input")
+
+    async def input_tokens(self, request: Request) -> Response:
+        """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""
+        engine = self._engine()
+        call = responses_api.parse_request(await self._body(request), self.state.defaults, self.state.responses)
+        self._model(call.request.model)
+        prompt_ids, _, _ = await self.encode_chat(engine, call.request)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
     async def stored_response(self, request: Request) -> Response:
         body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")

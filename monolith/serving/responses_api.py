@@ -33,8 +33,10 @@ FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_
 # reasoning.effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
 # effort levels, only thinking on or off
 THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
-INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier"}  # change nothing generated
-NEUTRAL_VALUES = {"truncation": "disabled", "background": False, "include": [], "top_logprobs": 0}
+# change nothing generated; max_tool_calls bounds calls to hosted tools, which run nowhere here
+INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls"}
+NEUTRAL_VALUES = {"truncation": "disabled", "background": False, "include": [], "top_logprobs": 0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 FORMAT_KEYS = {"type", "name", "schema", "strict", "description"}
 
@@ -80,8 +82,20 @@ def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) 
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": _metadata(body),
             "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": temperature,
             "top_p": top_p, "text": {"format": form}, "tool_choice": choice, "tools": flat_tools,
-            "truncation": "disabled", "reasoning": reasoning}
+            "truncation": "disabled", "reasoning": reasoning, **_settings_echo(body)}
     return ResponsesCall(request, history, echo, keep is not False)
+
+
+def _settings_echo(body: dict) -> dict:
+    """The response object's fields for settings this server holds fixed or only echoes."""
+    max_calls = body.get("max_tool_calls")
+    if max_calls is not None and (type(max_calls) is not int or max_calls < 1):
+        raise bad(f"max_tool_calls must be an integer >= 1, got {json.dumps(max_calls)[:60]}", "max_tool_calls")
+    echo = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0, "background": False,
+            "service_tier": "default", "max_tool_calls": max_calls}
+    for name in ("safety_identifier", "prompt_cache_key"):
+        echo[name] = _optional(body, name, str, "a string")
+    return echo
 
 
 def _reasoning(value) -> tuple[dict, dict]:
@@ -114,7 +128,8 @@ def _check_fields(body: dict) -> None:
                   "(fields that would change the result are refused, not ignored)", unknown[0])
     for name, neutral in NEUTRAL_VALUES.items():
         value = body.get(name)
-        if value is not None and (value != neutral or type(value) is not type(neutral)):
+        number = isinstance(neutral, float) and type(value) in (int, float)  # 0 and 0.0 alike
+        if value is not None and (value != neutral or not (number or type(value) is type(neutral))):
             raise bad(f"{name} is not supported (only {json.dumps(neutral)}), got {json.dumps(value)[:60]}", name)
 
 
@@ -222,5 +237,8 @@ def _text(value) -> tuple[dict, Structure | None]:
     for key, want in (("name", str), ("description", str), ("strict", bool)):
         if form.get(key) is not None and not isinstance(form[key], want):
             raise bad(f"text.format.{key} must be a {want.__name__}", f"text.format.{key}")
-    return dict(form), Structure("json", "text.format.schema", schema)
+    # echoed as the specification's response object has it: the schema itself is not repeated
+    echo = {"type": "json_schema", "name": form.get("name") or "response", "description": form.get("description"),
+            "schema": None, "strict": bool(form.get("strict"))}
+    return echo, Structure("json", "text.format.schema", schema)
 

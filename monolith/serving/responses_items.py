@@ -11,6 +11,7 @@ from .errors import bad
 from .schemas import json_arguments
 
 TEXT_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
+PHASES = ("commentary", "final_answer")  # an assistant message's phase: accepted, not rendered
 PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
 ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
@@ -50,6 +51,9 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
             if role not in TEXT_PARTS:
                 raise bad(f"{at}.role must be one of {', '.join(TEXT_PARTS)}, got {json.dumps(role)[:60]}",
                           f"{at}.role")
+            if item.get("phase") is not None and (role != "assistant" or item["phase"] not in PHASES):
+                raise bad(f"{at}.phase must be one of {', '.join(PHASES)} on an assistant message, got "
+                          f"{json.dumps(item['phase'])[:60]}", f"{at}.phase")
             text = _text_content(item.get("content"), TEXT_PARTS[role], f"{at}.content")
             if role != "assistant":
                 flush()

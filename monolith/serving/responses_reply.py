@@ -69,7 +69,7 @@ class ResponseFormat:
         if self.open is not None and self.open["type"] == "message" and self.pending:
             events += self._delta(self.pending)
         self.pending = ""
-        return events + self._close("incomplete" if status == "incomplete" else "completed")
+        return events + self._close("incomplete" if status == "incomplete" else "completed", "final_answer")
 
     def _reasoning(self, text: str) -> list[dict]:
         self.reasoned = True
@@ -79,7 +79,7 @@ class ResponseFormat:
             events += self._add({"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [],
                                  "content": [], "status": "in_progress"}, {"type": "reasoning_text", "text": ""})
         self.open["content"][0]["text"] += text
-        return events + [self._at({"type": "response.reasoning_text.delta", "content_index": 0, "delta": text})]
+        return events + [self._at({"type": "response.reasoning.delta", "content_index": 0, "delta": text})]
 
     def _text(self, text: str) -> list[dict]:
         text, self.pending = self.pending + text, ""
@@ -124,16 +124,20 @@ class ResponseFormat:
         """An event about the open item."""
         return {**event, "item_id": self.open["id"], "output_index": len(self.items) - 1}
 
-    def _close(self, status: str) -> list[dict]:
+    def _close(self, status: str, phase: str = "commentary") -> list[dict]:
+        """Close the open item; a message gets its `phase`: the reply's last one is the
+        final answer, one that more reasoning or a call follows is commentary."""
         item, self.open = self.open, None
         if item is None:
             return []
         index = len(self.items) - 1
         item["status"] = status
+        if item["type"] == "message":
+            item["phase"] = phase
         events = []
         if item["type"] != "function_call":
             part = item["content"][0]
-            kind = "output_text" if part["type"] == "output_text" else "reasoning_text"
+            kind = "output_text" if part["type"] == "output_text" else "reasoning"
             done = {"type": f"response.{kind}.done", "item_id": item["id"], "output_index": index,
                     "content_index": 0, "text": part["text"]}
             if kind == "output_text":
@@ -145,10 +149,11 @@ class ResponseFormat:
     # ---------------------------------------------------------------- the object
 
     def _body(self, status: str, finished: Finished | None = None, error: dict | None = None) -> dict:
-        body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
-                else None, "model": self.model, "output": _copy(self.items), **self.call.echo,
-                "store": self.call.store, "usage": None}
+        body = {"id": self.id, "object": "response", "created_at": self.created, "completed_at": None,
+                "status": status, "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.model, "output": _copy(self.items), **self.call.echo, "store": self.call.store,
+                "usage": None}
         if finished is not None:
             u = finished.usage
             body["usage"] = {"input_tokens": u.prompt_tokens,
@@ -208,13 +213,21 @@ class ResponseFormat:
         return ": keep-alive\n\n"
 
     def failure(self, error: APIError) -> str:
+        """An `error` event, then `response.failed` with the error (the specification's order).
+        The error event carries its fields both nested (the specification's `error`) and at
+        the top (OpenAI's SDK reads them there)."""
+        kind = "too_many_requests" if error.status == 429 else "server_error" if error.status >= 500 \
+            else "invalid_request"
+        # the response's error code is one of the few the SDK knows; the event's is ours
         code = "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 \
             else "invalid_prompt"
-        return self.event({"type": "response.failed",
-                           "response": self._body("failed", error={"code": code, "message": error.message})})
+        fields = {"code": error.code or code, "message": error.message, "param": error.param}
+        return self.event({"type": "error", **fields, "error": {"type": kind, **fields}}) \
+            + self.event({"type": "response.failed",
+                          "response": self._body("failed", error={"code": code, "message": error.message})})
 
     def end(self) -> str:
-        return ""
+        return "data: [DONE]\n\n"
 
 
 def format_maker(model: str, call: ResponsesCall, store: ResponseStore, tokenizer):
