@@ -21,6 +21,15 @@ def packed_weights_by_default():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """MONOLITH_CACHE in a temporary directory unless a test sets its own: what a server
+    keeps there (the Responses sealing key, packs) never lands in the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(tmp_path_factory.mktemp("monolith-cache")))
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report_measured(request):
     """After a module's tests, print what it recorded in its MEASURED dict (pytest -s)."""

@@ -48,7 +48,15 @@ from ..runtime.events import (
 )
 from ..runtime.grammar import Grammar
 from ..runtime.pipeline import PipelineError
-from . import anthropic, anthropic_options, anthropic_reply, responses_api, responses_reply, structured
+from . import (
+    anthropic,
+    anthropic_options,
+    anthropic_reply,
+    responses_api,
+    responses_compact,
+    responses_reply,
+    structured,
+)
 from .context_edits import edit_context
 from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
@@ -155,6 +163,7 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
         Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
         Route("/v1/responses/input_tokens", handlers.endpoint("responses", handlers.input_tokens), methods=["POST"]),
+        Route("/v1/responses/compact", handlers.endpoint("responses", handlers.compact), methods=["POST"]),
         Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
               methods=["GET"]),
     ]
@@ -356,6 +365,16 @@ class _Handlers:
         self._model(call.request.model)
         prompt_ids, _, _ = await self.encode_chat(engine, call.request)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
+
+    async def compact(self, request: Request) -> Response:
+        """POST /v1/responses/compact: the conversation summarized by the model (responses_compact.py)."""
+        engine = self._engine()
+        started = time.monotonic()
+        req, kept = responses_compact.parse_compact(await self._body(request), self.state.defaults,
+                                                    self.state.responses)
+        self._model(req.model)
+        return await self.generate_chat(request, engine, req, lambda opened: responses_compact.CompactFormat(
+            kept, opened), started, "input")
 
     async def stored_response(self, request: Request) -> Response:
         body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")

@@ -1,0 +1,89 @@
+"""POST /v1/responses/compact: a conversation made short by the model itself. The
+conversation (a stored `previous_response_id`, then `input`, as for POST /v1/responses)
+goes to the model with a request to summarize it; the reply is a compaction object whose
+`output` is the window to continue from: the user's own messages, verbatim, then one
+`compaction` item holding the summary, sealed (responses_seal.py) so that only this
+server reads it back. Sent back in `input`, that item becomes a user message with the
+summary (responses_items.py), and a later compaction keeps it out of the user messages it
+repeats (its summary is summarized again)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+
+from ..runtime.events import Delta, Finished
+from ..sampling import SamplingParams
+from .errors import bad
+from .reasoning import ReasoningSplitter
+from .responses_api import parse_request
+from .responses_seal import SEALER
+from .responses_store import ResponseStore
+from .schemas import SamplingDefaults
+
+FIELDS = {"model", "input", "previous_response_id", "instructions"}
+# hints that change no summary (`image`: the image context policy; no images are taken yet)
+INERT_FIELDS = {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                "service_tier", "image"}
+SUMMARY_TOKENS = 1024  # the most tokens a summary may take
+ASK = ("Summarize our conversation so far for your own later use, so that it can continue from the summary "
+       "alone: the user's goals and constraints, what was decided and done, facts and tool results that still "
+       "matter, and what remains to do. Write only the summary.")
+SUMMARY_HEAD = "A summary of our conversation so far:\n\n"  # how a compaction item is shown to the model
+
+
+def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
+    """(the summary's ChatRequest, the user messages the window keeps)."""
+    unknown = sorted(set(body) - FIELDS - INERT_FIELDS)
+    if unknown:
+        raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''} for compaction: {', '.join(unknown)}",
+                  unknown[0])
+    call = parse_request({k: v for k, v in body.items() if k in FIELDS}, defaults, store)
+    kept = [m["content"] for m in call.history if m["role"] == "user" and not m.get("compaction")]
+    ask = call.request.messages + [{"role": "user", "content": ASK}]
+    request = dataclasses.replace(call.request, messages=ask, max_tokens=SUMMARY_TOKENS, tools=None,
+                                  params=SamplingParams(0.0), template_kwargs={"enable_thinking": False})
+    return request, kept
+
+
+def seal_summary(text: str) -> str:
+    return SEALER.seal(json.dumps({"compaction": text}))
+
+
+def open_summary(token, param: str) -> str:
+    """The summary a compaction item holds; a 400 naming `param` unless this server sealed it."""
+    try:
+        summary = json.loads(SEALER.open(token, param)).get("compaction")
+    except (json.JSONDecodeError, AttributeError):
+        summary = None
+    if not isinstance(summary, str):
+        raise bad(f"{param} is not a compaction this server made (it holds something else)", param)
+    return summary
+
+
+class CompactFormat:
+    """The compaction object, from the summary's deltas (the app's non-streamed format)."""
+
+    def __init__(self, kept: list[str], reasoning_open: bool):
+        self.kept = kept
+        self.splitter = ReasoningSplitter(reasoning_open)
+        self.content: list[str] = []
+
+    def collect(self, delta: Delta) -> None:
+        self.content.append(self.splitter.feed(delta.text)[1])
+
+    def response(self, finished: Finished) -> dict:
+        self.content.append(self.splitter.finish()[1])
+        summary = "".join(self.content).strip()
+        output = [{"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "user", "status": "completed",
+                   "content": [{"type": "input_text", "text": text}]} for text in self.kept]
+        output.append({"id": "cmp_" + uuid.uuid4().hex, "type": "compaction",
+                       "encrypted_content": seal_summary(summary), "created_by": "monolith"})
+        u = finished.usage
+        usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": u.total_tokens}
+        return {"id": "resp_" + uuid.uuid4().hex, "object": "response.compaction", "created_at": int(time.time()),
+                "output": output, "usage": usage}
