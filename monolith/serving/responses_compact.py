@@ -18,7 +18,6 @@ from ..runtime.events import Delta, Finished
 from ..sampling import SamplingParams
 from .errors import bad
 from .reasoning import ReasoningSplitter
-from .responses_api import parse_request
 from .responses_seal import SEALER
 from .responses_store import ResponseStore
 from .schemas import SamplingDefaults
@@ -36,6 +35,8 @@ SUMMARY_HEAD = "A summary of our conversation so far:\n\n"  # how a compaction i
 
 def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
     """(the summary's ChatRequest, the user messages the window keeps)."""
+    from .responses_api import parse_request  # here: responses_items, below it, reads compaction items
+
     unknown = sorted(set(body) - FIELDS - INERT_FIELDS)
     if unknown:
         raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''} for compaction: {', '.join(unknown)}",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from .errors import bad
+from .responses_compact import SUMMARY_HEAD, open_summary
 from .schemas import json_arguments
 
 TEXT_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
@@ -18,6 +19,7 @@ ITEM_KEYS = {
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+    "compaction": {"type", "id", "encrypted_content", "created_by"},
 }
 
 
@@ -63,6 +65,10 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
                 flush()
             turn = turn or {"role": "assistant"}
             turn["content"] = text
+        elif kind == "compaction":  # a window from POST /v1/responses/compact: its summary, as the user's
+            flush()
+            summary = open_summary(item.get("encrypted_content"), f"{at}.encrypted_content")
+            messages.append({"role": "user", "content": SUMMARY_HEAD + summary, "compaction": True})
         elif kind == "reasoning":
             if item.get("encrypted_content") is not None:
                 raise bad(f"{at}.encrypted_content: this server has no encrypted reasoning; send the reasoning "
