@@ -173,8 +173,12 @@ class ResponseFormat:
         self.final_events = self._finish(status)
         body = self._body(status, finished)
         if self.call.store:
-            self.store.put(body, self.call.history + items_to_messages(self.items, "output"))
+            self.store.put(body, self.conversation())
         return body
+
+    def conversation(self) -> list[dict]:
+        """The conversation so far as chat messages: the request's and the output."""
+        return self.call.history + items_to_messages(self.items, "output")
 
     # ---------------------------------------------------------------- the format interface
 
@@ -199,19 +203,28 @@ class ResponseFormat:
                                                                                          "response.failed")
         return self.final_events + [{"type": kind, "response": body}]
 
-    def event(self, chunk: dict) -> str:
+    def number(self, chunk: dict) -> dict:
+        """The event with its sequence_number (the stream's next)."""
         chunk = {**chunk, "sequence_number": self.sequence}
         self.sequence += 1
+        return chunk
+
+    def event(self, chunk: dict) -> str:
+        chunk = self.number(chunk)
         return f"event: {chunk['type']}\ndata: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     def keepalive(self) -> str:
         return ": keep-alive\n\n"
 
-    def failure(self, error: APIError) -> str:
+    def failed(self, error: APIError) -> dict:
+        """The response.failed event of a generation that failed with `error`."""
         code = "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 \
             else "invalid_prompt"
-        return self.event({"type": "response.failed",
-                           "response": self._body("failed", error={"code": code, "message": error.message})})
+        return {"type": "response.failed",
+                "response": self._body("failed", error={"code": code, "message": error.message})}
+
+    def failure(self, error: APIError) -> str:
+        return self.event(self.failed(error))
 
     def end(self) -> str:
         return ""
