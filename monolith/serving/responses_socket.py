@@ -73,34 +73,34 @@ class _Connection:
     async def run(self) -> None:
         """Messages are read as they come (a disconnect cancels the turn in flight) and
         handled one at a time, in order."""
-        inbox, outbox = anyio.create_memory_object_stream(math.inf)
+        put, messages = anyio.create_memory_object_stream(math.inf)
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(self._read, inbox, tasks.cancel_scope)
+            tasks.start_soon(self._read, put, tasks.cancel_scope)
             try:
-                await self._work(outbox)
+                await self._work(messages)
             except WebSocketDisconnect:  # gone while we were sending
                 pass
             tasks.cancel_scope.cancel()
 
-    async def _read(self, inbox, everything) -> None:
+    async def _read(self, put, everything) -> None:
         try:
             while True:
                 message = await self.websocket.receive()
                 if message["type"] == "websocket.disconnect":
                     return
                 text = message.get("text")
-                await inbox.send(text if text is not None else message.get("bytes") or b"")
+                await put.send(text if text is not None else message.get("bytes") or b"")
         finally:
             everything.cancel()
 
     def _left(self) -> float:
         return self.socket.limit_seconds - (self.socket.clock() - self.opened)
 
-    async def _work(self, outbox) -> None:
+    async def _work(self, messages) -> None:
         while True:
             raw = None
             with anyio.move_on_after(max(self._left(), 0)):
-                raw = await outbox.receive()
+                raw = await messages.receive()
             if raw is None or self._left() <= 0:
                 minutes = self.socket.limit_seconds / 60
                 await self._send(_error(APIError(
@@ -120,15 +120,8 @@ class _Connection:
             failure = await self._respond(body)
         except WebSocketDisconnect:
             raise
-        except ContextOverflow as e:
-            failure = e.worded_for("responses")
-            await self._send(_error(failure))
-        except APIError as e:
-            failure = e
-            await self._send(_error(failure))
-        except Exception:
-            log.exception("WebSocket /v1/responses failed")
-            failure = APIError(500, "internal server error (the server log has the details)", code="internal_error")
+        except Exception as e:  # noqa: BLE001 - our own failures are logged by _api_error
+            failure = _api_error(e)
             await self._send(_error(failure))
         if failure is not None:
             self._forget(previous)
@@ -194,6 +187,15 @@ def _create_body(raw: str | bytes, limit: int) -> dict:
         if field in message:
             raise bad(f"{field} is an HTTP field, not sent over a WebSocket (where every response streams)", field)
     return {key: value for key, value in message.items() if key != "type"}
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, ContextOverflow):
+        return e.worded_for("responses")
+    if isinstance(e, APIError):
+        return e
+    log.error("WebSocket /v1/responses failed", exc_info=e)
+    return APIError(500, "internal server error (the server log has the details)", code="internal_error")
 
 
 def _error(error: APIError) -> dict:
