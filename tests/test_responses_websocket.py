@@ -7,7 +7,7 @@ false response on the same socket as sending the whole conversation does, a fres
 answers previous_response_not_found, and a failed continuation evicts it; bad messages
 get error events naming the culprit and the socket stays usable; the connection limit
 (on a clock the test moves) and the API key on the handshake; a client that leaves
-cancels its response."""
+cancels its response; a generation that fails mid-stream ends with response.failed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from serving_rig import Server
+from serving_rig import Server, scripted
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -212,3 +212,29 @@ def test_a_client_that_leaves_cancels_its_response(server):
         assert time.monotonic() < deadline, "the abandoned response kept running"
         time.sleep(0.05)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_server_failure_evicts_too(demo_f32):
+    """A continuation that fails mid-stream (the decoder breaks on its second call) ends
+    with response.failed, as over HTTP, not telling the cause, and evicts the store: false
+    response it continued."""
+    model, _, tok = demo_f32
+    works = scripted(tok.encode("Hello."))
+    calls = []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the decoder broke")
+        return works(*args, **kw)
+
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=flaky), model_names=(NAME,)) as s:
+        with socket(s.wait_ready()) as ws:
+            first = turn(ws, input="Hi.", store=False, **COMMON)
+            assert text(first) == "Hello."
+            broken = turn(ws, input="Bye.", store=False, previous_response_id=first[-1]["response"]["id"], **COMMON)
+            gone = error(turn(ws, input="Bye.", store=False, previous_response_id=first[-1]["response"]["id"],
+                              **COMMON))
+    assert [e["type"] for e in broken] == ["response.created", "response.in_progress", "response.failed"]
+    assert broken[-1]["response"]["error"]["code"] == "server_error" and "broke" not in json.dumps(broken)
+    assert gone["error"]["code"] == "previous_response_not_found"
