@@ -8,7 +8,8 @@ generation endpoints answer 503 meanwhile. Each generation request is validated
 for it to start (bounded by the queue timeout) and then either collects the answer or
 streams Server-Sent Events (the bodies: responses.py), with keep-alive comments while
 nothing else is sent. A client that disconnects cancels its request. Every error is an
-OpenAI error body.
+OpenAI error body. The Responses API also answers over a WebSocket at /v1/responses
+(responses_socket.py), on the same engine driving (`start`, `progress`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
@@ -27,7 +28,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from ..runtime import heap
 from ..runtime.engine import (
@@ -62,6 +63,7 @@ from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
+from .responses_socket import LIMIT_SECONDS, ResponsesSocket
 from .responses_store import ResponseStore
 from .schemas import (
     ChatRequest,
@@ -85,6 +87,8 @@ class ServerConfig:
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
+    websocket_limit_seconds: float = LIMIT_SECONDS  # a /v1/responses WebSocket's life (responses_socket.py)
+    websocket_clock: Callable[[], float] = time.monotonic  # what measures it (tests bring their own)
 
 
 class ServerState:
@@ -166,6 +170,8 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/responses/compact", handlers.endpoint("responses", handlers.compact), methods=["POST"]),
         Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
               methods=["GET"]),
+        WebSocketRoute("/v1/responses", ResponsesSocket(handlers, config.websocket_limit_seconds,
+                                                        config.websocket_clock).serve),
     ]
 
     async def http_error(request, exc: HTTPException):
@@ -319,9 +325,18 @@ class _Handlers:
                             prompt_param: str = "messages") -> Response:
         """A chat request through the engine, its reply in the format `make_format(reasoning
         open)` builds (OpenAI's chat.completion here; other APIs bring their own)."""
+        job, events, fmt = await self.start_chat(engine, req, make_format, started, prompt_param, request)
+        return await self._respond(request, job, events, fmt, req)
+
+    async def start_chat(self, engine, req: ChatRequest, make_format, started: float, prompt_param: str,
+                         request: Request | None = None):
+        """A chat request encoded, submitted and started (`start`): (job, its events, its
+        format)."""
         prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req)
-        return await self._generate(request, engine, prompt_ids, req, make_format(reasoning_open), prompt_param,
-                                    started, engine.tokenizer.message_ends(prompt_ids), constraint)
+        fmt = make_format(reasoning_open)
+        job, events = await self.start(engine, prompt_ids, req, fmt, prompt_param, started,
+                                       engine.tokenizer.message_ends(prompt_ids), constraint, request)
+        return job, events, fmt
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (anthropic.py, anthropic_reply.py)."""
@@ -432,6 +447,15 @@ class _Handlers:
 
     async def _generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
                         started: float, boundaries: list[int] = (), constraint: Grammar | None = None) -> Response:
+        job, events = await self.start(engine, prompt_ids, req, fmt, prompt_param, started, boundaries, constraint,
+                                       request)
+        return await self._respond(request, job, events, fmt, req)
+
+    async def start(self, engine, prompt_ids, req, fmt, prompt_param: str, started: float,
+                    boundaries: list[int] = (), constraint: Grammar | None = None, request: Request | None = None):
+        """Submit a request to the engine and wait until it has left the queue (bounded by
+        its deadline) and resumed: (the job, its events). The job is cancelled if this is
+        cancelled, or if `request`'s client disconnects meanwhile."""
         limit, max_tokens = self.state.config.max_tokens_limit, req.max_tokens
         if limit is not None:
             max_tokens = limit if max_tokens is None else min(max_tokens, limit)
@@ -455,6 +479,10 @@ class _Handlers:
             raise
         if hasattr(fmt, "resumed"):  # a format that reports the cache's hits before the first token
             fmt.resumed(cached)
+        return job, events
+
+    async def _respond(self, request: Request, job, events: _EventBridge, fmt, req) -> Response:
+        """A started request's reply: streamed, or collected."""
         if req.stream:
             return StreamingResponse(self._stream(job, events, fmt, req.include_usage),
                                      media_type="text/event-stream",
@@ -473,10 +501,10 @@ class _Handlers:
             watcher.cancel()
             job.cancel()  # a no-op once finished
 
-    async def _wait_started(self, request: Request, job, events: _EventBridge) -> int:
+    async def _wait_started(self, request: Request | None, job, events: _EventBridge) -> int:
         """Wait until the request has left the queue (bounded by its deadline) and resumed:
         the prompt tokens it resumed with."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if request is not None else None
         started = False
         try:
             while True:
@@ -496,29 +524,44 @@ class _Handlers:
                 elif isinstance(event, Finished):  # cancelled while queued: the client has gone
                     raise APIError(499, "the request was cancelled", code="cancelled")
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+
+    async def progress(self, events: _EventBridge, fmt, include_usage: bool):
+        """A started request's stream chunks (dicts, not yet numbered or framed), as the
+        engine produces them: None when nothing came for `keepalive_seconds`, and last an
+        APIError if generation failed. The caller cancels the job when it is done."""
+        keepalive = self.state.config.keepalive_seconds
+        for chunk in fmt.stream_start(include_usage):
+            yield chunk
+        while True:
+            try:
+                event = await events.get(keepalive)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            if isinstance(event, Delta):
+                for chunk in fmt.stream_delta(event, include_usage):
+                    yield chunk
+            elif isinstance(event, Finished):
+                for chunk in fmt.stream_finish(event, include_usage):
+                    yield chunk
+                return
+            elif isinstance(event, Failed):
+                yield _engine_error(event.error)
+                return
 
     async def _stream(self, job, events: _EventBridge, fmt, include_usage: bool):
-        keepalive = self.state.config.keepalive_seconds
+        """Server-Sent Events of `progress`."""
         try:
-            for chunk in fmt.stream_start(include_usage):
-                yield fmt.event(chunk)
-            while True:
-                try:
-                    event = await events.get(keepalive)
-                except asyncio.TimeoutError:
-                    yield fmt.keepalive()
-                    continue
-                if isinstance(event, Delta):
-                    for chunk in fmt.stream_delta(event, include_usage):
+            async with aclosing(self.progress(events, fmt, include_usage)) as chunks:
+                async for chunk in chunks:
+                    if chunk is None:
+                        yield fmt.keepalive()
+                    elif isinstance(chunk, APIError):
+                        yield fmt.failure(chunk)
+                    else:
                         yield fmt.event(chunk)
-                elif isinstance(event, Finished):
-                    for chunk in fmt.stream_finish(event, include_usage):
-                        yield fmt.event(chunk)
-                    break
-                elif isinstance(event, Failed):
-                    yield fmt.failure(_engine_error(event.error))
-                    break
             yield fmt.end()
         finally:
             job.cancel()  # the client went away (the task is cancelled) or we are done (a no-op)

@@ -178,8 +178,12 @@ class ResponseFormat:
         self.final_events = self._finish(status)
         body = self._body(status, finished)
         if self.call.store:
-            self.store.put(body, self.call.history + items_to_messages(self.items, "output"))
+            self.store.put(body, self.conversation())
         return body
+
+    def conversation(self) -> list[dict]:
+        """The conversation so far as chat messages: the request's and the output."""
+        return self.call.history + items_to_messages(self.items, "output")
 
     # ---------------------------------------------------------------- the format interface
 
@@ -204,27 +208,35 @@ class ResponseFormat:
                                                                                          "response.failed")
         return self.final_events + [{"type": kind, "response": body}]
 
-    def event(self, chunk: dict) -> str:
+    def number(self, chunk: dict) -> dict:
+        """The event with its sequence_number (the stream's next)."""
         chunk = {**chunk, "sequence_number": self.sequence}
         self.sequence += 1
+        return chunk
+
+    def event(self, chunk: dict) -> str:
+        chunk = self.number(chunk)
         return f"event: {chunk['type']}\ndata: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     def keepalive(self) -> str:
         return ": keep-alive\n\n"
 
-    def failure(self, error: APIError) -> str:
-        """An `error` event, then `response.failed` with the error (the specification's order).
-        The error event carries its fields both nested (the specification's `error`) and at
-        the top (OpenAI's SDK reads them there)."""
+    def failed(self, error: APIError) -> list[dict]:
+        """The events of a generation that failed with `error`: an `error` event, then
+        `response.failed` (the specification's order). The error event carries its fields
+        both nested (the specification's `error`) and at the top (OpenAI's SDK reads them
+        there); the response's error code is one of the few the SDK knows."""
         kind = "too_many_requests" if error.status == 429 else "server_error" if error.status >= 500 \
             else "invalid_request"
-        # the response's error code is one of the few the SDK knows; the event's is ours
         code = "rate_limit_exceeded" if error.status == 429 else "server_error" if error.status >= 500 \
             else "invalid_prompt"
         fields = {"code": error.code or code, "message": error.message, "param": error.param}
-        return self.event({"type": "error", **fields, "error": {"type": kind, **fields}}) \
-            + self.event({"type": "response.failed",
-                          "response": self._body("failed", error={"code": code, "message": error.message})})
+        return [{"type": "error", **fields, "error": {"type": kind, **fields}},
+                {"type": "response.failed",
+                 "response": self._body("failed", error={"code": code, "message": error.message})}]
+
+    def failure(self, error: APIError) -> str:
+        return "".join(self.event(event) for event in self.failed(error))
 
     def end(self) -> str:
         return "data: [DONE]\n\n"
