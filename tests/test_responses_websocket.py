@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from openresponses_spec import check, check_event
 from serving_rig import Server, scripted
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
@@ -68,6 +69,8 @@ def receive(ws) -> list[dict]:
     events = []
     while not events or events[-1]["type"] not in ENDS:
         events.append(json.loads(ws.recv(timeout=120)))
+        # the specification's schemas: the transport's error envelope, or a streaming event
+        check("WebSocketErrorEvent", events[-1]) if events[-1]["type"] == "error" else check_event(events[-1])
     return events
 
 

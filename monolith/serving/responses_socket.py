@@ -201,4 +201,8 @@ def _api_error(e: Exception) -> APIError:
 
 
 def _error(error: APIError) -> dict:
-    return {"type": "error", "status": error.status, **error.body()}
+    """The transport's error envelope; its `error.code` is never null (the specification's
+    schema): the error's type stands in where it has no code of its own."""
+    body = error.body()
+    body["error"]["code"] = body["error"]["code"] or body["error"]["type"]
+    return {"type": "error", "status": error.status, **body}
