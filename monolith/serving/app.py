@@ -54,7 +54,8 @@ from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
-from .responses_store import ResponseStore
+from .responses_routes import StoredResponses
+from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
 from .schemas import (
     ChatRequest,
     SamplingDefaults,
@@ -77,6 +78,9 @@ class ServerConfig:
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
+    response_store_size: int = STORED_RESPONSES  # the Responses API's stored responses, at most
+    response_store_bytes: int = STORED_BYTES  # ... and at most this many bytes of them
+    response_store_dir: str | None = None  # where they survive a restart (None: memory only)
 
 
 class ServerState:
@@ -89,7 +93,8 @@ class ServerState:
         self.token_text: TokenText | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.responses = ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
+        self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
+                                       config.response_store_dir)  # responses_routes.py
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
@@ -142,8 +147,10 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         yield
         if state.engine is not None:
             await anyio.to_thread.run_sync(state.engine.close)
+        await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
 
     handlers = _Handlers(state)
+    stored = StoredResponses(state.responses)
     routes = [
         Route("/health", handlers.health, methods=["GET"]),
         Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
@@ -154,8 +161,12 @@ def create_app(load: Callable[[], object], config: ServerConfig,
               methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
         Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
-        Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
+        Route("/v1/responses/{response_id}", handlers.endpoint("responses", stored.get), methods=["GET"]),
+        Route("/v1/responses/{response_id}", handlers.endpoint("responses", stored.delete), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", handlers.endpoint("responses", stored.input_items),
               methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", handlers.endpoint("responses", stored.cancel),
+              methods=["POST"]),
     ]
 
     async def http_error(request, exc: HTTPException):
@@ -348,10 +359,6 @@ class _Handlers:
         make_format = responses_reply.format_maker(name, call, self.state.responses, engine.tokenizer)
         return await self.generate_chat(request, engine, call.request, make_format, started, "input")
 
-    async def stored_response(self, request: Request) -> Response:
-        body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")
-        return JSONResponse(body)
-
     async def completions(self, request: Request) -> Response:
         engine = self._engine()
         started = time.monotonic()
@@ -420,10 +427,12 @@ class _Handlers:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
         except EngineClosed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        if hasattr(fmt, "submitted"):  # a format whose response can be cancelled by id (responses_routes.py)
+            fmt.submitted(job)
         try:
             cached = await self._wait_started(request, job, events)
         except BaseException:
-            job.cancel()
+            _end(job, fmt)
             raise
         if hasattr(fmt, "resumed"):  # a format that reports the cache's hits before the first token
             fmt.resumed(cached)
@@ -443,7 +452,7 @@ class _Handlers:
                     raise _engine_error(event.error)
         finally:
             watcher.cancel()
-            job.cancel()  # a no-op once finished
+            _end(job, fmt)
 
     async def _wait_started(self, request: Request, job, events: _EventBridge) -> int:
         """Wait until the request has left the queue (bounded by its deadline) and resumed:
@@ -493,7 +502,7 @@ class _Handlers:
                     break
             yield fmt.end()
         finally:
-            job.cancel()  # the client went away (the task is cancelled) or we are done (a no-op)
+            _end(job, fmt)  # the client went away (the task is cancelled) or we are done
 
 
 # ------------------------------------------------------------------ engine <-> asyncio
@@ -548,6 +557,14 @@ async def _cancel_on_disconnect(request: Request, job) -> None:
         if message["type"] == "http.disconnect":
             job.cancel()
             return
+
+
+def _end(job, fmt) -> None:
+    """A request's handler is done with it: its job is cancelled (a no-op once finished)
+    and a format that asks (`ended`) is told."""
+    job.cancel()
+    if hasattr(fmt, "ended"):
+        fmt.ended()
 
 
 def _fits(engine, text: str, param: str) -> None:
