@@ -233,16 +233,25 @@ def test_cancel_a_streamed_response(hanging):
     assert again == cancelled
 
 
-def test_cancel_a_response_that_is_not_streamed(hanging):
+def test_cancel_responses_that_are_not_streamed_running_and_queued(hanging):
     client, state = hanging.client(), hanging.app.state.monolith
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(reply=client.responses.create(input="Hi", **COMMON)))
-    thread.start()
-    while not state.responses.running:  # its id is known to the server only, until it finishes
-        time.sleep(0.01)
-    (response_id,) = state.responses.running
-    cancelled = client.responses.cancel(response_id)
-    thread.join(60)
-    # the streamed test's cancel freed the engine's only slot: this one ran (a queued one has no output)
-    assert cancelled.status == "cancelled" and cancelled.output_text == "Hello there"
-    assert result["reply"] == cancelled and not state.responses.running
+    replies = {}
+
+    def create(name):
+        replies[name] = client.responses.create(input="Hi", **COMMON)
+
+    threads = []
+    for name, count in (("running", 1), ("queued", 2)):  # the engine runs one request at a time
+        threads.append(threading.Thread(target=create, args=(name,)))
+        threads[-1].start()
+        while len(state.responses.running) < count:  # their ids are known to the server only, until they end
+            time.sleep(0.01)
+    running_id, queued_id = state.responses.running
+    queued = client.responses.cancel(queued_id)
+    running = client.responses.cancel(running_id)
+    for thread in threads:
+        thread.join(60)
+    assert (queued.status, queued.output, replies["queued"]) == ("cancelled", [], queued)
+    # the streamed test's cancel freed the engine's only slot: this one ran
+    assert (running.status, running.output_text, replies["running"]) == ("cancelled", "Hello there", running)
+    assert client.responses.retrieve(queued_id) == queued and not state.responses.running

@@ -427,10 +427,11 @@ class _Handlers:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
         except EngineClosed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
-        if hasattr(fmt, "submitted"):  # a format whose response can be cancelled by id (responses_routes.py)
+        by_id = hasattr(fmt, "submitted")  # a format whose response can be cancelled by id (responses_routes.py)
+        if by_id:
             fmt.submitted(job)
         try:
-            cached = await self._wait_started(request, job, events)
+            cached = await self._wait_started(request, job, events, by_id)
         except BaseException:
             _end(job, fmt)
             raise
@@ -454,9 +455,10 @@ class _Handlers:
             watcher.cancel()
             _end(job, fmt)
 
-    async def _wait_started(self, request: Request, job, events: _EventBridge) -> int:
+    async def _wait_started(self, request: Request, job, events: _EventBridge, by_id: bool = False) -> int:
         """Wait until the request has left the queue (bounded by its deadline) and resumed:
-        the prompt tokens it resumed with."""
+        the prompt tokens it resumed with. Cancelled before that, it is a 499 (its client
+        has gone), unless it can be cancelled `by_id`: then its format finishes it."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         started = False
         try:
@@ -474,7 +476,10 @@ class _Handlers:
                     return event.cached_tokens
                 elif isinstance(event, Failed):
                     raise _engine_error(event.error)
-                elif isinstance(event, Finished):  # cancelled while queued: the client has gone
+                elif isinstance(event, Finished) and by_id:
+                    events.unget(event)  # for the format's finished response
+                    return 0
+                elif isinstance(event, Finished):  # cancelled while queued or prefilling: the client has gone
                     raise APIError(499, "the request was cancelled", code="cancelled")
         finally:
             watcher.cancel()
@@ -529,6 +534,10 @@ class _EventBridge:
         elif isinstance(event, Finished):
             self.metrics.observe(event, self.first_token, time.monotonic() - self.started)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def unget(self, event) -> None:
+        """Hand `event` out again, first."""
+        self._next = event
 
     async def get(self, timeout: float | None = None):
         """The next event, within `timeout` seconds (asyncio.TimeoutError), with the

@@ -82,7 +82,8 @@ def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) 
             "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": temperature,
             "top_p": top_p, "text": {"format": form}, "tool_choice": choice, "tools": flat_tools,
             "truncation": "disabled", "reasoning": reasoning}
-    return ResponsesCall(request, history, echo, keep is not False, input_items(body["input"]))
+    return ResponsesCall(request, history, echo, keep is not False,
+                         input_items(body["input"]) if keep is not False else [])
 
 
 def _reasoning(value) -> tuple[dict, dict]:

@@ -154,7 +154,8 @@ class ResponseStore:
         with self._lock:
             running = self.running.pop(response_id, None)
         if running is not None and not running.outcome.done():
-            running.outcome.set_result(body if body is not None else running.body("cancelled"))
+            status = "cancelled" if running.job.cancelled else "failed"
+            running.outcome.set_result(body if body is not None else running.body(status))
 
     # ---------------------------------------------------------------- the directory
 
@@ -202,9 +203,10 @@ class ResponseStore:
             return None
 
     def close(self) -> None:
-        """Wait until every queued write is done."""
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
+        """Wait until every queued write is done; responses stored later stay in memory."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=True)
 
 
 def input_items(value) -> list[dict]:
