@@ -54,7 +54,7 @@ from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
-from .responses_routes import StoredResponses
+from .responses_routes import STORED_ROUTES, StoredResponses
 from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
 from .schemas import (
     ChatRequest,
@@ -161,12 +161,8 @@ def create_app(load: Callable[[], object], config: ServerConfig,
               methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
         Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
-        Route("/v1/responses/{response_id}", handlers.endpoint("responses", stored.get), methods=["GET"]),
-        Route("/v1/responses/{response_id}", handlers.endpoint("responses", stored.delete), methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/input_items", handlers.endpoint("responses", stored.input_items),
-              methods=["GET"]),
-        Route("/v1/responses/{response_id}/cancel", handlers.endpoint("responses", stored.cancel),
-              methods=["POST"]),
+        *[Route(path, handlers.endpoint("responses", _json(getattr(stored, name))), methods=[method])
+          for path, method, name in STORED_ROUTES],
     ]
 
     async def http_error(request, exc: HTTPException):
@@ -177,6 +173,15 @@ def create_app(load: Callable[[], object], config: ServerConfig,
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.monolith = state
     return app
+
+
+def _json(handler):
+    """A handler that returns a JSON body, as a starlette endpoint."""
+
+    async def run(request: Request) -> Response:
+        return JSONResponse(await handler(request))
+
+    return run
 
 
 def error_response(e: APIError) -> JSONResponse:

@@ -9,15 +9,15 @@ connection) is cancelled, its engine job freeing its slot, and answered with sta
 `cancelled`; a finished one is a 400. Every unknown id is a 404 naming `response_id`.
 
 "compact" and "input_tokens" name POST endpoints (/v1/responses/compact,
-/v1/responses/input_tokens), never a response: other methods on them are a 405."""
+/v1/responses/input_tokens), never a response: other methods on them are a 405.
+
+Each handler takes the request (its path_params, query_params and method, as starlette's
+Request has them) and returns the JSON body: app.py routes them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, bad
 from .responses_store import ResponseStore
@@ -29,6 +29,9 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
               "message.input_image.image_url", "computer_call_output.output.image_url",
               "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 LIST_PARAMS = ("limit", "order", "after", "include", "include[]")
+STORED_ROUTES = (("/v1/responses/{response_id}", "GET", "get"), ("/v1/responses/{response_id}", "DELETE", "delete"),
+                 ("/v1/responses/{response_id}/input_items", "GET", "input_items"),
+                 ("/v1/responses/{response_id}/cancel", "POST", "cancel"))  # (path, method, handler)
 CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finish it
 
 
@@ -36,26 +39,26 @@ class StoredResponses:
     def __init__(self, store: ResponseStore):
         self.store = store
 
-    def _id(self, request: Request) -> str:
+    def _id(self, request) -> str:
         response_id = request.path_params["response_id"]
         if response_id in ENDPOINTS:
-            raise APIError(405, f"{request.method} {request.url.path}: /v1/responses/{response_id} takes POST only "
+            raise APIError(405, f"{request.method} /v1/responses/{response_id}: it takes POST only "
                                 "(it is an endpoint, not a response id)", code="method_not_allowed")
         return response_id
 
-    async def get(self, request: Request) -> Response:
-        return JSONResponse(self.store.get(self._id(request), "response_id").body)
+    async def get(self, request) -> dict:
+        return self.store.get(self._id(request), "response_id").body
 
-    async def delete(self, request: Request) -> Response:
+    async def delete(self, request) -> dict:
         response_id = self._id(request)
         if not self.store.delete(response_id):
             if response_id in self.store.running:
                 raise bad(f"response {response_id!r} is still being generated: cancel it first "
                           f"(POST /v1/responses/{response_id}/cancel), then delete it", "response_id")
             raise self.store.not_found(response_id, "response_id")
-        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return {"id": response_id, "object": "response", "deleted": True}
 
-    async def input_items(self, request: Request) -> Response:
+    async def input_items(self, request) -> dict:
         stored = self.store.get(self._id(request), "response_id")
         query = request.query_params
         unknown = sorted(set(query) - set(LIST_PARAMS))
@@ -80,10 +83,10 @@ class StoredResponses:
                 raise bad(f"after: response {stored.body['id']!r} has no input item {after!r}", "after")
             items = items[ids.index(after) + 1:]
         page = [_included(item, include) for item in items[:int(limit)]]
-        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)})
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
 
-    async def cancel(self, request: Request) -> Response:
+    async def cancel(self, request) -> dict:
         response_id = self._id(request)
         running = self.store.running.get(response_id)
         if running is None:
@@ -99,7 +102,7 @@ class StoredResponses:
         if body["status"] != "cancelled":  # it ended before the cancel took effect
             raise bad(f"response {response_id!r} is {body['status']}: only a response in progress can be "
                       "cancelled", "response_id")
-        return JSONResponse(body)
+        return body
 
 
 def _included(item: dict, include: list[str]) -> dict:
