@@ -65,6 +65,7 @@ def test_bounds_drop_the_least_recently_used(tmp_path):
     assert list(store.entries) == ["resp_d", "resp_e"]
     store.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resp_d.json", "resp_e.json"]
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) == store.nbytes  # the disk, bounded the same
 
     again = ResponseStore(size=1, max_bytes=10**6, directory=tmp_path)  # a smaller bound at start
     assert list(again.entries) == ["resp_e"] and again.get("resp_e", "x") == e_entry
@@ -109,8 +110,8 @@ def test_retrieve_input_items_and_delete(server):
 
     raw = httpx.get(f"{server.url}/v1/responses/{reply.id}/input_items", params={"order": "asc"}).json()
     assert set(raw) == {"object", "data", "first_id", "last_id", "has_more"} and raw["object"] == "list"
-    assert raw["has_more"] is False and [i["id"] for i in raw["data"]][::len(raw["data"]) - 1] == \
-        [raw["first_id"], raw["last_id"]]
+    assert raw["has_more"] is False and (raw["first_id"], raw["last_id"]) == (raw["data"][0]["id"],
+                                                                              raw["data"][-1]["id"])
     items = [ITEMS.validate_python(item) for item in raw["data"]]  # the SDK's own types, strictly
     assert [(i.role, "".join(c.text for c in i.content)) for i in items] == [
         (m["role"], m["content"] if isinstance(m["content"], str) else "Hello, who are you?") for m in conversation]

@@ -234,7 +234,8 @@ def input_items(value) -> list[dict]:
 
 def encode(stored: Stored) -> bytes:
     """A stored response as its file's bytes: the header line, then the payload."""
-    payload = json.dumps(stored._asdict(), ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(stored._asdict(), ensure_ascii=False, separators=(",", ":"))
+    payload = text.encode("utf-8", "surrogatepass")  # a lone surrogate in a request's JSON comes back as sent
     header = {"format": FORMAT, "version": VERSION, "id": stored.body["id"], "bytes": len(payload),
               "sha256": hashlib.sha256(payload).hexdigest()}
     return json.dumps(header).encode() + b"\n" + payload
