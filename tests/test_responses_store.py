@@ -248,6 +248,7 @@ def test_cancel_responses_that_are_not_streamed_running_and_queued(hanging):
         while len(state.responses.running) < count:  # their ids are known to the server only, until they end
             time.sleep(0.01)
     running_id, queued_id = state.responses.running
+    assert client.responses.retrieve(queued_id).status == "in_progress"
     queued = client.responses.cancel(queued_id)
     running = client.responses.cancel(running_id)
     for thread in threads:

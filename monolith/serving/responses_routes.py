@@ -1,5 +1,5 @@
 """The endpoints on stored responses (OpenAI's shapes; the store: responses_store.py):
-GET /v1/responses/{id}, DELETE /v1/responses/{id} ({"id", "object": "response",
+GET /v1/responses/{id} (status `in_progress` while it is being generated), DELETE /v1/responses/{id} ({"id", "object": "response",
 "deleted": true}), GET /v1/responses/{id}/input_items (a cursor page of the request's
 input items: `limit` 1-100, default 20; `order` asc or desc, default desc; `after` an item
 id; `include` values are accepted, and `reasoning.encrypted_content` keeps a reasoning
@@ -47,7 +47,12 @@ class StoredResponses:
         return response_id
 
     async def get(self, request) -> dict:
-        return self.store.get(self._id(request), "response_id").body
+        response_id = self._id(request)
+        running = self.store.running.get(response_id)
+        body = running.body("in_progress") if running is not None else None
+        if body is not None and body["store"]:  # as it will be stored once it is done
+            return body
+        return self.store.get(response_id, "response_id").body
 
     async def delete(self, request) -> dict:
         response_id = self._id(request)
