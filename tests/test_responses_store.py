@@ -6,9 +6,11 @@ and the items and pages checked against the SDK's own types."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -16,10 +18,12 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem
 from serving_rig import Server, assert_error
+from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
+from monolith.serving.responses_routes import StoredResponses
 from monolith.serving.responses_store import ResponseStore, Stored, encode, input_items
 
 NAME = "demo"
@@ -93,6 +97,20 @@ def test_a_damaged_file_is_skipped_and_removed(tmp_path, caplog, damage):
     assert again.get("resp_ok", "previous_response_id").body["id"] == "resp_ok"
     again.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "resp_ok.json"]
+
+
+def test_encrypted_reasoning_is_listed_only_when_included():
+    store = ResponseStore()
+    reasoning = {"type": "reasoning", "summary": [], "encrypted_content": "sealed"}
+    store.put({"id": "resp_r"}, [], input_items([reasoning, {"role": "user", "content": "x"}]))
+
+    def listed(query: str) -> list[dict]:
+        request = SimpleNamespace(path_params={"response_id": "resp_r"}, query_params=QueryParams(query), method="GET")
+        page = asyncio.run(StoredResponses(store).input_items(request))
+        return [ITEMS.validate_python(item).model_dump(exclude_none=True) for item in page["data"]]
+
+    assert "encrypted_content" not in listed("order=asc")[0]
+    assert listed("order=asc&include[]=reasoning.encrypted_content")[0]["encrypted_content"] == "sealed"
 
 
 # ------------------------------------------------------------------ the endpoints

@@ -1,12 +1,13 @@
 """The endpoints on stored responses (OpenAI's shapes; the store: responses_store.py):
-GET /v1/responses/{id} (status `in_progress` while it is being generated), DELETE /v1/responses/{id} ({"id", "object": "response",
-"deleted": true}), GET /v1/responses/{id}/input_items (a cursor page of the request's
-input items: `limit` 1-100, default 20; `order` asc or desc, default desc; `after` an item
-id; `include` values are accepted, and `reasoning.encrypted_content` keeps a reasoning
-item's encrypted_content, which is left out otherwise), and POST
-/v1/responses/{id}/cancel: a response being generated (streamed or not, from another
-connection) is cancelled, its engine job freeing its slot, and answered with status
-`cancelled`; a finished one is a 400. Every unknown id is a 404 naming `response_id`.
+GET /v1/responses/{id} (status `in_progress` while it is being generated); DELETE
+/v1/responses/{id} ({"id", "object": "response", "deleted": true}); GET
+/v1/responses/{id}/input_items (a cursor page of the request's input items: `limit`
+1-100, default 20; `order` asc or desc, default desc; `after` an item id; `include`
+values are accepted, and `reasoning.encrypted_content` keeps a reasoning item's
+encrypted_content, which is left out otherwise); POST /v1/responses/{id}/cancel: a
+response being generated (streamed or not, from another connection) is cancelled, its
+engine job freeing its slot, and answered with status `cancelled`; a finished one is a
+400. Every unknown id is a 404 naming `response_id`.
 
 "compact" and "input_tokens" name POST endpoints (/v1/responses/compact,
 /v1/responses/input_tokens), never a response: other methods on them are a 405.
