@@ -9,10 +9,12 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
 
-from .cli import ArgumentParser
+from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
+from .serving.responses_store import STORED_BYTES, STORED_RESPONSES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_BATCH = 4  # bench/concurrency.py: see README, "Concurrent requests"
@@ -44,6 +46,14 @@ def build_parser() -> ArgumentParser:
                     help="close a connection whose request head has not arrived in this long (default 30)")
     ap.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="a request body that has not arrived in this long gets 408 (default 60)")
+    store = ap.add_argument_group("the Responses API's stored responses (previous_response_id, GET/DELETE "
+                                  "/v1/responses/{id}); with --prompt-cache-dir DIR kept in DIR/responses across "
+                                  "restarts")
+    store.add_argument("--response-store-size", type=int, default=STORED_RESPONSES, metavar="N",
+                       help=f"the most responses kept; the least recently used go first (default {STORED_RESPONSES})")
+    store.add_argument("--response-store-bytes", type=byte_size, default=STORED_BYTES, metavar="BYTES",
+                       help="the most bytes they take (a response's JSON with its conversation), e.g. 1G "
+                            f"(default {STORED_BYTES >> 20}M)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_distributed_arguments(ap)
     return ap
@@ -56,7 +66,9 @@ def main(argv=None) -> int:
         if not 0 <= args.port <= 65535:
             raise SetupError(f"--port must be in [0, 65535], got {args.port}")
         for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                            ("--max-request-bytes", args.max_request_bytes)):
+                            ("--max-request-bytes", args.max_request_bytes),
+                            ("--response-store-size", args.response_store_size),
+                            ("--response-store-bytes", args.response_store_bytes)):
             if value < 1:
                 raise SetupError(f"{flag} must be at least 1, got {value}")
         if not args.queue_timeout > 0:
@@ -91,7 +103,11 @@ def main(argv=None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
     config = ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
                           max_tokens_limit=args.max_tokens_limit, loopback_only=_loopback_address(args.host),
-                          allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout)
+                          allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout,
+                          response_store_size=args.response_store_size,
+                          response_store_bytes=args.response_store_bytes,
+                          response_store_dir=None if args.prompt_cache_dir is None
+                          else str(Path(args.prompt_cache_dir) / "responses"))
     failures: list[Exception] = []
     server: uvicorn.Server | None = None
 
@@ -108,7 +124,11 @@ def main(argv=None) -> int:
         return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch,
                            sources=ranks[0].sources, load=ranks[0].target)
 
-    app = create_app(load, config, on_load_failure)
+    try:
+        app = create_app(load, config, on_load_failure)
+    except OSError as e:  # the stored responses' directory
+        print(f"error: --prompt-cache-dir {args.prompt_cache_dir}: {e}", file=sys.stderr)
+        return 1
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10, http=timed_h11(args.header_timeout)))
     log.info("loading %s in the background; /health answers 503 until it is ready", plan.name)

@@ -146,12 +146,22 @@ def test_cli_flags(tmp_path, pack):
     (["--api-key", ""], "--api-key is empty"),
     (["--api-key", "  "], "--api-key is empty"),
     (["--max-tokens-limit", "0"], "--max-tokens-limit"),
+    (["--response-store-size", "0"], "--response-store-size"),
+    (["--response-store-bytes", "0"], "--response-store-bytes"),
+    (["--response-store-bytes", "lots"], "not a byte size"),
     (["--bogus"], "unrecognized"),
 ])
 def test_cli_usage_errors_exit_1(args, message):
     r = subprocess.run([sys.executable, "-m", "monolith.serve", *args], capture_output=True, text=True, timeout=60,
                        check=False)
     assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_response_store_that_cannot_be_made_exits_1(tmp_path):
+    (tmp_path / "responses").write_text("a file where the stored responses' directory goes")
+    r = subprocess.run([sys.executable, "-m", "monolith.serve", "--prompt-cache-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1 and "error: --prompt-cache-dir" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_cli_model_that_cannot_load_exits_1(tmp_path):

@@ -12,7 +12,8 @@ holds the rows before it; "" when start is 0), and the SHA-256 of every tensor's
 Reading checks all of it (the header, the identity, the tokens against the prompt, every
 tensor's hash, names, shapes and dtypes against the live caches): a corrupt, truncated or
 foreign file raises CheckpointFileError naming the file and what is wrong. Writing goes
-to a temporary file in the same directory, fsynced and renamed into place.
+to a temporary file in the same directory, fsynced and renamed into place
+(`write_atomically`, which the Responses API's store on disk uses too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,11 +111,18 @@ def write_checkpoint(path: Path, ident: dict[str, str], tokens: Sequence[int], s
                 "start": str(start), "end": str(len(tokens)), "prefix_sha256": prefix_hash(tokens),
                 "base_sha256": prefix_hash(tokens[:start]) if start else "",
                 "tensors_sha256": json.dumps(hashes, sort_keys=True), **(extra or {})}
+    return write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+
+
+def write_atomically(path, write: Callable[[str], object]) -> int:
+    """`write(tmp)` fills a temporary file (".tmp-*" + the path's suffix) in `path`'s
+    directory, which is then fsynced and renamed onto `path`: a reader sees the old file
+    or the whole new one, never a part. The new file's size."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
     os.close(fd)
     try:
-        write_safetensors(tmp, tensors, metadata)
+        write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -63,8 +63,9 @@ from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses import ChatFormat, CompletionFormat, TokenText, read_json
+from .responses_routes import STORED_ROUTES, StoredResponses
 from .responses_socket import LIMIT_SECONDS, ResponsesSocket
-from .responses_store import ResponseStore
+from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
 from .schemas import (
     ChatRequest,
     SamplingDefaults,
@@ -89,6 +90,9 @@ class ServerConfig:
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
     websocket_limit_seconds: float = LIMIT_SECONDS  # a /v1/responses WebSocket's life (responses_socket.py)
     websocket_clock: Callable[[], float] = time.monotonic  # what measures it (tests bring their own)
+    response_store_size: int = STORED_RESPONSES  # the Responses API's stored responses, at most
+    response_store_bytes: int = STORED_BYTES  # ... and at most this many bytes of them
+    response_store_dir: str | None = None  # where they survive a restart (None: memory only)
 
 
 class ServerState:
@@ -101,7 +105,8 @@ class ServerState:
         self.token_text: TokenText | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.responses = ResponseStore()  # for previous_response_id and GET /v1/responses/{id}
+        self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
+                                       config.response_store_dir)  # responses_routes.py
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
@@ -154,8 +159,10 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         yield
         if state.engine is not None:
             await anyio.to_thread.run_sync(state.engine.close)
+        await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
 
     handlers = _Handlers(state)
+    stored = StoredResponses(state.responses)
     routes = [
         Route("/health", handlers.health, methods=["GET"]),
         Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
@@ -168,8 +175,8 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/responses", handlers.endpoint("responses", handlers.responses), methods=["POST"]),
         Route("/v1/responses/input_tokens", handlers.endpoint("responses", handlers.input_tokens), methods=["POST"]),
         Route("/v1/responses/compact", handlers.endpoint("responses", handlers.compact), methods=["POST"]),
-        Route("/v1/responses/{response_id}", handlers.endpoint("responses", handlers.stored_response),
-              methods=["GET"]),
+        *[Route(path, handlers.endpoint("responses", _json(getattr(stored, name))), methods=[method])
+          for path, method, name in STORED_ROUTES],
         WebSocketRoute("/v1/responses", ResponsesSocket(handlers, config.websocket_limit_seconds,
                                                         config.websocket_clock).serve),
     ]
@@ -182,6 +189,15 @@ def create_app(load: Callable[[], object], config: ServerConfig,
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.monolith = state
     return app
+
+
+def _json(handler):
+    """A handler that returns a JSON body, as a starlette endpoint."""
+
+    async def run(request: Request) -> Response:
+        return JSONResponse(await handler(request))
+
+    return run
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -391,10 +407,6 @@ class _Handlers:
         return await self.generate_chat(request, engine, req, lambda opened: responses_compact.CompactFormat(
             kept, opened), started, "input")
 
-    async def stored_response(self, request: Request) -> Response:
-        body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")
-        return JSONResponse(body)
-
     async def completions(self, request: Request) -> Response:
         engine = self._engine()
         started = time.monotonic()
@@ -472,10 +484,13 @@ class _Handlers:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
         except EngineClosed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        by_id = hasattr(fmt, "submitted")  # a format whose response can be cancelled by id (responses_routes.py)
+        if by_id:
+            fmt.submitted(job)
         try:
-            cached = await self._wait_started(request, job, events)
+            cached = await self._wait_started(request, job, events, by_id)
         except BaseException:
-            job.cancel()
+            _end(job, fmt)
             raise
         if hasattr(fmt, "resumed"):  # a format that reports the cache's hits before the first token
             fmt.resumed(cached)
@@ -499,11 +514,12 @@ class _Handlers:
                     raise _engine_error(event.error)
         finally:
             watcher.cancel()
-            job.cancel()  # a no-op once finished
+            _end(job, fmt)
 
-    async def _wait_started(self, request: Request | None, job, events: _EventBridge) -> int:
+    async def _wait_started(self, request: Request | None, job, events: _EventBridge, by_id: bool = False) -> int:
         """Wait until the request has left the queue (bounded by its deadline) and resumed:
-        the prompt tokens it resumed with."""
+        the prompt tokens it resumed with. Cancelled before that, it is a 499 (its client
+        has gone), unless it can be cancelled `by_id`: then its format finishes it."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job)) if request is not None else None
         started = False
         try:
@@ -521,7 +537,10 @@ class _Handlers:
                     return event.cached_tokens
                 elif isinstance(event, Failed):
                     raise _engine_error(event.error)
-                elif isinstance(event, Finished):  # cancelled while queued: the client has gone
+                elif isinstance(event, Finished) and by_id:
+                    events.unget(event)  # for the format's finished response
+                    return 0
+                elif isinstance(event, Finished):  # cancelled while queued or prefilling: the client has gone
                     raise APIError(499, "the request was cancelled", code="cancelled")
         finally:
             if watcher is not None:
@@ -564,7 +583,7 @@ class _Handlers:
                         yield fmt.event(chunk)
             yield fmt.end()
         finally:
-            job.cancel()  # the client went away (the task is cancelled) or we are done (a no-op)
+            _end(job, fmt)  # the client went away (the task is cancelled) or we are done
 
 
 # ------------------------------------------------------------------ engine <-> asyncio
@@ -591,6 +610,10 @@ class _EventBridge:
         elif isinstance(event, Finished):
             self.metrics.observe(event, self.first_token, time.monotonic() - self.started)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def unget(self, event) -> None:
+        """Hand `event` out again, first."""
+        self._next = event
 
     async def get(self, timeout: float | None = None):
         """The next event, within `timeout` seconds (asyncio.TimeoutError), with the
@@ -619,6 +642,14 @@ async def _cancel_on_disconnect(request: Request, job) -> None:
         if message["type"] == "http.disconnect":
             job.cancel()
             return
+
+
+def _end(job, fmt) -> None:
+    """A request's handler is done with it: its job is cancelled (a no-op once finished)
+    and a format that asks (`ended`) is told."""
+    job.cancel()
+    if hasattr(fmt, "ended"):
+        fmt.ended()
 
 
 def _fits(engine, text: str, param: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
 from .responses_items import items_to_messages, string_field
-from .responses_store import ResponseStore
+from .responses_store import ResponseStore, input_items
 from .schemas import (
     MAX_TEMPERATURE,
     ChatRequest,
@@ -47,6 +47,7 @@ class ResponsesCall:
     history: list[dict]  # the conversation without the instructions: stored with the output
     echo: dict  # the request's settings as the response object reports them
     store: bool
+    input: list[dict]  # the request's input as items with ids: stored for GET /v1/responses/{id}/input_items
 
 
 def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) -> ResponsesCall:
@@ -83,7 +84,8 @@ def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) 
             "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": temperature,
             "top_p": top_p, "text": {"format": form}, "tool_choice": choice, "tools": flat_tools,
             "truncation": "disabled", "reasoning": reasoning, **_settings_echo(body)}
-    return ResponsesCall(request, history, echo, keep is not False)
+    return ResponsesCall(request, history, echo, keep is not False,
+                         input_items(body["input"]) if keep is not False else [])
 
 
 def _settings_echo(body: dict) -> dict:

@@ -4,7 +4,8 @@
 events (`event: TYPE` + `data: {... "type", "sequence_number"}`); the non-streamed reply
 runs the same split over the same deltas, so both give the same output. Whitespace
 between text and a call belongs to neither. A finished response is stored (unless
-`store: false`) with its conversation, for `previous_response_id`."""
+`store: false`) with its conversation, for `previous_response_id`; while it is being
+generated the store knows it too, for cancel."""
 
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ class ResponseFormat:
         self.final_events = self._finish(status)
         body = self._body(status, finished)
         if self.call.store:
-            self.store.put(body, self.conversation())
+            self.store.put(body, self.conversation(), self.call.input)
+        self.store.end(self.id, body)
         return body
 
     def conversation(self) -> list[dict]:
@@ -186,6 +188,14 @@ class ResponseFormat:
         return self.call.history + items_to_messages(self.items, "output")
 
     # ---------------------------------------------------------------- the format interface
+
+    def submitted(self, job) -> None:
+        """The engine took the request: the response can be cancelled by id from now."""
+        self.store.begin(self.id, job, self._body)
+
+    def ended(self) -> None:
+        """The request's handler is done (after `_done`, or without it)."""
+        self.store.end(self.id)
 
     def collect(self, delta: Delta) -> None:
         self.texts.append(delta.text)

@@ -151,6 +151,7 @@ class _Connection:
                         final = chunk.get("response", final)
         finally:
             job.cancel()  # a no-op once finished
+            fmt.ended()  # no longer cancellable by id
         self.last = (final, fmt.conversation())
         return None
 

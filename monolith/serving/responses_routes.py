@@ -1,0 +1,118 @@
+"""The endpoints on stored responses (OpenAI's shapes; the store: responses_store.py):
+GET /v1/responses/{id} (status `in_progress` while it is being generated); DELETE
+/v1/responses/{id} ({"id", "object": "response", "deleted": true}); GET
+/v1/responses/{id}/input_items (a cursor page of the request's input items: `limit`
+1-100, default 20; `order` asc or desc, default desc; `after` an item id; `include`
+values are accepted, and `reasoning.encrypted_content` keeps a reasoning item's
+encrypted_content, which is left out otherwise); POST /v1/responses/{id}/cancel: a
+response being generated (streamed or not, from another connection) is cancelled, its
+engine job freeing its slot, and answered with status `cancelled`; a finished one is a
+400. Every unknown id is a 404 naming `response_id`.
+
+"compact" and "input_tokens" name POST endpoints (/v1/responses/compact,
+/v1/responses/input_tokens), never a response: other methods on them are a 405.
+
+Each handler takes the request (its path_params, query_params and method, as starlette's
+Request has them) and returns the JSON body: app.py routes them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .errors import APIError, bad
+from .responses_store import ResponseStore
+
+log = logging.getLogger("monolith.serve")
+
+ENDPOINTS = ("compact", "input_tokens")  # POST /v1/responses/NAME: not response ids
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
+LIST_PARAMS = ("limit", "order", "after", "include", "include[]")
+STORED_ROUTES = (("/v1/responses/{response_id}", "GET", "get"), ("/v1/responses/{response_id}", "DELETE", "delete"),
+                 ("/v1/responses/{response_id}/input_items", "GET", "input_items"),
+                 ("/v1/responses/{response_id}/cancel", "POST", "cancel"))  # (path, method, handler)
+CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finish it
+
+
+class StoredResponses:
+    def __init__(self, store: ResponseStore):
+        self.store = store
+
+    def _id(self, request) -> str:
+        response_id = request.path_params["response_id"]
+        if response_id in ENDPOINTS:
+            raise APIError(405, f"{request.method} /v1/responses/{response_id}: it takes POST only "
+                                "(it is an endpoint, not a response id)", code="method_not_allowed")
+        return response_id
+
+    async def get(self, request) -> dict:
+        response_id = self._id(request)
+        running = self.store.running.get(response_id)
+        body = running.body("in_progress") if running is not None else None
+        if body is not None and body["store"]:  # as it will be stored once it is done
+            return body
+        return self.store.get(response_id, "response_id").body
+
+    async def delete(self, request) -> dict:
+        response_id = self._id(request)
+        if not self.store.delete(response_id):
+            if response_id in self.store.running:
+                raise bad(f"response {response_id!r} is still being generated: cancel it first "
+                          f"(POST /v1/responses/{response_id}/cancel), then delete it", "response_id")
+            raise self.store.not_found(response_id, "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def input_items(self, request) -> dict:
+        stored = self.store.get(self._id(request), "response_id")
+        query = request.query_params
+        unknown = sorted(set(query) - set(LIST_PARAMS))
+        if unknown:
+            raise bad(f"unsupported query parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                      f"(this endpoint takes limit, order, after and include)", unknown[0])
+        limit = query.get("limit", "20")
+        if not (limit.isdigit() and 1 <= int(limit) <= 100):
+            raise bad(f"limit must be an integer from 1 to 100, got {limit!r}", "limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad(f"order must be \"asc\" or \"desc\", got {order!r}", "order")
+        include = query.getlist("include") + query.getlist("include[]")
+        for value in include:
+            if value not in INCLUDABLE:
+                raise bad(f"include: unknown value {value!r}; one of {', '.join(INCLUDABLE)}", "include")
+        items = stored.input if order == "asc" else stored.input[::-1]
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad(f"after: response {stored.body['id']!r} has no input item {after!r}", "after")
+            items = items[ids.index(after) + 1:]
+        page = [_included(item, include) for item in items[:int(limit)]]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+    async def cancel(self, request) -> dict:
+        response_id = self._id(request)
+        running = self.store.running.get(response_id)
+        if running is None:
+            body = self.store.get(response_id, "response_id").body  # 404 when unknown
+        else:
+            running.job.cancel()  # frees its slot (a no-op once done); its handler finishes the response
+            try:
+                body = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(running.outcome)), CANCEL_WAIT)
+            except asyncio.TimeoutError:
+                log.warning("response %s was cancelled, but its handler did not finish it in %g s", response_id,
+                            CANCEL_WAIT)
+                body = running.body("cancelled")
+        if body["status"] != "cancelled":  # it ended before the cancel took effect
+            raise bad(f"response {response_id!r} is {body['status']}: only a response in progress can be "
+                      "cancelled", "response_id")
+        return body
+
+
+def _included(item: dict, include: list[str]) -> dict:
+    if item.get("type") == "reasoning" and "encrypted_content" in item \
+            and "reasoning.encrypted_content" not in include:
+        return {k: v for k, v in item.items() if k != "encrypted_content"}
+    return item
