@@ -36,6 +36,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
+def private_cache(tmp_path_factory):
+    """MONOLITH_CACHE in a temporary directory for the module (e.g. the Responses API's
+    sealing key, responses_seal.py, is kept there): never the user's cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
 def pack(tiny_pack):
     return tiny_pack
 

@@ -20,8 +20,9 @@ from anthropic.types.beta import message_create_params as beta_create_params
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
-from serving_rig import NAME, TOOLS, model, pack, server, tok  # noqa: F401 - module fixtures
+from serving_rig import NAME, TOOLS, model, pack, private_cache, server, tok  # noqa: F401 - module fixtures
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # encrypted reasoning's key: never the user's cache
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api-fields.md"
 MARKS = ("honoured", "accepted, no effect", "refused")
 TITLES = {"chat": "OpenAI chat completions", "completions": "OpenAI completions",
@@ -316,6 +317,7 @@ SAMPLES = {
         "prompt_cache_key": {"prompt_cache_key": "conversation-1"},
         "service_tier": {"service_tier": "auto"},
         "include": {"include": ["reasoning.encrypted_content"]},
+        "client_metadata": {"client_metadata": {"session_id": "s-1", "turn_id": "t-1"}},
         "prompt_cache_retention": {"prompt_cache_retention": "24h"},
         "prompt_cache_options": {"prompt_cache_options": {"mode": "implicit"}},
         "stream_options": {"stream": True, "stream_options": {"include_obfuscation": False}},

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_rig import assert_error, demo_servers
+from serving_rig import assert_error, demo_servers, private_cache  # noqa: F401 - a module fixture
 
 from monolith.runtime.events import Delta, Finished, Usage
 from monolith.serving.errors import APIError
@@ -23,6 +23,7 @@ from monolith.serving.responses_reply import ResponseFormat
 from monolith.serving.responses_store import ResponseStore
 from monolith.serving.schemas import SamplingDefaults
 
+pytestmark = pytest.mark.usefixtures("private_cache")  # encrypted reasoning's key: never the user's cache
 MAX_CONTEXT = 1024
 NAME = "demo"
 INSTRUCTIONS = "You are terse."
@@ -234,7 +235,7 @@ def nested(depth: int) -> bytes:
     ({"input": "x", "stream": "yes"}, "stream"),
     ({"input": "x", "instructions": ["a"]}, "instructions"),
     ({"input": "x", "tools": {"type": "function"}}, "tools"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "browser"}]}, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
     ({"input": "x", "tools": [TOOLS[0], TOOLS[0]]}, "tools[1].name"),
@@ -243,7 +244,7 @@ def nested(depth: int) -> bytes:
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format.schema"),
-    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": "x", "text": {"verbosity": "loud"}}, "text.verbosity"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}},
       "tools": TOOLS, "tool_choice": "required"}, "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {

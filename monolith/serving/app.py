@@ -346,7 +346,12 @@ class _Handlers:
         call = responses_api.parse_request(await self._body(request), self.state.defaults, self.state.responses)
         name = self._model(call.request.model)
         make_format = responses_reply.format_maker(name, call, self.state.responses, engine.tokenizer)
-        return await self.generate_chat(request, engine, call.request, make_format, started, "input")
+        response = await self.generate_chat(request, engine, call.request, make_format, started, "input")
+        if call.tools.omitted:  # hosted tools this server cannot run: left out, and said so
+            omitted = ", ".join(dict.fromkeys(call.tools.omitted))
+            log.info("responses: hosted tools left out of what the model sees: %s", omitted)
+            response.headers["x-monolith-omitted-tools"] = omitted
+        return response
 
     async def stored_response(self, request: Request) -> Response:
         body, _ = self.state.responses.get(request.path_params["response_id"], "response_id")
