@@ -238,7 +238,8 @@ def test_a_forced_lark_custom_call_is_in_its_grammar(xml_server):
 
 def test_hosted_tools_are_left_out_and_said_so(server, caplog):
     function = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
-    hosted = [{"type": "web_search", "external_web_access": False}, {"type": "code_interpreter", "container": {"type": "auto"}},
+    hosted = [{"type": "web_search", "external_web_access": False},
+              {"type": "code_interpreter", "container": {"type": "auto"}},
               {"type": "web_search"}]
     with caplog.at_level(logging.INFO, logger="monolith.serve"):
         response = create(server, input="hi", tools=[hosted[0], function, *hosted[1:]], max_output_tokens=1)

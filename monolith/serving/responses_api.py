@@ -33,11 +33,10 @@ from .schemas import (
 from .structured import Structure
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning"}
+          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning", "include"}
 # reasoning.effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
 # effort levels, only thinking on or off
 THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
-FIELDS |= {"include"}
 # ids, client hints and caching hints: they change nothing generated
 INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier", "client_metadata",
                 "prompt_cache_retention", "prompt_cache_options", "stream_options"}

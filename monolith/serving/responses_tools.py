@@ -15,7 +15,8 @@ come back as output items.
   llguidance's own sub-grammar for the input (structured.py). A Lark grammar constrains
   only raw-text parameters: the XML calls of Qwen3.5/3.6's template (in the JSON calls of
   Qwen3's, the input is a JSON string). Under `auto` no call is constrained, as for
-  function tools.
+  function tools. In XML calls an input is read back up to its first `</parameter>`, so
+  a grammar that lets the input hold that text may see it cut there.
 - Hosted tools this server cannot run (HOSTED: web search, file search, code
   interpreter, MCP...) are left out of what the model sees, and the response says so
   (`omitted`: the app's `x-monolith-omitted-tools` header); a tool_choice that forces
