@@ -157,14 +157,12 @@ def codex_argv(codex, url):
             "-c", f"model_providers.monolith={provider}", "-c", "check_for_update_on_startup=false"]
 
 
-@pytest.mark.xfail(reason="issue 33: /v1/responses refuses four things Codex sends on every request "
-                          "(client_metadata, include, namespace and web_search tools)", strict=True)
 def test_codex(server, note, tmp_path):
-    """Codex speaks only the Responses API. Every request it sends is refused today, each
-    with a 400 on /v1/responses: `client_metadata` (its ids), `include:
-    ["reasoning.encrypted_content"]`, a tool of type "namespace" (multi_agent_v1) and one
-    of type "web_search"; with those four removed the server answers, the history of a
-    resumed session included."""
+    """Codex speaks only the Responses API, stateless (`store: false`), with its ids in
+    `client_metadata`, `include: ["reasoning.encrypted_content"]`, a "namespace" tool
+    (multi_agent_v1) and a hosted "web_search" tool (left out); its shell tool is
+    `exec_command`, forced on the task turn. The resumed session sends the first turn's
+    history back."""
     codex = need(node_client("codex"), "Codex CLI")
     with Check(server, {"exec_command": {"cmd": f"cat {note.name}"}}) as check:
         env = private_env(tmp_path / "home", MONOLITH_TEST_KEY=KEY, CODEX_HOME=str(tmp_path / "home" / "codex"))

@@ -319,6 +319,7 @@ SAMPLES = {
         "prompt_cache_key": {"prompt_cache_key": "conversation-1"},
         "service_tier": {"service_tier": "auto"},
         "include": {"include": ["reasoning.encrypted_content"]},
+        "client_metadata": {"client_metadata": {"session_id": "s-1", "turn_id": "t-1"}},
         "prompt_cache_retention": {"prompt_cache_retention": "24h"},
         "prompt_cache_options": {"prompt_cache_options": {"mode": "implicit"}},
         "stream_options": {"stream": True, "stream_options": {"include_obfuscation": False}},

@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from openresponses_spec import check_event, check_events, check_response
+from openresponses_spec import check_events, check_response
 from serving_rig import assert_error, demo_servers
 
 NAME = "demo"

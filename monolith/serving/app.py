@@ -387,7 +387,12 @@ class _Handlers:
         call = responses_api.parse_request(await self._body(request), self.state.defaults, self.state.responses)
         name = self._model(call.request.model)
         make_format = responses_reply.format_maker(name, call, self.state.responses, engine.tokenizer)
-        return await self.generate_chat(request, engine, call.request, make_format, started, "input")
+        response = await self.generate_chat(request, engine, call.request, make_format, started, "input")
+        if call.tools.omitted:  # hosted tools this server cannot run: left out, and said so
+            omitted = ", ".join(dict.fromkeys(call.tools.omitted))
+            log.info("responses: hosted tools left out of what the model sees: %s", omitted)
+            response.headers["x-monolith-omitted-tools"] = omitted
+        return response
 
     async def input_tokens(self, request: Request) -> Response:
         """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""

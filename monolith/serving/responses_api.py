@@ -2,8 +2,11 @@
 ChatRequest (`parse_request`). `instructions` becomes the system message; `input` (a
 string, or items: responses_items.py) becomes chat messages; `previous_response_id` puts
 the stored conversation (its input and output, not its instructions, as OpenAI does)
-before the new input; flat function `tools` become chat tools; `tool_choice` and
-`text.format` become the grammar the chat path already enforces. `parallel_tool_calls:
+before the new input; `tools` become chat tools (responses_tools.py: function, namespace,
+custom and hosted tools); `tool_choice` and `text.format` become the grammar the chat
+path already enforces. `include: ["reasoning.encrypted_content"]` seals each reasoning
+item's text into its `encrypted_content` (responses_seal.py). A field sent as `null`
+counts as not given. `parallel_tool_calls:
 false` makes a forced call (`tool_choice` required) a single one; under `auto` the
 model's calls are returned as it wrote them. Fields that would change the result and
 are not implemented are refused naming them. The reply: responses_reply.py; the store:
@@ -16,8 +19,9 @@ from dataclasses import dataclass
 
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
-from .responses_items import items_to_messages, string_field
+from .responses_items import items_to_messages
 from .responses_store import ResponseStore, input_items
+from .responses_tools import Tools, parse_tools, tool_choice
 from .schemas import (
     MAX_TEMPERATURE,
     ChatRequest,
@@ -29,15 +33,22 @@ from .schemas import (
 from .structured import Structure
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning"}
+          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning", "include"}
 # reasoning.effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
 # effort levels, only thinking on or off
 THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
-# change nothing generated; max_tool_calls bounds calls to hosted tools, which run nowhere here
-INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier", "max_tool_calls"}
-NEUTRAL_VALUES = {"truncation": "disabled", "background": False, "include": [], "top_logprobs": 0,
-                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
-TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
+# ids, client hints and caching hints: they change nothing generated; max_tool_calls bounds
+# calls to hosted tools, which run nowhere here
+INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier", "client_metadata",
+                "prompt_cache_retention", "prompt_cache_options", "stream_options", "max_tool_calls"}
+NEUTRAL_VALUES = {"truncation": "disabled", "background": False, "top_logprobs": 0, "presence_penalty": 0.0,
+                  "frequency_penalty": 0.0}
+ENCRYPTED = "reasoning.encrypted_content"
+# `include` values about items this server never writes (hosted tools' calls, input images)
+INERT_INCLUDES = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                  "message.input_image.image_url", "computer_call_output.output.image_url",
+                  "code_interpreter_call.outputs"}
+VERBOSITY = ("low", "medium", "high")
 FORMAT_KEYS = {"type", "name", "schema", "strict", "description"}
 
 
@@ -48,9 +59,12 @@ class ResponsesCall:
     echo: dict  # the request's settings as the response object reports them
     store: bool
     input: list[dict]  # the request's input as items with ids: stored for GET /v1/responses/{id}/input_items
+    tools: Tools  # what the model sees of `tools`, and how its calls come back
+    encrypted: bool = False  # include reasoning.encrypted_content
 
 
 def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) -> ResponsesCall:
+    body = {key: value for key, value in body.items() if value is not None}
     _check_fields(body)
     model = _optional(body, "model", str, "a string")
     stream = _optional(body, "stream", bool, "true or false") or False
@@ -70,22 +84,36 @@ def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) 
     previous = _optional(body, "previous_response_id", str, "a string")
     history = list(store.get(previous, "previous_response_id")[1]) if previous is not None else []
     history += _input(body.get("input"), history)
-    flat_tools, chat_tools = _tools(body.get("tools"))
-    choice, structure = _tool_choice(body.get("tool_choice"), chat_tools, parallel)
-    form, form_structure = _text(body.get("text"))
+    tools = parse_tools(body.get("tools"))
+    choice, structure = tool_choice(body.get("tool_choice"), tools, parallel)
+    text, form_structure = _text(body.get("text"))
     if form_structure is not None and structure is not None:
         raise bad("text.format and a tool_choice that forces a call cannot both constrain the output", "text.format")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
     reasoning, template_kwargs = _reasoning(body.get("reasoning"))
     request = ChatRequest(model=model, stream=stream, include_usage=False, max_tokens=max_tokens, params=params,
-                          stop=(), logprobs=None, messages=messages, tools=None if choice == "none" else chat_tools,
+                          stop=(), logprobs=None, messages=messages,
+                          tools=None if choice == "none" or not tools.chat else tools.chat,
                           template_kwargs=template_kwargs, structure=structure or form_structure)
     echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": _metadata(body),
             "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": temperature,
-            "top_p": top_p, "text": {"format": form}, "tool_choice": choice, "tools": flat_tools,
+            "top_p": top_p, "text": text, "tool_choice": choice, "tools": tools.echo,
             "truncation": "disabled", "reasoning": reasoning, **_settings_echo(body)}
     return ResponsesCall(request, history, echo, keep is not False,
-                         input_items(body["input"]) if keep is not False else [])
+                         input_items(body["input"]) if keep is not False else [], tools,
+                         _include(body.get("include", [])))
+
+
+def _include(value) -> bool:
+    """Whether `include` asks for encrypted reasoning. Values about items this server
+    never writes are accepted; logprobs (not written in this API) are refused."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad("include must be a list of strings", "include")
+    for v in value:
+        if v != ENCRYPTED and v not in INERT_INCLUDES:
+            why = "logprobs are not written in this API" if v == "message.output_text.logprobs" else "unknown"
+            raise bad(f"include value {v!r} is not supported ({why})", "include")
+    return ENCRYPTED in value
 
 
 def _settings_echo(body: dict) -> dict:
@@ -158,66 +186,26 @@ def _input(value, history: list[dict]) -> list[dict]:
     return items_to_messages(value, "input", {c.get("id") for m in history for c in m.get("tool_calls", ())})
 
 
-def _tools(value) -> tuple[list[dict], list[dict] | None]:
-    """(the tools as the response reports them, the chat-shaped tools)."""
-    if value is None:
-        return [], None
-    if not isinstance(value, list):
-        raise bad("tools must be a list of {\"type\": \"function\", \"name\": ...} objects", "tools")
-    flat, chat, names = [], [], set()
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad(f"{at}: only function tools are supported, got type {json.dumps(kind)[:60]}", f"{at}.type")
-        extra = sorted(set(tool) - TOOL_KEYS)
-        if extra:
-            raise bad(f"{at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
-        name = string_field(tool, "name", at)
-        if name in names:
-            raise bad(f"{at}.name {name!r} is given twice", f"{at}.name")
-        names.add(name)
-        for key, kind, want in (("parameters", dict, "a JSON schema object"), ("description", str, "a string"),
-                                ("strict", bool, "true or false")):
-            if tool.get(key) is not None and not isinstance(tool[key], kind):
-                raise bad(f"{at}.{key} must be {want}", f"{at}.{key}")
-        fn = {"name": name, "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        chat.append({"type": "function", "function": fn})
-        flat.append({"type": "function", "name": name, "description": tool.get("description"),
-                     "parameters": fn["parameters"], "strict": tool.get("strict")})
-    return flat, chat or None
-
-
-def _tool_choice(choice, tools: list[dict] | None, parallel: bool):
-    """(tool_choice as the response reports it, the Structure it forces or None)."""
-    if choice is None or choice in ("auto", "none"):
-        return choice or "auto", None
-    if choice == "required":
-        if not tools:
-            raise bad("tool_choice \"required\" needs tools", "tool_choice")
-        return choice, Structure("tools", "tools", tools=tuple(tools), single=not parallel)
-    if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) <= {"type", "name"}:
-        named = [t for t in tools or () if t["function"]["name"] == choice.get("name")]
-        if not named:
-            raise bad(f"tool_choice names function {json.dumps(choice.get('name'))[:60]}, which is not in tools",
-                      "tool_choice.name")
-        return dict(choice), Structure("tools", "tools", tools=tuple(named), single=True)
-    raise bad("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}, "
-              f"got {json.dumps(choice)[:80]}", "tool_choice")
-
-
 def _text(value) -> tuple[dict, Structure | None]:
-    """(text.format as the response reports it, the Structure it asks for or None)."""
+    """(`text` as the response reports it, the Structure text.format asks for or None).
+    `verbosity` is a hint to OpenAI's models that Qwen has no switch for: accepted."""
     if value is None:
-        return {"type": "text"}, None
+        return {"format": {"type": "text"}}, None
     if not isinstance(value, dict):
         raise bad("text must be an object like {\"format\": {\"type\": \"json_schema\", ...}}", "text")
-    extra = sorted(set(value) - {"format"})
+    extra = sorted(set(value) - {"format", "verbosity"})
     if extra:
         raise bad(f"text has unsupported field(s): {', '.join(extra)}", f"text.{extra[0]}")
-    form = value.get("format")
+    verbosity = value.get("verbosity")
+    if verbosity is not None and verbosity not in VERBOSITY:
+        raise bad(f"text.verbosity must be one of {', '.join(VERBOSITY)}, got {json.dumps(verbosity)[:40]}",
+                  "text.verbosity")
+    form, structure = _format(value.get("format"))
+    return {"format": form, **({"verbosity": verbosity} if verbosity else {})}, structure
+
+
+def _format(form) -> tuple[dict, Structure | None]:
+    """(text.format as the response reports it, the Structure it asks for or None)."""
     if form is None:
         return {"type": "text"}, None
     if not isinstance(form, dict):

@@ -1,7 +1,10 @@
 """Responses API items -> chat messages: `input` (and a stored response's `output`)
 as the chat path's messages. Messages with text parts, `function_call`,
-`function_call_output` and `reasoning` items; the items of one assistant turn
-(reasoning, message, calls) become one assistant message."""
+`function_call_output`, `custom_tool_call`, `custom_tool_call_output` and `reasoning`
+items; the items of one assistant turn (reasoning, message, calls) become one assistant
+message. A call of a namespace's tool is named as the model saw it (`flat_name`); a
+custom tool's call has one argument, `input`; a reasoning item's `encrypted_content`
+(responses_seal.py) is opened and stands for its text."""
 
 from __future__ import annotations
 
@@ -9,18 +12,28 @@ import json
 
 from .errors import bad
 from .responses_compact import SUMMARY_HEAD, open_summary
+from .responses_seal import SEALER
 from .schemas import json_arguments
+
+SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (responses_tools.py)
 
 TEXT_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
 PHASES = ("commentary", "final_answer")  # an assistant message's phase: accepted, not rendered
 PART_KEYS = {"input_text": {"type", "text"}, "output_text": {"type", "text", "annotations", "logprobs"}}
 ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
-    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    "function_call": {"type", "call_id", "name", "namespace", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "name", "namespace"},
+    "custom_tool_call": {"type", "call_id", "name", "namespace", "input", "id", "status"},
+    "custom_tool_call_output": {"type", "call_id", "output", "id", "status", "name", "namespace"},
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
     "compaction": {"type", "id", "encrypted_content", "created_by"},
 }
+
+
+def flat_name(name: str, namespace: str | None) -> str:
+    """The name the model sees of a tool (in a namespace or not)."""
+    return name if namespace is None else f"{namespace}{SEPARATOR}{name}"
 
 
 def items_to_messages(items: list, where: str, known_calls: set | None = None) -> list[dict]:
@@ -71,25 +84,30 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
             messages.append({"role": "user", "content": SUMMARY_HEAD + summary, "compaction": True})
         elif kind == "reasoning":
             if item.get("encrypted_content") is not None:
-                raise bad(f"{at}.encrypted_content: this server has no encrypted reasoning; send the reasoning "
-                          "as content", f"{at}.encrypted_content")
-            parts = item.get("content") or item.get("summary") or []
-            text = _parts(parts, {"reasoning_text", "summary_text"},
-                          f"{at}.{'content' if item.get('content') else 'summary'}")
+                text = SEALER.open(item["encrypted_content"], f"{at}.encrypted_content")
+            else:
+                parts = item.get("content") or item.get("summary") or []
+                text = _parts(parts, {"reasoning_text", "summary_text"},
+                              f"{at}.{'content' if item.get('content') else 'summary'}")
             if turn is not None:
                 flush()
             turn = {"role": "assistant", "reasoning_content": text}
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call_id, name = string_field(item, "call_id", at), string_field(item, "name", at)
-            parsed = json_arguments(string_field(item, "arguments", at, empty=True), f"{at}.arguments")
+            if item.get("namespace") is not None:
+                name = flat_name(name, string_field(item, "namespace", at))
+            if kind == "function_call":
+                parsed = json_arguments(string_field(item, "arguments", at, empty=True), f"{at}.arguments")
+            else:
+                parsed = {"input": string_field(item, "input", at, empty=True)}
             turn = turn or {"role": "assistant"}
             turn.setdefault("tool_calls", []).append(
                 {"type": "function", "id": call_id, "function": {"name": name, "arguments": parsed}})
             known_calls.add(call_id)
-        else:  # function_call_output
+        else:  # function_call_output, custom_tool_call_output
             call_id = string_field(item, "call_id", at)
             if call_id not in known_calls:
-                raise bad(f"{at}.call_id {call_id!r} answers no function_call of this conversation",
+                raise bad(f"{at}.call_id {call_id!r} answers no tool call of this conversation",
                           f"{at}.call_id")
             output = item.get("output")
             text = output if isinstance(output, str) else _parts(output, {"input_text"}, f"{at}.output")

@@ -1,6 +1,9 @@
 """The Responses API's reply: the generated text split into output items in order, a
 `reasoning` item (the think block, as `reasoning_text` content), `message` items with
-`output_text`, and `function_call` items. Streamed, the same split emits the semantic
+`output_text`, and `function_call` / `custom_tool_call` items (responses_tools.py maps
+the model's calls back to the tools as sent). With `include:
+["reasoning.encrypted_content"]`, a finished reasoning item carries its text sealed
+(responses_seal.py). Streamed, the same split emits the semantic
 events (`event: TYPE` + `data: {... "type", "sequence_number"}`); the non-streamed reply
 runs the same split over the same deltas, so both give the same output. Whitespace
 between text and a call belongs to neither. A finished response is stored (unless
@@ -18,7 +21,9 @@ from .errors import APIError
 from .reasoning import ReasoningSplitter
 from .responses_api import ResponsesCall
 from .responses_items import items_to_messages
+from .responses_seal import SEALER
 from .responses_store import ResponseStore
+from .responses_tools import call_item
 from .structured import THINK_END
 from .tools import ToolCallParser
 
@@ -103,13 +108,19 @@ class ResponseFormat:
         return [self._at({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": []})]
 
     def _call(self, call) -> list[dict]:
-        item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "call_id": call.id, "name": call.name,
-                "arguments": "", "status": "in_progress"}
+        done = call_item(call, self.call.tools)
+        custom = done["type"] == "custom_tool_call"
+        key = "input" if custom else "arguments"
+        item = {"id": ("ctc_" if custom else "fc_") + uuid.uuid4().hex, **done, key: "", "status": "in_progress"}
         events = self._add(item, None)
-        item["arguments"] = call.arguments
-        events += [self._at({"type": "response.function_call_arguments.delta", "delta": call.arguments}),
-                   self._at({"type": "response.function_call_arguments.done", "arguments": call.arguments,
-                             "name": call.name})]
+        item[key] = done[key]
+        if custom:
+            events += [self._at({"type": "response.custom_tool_call_input.delta", "delta": done[key]}),
+                       self._at({"type": "response.custom_tool_call_input.done", "input": done[key]})]
+        else:
+            events += [self._at({"type": "response.function_call_arguments.delta", "delta": done[key]}),
+                       self._at({"type": "response.function_call_arguments.done", "arguments": done[key],
+                                 "name": done["name"]})]
         return events + self._close("completed")
 
     def _add(self, item: dict, part: dict | None) -> list[dict]:
@@ -136,7 +147,9 @@ class ResponseFormat:
         if item["type"] == "message":
             item["phase"] = phase
         events = []
-        if item["type"] != "function_call":
+        if item["type"] == "reasoning" and self.call.encrypted:
+            item["encrypted_content"] = SEALER.seal(item["content"][0]["text"])
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             kind = "output_text" if part["type"] == "output_text" else "reasoning"
             done = {"type": f"response.{kind}.done", "item_id": item["id"], "output_index": index,

@@ -54,6 +54,7 @@ class Structure:
     schema: dict | None = None
     tools: tuple = ()
     single: bool = False
+    grammars: tuple = ()  # (tool name, Lark grammar): a tool whose one string, `input`, is in that grammar
 
 
 def response_format(value) -> Structure | None:
@@ -109,19 +110,29 @@ def tool_choice(choice, tools: list[dict] | None) -> Structure | None:
 
 def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
     """The Grammar for `structure` with the model's tokenizer (monolith.tokenizer):
-    Lark text for llguidance. Compile errors surface in `check`."""
+    Lark text for llguidance (with a custom tool's Lark grammar: llguidance's JSON list of
+    grammars, the calls' first). Compile errors surface in `check`."""
+    grammars = {name: (f"custom_{i}", lark) for i, (name, lark) in enumerate(structure.grammars)}
     if structure.kind == "json":
         body = _json(structure.schema)
     else:
         xml = "<function=" in (tokenizer.chat_template or "")
-        calls = [(_xml_call if xml else _json_call)(tool["function"], i, tokenizer)
-                 for i, tool in enumerate(structure.tools)]
+        if grammars and not xml:
+            raise bad(f"the custom tool {next(iter(grammars))!r} has a Lark grammar, which can constrain its input "
+                      "only in XML tool calls (Qwen3.5/3.6's template); this model's template writes JSON calls",
+                      "tool_choice")
+        calls = [_xml_call(tool["function"], i, tokenizer, grammars) if xml else
+                 _json_call(tool["function"], i, tokenizer) for i, tool in enumerate(structure.tools)]
         rules = "\n".join(rule for _, rule in calls)
         names = " | ".join(name for name, _ in calls)
         repeat = "" if structure.single else ' ("\\n" call)*'
         body = f"call{repeat}\ncall: {names}\n{rules}"
     starts_after = tokenizer.token_to_id(THINK_END) if reasoning_open else None
-    return Grammar(f"start: {LEADING} {body}", starts_after)
+    text = f"start: {LEADING} {body}"
+    if grammars:  # llguidance's list of grammars: the calls, then each custom tool's (`@custom_N`)
+        subs = [{"name": sub, "lark_grammar": lark} for sub, lark in grammars.values()]
+        text = json.dumps({"grammars": [{"lark_grammar": text}, *subs]})
+    return Grammar(text, starts_after)
 
 
 def check(structure: Structure, grammar_: Grammar, grammar_tokenizer) -> None:
@@ -166,7 +177,7 @@ def _json_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
     return f"call_{index}", rule
 
 
-def _xml_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
+def _xml_call(fn: dict, index: int, tokenizer, grammars: dict) -> tuple[str, str]:
     parameters = fn.get("parameters") or {}
     properties = parameters.get("properties") or {}
     required = parameters.get("required") or []
@@ -180,7 +191,9 @@ def _xml_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
         where = f"tool {fn['name']!r}: parameters.properties.{key}"
         _check_tag_name(key, where)
         name = f"param_{index}_{j}"
-        if raw_text.is_raw_text(schema):  # the text and its closing tag, one lexeme (below)
+        if fn["name"] in grammars and key == "input":  # a custom tool's input: its own grammar, raw
+            value = f'@{grammars[fn["name"]][0]} "\\n</parameter>\\n"'
+        elif raw_text.is_raw_text(schema):  # the text and its closing tag, one lexeme (below)
             value = name.upper()
             rules.append(f'{value}: ({raw_text.lexeme(schema, where)}) "\\n</parameter>\\n"')
         else:
