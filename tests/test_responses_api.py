@@ -416,7 +416,7 @@ def test_reasoning_effort_switches_qwens_thinking(servers, demo_f32):
     (Codex CLI sends reasoning: {effort, summary: "auto"})."""
     tok = demo_f32[2]
     client = servers["plain"].client()
-    for effort, thinking in (("none", False), ("minimal", False), ("low", True), ("high", True)):
+    for effort, thinking in (("none", False), ("minimal", False), ("low", True), ("high", True), ("max", True)):
         response = client.responses.create(model=NAME, input="Hi", max_output_tokens=1,
                                            reasoning={"effort": effort, "summary": "auto"})
         prompt = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=thinking)

@@ -36,7 +36,7 @@ FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_
           "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning", "include"}
 # reasoning.effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
 # effort levels, only thinking on or off
-THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True}
+THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True, "max": True}
 # ids, client hints and caching hints: they change nothing generated; max_tool_calls bounds
 # calls to hosted tools, which run nowhere here
 INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier", "client_metadata",
