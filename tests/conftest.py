@@ -104,3 +104,23 @@ def synth_pair_f32(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     target, draft = write_pair(root / "pair")
     return _loaded_pair(root / "cache", target, draft, quantization="none")
+
+
+@pytest.fixture(scope="session")
+def xml_model(tmp_path_factory):
+    """(model, tokenizer) of the tiny synthetic target with the chat template Qwen3.5
+    ships (tests/data/qwen3.5): its tool calls are XML, their string inputs raw text."""
+    import shutil
+    from pathlib import Path
+
+    from monolith.models import load_model
+    from monolith.pack import build_pack
+    from monolith.synth import write_target
+    from monolith.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("xml")
+    checkpoint = write_target(root / "ckpt")
+    shutil.copyfile(Path(__file__).parent / "data" / "qwen3.5" / "chat_template.jinja",
+                    checkpoint / "chat_template.jinja")
+    pack = build_pack(checkpoint, root / "pack", role="target")
+    return load_model(pack, dtype="float32"), load_tokenizer(pack)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 import stat
 
 import httpx
@@ -23,15 +22,10 @@ import pytest
 from cryptography.fernet import Fernet
 from serving_rig import Server, assert_error
 from test_responses_api import DELTAS, TOOLS, scripted_reply, validate_event, with_cache_writes
-from test_xml_tool_calls import TEMPLATE
 
-from monolith.models import load_model
-from monolith.pack import build_pack
 from monolith.runtime.engine import Engine
 from monolith.serving.responses_items import items_to_messages
 from monolith.serving.responses_seal import key_path
-from monolith.synth import write_target
-from monolith.tokenizer import load_tokenizer
 
 NAME = "demo"
 ENCRYPTED = ["reasoning.encrypted_content"]
@@ -204,15 +198,11 @@ def test_a_custom_call_streams_as_the_sdk_types_it():
 
 
 @pytest.fixture(scope="module")
-def xml_server(tmp_path_factory):
-    """A tiny synthetic target with the Qwen3.5 template (XML calls: raw-text inputs)."""
-    root = tmp_path_factory.mktemp("xml")
-    checkpoint = write_target(root / "ckpt")
-    shutil.copyfile(TEMPLATE, checkpoint / "chat_template.jinja")
-    pack = build_pack(checkpoint, root / "pack", role="target")
-    model, tok = load_model(pack, dtype="float32"), load_tokenizer(pack)
+def xml_server(xml_model):
+    """A server on the tiny target with the Qwen3.5 template (XML calls: raw-text inputs)."""
+    model, tok = xml_model
     with Server(lambda: Engine(model, tok, max_context=2048), model_names=(NAME,)) as s:
-        yield s.wait_ready(), (pack / "tokenizer.json").read_text(encoding="utf-8")
+        yield s.wait_ready(), (tok.path / "tokenizer.json").read_text(encoding="utf-8")
 
 
 def test_a_forced_lark_custom_call_is_in_its_grammar(xml_server):

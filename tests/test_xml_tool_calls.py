@@ -9,7 +9,6 @@ official openai and anthropic SDKs on the wire."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import anthropic
@@ -17,11 +16,7 @@ import jsonschema
 import pytest
 from serving_rig import Server, assert_error
 
-from monolith.models import load_model
-from monolith.pack import build_pack
 from monolith.runtime.engine import Engine
-from monolith.synth import write_target
-from monolith.tokenizer import load_tokenizer
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen3.5" / "chat_template.jinja"
 MAX_CONTEXT = 2048
@@ -34,16 +29,6 @@ PAINT = {"type": "function", "function": {"name": "paint", "description": "Paint
     "type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "dark blue"]},
                                      "coats": {"type": "integer", "minimum": 1, "maximum": 3}},
     "required": ["color", "coats"]}}}
-
-
-@pytest.fixture(scope="module")
-def xml_model(tmp_path_factory):
-    """(model, tokenizer) of the tiny synthetic target with the real Qwen3.5 template."""
-    root = tmp_path_factory.mktemp("xml")
-    checkpoint = write_target(root / "ckpt")
-    shutil.copyfile(TEMPLATE, checkpoint / "chat_template.jinja")
-    pack = build_pack(checkpoint, root / "pack", role="target")
-    return load_model(pack, dtype="float32"), load_tokenizer(pack)
 
 
 @pytest.fixture(scope="module")
