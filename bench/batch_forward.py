@@ -11,7 +11,7 @@ repeat times the batched forward and the B separate ones back to back from the s
 cache states (each separate forward evaluated on its own, as sequential serving does);
 medians, and the MLX primitives each evaluates. ratio = batched /
 (B separate): 1/B means batching is free, 1 that it saves nothing. --openblas re-runs
-the script with that library preloaded (performance.md, "The CPU backend here"): the
+the script with that library preloaded (docs/performance.md, "The CPU backend here"): the
 bundled reference BLAS of the Linux wheel makes every float32 matmul compute-bound.
 """
 

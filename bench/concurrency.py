@@ -48,7 +48,7 @@ instead (bench/results/concurrency_soak.json and .md).
 
 The servers inherit the environment: on Linux, run with
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for the
-CPU numbers of bench/results (performance.md: the wheel's own BLAS is slow; on 2 cores a
+CPU numbers of bench/results (docs/performance.md: the wheel's own BLAS is slow; on 2 cores a
 threaded OpenBLAS spends more time synchronizing than multiplying at these sizes).
 """
 

@@ -17,7 +17,7 @@ bench/results/distributed.json and .md.
     python bench/distributed.py [--ranks 2] [--max-tokens 64] [--repeats 3] [--model M --draft D]
 
 Run with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for
-bench/results (performance.md); both the ranks share this machine's two cores.
+bench/results (docs/performance.md); both the ranks share this machine's two cores.
 """
 
 from __future__ import annotations

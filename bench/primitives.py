@@ -63,7 +63,7 @@ from monolith.models.weights import model_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Qwen3.6-35B-A3B text_config (target.md)
+# Qwen3.6-35B-A3B text_config (docs/target.md)
 CONFIG = {
     "vocab_size": 248320, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,

@@ -498,7 +498,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-share", type=float, default=0.5)
     ap.add_argument("--mlx-lm-turns", type=int, default=3, help="turns per conversation mlx-lm replays")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs (default all: {','.join(RUNS)})")
-    ap.add_argument("--openblas", help="LD_PRELOAD this library into the servers (performance.md)")
+    ap.add_argument("--openblas", help="LD_PRELOAD this library into the servers (docs/performance.md)")
     ap.add_argument("--keep", type=Path, help="keep the server logs and cache directory here")
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)

@@ -7,7 +7,7 @@
    instance of each schema, the host time of `Guide.words()` (llguidance's mask, copied
    out) + `forced()` (the popcount for jump-forward) + `push()`, and the device time of
    `sampling.mask_logits` on one row and on a round's 8 rows. The share of a decode step
-   is given against the 35B-A3B's plain decode step on a Mac (performance.md: mlx-lm
+   is given against the 35B-A3B's plain decode step on a Mac (docs/performance.md: mlx-lm
    decodes it at about 140 tok/s, 7.1 ms a token; the bandwidth roofline is about 340
    tok/s on an M5 Max, 2.9 ms). In plain decoding the mask is computed while the forward
    runs (the forward is queued first), so its share there is an upper bound.

@@ -1,5 +1,5 @@
 """python -m monolith.serve [--model M] [--draft D | --no-draft] [--host H] [--port P] ...:
-an OpenAI-compatible HTTP server (serving.md). The server answers at once and loads
+an OpenAI-compatible HTTP server (docs/serving.md). The server answers at once and loads
 the model in the background: GET /health says 503 until it is ready, then 200. With no
 --model it serves the bundled demo pair."""
 

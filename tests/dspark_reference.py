@@ -1,4 +1,4 @@
-"""Test helper: a plain numpy (float64) DSpark / DFlash draft written from dspark.md
+"""Test helper: a plain numpy (float64) DSpark / DFlash draft written from docs/drafts.md
 sections 1-3, independent of monolith.models.dspark, as the reference the MLX draft must
 match. It reads a checkpoint directory (a source checkpoint, or a pack unpacked back
 to one: quantized matrices are dequantized, so an NVFP4 pack is compared on the
@@ -102,7 +102,7 @@ class ReferenceDraft:
         self.head_dim = layer_cfg["head_dim"]
         self.eps = layer_cfg.get("rms_norm_eps", 1e-6)
         self.layers = layer_cfg["num_hidden_layers"]
-        # the block mask, dspark.md section 3: a sliding layer sees the last sliding_window
+        # the block mask, docs/drafts.md section 3: a sliding layer sees the last sliding_window
         # context rows (Qwen3Config keeps the window only with use_sliding_window); its block
         # is causal in speculators unless sliding_window_non_causal; elsewhere is_causal /
         # dflash_config.causal decide, else the sliding layers are the causal ones

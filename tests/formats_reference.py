@@ -37,7 +37,7 @@ def ref_e2m1_codes(x: np.ndarray) -> np.ndarray:
 
 
 def ref_quantize_modelopt(w: np.ndarray):
-    """formats.md section 3, written independently of monolith (ml_dtypes rounding).
+    """docs/formats.md section 3, written independently of monolith (ml_dtypes rounding).
 
     An all-zero matrix has tensor scale 0, which the spec leaves open; like monolith we
     then encode the raw (zero) values, so +0 -> code 0, -0 -> code 8, scales 0x38."""

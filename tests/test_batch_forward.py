@@ -29,7 +29,7 @@ from monolith.synth import write_target
 # max |batched - alone| / max |alone|, float32: packing changes only the row count of the
 # matmuls. With the Linux wheel's bundled BLAS every packed row comes out bit for bit as
 # alone (measured 0.0 for logits, taps, states and draft hidden states, also with the
-# Metal kernels emulated); OpenBLAS (performance.md) picks other kernels by row count:
+# Metal kernels emulated); OpenBLAS (docs/performance.md) picks other kernels by row count:
 # up to 1.2e-5 measured. The bound is oracles.STATE_TOL's.
 TOL = STATE_TOL
 MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest -s

@@ -142,7 +142,7 @@ def layer_types() -> list[str]:
 
 
 def expected_payload_35b() -> int:
-    """The pack's tensor bytes by the layout rules (formats.md 5, target_recipe):
+    """The pack's tensor bytes by the layout rules (docs/formats.md 5, target_recipe):
     NVFP4 [.., N, K] = N*K/2 words + N*K/16 scales + 4N tensor scales, FP8 = N*K words
     + N*K/32 unit scales + 4N, BF16 = 2NK, norms and GDN parameters F32."""
     def nvfp4(n, k, lead=1):

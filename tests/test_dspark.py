@@ -1,5 +1,5 @@
 """The DSpark / DFlash draft (monolith.models.dspark): the whole draft against a numpy
-reference written from dspark.md (tests/dspark_reference.py), YaRN against
+reference written from docs/drafts.md (tests/dspark_reference.py), YaRN against
 transformers, the layer-id conventions of speculators vs DeepSpec twins, the context
 cache and sampling."""
 

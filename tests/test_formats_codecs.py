@@ -47,7 +47,7 @@ def test_e4m3_decode_all_256_codes_match_ml_dtypes():
     np.testing.assert_array_equal(np.isnan(ours), nan)
     assert set(np.flatnonzero(nan)) == {0x7F, 0xFF}
     np.testing.assert_array_equal(f32_bits(ours[~nan]), f32_bits(theirs[~nan]))
-    # formats.md section 1 anchors
+    # docs/formats.md section 1 anchors
     assert ours[0x38] == 1.0 and ours[0x7E] == 448.0 and ours[0x01] == 2.0**-9
 
 

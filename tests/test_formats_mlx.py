@@ -147,7 +147,7 @@ def test_mlx_from_fp8_matches_our_e4m3_table():
 
 
 def test_mlx_quantize_differs_from_modelopt_only_in_zero_encodings():
-    """formats.md 4: mx.quantize(mode="nvfp4") is not ModelOpt's quantizer. It has no
+    """docs/formats.md 4: mx.quantize(mode="nvfp4") is not ModelOpt's quantizer. It has no
     tensor scale (we feed it w / tensor_scale so the block scales are comparable), and
     then every decoded value is the same; the bytes differ only in zero encodings:
     - an all-zero block: scale byte 0x00 there, 0x38 here;

@@ -61,7 +61,7 @@ def test_quantizer_reproduces_modelopt_golden_bytes(golden, case):
     np.testing.assert_array_equal(q.scales, gold_scales)
     assert f32_bits(q.tensor_scale) == f32_bits(gold_ts)
 
-    # The reference written from formats.md section 3 matches NVIDIA's bytes too.
+    # The reference written from docs/formats.md section 3 matches NVIDIA's bytes too.
     packed, scales, ts = ref_quantize_modelopt(w)
     np.testing.assert_array_equal(packed, gold_packed)
     np.testing.assert_array_equal(scales, gold_scales)
@@ -168,7 +168,7 @@ def test_e2m1_ties_round_half_to_even_and_saturation():
     assert q.tensor_scale == 1.0
     assert q.scales[0, 0] == 0x38
     codes = unpack_nibbles(q.packed)
-    # formats.md 3.4: 0.75, 1.75, 3.5 go up; 0.25, 1.25, 2.5, 5 go down (even code)
+    # docs/formats.md 3, step 4: 0.75, 1.75, 3.5 go up; 0.25, 1.25, 2.5, 5 go down (even code)
     expected = [0, 2, 2, 4, 4, 6, 6, 7]  # 0, 1, 1, 2, 2, 4, 4, 6
     np.testing.assert_array_equal(codes[0, :8], expected)
     np.testing.assert_array_equal(codes[0, 8:16], np.array(expected) | 8)

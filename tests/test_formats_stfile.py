@@ -106,7 +106,7 @@ def test_stfile_round_trip_every_dtype(tmp_path):
             np.testing.assert_array_equal(np.array(a.view(mx.uint16)), arr)
             np.testing.assert_array_equal(np.array(a.astype(mx.float32)), bf16_bits_to_f32(arr))
         elif dtype == "F8_E4M3":
-            assert a.dtype == mx.uint8  # raw bytes, formats.md 2d
+            assert a.dtype == mx.uint8  # raw bytes, docs/formats.md 2d
             np.testing.assert_array_equal(np.array(a), arr)
             np.testing.assert_array_equal(
                 np.array(mx.from_fp8(a, dtype=mx.float32)), e4m3_decode(arr)

@@ -15,7 +15,7 @@ from monolith.formats import SafetensorsFile, write_safetensors
 from monolith.pack import PackError, build_pack, read_manifest, verify_pack
 
 # ------------------------------------------------------------------ layout and precision
-MIXED_EXPECTED = {  # formats.md: the nvidia Qwen3.6-35B-A3B MIXED_PRECISION table
+MIXED_EXPECTED = {  # docs/formats.md 2a: the nvidia Qwen3.6-35B-A3B MIXED_PRECISION table
     "model.layers.0.mlp.experts.gate_up": "nvfp4",
     "model.layers.0.mlp.experts.down": "nvfp4",
     "model.layers.0.mlp.shared_expert.gate_up": "nvfp4",

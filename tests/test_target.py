@@ -1,7 +1,7 @@
 """The target model on MLX: logits and taps against transformers on the same
 (dequantized) weights in every checkpoint format and several shapes, chunked prefill,
 verify blocks against decodes, cache rewind/snapshot, BF16 compute, errors, and
-mx.fast.gated_delta_update against the recurrence of target.md."""
+mx.fast.gated_delta_update against the recurrence of docs/target.md."""
 
 from __future__ import annotations
 
@@ -405,7 +405,8 @@ def test_pack_that_does_not_fit_the_config_is_refused(packs, tmp_path):
 
 
 def gdn_loop(q, k, v, gamma, beta, state):
-    """target.md steps 6-7 in float64; state [Hv, Dk, Dv] (Hugging Face's layout)."""
+    """docs/target.md, gated DeltaNet steps 6-7, in float64; state [Hv, Dk, Dv] (Hugging
+    Face's layout)."""
     t_len, hk, _ = q.shape
     hv = v.shape[1]
     s = state.astype(np.float64).copy()

@@ -1,4 +1,4 @@
-"""Fused ops for the decode and verify paths (docs: kernels.md). Each op has a plain MLX
+"""Fused ops for the decode and verify paths (docs/kernels.md). Each op has a plain MLX
 reference and a Metal kernel (body in metal/) with the same inputs and outputs; the
 public functions pick the kernel when Metal is available, else the reference.
 MONOLITH_KERNELS=reference|metal forces one (metal without Metal raises)."""

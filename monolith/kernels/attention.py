@@ -1,4 +1,4 @@
-"""Gated attention prologue (target.md gated attention mixer): split the fused q|gate
+"""Gated attention prologue (docs/target.md, gated attention mixer): split the fused q|gate
 rows, zero-centred RMSNorm of q and k with the stored (1 + w) F32 weights, rotate-half
 RoPE on the first rotary_dim dims at positions offset + t, and the layouts SDPA and the
 KV cache take. Returns q [B, H, T, D], k, v [B, KVH, T, D] and sigmoid(gate) [B, T, H*D],

@@ -1,7 +1,7 @@
-"""NVFP4 embedding gather with the per-row tensor scale (dspark.md 3: omitting the scale
+"""NVFP4 embedding gather with the per-row tensor scale (docs/drafts.md 3: omitting the scale
 collapses a draft's acceptance).
 
-Pack layout (formats.md, layers.Linear): words uint32 [V, H/8] (eight E2M1 codes, first
+Pack layout (docs/formats.md 4, layers.Linear): words uint32 [V, H/8] (eight E2M1 codes, first
 in the lowest nibble), E4M3 scales uint8 [V, H/16], tensor_scale [V] (F32, or the
 compute dtype as layers.Linear keeps it on Metal). Out [T, H] in the compute dtype.
 """

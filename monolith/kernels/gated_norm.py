@@ -1,6 +1,6 @@
-"""GDN output norm (target.md step 8): rmsnorm(o) * w * silu(z) per value head, F32 math,
-cast once to z's dtype (the compute dtype). z may be a column range of a wider array
-(the fused in_proj output) so no slice has to be made contiguous first.
+"""GDN output norm (docs/target.md, gated DeltaNet step 8): rmsnorm(o) * w * silu(z) per
+value head, F32 math, cast once to z's dtype (the compute dtype). z may be a column range
+of a wider array (the fused in_proj output) so no slice has to be made contiguous first.
 """
 
 from __future__ import annotations

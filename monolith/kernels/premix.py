@@ -1,7 +1,7 @@
-"""GDN pre-mixer (target.md steps 2-5): conv window and state update, causal depthwise
-conv + SiLU, q/k/v split, q/k l2-norm (q scaled by Dk^-0.5), gates beta and gamma, for T
-rows (decode, verify, prefill chunks) of B sequences (a batch: each with its own conv
-state; the Metal kernel runs them one by one). The outputs are what
+"""GDN pre-mixer (docs/target.md, gated DeltaNet steps 2-5): conv window and state
+update, causal depthwise conv + SiLU, q/k/v split, q/k l2-norm (q scaled by Dk^-0.5),
+gates beta and gamma, for T rows (decode, verify, prefill chunks) of B sequences (a
+batch: each with its own conv state; the Metal kernel runs them one by one). The outputs are what
 mx.fast.gated_delta_update consumes plus the window the tape records (models/cache.py
 GDNTape).
 """

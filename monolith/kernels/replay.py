@@ -1,4 +1,4 @@
-"""GDN state commit by tape replay (dspark.md 4.5): from the pre-round F32 state and a
+"""GDN state commit by tape replay (docs/drafts.md 4.5): from the pre-round F32 state and a
 verify pass's tape (models/cache.py GDNTape: window [1, K-1+T, C], k [1, T, Hk, Dk],
 v [1, T, Hv, Dv], gamma, beta [1, T, Hv]), the conv and recurrent states after exactly
 the first `rows` rows. `rows` is a runtime value in the kernel: one compiled kernel

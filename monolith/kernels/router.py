@@ -1,4 +1,4 @@
-"""MoE router (target.md MoE block): softmax (F32) over E expert logits -> top-k ->
+"""MoE router (docs/target.md, MoE block): softmax (F32) over E expert logits -> top-k ->
 renormalize, returned as expert ids int32 [T, k] and weights F32 [T, k].
 
 The renormalized top-k softmax equals a softmax over the k selected logits, which both

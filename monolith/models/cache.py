@@ -14,7 +14,7 @@ arrays (MLX arrays are immutable, so this copies nothing) and restoring puts the
 with their offset. A forward refuses to run while the GDN states and the offset
 disagree, so a forgotten restore fails loudly instead of decoding from a wrong state.
 
-Commit by replay (dspark.md 4.5): `snapshot(record=True)` makes the next forward keep,
+Commit by replay (docs/drafts.md 4.5): `snapshot(record=True)` makes the next forward keep,
 per GDN layer, a tape (the conv window and the per-row q, k, v, gamma, beta), and
 `commit(snap, rows)` rebuilds the states after exactly the first `rows` rows of that
 forward from the snapshot, without rerunning the model (all rows: the forward's own

@@ -1,4 +1,4 @@
-"""A draft's arguments (dspark.md sections 1-3) from its pack: the draft settings the pack
+"""A draft's arguments (docs/drafts.md sections 1-3) from its pack: the draft settings the pack
 recorded (manifest layout.draft, DeepSpec conventions) and its copy of config.json.
 
 The draft formats differ here only in where config.json keeps the layer fields and how

@@ -1,4 +1,4 @@
-"""The DSpark / DFlash draft model (dspark.md sections 1-3): DeepSpec-native, its NVFP4
+"""The DSpark / DFlash draft model (docs/drafts.md sections 1-3): DeepSpec-native, its NVFP4
 export, speculators (reduced vocabulary, sliding window) and z-lab DFlash. Its arguments
 are read in draft_args.py; monolith.models.loading.load_draft loads one from a pack.
 
@@ -154,7 +154,7 @@ class DraftLayer:
 
 
 class MarkovHead:
-    """Low-rank bias B_k on slot k's logits from the previous token (dspark.md 2): vanilla
+    """Low-rank bias B_k on slot k's logits from the previous token (docs/drafts.md 2): vanilla
     W2 @ W1[prev]; gated W2 @ (sigmoid(gate_proj([h ; e])) * e); rnn over the block with
     joint_proj([s ; e ; h]) -> gate, candidate, output. Runs in float32. The parts of
     gate_proj / joint_proj that read h are applied to all slots at once (`prepare`)."""

@@ -2,7 +2,7 @@
 (including fused groups split by precision), the embedding gather, stacked experts,
 and the norms. Weights stay in pack precision; activations are the compute dtype.
 
-Pack precisions and the MLX op that consumes them (formats.md 4):
+Pack precisions and the MLX op that consumes them (docs/formats.md 4):
   nvfp4  uint32 words [N, K/8], E4M3 scales [N, K/16]  -> mode="nvfp4"
   fp8    uint32 words [N, K/4], E8M0 scales = 1.0       -> mode="mxfp8"
   bf16 / f16 / f32 matrix [N, K]                      -> plain matmul

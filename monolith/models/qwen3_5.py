@@ -1,6 +1,6 @@
 """Qwen3.5 / Qwen3.6 hybrid targets: gated DeltaNet + gated attention decoder layers,
 with a dense SwiGLU MLP (`Qwen3_5`, the 27B) or a routed MoE block (`Qwen3_5Moe`,
-the 35B-A3B). The math is /docs/target.md; weights come from a pack (weights.py).
+the 35B-A3B). The math is docs/target.md; weights come from a pack (weights.py).
 
 A forward takes segments: T_i >= 1 new rows of each of several independent sequences,
 each continuing at its own cache's offset. The rows of all segments are packed [sum T_i, H]

@@ -1,6 +1,6 @@
 """A pack directory's arrays (PackWeights), handed out entry by entry; the compute dtype.
 
-The pack is the only thing a model loads (formats.md 5): shards are `mx.load`ed as
+The pack is the only thing a model loads (docs/formats.md 5): shards are `mx.load`ed as
 stored and every entry is read in the layout its kernels consume.
 
 Dense weights on the CPU: MLX's CPU quantized matmuls are scalar loops (an NVFP4

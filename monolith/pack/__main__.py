@@ -1,4 +1,5 @@
-"""python -m monolith.pack build|verify|unpack|inspect (architecture.md contract).
+"""python -m monolith.pack build|verify|unpack|inspect (the command-line contract:
+docs/architecture.md).
 
 `build SRC --dry-run` reads only configs and safetensors headers and prints what a
 build would do with every tensor, the pack's size and every problem (exit 1 if any)."""

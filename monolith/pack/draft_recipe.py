@@ -278,7 +278,7 @@ def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
 
 
 def draft_settings(ckpt: Checkpoint) -> dict:
-    """Draft settings normalised to the DeepSpec conventions (dspark.md section 3)."""
+    """Draft settings normalised to the DeepSpec conventions (docs/drafts.md section 3)."""
     cfg, where, fmt = ckpt.config, _where(ckpt), DRAFT_FORMATS[ckpt.architecture]
     _check_nested(ckpt, cfg)
     taps = fmt.taps(where, cfg)

@@ -80,7 +80,7 @@ class Plan:
 
 
 # ---------------------------------------------------------------- keep policy
-# Never quantized, whatever --quantization says (formats.md 5, dspark.md 2).
+# Never quantized, whatever --quantization says (docs/formats.md 5, docs/drafts.md 2).
 KEEP_RULES = [
     (re.compile(r"(^|\.)mlp\.gate$"), "MoE router: F32 softmax over logits, kept in source precision"),
     (re.compile(r"shared_expert_gate$"), "shared-expert gate: one row, kept in source precision"),

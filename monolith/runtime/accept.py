@@ -1,4 +1,4 @@
-"""Acceptance of a verified block (dspark.md 4.3): greedy (the longest prefix the target's
+"""Acceptance of a verified block (docs/drafts.md 4.4): greedy (the longest prefix the target's
 argmax agrees with) and rejection sampling (the emitted tokens follow the target's
 filtered distribution exactly, whatever the draft proposed)."""
 

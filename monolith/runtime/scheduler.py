@@ -1,4 +1,4 @@
-"""Block schedulers: how many of the gamma proposals a round verifies (dspark.md 4.2).
+"""Block schedulers: how many of the gamma proposals a round verifies (docs/drafts.md 4.2).
 
 - `fixed`: all gamma.
 - `threshold`: cut before the first position whose survival a_j = prod_{i<=j} c_i

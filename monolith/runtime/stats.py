@@ -1,4 +1,4 @@
-"""Speculative decoding measures (dspark.md 5), shared by the generate loop, the CLI's
+"""Speculative decoding measures (docs/drafts.md 5), shared by the generate loop, the CLI's
 JSON, the benchmarks and (later) the server's Prometheus metrics.
 
 Per round: `proposed` = l, the proposals verified; `accepted` = a, the leading ones the

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app (starlette): /health, /v1/models,
-/v1/chat/completions, /v1/completions, /metrics (serving.md is the contract).
+/v1/chat/completions, /v1/completions, /metrics (docs/serving.md is the contract).
 
 `create_app(load, config)` answers at once and runs `load()` (which returns an
 Engine) on a background thread: /health says 503 until it is done, and the

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (one registry per app, so tests can run several).
 
 Request, token and latency series are prefixed `monolith_`; the speculative counters
-use vLLM's names (dspark.md section 5) so existing dashboards read them.
+use vLLM's names (docs/drafts.md section 5) so existing dashboards read them.
 """
 
 from __future__ import annotations

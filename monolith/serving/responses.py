@@ -1,6 +1,6 @@
 """The bodies the HTTP app sends: chat.completion(.chunk) and text_completion objects
 (non-streamed and as Server-Sent Events), usage, and the exact token bytes that
-logprobs report (serving.md)."""
+logprobs report (docs/serving.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A CPU emulator for `mx.fast.metal_kernel` bodies (docs: kernels.md, "Testing Metal
+"""A CPU emulator for `mx.fast.metal_kernel` bodies (docs/kernels.md, "Testing Metal
 source on Linux"): the exact text MLX builds, compiled as C++ against a Metal shim, with
 each threadgroup's threads run as cooperative fibers that switch at barriers and SIMD
 collectives, and guarded buffers that turn out-of-bounds accesses into errors."""

@@ -1,7 +1,7 @@
 """Inputs for every monolith kernel, shared by the emulator tests (test_kernels.py) and
 the Mac-only tests against real Metal (test_metal_real.py): random inputs, edge shapes
 (one row, eight rows, odd head counts, head dims that are not a multiple of 32) and the
-largest shapes of the 35B target (target.md: hidden 2048; 16 q / 2 kv heads of 256,
+largest shapes of the 35B target (docs/target.md: hidden 2048; 16 q / 2 kv heads of 256,
 rotary 64; GDN 16 key / 32 value heads of 128, conv_dim 8192; 256 experts top-8;
 248320 vocabulary rows for the gather)."""
 
