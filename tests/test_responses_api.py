@@ -425,3 +425,22 @@ def test_reasoning_effort_switches_qwens_thinking(servers, demo_f32):
     off = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=False)
     on = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=True)
     assert off != on  # the demo template tells the two apart
+
+
+def test_the_sdks_stream_helper_rebuilds_a_reply_with_reasoning():
+    """The SDK does not know the specification's `response.reasoning.*` events: it hands
+    them on (typed as its first event class, their `type` kept) and its accumulator, the
+    one `client.responses.stream()` runs, still rebuilds the whole reply from the rest."""
+    from openai import NOT_GIVEN
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    events, body = scripted_reply({"tools": TOOLS}, DELTAS, "stop", (1, 2, 3, 7, 4), stream=True)
+    state = ResponseStreamState(input_tools=NOT_GIVEN, text_format=NOT_GIVEN)
+    handed = [out for e in events for out in state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))]
+    assert [e.type for e in handed if e.type.startswith("response.reasoning")] == [
+        "response.reasoning.delta", "response.reasoning.delta", "response.reasoning.done"]
+    final = handed[-1].response.model_dump(exclude_none=True)
+    assert [i["type"] for i in final["output"]] == [i["type"] for i in body["output"]]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "pondering"}]
