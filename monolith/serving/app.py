@@ -14,8 +14,8 @@ Engine) on a background thread: /health says 503 until it is done, and the
 generation endpoints answer 503 meanwhile. Each generation request is validated
 (schemas.py), rendered and tokenized, then queued in the engine; the handler waits
 for it to start (bounded by the queue timeout) and then either collects the answer or
-streams Server-Sent Events (the bodies: responses.py), with keep-alive comments while
-nothing else is sent. A client that disconnects cancels its request. Errors come as
+streams Server-Sent Events (the bodies: responses.py, anthropic_reply.py,
+responses_reply.py), with keep-alive comments while nothing else is sent. A client that disconnects cancels its request. Errors come as
 the API's own error body (Anthropic's on the /v1/messages routes, OpenAI's elsewhere).
 """
 
