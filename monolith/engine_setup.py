@@ -61,7 +61,10 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     draft.add_argument("--draft", help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding (also for the demo pair)")
     ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"),
-                    help="with a draft: how the draft's pack is built (default auto: BF16 linears to NVFP4)")
+                    help="with a draft: how the draft's pack is built (default auto, the same as nvfp4 for a "
+                         "draft: its float linears, BF16, F16 or F32, to NVFP4, except the confidence and Markov "
+                         "head pieces the DSpark recipe keeps; FP8 and NVFP4 linears stay as they are; none: "
+                         "keep every linear in its source precision)")
     ap.add_argument("--draft-block-size", type=int, help="with a draft: proposals per round, 1..the draft's "
                                                          "(default min(7, the draft's))")
     ap.add_argument("--spec-sched", choices=SCHEDULERS,
