@@ -3,15 +3,15 @@ to the state commit, and how many distinct calls cross a module boundary on the 
 (issue 14's and issue 31's before/after counts), with and without drafting; and the
 lines of runtime/.
 
-    python bench/call_graph.py [--json FILE]
+    python bench/call_graph.py [--json FILE]    # FILE: bench/results/call_graph.json by default
 
 Builds a tiny synthetic target + DSpark pair, loads it the way `serve` does (drafting
 forced with --spec-sched fixed so that every round verifies and commits; then without
 the draft), then traces one POST /v1/chat/completions with sys.setprofile on every
-thread. A "cross-module
-call" is a distinct (caller module, callee module.function) pair, both in monolith;
-"round calls" are those made inside the speculative decoder's round, and "flips"
-count the edges that run from models/ to runtime/ (a lower layer calling up).
+thread. For each it reports the monolith modules entered, the distinct cross-module
+calls (a distinct (caller module, callee module.function) pair, both in monolith), and
+the models -> runtime calls among them (a lower layer calling up: there should be none);
+the JSON adds the module names and the edges.
 """
 
 from __future__ import annotations

@@ -117,7 +117,9 @@ class Chat:
         self.out.flush()
 
     def run(self, read=input) -> int:
-        mode = f"draft {self.engine.draft_name}" if self.engine.draft_name else "plain decoding"
+        engine = self.engine
+        mode = (f"draft {engine.draft_name}" if engine.draft_name
+                else f"plain decoding; {engine.not_drafting}" if engine.not_drafting else "plain decoding")
         self.write(f"monolith chat: {self.name} ({mode}); {HELP}\n")
         while True:
             try:
@@ -270,22 +272,25 @@ class Chat:
             t["drafts"] += f.spec.drafts
             t["accepted"] += f.spec.accepted_tokens
         acceptance = (f"acceptance {f.spec.acceptance_length:.2f} tokens/round" if f.spec and f.spec.drafts
-                      else "acceptance n/a (no draft)" if not self.engine.draft_name else "acceptance n/a")
+                      else f"acceptance n/a ({self.no_acceptance('no round drafted')})")
         return (f"-- {f.usage.completion_tokens} tokens, {f.decode_tok_s:.1f} tok/s | prompt "
                 f"{f.usage.prompt_tokens} tokens: {f.usage.cached_tokens} cached, {f.prefilled_tokens} prefilled, "
                 f"{f.prefill_tok_s:.1f} tok/s | {acceptance} | {f.finish_reason}")
+
+    def no_acceptance(self, drafting: str, loaded: str = "draft loaded, not drafting") -> str:
+        """Why there is no acceptance to show: `drafting` when the engine drafts, `loaded`
+        when a draft was loaded but the engine decodes plainly, else "no draft"."""
+        return drafting if self.engine.draft_name else loaded if self.engine.not_drafting else "no draft"
 
     def stats(self) -> str:
         t = self.totals
         prefilled = t["prompt"] - t["cached"]
         prefill = prefilled / t["prefill_s"] if t["prefill_s"] > 0 else 0.0
         decode = t["steps"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
-        if self.engine.draft_name is None:
-            acceptance = "n/a (no draft)"
-        elif t["drafts"]:
+        if t["drafts"]:
             acceptance = f"{(t['accepted'] + t['drafts']) / t['drafts']:.2f} tokens/round over {t['drafts']} rounds"
         else:
-            acceptance = "n/a (no rounds yet)"
+            acceptance = f"n/a ({self.no_acceptance('no round drafted yet', self.engine.not_drafting)})"
         return (f"turns: {self.conversation.turns} | conversation: {len(self.conversation.tokens)} tokens of "
                 f"{self.engine.max_context}\n"
                 f"prompt tokens: {t['prompt']} ({t['cached']} cached, {prefilled} prefilled), {prefill:.1f} tok/s\n"

@@ -1,12 +1,17 @@
 """What every `python -m monolith.*` command shares: usage errors are one line on
 stderr and exit status 1, like every other bad input (argparse would print the usage
-and exit 2)."""
+and exit 2); and a command whose output's reader leaves early (`... | head`) ends
+quietly (`quiet_when_stdout_closes`)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import re
 import sys
+
+STDOUT_CLOSED = 141  # 128 + SIGPIPE: the status a shell reports for a writer whose reader left
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -14,6 +19,27 @@ class ArgumentParser(argparse.ArgumentParser):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(1)
 
+
+def quiet_when_stdout_closes(main):
+    """`main`, returning STDOUT_CLOSED (141, as `cat` or `git` killed by SIGPIPE) with no
+    error line and no traceback when the reader of stdout closes it before the output
+    ends (`python -m monolith.pack inspect --json | head`): the output left is dropped.
+    Not 0, since the output was cut short; a shell pipeline's status is the last
+    command's unless `set -o pipefail`. `main` must let BrokenPipeError through."""
+
+    @functools.wraps(main)
+    def quiet(*args, **kwargs) -> int:
+        try:
+            status = main(*args, **kwargs)
+            sys.stdout.flush()  # what is still buffered fails here, not at exit
+            return status
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # the flush at exit has nowhere to fail
+            os.close(devnull)
+            return STDOUT_CLOSED
+
+    return quiet
 
 
 _BYTE_SIZE = re.compile(r"(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?")

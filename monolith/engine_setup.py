@@ -61,7 +61,10 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     draft.add_argument("--draft", help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding (also for the demo pair)")
     ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"),
-                    help="with a draft: how the draft's pack is built (default auto: BF16 linears to NVFP4)")
+                    help="with a draft: how the draft's pack is built (default auto, the same as nvfp4 for a "
+                         "draft: its float linears, BF16, F16 or F32, to NVFP4, except the confidence and Markov "
+                         "head pieces the DSpark recipe keeps; FP8 and NVFP4 linears stay as they are; none: "
+                         "keep every linear in its source precision)")
     ap.add_argument("--draft-block-size", type=int, help="with a draft: proposals per round, 1..the draft's "
                                                          "(default min(7, the draft's))")
     ap.add_argument("--spec-sched", choices=SCHEDULERS,
@@ -225,19 +228,15 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     drafter = None if sources.draft is None else speculative_drafter(args, model, sources.draft, log, load_draft)
     context = choose_context(args.max_context, model, drafter, max_batch, log)
     args = argparse.Namespace(**vars(args) | {"max_context": context})  # the flags, with the context chosen
-    decoder, draft_name = None, None
+    decoder, draft_name, not_drafting = None, None, None
     if drafter is not None:
-        try:
-            decoder = drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)[0]
-            draft_name = None if decoder is None else str(plan.draft or sources.draft)
-        except SetupError as e:
-            if plan.draft_explicit:
-                raise
-            log(f"the demo draft is not used, plain decoding: {e}")
+        decoder, draft_name, not_drafting = _drafting(args, plan, str(plan.draft or sources.draft), model, drafter,
+                                                      log, fallback, profile, max_batch)
     drafter = getattr(decoder, "drafter", None)
     reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
+                    not_drafting=not_drafting,
                     prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default, reserved),
                     max_batch=max_batch)
     if not args.no_warmup:
@@ -246,6 +245,24 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     log(f"ready in {time.perf_counter() - started:.1f} s: {plan.name}"
         + (f" with draft {draft_name}" if draft_name else " (plain decoding)"))
     return engine
+
+
+def _drafting(args, plan: ModelPlan, name: str, model, drafter, log, fallback: bool, profile: bool,
+              max_batch: int) -> tuple[SpeculativeDecoder | None, str | None, str | None]:
+    """(the decoder that drafts or None, the draft's name when it drafts, why the loaded
+    draft does not draft otherwise): the break-even says drafting cannot pay here, or
+    the demo draft does not suit the flags."""
+    try:
+        decoder, measured = drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)
+    except SetupError as e:
+        if plan.draft_explicit:
+            raise
+        log(f"the demo draft is not used, plain decoding: {e}")
+        return None, None, f"draft {name} loaded, not drafting: {e}"
+    if decoder is None:
+        return None, None, (f"draft {name} loaded, not drafting: a drafted round costs {measured.describe()} here, "
+                            "too many to pay (--spec-sched fixed drafts anyway)")
+    return decoder, name, None
 
 
 def choose_context(asked: int | None, model, drafter, max_batch: int, log) -> int:

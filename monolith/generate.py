@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from .cli import ArgumentParser
+from .cli import ArgumentParser, quiet_when_stdout_closes
 from .distributed import add_distributed_arguments, join
 from .engine_setup import (
     SetupError,
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@quiet_when_stdout_closes
 def main(argv=None, load=load_target, load_draft=load_drafter) -> int:
     args = build_parser().parse_args(argv)
     return run(args, load=load, load_draft=load_draft)
@@ -61,6 +62,8 @@ def run(args: argparse.Namespace, load=load_target, stdout=None, stderr=None, lo
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=stderr)
         return 130
+    except BrokenPipeError:
+        raise  # stdout's reader left: quiet_when_stdout_closes
     except (SetupError, ValueError, OSError) as e:  # bad input, missing or corrupt files
         message = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable model must not end in a traceback

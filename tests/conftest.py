@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -21,13 +23,47 @@ def packed_weights_by_default():
         yield
 
 
+@dataclass(frozen=True)
+class Caches:
+    private: Path  # MONOLITH_CACHE during the session
+    user: Path  # the cache monolith would have used for the runner ($MONOLITH_CACHE, else XDG's)
+    runner_env: str | None  # the runner's own MONOLITH_CACHE
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
-    """MONOLITH_CACHE in a temporary directory unless a test sets its own: what a server
-    keeps there (the Responses sealing key, packs) never lands in the user's cache."""
+    """MONOLITH_CACHE in a temporary directory unless a test sets its own: what the code
+    keeps there (packs, .verified records, the Responses sealing key) never lands in the
+    user's cache. At the end of the session the user's cache must list the same names,
+    sizes and mtimes as at its start (tests/test_cache_isolation.py checks the setup)."""
+    from monolith.pack.manifest import cache_root
+
+    user = cache_root().parent
+    before = _listing(user)
+    caches = Caches(tmp_path_factory.mktemp("monolith-cache"), user, os.environ.get("MONOLITH_CACHE"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MONOLITH_CACHE", str(tmp_path_factory.mktemp("monolith-cache")))
-        yield
+        patch.setenv("MONOLITH_CACHE", str(caches.private))
+        yield caches
+    after = _listing(user)
+    changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+    assert not changed, (f"the test session changed the user's cache {user} (or another program wrote it "
+                         f"meanwhile): {', '.join(changed[:10])}" + (" ..." if len(changed) > 10 else ""))
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int]]:
+    """Everything under `root` (nothing when it does not exist): relative name -> (size, mtime_ns)."""
+    found = {}
+    if root.exists():
+        found["."] = (0, root.stat().st_mtime_ns)  # an entry made and removed again changes it
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder, name)
+            try:
+                stat = path.lstat()
+            except FileNotFoundError:  # removed while listed
+                continue
+            found[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return found
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,7 +147,6 @@ def xml_model(tmp_path_factory):
     """(model, tokenizer) of the tiny synthetic target with the chat template Qwen3.5
     ships (tests/data/qwen3.5): its tool calls are XML, their string inputs raw text."""
     import shutil
-    from pathlib import Path
 
     from monolith.models import load_model
     from monolith.pack import build_pack

@@ -205,6 +205,30 @@ def test_chat_with_a_draft_reports_acceptance(tmp_path):
     assert child.exitstatus == 0
 
 
+def test_a_loaded_draft_that_does_not_draft_says_so_not_no_draft(tmp_path, monkeypatch):
+    """The break-even check (serve's and chat's, here made to fail as on a Linux CPU)
+    turns drafting off: the chat says the draft is loaded and why it does not draft, and
+    only an engine without a draft says "no draft"."""
+    from monolith import engine_setup
+    from monolith.chat import build_parser
+    from monolith.runtime.calibrate import BreakEven
+    from monolith.synth import write_pair
+
+    target, draft = write_pair(tmp_path / "pair")
+    monkeypatch.setattr(engine_setup, "measure_break_even", lambda *a, **k: BreakEven(9.0, (9.0, 9.0, 9.0)))
+    args = build_parser().parse_args(["--model", str(target), "--draft", str(draft), "--draft-quantization", "none",
+                                      "--dtype", "float32", "--max-context", "256", "--no-warmup"])
+    engine = engine_setup.load_engine(args, engine_setup.plan_model(args), lambda line: None)
+    try:
+        _, text = run_chat(engine, ["Hello", "/stats"], max_tokens=4)
+    finally:
+        engine.close()
+    reason = f"draft {draft} loaded, not drafting: a drafted round costs 9.0 plain steps"
+    assert engine.draft_name is None and f"(plain decoding; {reason}" in text
+    assert "| acceptance n/a (draft loaded, not drafting) |" in text and f"acceptance: n/a ({reason}" in text
+    assert "no draft" not in text
+
+
 # ------------------------------------------------------------------ /save and /load
 
 

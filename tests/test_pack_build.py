@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +14,7 @@ from filelock import FileLock
 from pack_helpers import copy_checkpoint, run_cli
 
 from monolith.checkpoint import CheckpointError, open_checkpoint
+from monolith.cli import STDOUT_CLOSED
 from monolith.formats import SafetensorsFile, write_safetensors
 from monolith.pack import (
     PackError,
@@ -134,6 +137,21 @@ def test_inspect_cli_json(built):
     info = json.loads(result.stdout)
     assert info == json.loads(json.dumps(inspect_pack(built)))
     assert info["architecture"] == "qwen3_5_moe" and info["entries_by_precision"]["nvfp4"] > 0
+
+
+
+def test_inspect_into_a_reader_that_leaves_ends_quietly(built):
+    """`pack inspect --json | head`: no "Broken pipe" error line, no traceback; the status
+    is 141 (128 + SIGPIPE) when the output was cut short."""
+    command = [sys.executable, "-m", "monolith.pack", "inspect", str(built), "--json"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader leaves before the first byte
+    _, stderr = proc.communicate(timeout=120)
+    assert (proc.returncode, stderr) == (STDOUT_CLOSED, b"") and STDOUT_CLOSED == 141
+    whole = subprocess.run(command, capture_output=True, check=True).stdout
+    head = subprocess.run(["bash", "-o", "pipefail", "-c", "\"$@\" | head -c 10", "bash", *command],
+                          capture_output=True, check=False)
+    assert head.stdout == whole[:10] and head.stderr == b"" and head.returncode in (0, STDOUT_CLOSED)
 
 
 # ------------------------------------------------------------------ unpack

@@ -8,6 +8,7 @@ follows the target's distribution (chi-square)."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +34,8 @@ from oracles import (
 from monolith.models.cache import GDNState, KVCache
 from monolith.runtime.accept import accept_greedy, accept_sampled
 from monolith.runtime.decoder import SpeculativeDecoder
-from monolith.runtime.drafter import Drafter, Proposal
+from monolith.runtime.draft_model import DraftModelDrafter
+from monolith.runtime.drafter import Drafter, Forking, Guided, Proposal
 from monolith.runtime.events import ContextLengthError
 from monolith.runtime.rounds import Rounds
 from monolith.runtime.stats import SpecStats
@@ -41,7 +43,15 @@ from monolith.sampling import SamplingParams, filtered_probs
 
 
 def test_oracles_are_drafters():
-    assert isinstance(GreedyOracle([1], [2], 8), Drafter)
+    oracle = GreedyOracle([1], [2], 8)
+    assert isinstance(oracle, Drafter)
+    assert not isinstance(oracle, Forking) and not isinstance(oracle, Guided)  # one sequence at a time, no grammar
+
+
+def test_the_draft_model_drafter_forks_and_proposes_under_a_grammar():
+    drafter = DraftModelDrafter(SimpleNamespace(taps=[1, 2], max_proposals=4))  # reads only these two at once
+    assert isinstance(drafter, Forking) and isinstance(drafter, Guided)
+    assert isinstance(drafter.fork(), Drafter)
 
 
 # ------------------------------------------------------------------ acceptance rules

@@ -11,7 +11,7 @@ import json
 import sys
 
 from ..checkpoint import CheckpointError
-from ..cli import ArgumentParser
+from ..cli import ArgumentParser, quiet_when_stdout_closes
 from ..formats import FormatError
 from .build import DEFAULT_SHARD_BYTES, build_pack
 from .dry_run import dry_run, format_dry_run
@@ -50,6 +50,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
@@ -77,6 +78,8 @@ def main(argv=None) -> int:
         else:
             info = inspect_pack(args.pack, args.ranks)
             print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_inspection(info))
+    except BrokenPipeError:
+        raise  # stdout's reader left: quiet_when_stdout_closes
     except (CheckpointError, FormatError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

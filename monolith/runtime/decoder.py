@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from ..sampling import SamplingParams
 from .batch import Steps, drive
 from .calibrate import measure_costs
-from .drafter import Drafter
+from .drafter import Drafter, Forking
 from .events import Outcome, TokenLogprob
 from .rounds import RoundResult, Rounds, check_gamma
 from .scheduler import CostScheduler, Fallback, Scheduler, StepCosts
@@ -81,7 +81,7 @@ class SpeculativeDecoder:
     def concurrent(self) -> bool:
         """Can several sequences run at once (in a Batch)? Each needs a drafter of its own:
         `drafter.fork()` (plain decoding needs none)."""
-        return self.drafter is None or hasattr(self.drafter, "fork")
+        return self.drafter is None or isinstance(self.drafter, Forking)
 
     def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
               stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
@@ -95,7 +95,7 @@ class SpeculativeDecoder:
         max_tokens = room if max_tokens is None else min(max_tokens, room)
         start = time.perf_counter()
         drafter = self.drafter
-        if drafter is not None and hasattr(drafter, "fork"):
+        if isinstance(drafter, Forking):
             drafter = drafter.fork()
         rounds = self._resume(session, drafter, prompt, params, logprobs, guide)
         cached = rounds.cache.offset

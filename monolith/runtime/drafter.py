@@ -1,10 +1,10 @@
-"""The drafter interface the speculative round talks to.
+"""The drafter interface the speculative round talks to (rounds.py, decoder.py, batch.py).
 
 A drafter proposes the next tokens of one sequence from the target's tap features of
-every committed row. Proposers are peers behind this one interface, one per file (as
-vLLM v1's `spec_decode/`): `draft_model.DraftModelDrafter` over a DSpark / DFlash draft
-model; the tests' oracles know the target's own continuation. A drafter owns its
-context. Its life over one sequence:
+every committed row. The product has one: `draft_model.DraftModelDrafter`, over a DSpark /
+DFlash draft model (monolith.models.dspark); the tests' oracles (tests/oracles.py) and
+bench's replay drafter implement the same interface. A drafter owns its context. Its
+life over one sequence:
 
     drafter.start(max_context)              # a new sequence: empty context
     drafter.observe(features)               # features [n, len(taps) * hidden] of the next
@@ -13,13 +13,20 @@ context. Its life over one sequence:
     p = drafter.propose(anchor, gamma, params, key)
                                             # `anchor` = the last emitted token, which sits at
                                             #   position (rows observed so far)
-    p = drafter.propose_guided(anchor, gamma, params, key, guide, limit)
-                                            # under a grammar (grammar.Guide): up to `limit`
-                                            #   proposals, each legal given the ones before it,
-                                            #   which `guide` has consumed (optional: a drafter
-                                            #   without it cannot serve grammar requests)
     snap = drafter.snapshot()               # the context so far, to resume the sequence later
     drafter.restore(snap, rows)             #   from its first `rows` rows (False: it cannot)
+
+Two abilities are optional, each its own Protocol below (the caller checks with isinstance):
+
+    d = drafter.fork()                      # `Forking`: a drafter over the same model with a
+                                            #   context of its own; the decoder forks one per
+                                            #   call, so sequences can share a batch. Without
+                                            #   it the engine runs one sequence at a time.
+    p = drafter.propose_guided(anchor, gamma, params, key, guide, limit)
+                                            # `Guided`: under a grammar (grammar.Guide), up to
+                                            #   `limit` proposals, each legal given the ones
+                                            #   before it, which `guide` has consumed. Without
+                                            #   it a grammar request is refused (rounds.py).
 
 A drafter may hold observed rows back until its context is next used (the draft model's
 drafter does, so a batch appends every sequence's rows in one packed call).
@@ -28,7 +35,10 @@ bounds gamma; `arrays()` gives the context state to evaluate between prefill chu
 a long prompt's features are not all held until the first proposal). A drafter whose
 `snapshot()` is None cannot resume: every prompt is then prefilled whole. A snapshot
 that is a `models.cache.DraftContext` (the draft model's) also lets the prompt cache
-copy the context's rows into its checkpoints and back (prompt_cache.py).
+copy the context's rows into its checkpoints and back (prompt_cache.py). A drafter with
+a `draft` attribute (a draft model) has its blocks run packed across a batch
+(batch.run_proposals: it reads `draft`, `context` and `waiting`, and passes the block's
+`hidden` states to propose / propose_guided).
 
 A `Proposal` (monolith.models.dspark, the draft model's output) holds gamma
 target-vocabulary tokens, their filtered draft distributions q (one-hot under greedy
@@ -46,7 +56,7 @@ import mlx.core as mx
 from ..models.dspark import Proposal
 from ..sampling import SamplingParams
 
-__all__ = ["Drafter", "Proposal"]
+__all__ = ["Drafter", "Forking", "Guided", "Proposal"]
 
 
 @runtime_checkable
@@ -70,4 +80,19 @@ class Drafter(Protocol):
 
     def restore(self, snapshot: object, rows: int) -> bool:
         """Continue from `snapshot`'s first `rows` rows; False if it holds fewer."""
+        ...
+
+
+@runtime_checkable
+class Forking(Drafter, Protocol):
+    def fork(self) -> Drafter:
+        """A drafter over the same model with an empty context of its own (one per sequence)."""
+        ...
+
+
+@runtime_checkable
+class Guided(Drafter, Protocol):
+    def propose_guided(self, anchor: int, gamma: int, params: SamplingParams, key: mx.array | None, guide,
+                       limit: int) -> Proposal:
+        """Up to `limit` proposals under the grammar `guide` (grammar.Guide), which consumes them."""
         ...

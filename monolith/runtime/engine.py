@@ -134,7 +134,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
                  max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None,
-                 prompt_cache: PromptCache | None = None, max_batch: int = 1):
+                 not_drafting: str | None = None, prompt_cache: PromptCache | None = None, max_batch: int = 1):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
@@ -147,7 +147,8 @@ class Engine:
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.decoder = decoder or PlainDecoder(model, max_context, prefill_chunk_size)
-        self.draft_name = draft_name
+        self.draft_name = draft_name  # the draft the decoder drafts with (None: plain decoding)
+        self.not_drafting = not_drafting  # why a draft was loaded but the decoder does not draft
         self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(model.args, "eos_token_ids", ()))
         self.vocab_size = model.args.vocab_size
         self.prompt_cache = prompt_cache  # shared by every session

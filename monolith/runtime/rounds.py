@@ -58,7 +58,7 @@ from ..models.cache import Snapshot
 from ..sampling import SamplingParams, filtered_probs, key_chain, mask_logits, sample
 from .accept import accept_greedy, accept_sampled
 from .batch import Forward, Peers, Propose, Steps, drive
-from .drafter import Drafter, Proposal
+from .drafter import Drafter, Guided, Proposal
 from .events import TokenLogprob
 from .logprobs import logprob_arrays, read_logprob, read_verify_logprobs, verify_logprobs
 from .prefill import prefill_rows
@@ -126,7 +126,7 @@ class Rounds:
         (None: off; k: with the k likeliest) makes every emitted token carry its
         TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
         constrains the output (see the module doc)."""
-        if guide is not None and drafter is not None and not hasattr(drafter, "propose_guided"):
+        if guide is not None and drafter is not None and not isinstance(drafter, Guided):
             raise ValueError(f"{drafter!r} cannot propose under a grammar (no propose_guided)")
         if guide is not None or drafter is None:
             fallback = None

@@ -1,15 +1,22 @@
-"""The OpenAI-compatible HTTP app (starlette): /health, /v1/models,
-/v1/chat/completions, /v1/completions, /metrics (docs/serving.md is the contract).
+"""The HTTP app (starlette) that serves the OpenAI, Anthropic and Responses APIs
+(docs/serving.md is the contract). `create_app` routes:
+
+- GET /health, GET /metrics, GET /v1/models;
+- POST /v1/chat/completions and /v1/completions (OpenAI);
+- POST /v1/messages and /v1/messages/count_tokens (Anthropic);
+- POST /v1/responses, /v1/responses/input_tokens and /v1/responses/compact; for a
+  stored response GET and DELETE /v1/responses/{id}, GET .../{id}/input_items and
+  POST .../{id}/cancel (responses_routes.py); and a WebSocket at /v1/responses
+  (responses_socket.py), on the same engine driving (`start`, `progress`).
 
 `create_app(load, config)` answers at once and runs `load()` (which returns an
 Engine) on a background thread: /health says 503 until it is done, and the
 generation endpoints answer 503 meanwhile. Each generation request is validated
 (schemas.py), rendered and tokenized, then queued in the engine; the handler waits
 for it to start (bounded by the queue timeout) and then either collects the answer or
-streams Server-Sent Events (the bodies: responses.py), with keep-alive comments while
-nothing else is sent. A client that disconnects cancels its request. Every error is an
-OpenAI error body. The Responses API also answers over a WebSocket at /v1/responses
-(responses_socket.py), on the same engine driving (`start`, `progress`).
+streams Server-Sent Events (the bodies: responses.py, anthropic_reply.py,
+responses_reply.py), with keep-alive comments while nothing else is sent. A client that disconnects cancels its request. Errors come as
+the API's own error body (Anthropic's on the /v1/messages routes, OpenAI's elsewhere).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import ArgumentParser
+from ..cli import ArgumentParser, quiet_when_stdout_closes
 from . import DRAFT_FORMATS, FORMATS, PRESETS, write_draft, write_pair, write_target
 from .published import (
     DRAFT_LAYOUTS,
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
             target, draft = write_pair(args.out, args.preset, fmt, draft_fmt, args.seed)
             print(target)
             print(draft)
+    except BrokenPipeError:
+        raise  # stdout's reader left: quiet_when_stdout_closes
     except (ValueError, OSError) as e:
         print(f"monolith.synth: error: {e}", file=sys.stderr)
         return 1
