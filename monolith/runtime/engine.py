@@ -152,9 +152,7 @@ class Engine:
         self.prompt_cache = prompt_cache  # shared by every session
         self.session = Session(prompt_cache)  # the first of the sessions for requests without their own
         self._sessions = [self.session]
-        # sequences at once: a drafter that cannot fork runs one
-        concurrent = getattr(self.decoder, "concurrent", True)
-        self.max_batch = max_batch if concurrent else 1
+        self.max_batch = max_batch  # sequences at once
         self._batch = Batch()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
