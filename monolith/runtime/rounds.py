@@ -118,7 +118,8 @@ class Rounds:
     once, then `round` until done (decoder.py runs them)."""
 
     def __init__(self, model, drafter: Drafter | None, params: SamplingParams, max_context: int, gamma: int = 0,
-                 scheduler: Scheduler | None = None, profile: bool = False, cache=None, logprobs: int | None = None, guide=None):
+                 scheduler: Scheduler | None = None, profile: bool = False, cache=None, logprobs: int | None = None,
+                 guide=None):
         """`drafter` None: plain decoding, every round a plain step (under a grammar, the
         tokens it forces after the anchor are verified with it: jump-forward); `gamma`:
         the proposals per round, 1..drafter.max_proposals (check_gamma); `logprobs`
