@@ -1,5 +1,5 @@
 """What the HTTP server tests share: a tiny synthetic target in float32, real uvicorn
-servers on 127.0.0.1 (`Server`), scripted engine decoders, and the expected plain
+servers on 127.0.0.1 (`Server`), a scripted engine decoder, and the expected plain
 outputs."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import httpx
+import mlx.core as mx
 import openai
 import pytest
 import uvicorn
@@ -16,6 +17,7 @@ from decoding import plain
 
 from monolith.models import load_model
 from monolith.pack import build_pack
+from monolith.runtime.batch import Forward
 from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
@@ -102,25 +104,47 @@ def server(model, tok):
         yield s.wait_ready()
 
 
-def scripted(tokens, spec=None, delay=0.0, per_token=0.0):
-    """An engine decoder that 'generates' `tokens` and stops with a stop token."""
+class Scripted:
+    """A decoder that 'generates' `tokens` and stops with a stop token. It speaks the
+    engine's decoder interface (decoder.SpeculativeDecoder: `steps`, run in the engine's
+    Batch): one round per token, each round a forward of this object instead of a model
+    (it sleeps `per_token`), after `delay` seconds of 'prefill'. It resumes with `cached`
+    prompt tokens; `fail(call)` (call 1, 2, ...) gives the error a call raises once it has
+    resumed, or None."""
 
-    def decoder(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False, boundaries=()):
-        time.sleep(delay)
+    logprobs = False
+
+    def __init__(self, tokens, spec=None, delay=0.0, per_token=0.0, cached=0, fail=lambda call: None):
+        self.tokens, self.spec, self.delay, self.per_token, self.cached = list(tokens), spec, delay, per_token, cached
+        self.fail, self.calls = fail, 0
+
+    def forward(self, tokens, cache, taps=(), logits="all"):
+        time.sleep(self.per_token)
+
+    def round(self, token: int) -> Forward:
+        return Forward(self, mx.array([token], dtype=mx.int32), None)
+
+    def steps(self, session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False,
+              boundaries=(), guide=None, on_resume=lambda cached: None):
+        self.calls += 1
+        on_resume(self.cached)
+        error = self.fail(self.calls)
+        if error is not None:  # after resuming: the response has started
+            raise error
+        time.sleep(self.delay)
+        tokens, delay = self.tokens, self.delay
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         out = []
         for t in tokens[:limit]:
             if cancelled():
-                return Outcome(out, "abort", len(prompt), 0, delay, 0.0, len(out))
-            time.sleep(per_token)
+                return Outcome(out, "abort", len(prompt), self.cached, delay, 0.0, len(out))
+            yield self.round(t)
             out.append(t)
             if not on_token(t, None):
-                return Outcome(out, "abort", len(prompt), 0, delay, 0.0, len(out))
+                return Outcome(out, "abort", len(prompt), self.cached, delay, 0.0, len(out))
         done = limit == len(tokens)
-        return Outcome(out, "stop" if done else "length", len(prompt), 0, delay, 0.01, len(out), stop_token=done,
-                       speculative=spec)
-
-    return decoder
+        return Outcome(out, "stop" if done else "length", len(prompt), self.cached, delay, 0.01, len(out),
+                       stop_token=done, speculative=self.spec)
 
 
 def expected(model, tok, prompt_ids, max_tokens, params=GREEDY):

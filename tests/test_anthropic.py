@@ -7,14 +7,13 @@ the SDK's own stream accumulator (streamed == non-streamed)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import anthropic
 import httpx
 import jsonschema
 import numpy as np
 import pytest
-from serving_rig import Server, demo_servers, scripted
+from serving_rig import Scripted, Server, demo_servers
 
 from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
@@ -159,10 +158,7 @@ def test_tool_use_round_trip(servers, demo_f32, choice):
 def test_thinking_blocks_from_the_reasoning(demo_f32):
     model, _, tok = demo_f32
     text = "<think>\nfirst, plan\n</think>\n\nThe answer."
-    script = scripted(tok.encode(text))
-
-    def decoder(*args, **kw):  # as if the prompt cache had held 7 of the prompt's tokens
-        return replace(script(*args, **kw), cached_tokens=7)
+    decoder = Scripted(tok.encode(text), cached=7)  # as if the prompt cache had held 7 of the prompt's tokens
 
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder), model_names=(NAME,)) as server:
         c = client(server.wait_ready())
@@ -370,7 +366,7 @@ def test_malformed_bodies_and_deep_nesting(servers):
 
 def test_raw_events_pings_and_a_failure_mid_stream(demo_f32):
     model, _, tok = demo_f32
-    slow = scripted(tok.encode("late"), delay=1.0)
+    slow = Scripted(tok.encode("late"), delay=1.0)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow), model_names=(NAME,),
                 keepalive_seconds=0.2) as s:
         s.wait_ready()
@@ -395,8 +391,7 @@ def test_raw_events_pings_and_a_failure_mid_stream(demo_f32):
     assert {d["type"] for d in deltas} == {"text_delta"} and "".join(d["text"] for d in deltas) == "late"
     assert events[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
 
-    def broken(*args, **kw):
-        raise RuntimeError("the decoder broke")
+    broken = Scripted([], fail=lambda call: RuntimeError("the decoder broke"))
 
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=broken), model_names=(NAME,)) as s:
         stream = client(s.wait_ready()).messages.stream(model=NAME, max_tokens=5, messages=HELLO)

@@ -349,14 +349,14 @@ def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
     import io
 
     from monolith.chat import DIM, PLAIN
-    from serving_rig import scripted
+    from serving_rig import Scripted
 
     class Terminal(io.StringIO):
         def isatty(self):
             return True
 
     reply = "<think>\nweighing it\n</think>\n\nThe answer."
-    engine = Engine(tiny_model, tok, max_context=512, decoder=scripted(tok.encode(reply)))
+    engine = Engine(tiny_model, tok, max_context=512, decoder=Scripted(tok.encode(reply)))
     try:
         _, text = run_chat(engine, ["Hi", "/think off", "Hi again", "/think maybe"], Terminal(), max_tokens=64)
     finally:

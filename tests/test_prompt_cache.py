@@ -345,15 +345,15 @@ def test_a_checkpoint_copies_its_rows_so_later_updates_stay_in_place():
 # ------------------------------------------------------------------ reporting
 
 
-class Recording:
-    """A decoder that keeps every Outcome of the one it wraps."""
+class Recording(PlainDecoder):
+    """Plain decoding that keeps every request's Outcome."""
 
-    def __init__(self, decoder):
-        self.decoder, self.outcomes = decoder, []
-        self.model, self.max_context, self.logprobs = decoder.model, decoder.max_context, decoder.logprobs
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.outcomes = []
 
-    def __call__(self, *args, **kw):
-        outcome = self.decoder(*args, **kw)
+    def steps(self, *args, **kw):
+        outcome = yield from super().steps(*args, **kw)
         self.outcomes.append(outcome)
         return outcome
 
@@ -361,7 +361,7 @@ class Recording:
 def test_metrics_and_usage_report_the_cache(loaded):
     model, _, tok = loaded
     cache = PromptCache(BIG, checkpoint_every=32)
-    decoder = Recording(PlainDecoder(model, MAX_CONTEXT, CHUNK))
+    decoder = Recording(model, MAX_CONTEXT, CHUNK)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder, prompt_cache=cache),
                 model_names=("demo",)) as server:
         client = server.wait_ready().client()

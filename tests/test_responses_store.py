@@ -17,7 +17,7 @@ import openai
 import pydantic
 import pytest
 from openai.types.responses import Response, ResponseItem
-from serving_rig import Server, assert_error
+from serving_rig import Scripted, Server, assert_error
 from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
@@ -212,26 +212,29 @@ def test_the_store_survives_a_restart(demo_f32, tmp_path, caplog):
 # ------------------------------------------------------------------ cancel
 
 
-def until_cancelled(tokens):
-    """A decoder that writes `tokens`, then waits for the cancel that ends it."""
+class UntilCancelled(Scripted):
+    """A decoder that writes its tokens, then waits for the cancel that ends it (in
+    rounds of 10 ms that write nothing)."""
 
-    def decoder(session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False,
-                boundaries=()):
+    def __init__(self, tokens):
+        super().__init__(tokens, per_token=0.01)
+
+    def steps(self, session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False,
+              boundaries=(), guide=None, on_resume=lambda cached: None):
+        on_resume(0)
         out = []
-        for t in tokens:
+        for t in self.tokens:
             out.append(t)
             on_token(t, None)
         while not cancelled():
-            time.sleep(0.01)
+            yield self.round(out[-1])
         return Outcome(out, "abort", len(prompt), 0, 0.0, 0.0, len(out))
-
-    return decoder
 
 
 @pytest.fixture(scope="module")
 def hanging(demo_f32):
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=1024, decoder=until_cancelled(tok.encode("Hello there"))),
+    with Server(lambda: Engine(model, tok, max_context=1024, decoder=UntilCancelled(tok.encode("Hello there"))),
                 model_names=(NAME,)) as s:
         yield s.wait_ready()
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 from openresponses_spec import check, check_event
-from serving_rig import Server, scripted
+from serving_rig import Scripted, Server
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
@@ -222,14 +222,7 @@ def test_a_server_failure_evicts_too(demo_f32):
     with response.failed, as over HTTP, not telling the cause, and evicts the store: false
     response it continued."""
     model, _, tok = demo_f32
-    works = scripted(tok.encode("Hello."))
-    calls = []
-
-    def flaky(*args, **kw):
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError("the decoder broke")
-        return works(*args, **kw)
+    flaky = Scripted(tok.encode("Hello."), fail=lambda call: RuntimeError("the decoder broke") if call > 1 else None)
 
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=flaky), model_names=(NAME,)) as s:
         with socket(s.wait_ready()) as ws:

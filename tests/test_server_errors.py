@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serving_rig import NAME, Server, model, pack, scripted, tok  # noqa: F401 - fixtures
+from serving_rig import NAME, Scripted, Server, model, pack, tok  # noqa: F401 - fixtures
 
 from monolith.runtime.engine import Engine
 
@@ -22,16 +22,7 @@ BROKEN = "a checkpoint of 60 tokens with states after 27 rows"
 
 def failing_once(tokens):
     """A decoder whose first call fails inside the engine, then answers `tokens`."""
-    answer = scripted(tokens)
-    calls = []
-
-    def decoder(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise ValueError(BROKEN)
-        return answer(*args, **kwargs)
-
-    return decoder
+    return Scripted(tokens, fail=lambda call: ValueError(BROKEN) if call == 1 else None)
 
 
 @pytest.fixture()

@@ -15,13 +15,13 @@ from serving_rig import (
     MAX_CONTEXT,
     NAME,
     TOOLS,
+    Scripted,
     Server,
     chat_ids,
     expected,
     model,  # noqa: F401 - a module fixture
     pack,  # noqa: F401 - a module fixture
     pair,  # noqa: F401 - a module fixture
-    scripted,
     server,  # noqa: F401 - a module fixture
     tok,  # noqa: F401 - a module fixture
 )
@@ -73,7 +73,7 @@ def test_greedy_completion_string_and_token_list(server, model, tok):
 
 def test_finish_reason_stop_counts_the_stop_token(model, tok):
     eos = tok.eos_token_ids[0]
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode("Hi!")))) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("Hi!")))) as s:
         s.wait_ready()
         r = s.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
         assert r.choices[0].message.content == "Hi!" and r.choices[0].finish_reason == "stop"
@@ -281,7 +281,7 @@ def test_tool_call_parser_streams_nothing_of_a_call_before_it_is_complete():
 
 @pytest.mark.parametrize("text", [JSON_CALL, XML_CALL])
 def test_tool_calls_over_http(model, tok, text):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode(text)))) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode(text)))) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Weather in Paris?"}]
         r = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS)
@@ -422,7 +422,7 @@ def reasoning_and_content(client, messages, **kw):
 def test_reasoning_goes_to_reasoning_content(model, tok, text, want):
     """Qwen's <think> block is message.reasoning_content (delta.reasoning_content when
     streamed), never content; tool calls are read from the content only."""
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode(text)))) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode(text)))) as s:
         client = s.wait_ready().client()
         whole, streamed = reasoning_and_content(client, [{"role": "user", "content": "Hi"}], tools=TOOLS)
     assert whole == want

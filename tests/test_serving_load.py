@@ -20,13 +20,13 @@ from serving_rig import (
     MAX_CONTEXT,
     NAME,
     TOOLS,
+    Scripted,
     Server,
     assert_error,
     chat_ids,
     expected,
     model,  # noqa: F401 - a module fixture
     pack,  # noqa: F401 - a module fixture
-    scripted,
     server,  # noqa: F401 - a module fixture
     tok,  # noqa: F401 - a module fixture
 )
@@ -103,7 +103,7 @@ def test_heap_trim_hands_back_what_a_thread_freed():
 def test_engine_trims_the_heap_when_it_goes_idle(model, tok, monkeypatch):
     trims = []
     monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted(tok.encode("ab")))
+    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("ab")))
     try:
         for prompt in ("x", "y"):
             engine.generate(GenerationRequest(prompt_ids=tuple(tok.encode(prompt)), max_tokens=2))
@@ -128,7 +128,7 @@ def test_a_large_request_body_trims_the_heap_after_it(server, monkeypatch):
 
 def test_speculative_counters_reach_metrics(model, tok):
     spec = SpecStats(7, [7, 7, 7], [5, 3, 2])  # 3 drafts, 21 draft tokens, 10 accepted: (3, 3, 2, 1, 1, 0, 0) by position
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=scripted([65, 66, 67], spec))) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted([65, 66, 67], spec))) as s:
         s.wait_ready().client().completions.create(model=NAME, prompt="x")
         s.client().completions.create(model=NAME, prompt="y")
         assert s.metric("spec_decode_num_drafts_total") == 6
@@ -160,7 +160,7 @@ def test_concurrent_clients_get_complete_correct_answers(server, model, tok):
 @pytest.fixture(scope="module")
 def long_server(model, tok):
     """Replies long enough to interrupt: 20000 tokens at 200 per second."""
-    endless = scripted(tok.encode(" word") * 20000, per_token=0.005)
+    endless = Scripted(tok.encode(" word") * 20000, per_token=0.005)
     with Server(lambda: Engine(model, tok, max_context=60000, decoder=endless)) as s:
         yield s.wait_ready()
 
@@ -223,7 +223,7 @@ def test_cancel_stops_real_decoding_at_the_next_token(model, tok):
 
 
 def test_keep_alive_comments_during_a_long_prefill(model, tok):
-    slow = scripted(tok.encode("late"), delay=1.0)
+    slow = Scripted(tok.encode("late"), delay=1.0)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow), keepalive_seconds=0.2) as s:
         s.wait_ready()
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
@@ -336,7 +336,7 @@ def test_api_key(model, tok):
 
 
 def test_full_queue_429_and_queue_timeout_503(model, tok):
-    slow = scripted(tok.encode("slow answer"), per_token=0.3)
+    slow = Scripted(tok.encode("slow answer"), per_token=0.3)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow, max_queue=1,
                                queue_timeout=1.0)) as s:
         s.wait_ready()

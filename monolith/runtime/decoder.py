@@ -77,12 +77,6 @@ class SpeculativeDecoder:
         return drive(self.steps(session, prompt, max_tokens, params, stop_ids, on_token, logprobs, cancelled,
                                 boundaries, guide, on_resume))
 
-    @property
-    def concurrent(self) -> bool:
-        """Can several sequences run at once (in a Batch)? Each needs a drafter of its own:
-        `drafter.fork()` (plain decoding needs none)."""
-        return self.drafter is None or isinstance(self.drafter, Forking)
-
     def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
               stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
               cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),

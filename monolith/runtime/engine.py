@@ -6,8 +6,7 @@ worker thread, as sequences of one `batch.Batch`: every round, each running sequ
 drafts (if it does) and puts its rows into one shared target forward, so B sequences
 cost little more than one where decode is bound by reading the weights. Sequences join
 between rounds, in queue order, as slots free up; a newcomer's prefill runs chunk by
-chunk inside the rounds, so the others keep streaming. A decoder without `steps` (a
-plain callable) runs its requests one at a time. Each request reports through a `sink`
+chunk inside the rounds, so the others keep streaming. Each request reports through a `sink`
 (called on the worker thread) with `Started`, `Resumed` (the prompt tokens the session or
 the prompt cache held), then `Delta`s (text that is whole UTF-8
 characters and cannot be the start of a stop string, with the logprobs of its tokens;
@@ -154,9 +153,7 @@ class Engine:
         self.prompt_cache = prompt_cache  # shared by every session
         self.session = Session(prompt_cache)  # the first of the sessions for requests without their own
         self._sessions = [self.session]
-        # sequences at once: a decoder without steps() (or a drafter that cannot fork) runs one
-        concurrent = hasattr(self.decoder, "steps") and getattr(self.decoder, "concurrent", True)
-        self.max_batch = max_batch if concurrent else 1
+        self.max_batch = max_batch  # sequences at once
         self._batch = Batch()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
@@ -398,7 +395,7 @@ class Engine:
             with self._lock:
                 self._running[job.id] = job
             seq = self._batch.add(self._run(job), job)
-            if seq.done:  # a decoder without steps() ran it whole
+            if seq.done:  # it ended before its first forward (it failed, or was cancelled)
                 self._end(seq)
 
     def _end(self, seq) -> None:
@@ -418,14 +415,11 @@ class Engine:
         job.started.set()
         self._emit(job, Started(queued))
         text = TextStream(self.tokenizer, request.stop)
-        steps = getattr(self.decoder, "steps", None)
 
         def on_token(token_id: int, logprob: TokenLogprob | None) -> bool:
             delta = text.add(token_id, logprob)
-            if delta is not None and steps is not None:
+            if delta is not None:
                 job.held.append(delta)  # sent after the batch's round (_serve_queue)
-            elif delta is not None:  # a decoder without steps runs whole: nothing comes between its tokens
-                self._emit(job, delta)
             return not (text.stopped or job.cancelled)
 
         try:
@@ -433,11 +427,8 @@ class Engine:
             args = (job.session, request.prompt_ids, request.max_tokens, request.params, self.stop_ids, on_token)
             kwargs = dict(logprobs=request.logprobs, cancelled=lambda: job.cancelled, boundaries=request.boundaries,
                           **constrained)
-            if steps is not None:
-                outcome = yield from steps(*args, **kwargs, on_resume=lambda cached: self._emit(job, Resumed(cached)))
-            else:  # a decoder without steps does not say what it resumed from
-                self._emit(job, Resumed(0))
-                outcome = self.decoder(*args, **kwargs)
+            outcome = yield from self.decoder.steps(*args, **kwargs,
+                                                    on_resume=lambda cached: self._emit(job, Resumed(cached)))
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             job.session.reset()
             self._release(job)

@@ -118,24 +118,23 @@ class Rounds:
     once, then `round` until done (decoder.py runs them)."""
 
     def __init__(self, model, drafter: Drafter | None, params: SamplingParams, max_context: int, gamma: int = 0,
-                 scheduler: Scheduler | None = None, profile: bool = False, fallback: Fallback | None = None,
-                 cache=None, logprobs: int | None = None, guide=None):
+                 scheduler: Scheduler | None = None, profile: bool = False, cache=None, logprobs: int | None = None,
+                 guide=None):
         """`drafter` None: plain decoding, every round a plain step (under a grammar, the
         tokens it forces after the anchor are verified with it: jump-forward); `gamma`:
         the proposals per round, 1..drafter.max_proposals (check_gamma); `logprobs`
         (None: off; k: with the k likeliest) makes every emitted token carry its
         TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
-        constrains the output (see the module doc)."""
+        constrains the output (see the module doc). `fallback` (a scheduler.Fallback, None:
+        none) is the decoder's to set, for a drafting sequence without a grammar."""
         if guide is not None and drafter is not None and not isinstance(drafter, Guided):
             raise ValueError(f"{drafter!r} cannot propose under a grammar (no propose_guided)")
-        if guide is not None or drafter is None:
-            fallback = None
         self.model, self.drafter, self.params = model, drafter, params
         self.taps = tuple(drafter.taps) if drafter is not None else ()
         self.max_context = max_context
         self.gamma = gamma
         self.scheduler = scheduler or FixedScheduler()
-        self.fallback = fallback
+        self.fallback: Fallback | None = None
         self.unobserved: list[mx.array] = []  # tap features of rows plain rounds committed
         self.queued: Queued | None = None  # a plain step queued for the next plain round
         self.profile = profile

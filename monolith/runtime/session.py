@@ -172,7 +172,3 @@ class Session:
         self.tokens = []
         self.draft_snapshot = self.fallback = None
 
-    @property
-    def restore_points(self) -> list[int]:
-        return [p.length for p in self._points]
-
