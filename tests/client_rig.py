@@ -240,30 +240,33 @@ class ForcingProxy:
         headers = {k: v for k, v in handler.headers.items() if k.lower() not in HOP_HEADERS}
         request = self.http.build_request(handler.command, handler.path, content=raw, headers=headers)
         response = self.http.send(request, stream=True)
+        record["status"] = response.status_code
         try:
-            record["status"] = response.status_code
-            record["reply"] = self.relay(handler, response)
+            self.relay(handler, response, record)
         except (BrokenPipeError, ConnectionResetError):
-            record["reply"] = b"(the client went away)"
+            # the client went away: often right after the event that ends a stream (Codex
+            # closes on response.completed, before the [DONE] line); what it got is kept
+            record["client_left"] = True
         finally:
+            record["reply"] = bytes(record["reply"])
             response.close()
 
     @staticmethod
-    def relay(handler, response) -> bytes:
-        """Send the server's answer on to the client as it comes (chunked); return its bytes."""
+    def relay(handler, response, record: dict) -> None:
+        """Send the server's answer on to the client as it comes (chunked), its bytes into
+        record["reply"] as they pass."""
         handler.send_response(response.status_code)
         for k, v in response.headers.items():
             if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding":
                 handler.send_header(k, v)
         handler.send_header("transfer-encoding", "chunked")
         handler.end_headers()
-        reply = bytearray()
+        record["reply"] = reply = bytearray()
         for chunk in response.iter_raw():
             reply += chunk
             handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             handler.wfile.flush()
         handler.wfile.write(b"0\r\n\r\n")
-        return bytes(reply)
 
     # -------------------------------------------------------------- what it saw
 
