@@ -1,7 +1,8 @@
 """The field policy every API shares (docs/api-fields.md): a field the server does not
-know is refused, not ignored, with a 400 naming it (its `param`); a field accepted only
+know is refused, not ignored, with a 400 naming it (its `param`): at the top of a body
+(`refuse_unknown`) or inside one of its objects (`refuse_extra`); a field accepted only
 at its neutral value (the one that means "off", or the API's default) is refused at any
-other."""
+other (`refuse_non_neutral`)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,11 @@ def refuse_non_neutral(body: dict, neutral_values: dict, wording: dict | None = 
 def _same(value, neutral) -> bool:
     """Equal as JSON values: numbers alike (0 and 0.0), booleans apart from numbers."""
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def refuse_extra(value: dict, allowed, at: str, label: str | None = None) -> None:
+    """A 400 naming the fields of the object at `at` that `allowed` lacks, the first as
+    the param (`at.FIELD`); `label` names the object in the message (default: `at`)."""
+    extra = sorted(set(value) - set(allowed))
+    if extra:
+        raise bad(f"{label or at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
