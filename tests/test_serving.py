@@ -163,14 +163,14 @@ def test_the_event_bridge_joins_the_deltas_that_queued_up():
     import asyncio
 
     from monolith.runtime.events import Delta, Finished, Started, TokenLogprob, Usage
-    from monolith.serving.app import _EventBridge
+    from monolith.serving.driving import EventBridge
     from monolith.serving.metrics import Metrics
 
     lp = [TokenLogprob(i, -float(i), ()) for i in range(4)]
     done = Finished("length", Usage(1, 4, 0), (0, 1, 2, 3))
 
     async def run():
-        bridge = _EventBridge(asyncio.get_running_loop(), Metrics(), 0.0)
+        bridge = EventBridge(asyncio.get_running_loop(), Metrics(), 0.0)
         with pytest.raises(asyncio.TimeoutError):
             await bridge.get(0.01)
         for event in (Started(0.0), Delta("a", (lp[0],)), Delta("b", (lp[1],)), Delta("c", (lp[2],)), done):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from .anthropic_options import Thinking, output_format, parse_thinking
 from .context_edits import ContextEdits, parse_context_management
 from .errors import bad
+from .fields import refuse_unknown
 from .schemas import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_request
 from .structured import Structure
 
@@ -63,7 +64,7 @@ class MessagesRequest:
 
 
 def parse_messages_request(body: dict, defaults: SamplingDefaults) -> MessagesRequest:
-    _check_fields(body, MESSAGE_FIELDS, "")
+    refuse_unknown(body, MESSAGE_FIELDS, "")
     if body.get("max_tokens") is None:
         raise bad("max_tokens is required (the Messages API has no default)", "max_tokens")
     _check_type(body, "max_tokens", int, "an integer >= 1")
@@ -91,20 +92,20 @@ def parse_messages_request(body: dict, defaults: SamplingDefaults) -> MessagesRe
 
 
 def parse_count_tokens_request(body: dict, defaults: SamplingDefaults) -> MessagesRequest:
-    _check_fields(body, COUNT_FIELDS, "")
+    refuse_unknown(body, COUNT_FIELDS, "")
     chat, single = _chat_body(body)
     return _request(body, chat, single, defaults)
 
 
 def _request(body: dict, chat: dict, single: bool, defaults: SamplingDefaults) -> MessagesRequest:
     _check_hints(body)
-    thinking = parse_thinking(body, chat["messages"][-1]["role"] == "tool", _check_fields)
+    thinking = parse_thinking(body, chat["messages"][-1]["role"] == "tool")
     if thinking.switch is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": thinking.switch}
-    response_format = output_format(body.get("output_config"), _check_fields)
+    response_format = output_format(body.get("output_config"))
     if response_format is not None:
         chat["response_format"] = response_format
-    edits = parse_context_management(body.get("context_management"), _check_fields)
+    edits = parse_context_management(body.get("context_management"))
     req = parse_chat_request(chat, defaults)
     if single:
         s = req.structure
@@ -141,14 +142,6 @@ def _chat_body(body: dict) -> tuple[dict, bool]:
     if choice is not None:
         chat["tool_choice"] = choice
     return chat, single
-
-
-def _check_fields(value: dict, known: set[str], where: str) -> None:
-    unknown = sorted(set(value) - known)
-    if unknown:
-        names = ", ".join(f"{where}{k}" for k in unknown)
-        raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''}: {names} (fields that would change the "
-                  "result are refused, not ignored)", f"{where}{unknown[0]}")
 
 
 def _check_type(value: dict, name: str, kind, want: str, where: str = "") -> None:
@@ -194,7 +187,7 @@ def _block_type(block, at: str, allowed: tuple[str, ...]) -> str:
 
 
 def _text_block(block: dict, at: str) -> str:
-    _check_fields(block, {"type", "text", "cache_control", "citations"}, f"{at}.")
+    refuse_unknown(block, {"type", "text", "cache_control", "citations"}, f"{at}.")
     if block.get("citations"):
         raise bad(f"{at}.citations: citations are not supported", f"{at}.citations")
     if not isinstance(block.get("text"), str):
@@ -212,7 +205,7 @@ def _messages(value) -> list[dict]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{at} must be an object", at)
-        _check_fields(m, {"role", "content"}, f"{at}.")
+        refuse_unknown(m, {"role", "content"}, f"{at}.")
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant", "system"):
             raise bad(f"{at}.role must be \"user\" or \"assistant\", got {json.dumps(role)[:60]}", f"{at}.role")
@@ -247,7 +240,7 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
             else:
                 out.append({"role": "user", "content": text})
             continue
-        _check_fields(block, {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"},
+        refuse_unknown(block, {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"},
                       f"{at}.")
         if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
             raise bad(f"{at}.tool_use_id must be a non-empty string", f"{at}.tool_use_id")
@@ -269,16 +262,16 @@ def _assistant_blocks(blocks: list, where: str) -> dict:
         at = f"{where}[{i}]"
         kind = _block_type(block, at, ("text", "thinking", "redacted_thinking", "tool_use"))
         if kind == "redacted_thinking":  # another provider's sealed reasoning: nothing here can read it
-            _check_fields(block, {"type", "data"}, f"{at}.")
+            refuse_unknown(block, {"type", "data"}, f"{at}.")
         elif kind == "text":
             texts.append(_text_block(block, at))
         elif kind == "thinking":
-            _check_fields(block, {"type", "thinking", "signature"}, f"{at}.")
+            refuse_unknown(block, {"type", "thinking", "signature"}, f"{at}.")
             if not isinstance(block.get("thinking"), str):
                 raise bad(f"{at}.thinking must be a string", f"{at}.thinking")
             reasoning.append(block["thinking"])
         else:
-            _check_fields(block, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"}, f"{at}.")
+            refuse_unknown(block, {"type", "id", "name", "input", "cache_control", "caller", "toolset_name"}, f"{at}.")
             for name in ("id", "name"):
                 if not isinstance(block.get(name), str) or not block[name]:
                     raise bad(f"{at}.{name} must be a non-empty string", f"{at}.{name}")
@@ -307,7 +300,7 @@ def _tools(value) -> list[dict] | None:
         if tool.get("type") not in (None, "custom"):
             raise bad(f"{at}.type: {json.dumps(tool.get('type'))[:60]} tools (server tools) are not supported; "
                       "only client tools with an input_schema", f"{at}.type")
-        _check_fields(tool, TOOL_FIELDS, f"{at}.")
+        refuse_unknown(tool, TOOL_FIELDS, f"{at}.")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise bad(f"{at}.name must be a non-empty string", f"{at}.name")
         if not isinstance(tool.get("input_schema"), dict):
@@ -332,7 +325,7 @@ def _tool_choice(value, tools: list[dict] | None) -> tuple[object, bool]:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind not in ("auto", "any", "tool", "none"):
         raise bad("tool_choice must be {\"type\": \"auto\" | \"any\" | \"tool\" | \"none\"}", "tool_choice")
-    _check_fields(value, {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set()),
+    refuse_unknown(value, {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set()),
                   "tool_choice.")
     single = value.get("disable_parallel_tool_use")
     if single is not None and not isinstance(single, bool):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from ..runtime.grammar import Grammar, GrammarError
 from .errors import APIError, bad
+from .fields import refuse_unknown
 from .structured import THINK_END
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
@@ -43,7 +44,7 @@ class Thinking:
     show: bool = True  # thinking.display is not "omitted"
 
 
-def parse_thinking(body: dict, ends_with_tool_result: bool, check_fields) -> Thinking:
+def parse_thinking(body: dict, ends_with_tool_result: bool) -> Thinking:
     """The Thinking of a request's `thinking` and `output_config.effort`."""
     value = body.get("thinking")
     effort = _effort(body.get("output_config"))
@@ -52,7 +53,7 @@ def parse_thinking(body: dict, ends_with_tool_result: bool, check_fields) -> Thi
         raise bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"}, "
                   "{\"type\": \"between_tools\"} or {\"type\": \"disabled\"}", "thinking")
     kind = "adaptive" if value is None else value["type"]
-    check_fields(value or {}, {"type", "display"} | ({"budget_tokens"} if kind == "enabled" else set()), "thinking.")
+    refuse_unknown(value or {}, {"type", "display"} | ({"budget_tokens"} if kind == "enabled" else set()), "thinking.")
     show = _display(value or {})
     if kind == "disabled":
         return Thinking(False, show=show)
@@ -89,20 +90,20 @@ def _display(value: dict) -> bool:
     return display != "omitted"
 
 
-def output_format(config, check_fields) -> dict | None:
+def output_format(config) -> dict | None:
     """The chat body's `response_format` for `output_config` (None: free text)."""
     if config is None:
         return None
     if not isinstance(config, dict):
         raise bad("output_config must be an object like {\"effort\": \"high\"}", "output_config")
-    check_fields(config, {"effort", "format"}, "output_config.")
+    refuse_unknown(config, {"effort", "format"}, "output_config.")
     value = config.get("format")
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") != "json_schema":
         raise bad("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
                   "output_config.format")
-    check_fields(value, {"type", "schema"}, "output_config.format.")
+    refuse_unknown(value, {"type", "schema"}, "output_config.format.")
     if not isinstance(value.get("schema"), dict):
         raise bad("output_config.format.schema must be a JSON schema object", "output_config.format.schema")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": value["schema"]}}

@@ -1,5 +1,5 @@
-"""Anthropic `message` bodies and their stream of events (the format interface app.py's
-_generate drives; see responses.ChatFormat).
+"""Anthropic `message` bodies and their stream of events (a StreamFormat, the Protocol
+app.py drives: reply_format.py).
 
 Content blocks come in the order the model wrote them: `thinking` from the reasoning
 split (with `thinking.display: "omitted"` the block stays empty), `text`, `tool_use`

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .errors import bad
+from .fields import refuse_unknown
 
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 CLEAR_THINKING = "clear_thinking_20251015"
@@ -136,35 +137,34 @@ def edit_context(req, tokenizer, original: bool) -> tuple[object, list[dict] | N
 # ------------------------------------------------------------------ the request field
 
 
-def parse_context_management(value, check_fields) -> ContextEdits | None:
-    """`context_management` -> ContextEdits (None: no edits). `check_fields(obj, known,
-    where)` is the API's unknown-field check."""
+def parse_context_management(value) -> ContextEdits | None:
+    """`context_management` -> ContextEdits (None: no edits)."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise bad("context_management must be an object like {\"edits\": [...]}", "context_management")
-    check_fields(value, {"edits"}, "context_management.")
+    refuse_unknown(value, {"edits"}, "context_management.")
     edits = value.get("edits")
     if edits is None:
         return None
     if not isinstance(edits, list):
         raise bad("context_management.edits must be a list of edit objects", "context_management.edits")
-    return ContextEdits(tuple(_edit(e, f"context_management.edits[{i}]", check_fields) for i, e in enumerate(edits)))
+    return ContextEdits(tuple(_edit(e, f"context_management.edits[{i}]") for i, e in enumerate(edits)))
 
 
-def _edit(value, at: str, check_fields):
+def _edit(value, at: str):
     if not isinstance(value, dict):
         raise bad(f"{at} must be an object with a \"type\"", at)
     kind = value.get("type")
     if kind == CLEAR_TOOL_USES:
-        check_fields(value, TOOL_USE_FIELDS, f"{at}.")
+        refuse_unknown(value, TOOL_USE_FIELDS, f"{at}.")
         return ClearToolUses(_trigger(value.get("trigger"), f"{at}.trigger"),
                              _amount(value.get("keep"), ("tool_uses",), f"{at}.keep", DEFAULT_KEEP_TOOL_USES),
                              _amount(value.get("clear_at_least"), ("input_tokens",), f"{at}.clear_at_least", 0),
                              _names(value.get("exclude_tools"), f"{at}.exclude_tools"),
                              _clear_inputs(value.get("clear_tool_inputs"), f"{at}.clear_tool_inputs"))
     if kind == CLEAR_THINKING:
-        check_fields(value, {"type", "keep"}, f"{at}.")
+        refuse_unknown(value, {"type", "keep"}, f"{at}.")
         keep = value.get("keep")
         if keep == "all" or (isinstance(keep, dict) and keep.get("type") == "all" and len(keep) == 1):
             return ClearThinking(None)

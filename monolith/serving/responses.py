@@ -50,7 +50,7 @@ class OpenAIEvents:
 
 
 class ChatFormat(OpenAIEvents):
-    """chat.completion and chat.completion.chunk bodies."""
+    """chat.completion and chat.completion.chunk bodies (a StreamFormat: reply_format.py)."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None,
                  reasoning_open: bool = False):
@@ -146,7 +146,7 @@ class ChatFormat(OpenAIEvents):
 
 
 class CompletionFormat(OpenAIEvents):
-    """text_completion bodies (the legacy completions API)."""
+    """text_completion bodies (the legacy completions API; a StreamFormat: reply_format.py)."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool):
         self.id = "cmpl-" + uuid.uuid4().hex

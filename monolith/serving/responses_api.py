@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
+from .fields import refuse_extra, refuse_non_neutral, refuse_unknown
 from .responses_items import items_to_messages
 from .responses_store import ResponseStore, input_items
 from .responses_tools import Tools, parse_tools, tool_choice
@@ -152,15 +153,8 @@ def _reasoning(value) -> tuple[dict, dict]:
 
 
 def _check_fields(body: dict) -> None:
-    unknown = sorted(k for k in body if k not in FIELDS | INERT_FIELDS | set(NEUTRAL_VALUES))
-    if unknown:
-        raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
-                  "(fields that would change the result are refused, not ignored)", unknown[0])
-    for name, neutral in NEUTRAL_VALUES.items():
-        value = body.get(name)
-        number = isinstance(neutral, float) and type(value) in (int, float)  # 0 and 0.0 alike
-        if value is not None and (value != neutral or not (number or type(value) is type(neutral))):
-            raise bad(f"{name} is not supported (only {json.dumps(neutral)}), got {json.dumps(value)[:60]}", name)
+    refuse_unknown(body, FIELDS | INERT_FIELDS | set(NEUTRAL_VALUES))
+    refuse_non_neutral(body, NEUTRAL_VALUES)
 
 
 def _metadata(body: dict) -> dict:
@@ -193,9 +187,7 @@ def _text(value) -> tuple[dict, Structure | None]:
         return {"format": {"type": "text"}}, None
     if not isinstance(value, dict):
         raise bad("text must be an object like {\"format\": {\"type\": \"json_schema\", ...}}", "text")
-    extra = sorted(set(value) - {"format", "verbosity"})
-    if extra:
-        raise bad(f"text has unsupported field(s): {', '.join(extra)}", f"text.{extra[0]}")
+    refuse_extra(value, {"format", "verbosity"}, "text")
     verbosity = value.get("verbosity")
     if verbosity is not None and verbosity not in VERBOSITY:
         raise bad(f"text.verbosity must be one of {', '.join(VERBOSITY)}, got {json.dumps(verbosity)[:40]}",
@@ -211,9 +203,7 @@ def _format(form) -> tuple[dict, Structure | None]:
     if not isinstance(form, dict):
         raise bad("text.format must be an object", "text.format")
     kind = form.get("type")
-    extra = sorted(set(form) - ({"type"} if kind in ("text", "json_object") else FORMAT_KEYS))
-    if extra:
-        raise bad(f"text.format has unsupported field(s): {', '.join(extra)}", f"text.format.{extra[0]}")
+    refuse_extra(form, {"type"} if kind in ("text", "json_object") else FORMAT_KEYS, "text.format")
     if kind == "text":
         return {"type": "text"}, None
     if kind == "json_object":

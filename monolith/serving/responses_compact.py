@@ -65,7 +65,7 @@ def open_summary(token, param: str) -> str:
 
 
 class CompactFormat:
-    """The compaction object, from the summary's deltas (the app's non-streamed format)."""
+    """The compaction object, from the summary's deltas (a ReplyFormat, never streamed: reply_format.py)."""
 
     def __init__(self, kept: list[str], reasoning_open: bool):
         self.kept = kept

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from .errors import bad
+from .fields import refuse_extra
 from .responses_compact import SUMMARY_HEAD, open_summary
 from .responses_seal import SEALER
 from .schemas import json_arguments
@@ -58,9 +59,7 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
         if kind not in ITEM_KEYS:
             raise bad(f"{at}.type must be one of {', '.join(ITEM_KEYS)} (other item types are not supported), "
                       f"got {json.dumps(kind)[:60]}", f"{at}.type")
-        extra = sorted(set(item) - ITEM_KEYS[kind])
-        if extra:
-            raise bad(f"{at} ({kind}) has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+        refuse_extra(item, ITEM_KEYS[kind], at, f"{at} ({kind})")
         if kind == "message":
             role = item.get("role")
             if role not in TEXT_PARTS:
@@ -140,9 +139,7 @@ def _parts(value, kinds: set[str], where: str) -> str:
         if kind not in kinds:
             raise bad(f"{at}: only {' / '.join(sorted(kinds))} parts are supported here, got "
                       f"{json.dumps(kind)[:60]}", at)
-        extra = sorted(set(part) - PART_KEYS.get(kind, {"type", "text"}))
-        if extra:
-            raise bad(f"{at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+        refuse_extra(part, PART_KEYS.get(kind, {"type", "text"}), at)
         if not isinstance(part.get("text"), str):
             raise bad(f"{at}.text must be a string", f"{at}.text")
         texts.append(part["text"])

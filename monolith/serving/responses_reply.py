@@ -29,7 +29,7 @@ from .tools import ToolCallParser
 
 
 class ResponseFormat:
-    """The response object and its stream events (the format interface of responses.py)."""
+    """The response object and its stream events (a StreamFormat and Cancellable: reply_format.py)."""
 
     def __init__(self, model: str, call: ResponsesCall, reasoning_open: bool, store: ResponseStore,
                  think_end_id: int | None):

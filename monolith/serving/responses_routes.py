@@ -1,6 +1,14 @@
-"""The endpoints on stored responses (OpenAI's shapes; the store: responses_store.py):
-GET /v1/responses/{id} (status `in_progress` while it is being generated); DELETE
-/v1/responses/{id} ({"id", "object": "response", "deleted": true}); GET
+"""The Responses API's HTTP endpoints (app.py routes them; the WebSocket transport:
+responses_socket.py).
+
+`ResponsesRoutes`: POST /v1/responses (the chat path, its reply: responses_reply.py),
+POST /v1/responses/input_tokens (the prompt tokens a request would take) and POST
+/v1/responses/compact (responses_compact.py), on the app's handlers (their access checks,
+engine, model names, body reading and engine driving).
+
+`StoredResponses`, the endpoints on stored responses (OpenAI's shapes; the store:
+responses_store.py): GET /v1/responses/{id} (status `in_progress` while it is being
+generated); DELETE /v1/responses/{id} ({"id", "object": "response", "deleted": true}); GET
 /v1/responses/{id}/input_items (a cursor page of the request's input items: `limit`
 1-100, default 20; `order` asc or desc, default desc; `after` an item id; `include`
 values are accepted, and `reasoning.encrypted_content` keeps a reasoning item's
@@ -12,14 +20,19 @@ engine job freeing its slot, and answered with status `cancelled`; a finished on
 "compact" and "input_tokens" name POST endpoints (/v1/responses/compact,
 /v1/responses/input_tokens), never a response: other methods on them are a 405.
 
-Each handler takes the request (its path_params, query_params and method, as starlette's
-Request has them) and returns the JSON body: app.py routes them."""
+Each stored-response handler takes the request (its path_params, query_params and
+method, as starlette's Request has them) and returns the JSON body."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from . import responses_api, responses_compact, responses_reply
 from .errors import APIError, bad
 from .responses_store import ResponseStore
 
@@ -34,6 +47,50 @@ STORED_ROUTES = (("/v1/responses/{response_id}", "GET", "get"), ("/v1/responses/
                  ("/v1/responses/{response_id}/input_items", "GET", "input_items"),
                  ("/v1/responses/{response_id}/cancel", "POST", "cancel"))  # (path, method, handler)
 CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finish it
+
+
+class ResponsesRoutes:
+    """The POST endpoints of the Responses API, on the app's handlers (app._Handlers)."""
+
+    def __init__(self, handlers):
+        self.handlers = handlers
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API on the chat path (responses_api.py, responses_reply.py)."""
+        handlers = self.handlers
+        engine = handlers.ready_engine()
+        started = time.monotonic()
+        state = handlers.state
+        call = responses_api.parse_request(await handlers.read_body(request), state.defaults, state.responses)
+        name = handlers.model_name(call.request.model)
+        make_format = responses_reply.format_maker(name, call, state.responses, engine.tokenizer)
+        response = await handlers.generate_chat(request, engine, call.request, make_format, started, "input")
+        if call.tools.omitted:  # hosted tools this server cannot run: left out, and said so
+            omitted = ", ".join(dict.fromkeys(call.tools.omitted))
+            log.info("responses: hosted tools left out of what the model sees: %s", omitted)
+            response.headers["x-monolith-omitted-tools"] = omitted
+        return response
+
+    async def input_tokens(self, request: Request) -> Response:
+        """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""
+        handlers = self.handlers
+        engine = handlers.ready_engine()
+        state = handlers.state
+        call = responses_api.parse_request(await handlers.read_body(request), state.defaults, state.responses)
+        handlers.model_name(call.request.model)
+        prompt_ids, _, _ = await handlers.encode_chat(engine, call.request)
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
+
+    async def compact(self, request: Request) -> Response:
+        """POST /v1/responses/compact: the conversation summarized by the model (responses_compact.py)."""
+        handlers = self.handlers
+        engine = handlers.ready_engine()
+        started = time.monotonic()
+        req, kept = responses_compact.parse_compact(await handlers.read_body(request), handlers.state.defaults,
+                                                    handlers.state.responses)
+        handlers.model_name(req.model)
+        return await handlers.generate_chat(request, engine, req, lambda opened: responses_compact.CompactFormat(
+            kept, opened), started, "input")
 
 
 class StoredResponses:

@@ -50,8 +50,8 @@ class ResponsesSocket:
 
     async def serve(self, websocket: WebSocket) -> None:
         try:
-            self.handlers._check_origin(websocket)
-            self.handlers._authorize(websocket)
+            self.handlers.check_origin(websocket)
+            self.handlers.authorize(websocket)
         except APIError as e:
             if "websocket.http.response" in websocket.scope.get("extensions", {}):
                 await websocket.send_denial_response(JSONResponse(e.body(), status_code=e.status))
@@ -131,10 +131,10 @@ class _Connection:
         """Generate the response of a create body, sending its events; the error if it
         failed mid-stream (its response.failed was sent)."""
         handlers = self.handlers
-        engine = handlers._engine()
+        engine = handlers.ready_engine()
         started = time.monotonic()
         call = responses_api.parse_request(body, handlers.state.defaults, self)
-        name = handlers._model(call.request.model)
+        name = handlers.model_name(call.request.model)
         make_format = responses_reply.format_maker(name, call, handlers.state.responses, engine.tokenizer)
         job, events, fmt = await handlers.start_chat(engine, call.request, make_format, started, "input")
         final = None

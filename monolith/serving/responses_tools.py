@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import llguidance
 
 from .errors import bad
+from .fields import refuse_extra
 from .responses_items import flat_name, string_field
 from .structured import Structure
 
@@ -75,7 +76,7 @@ def parse_tools(value) -> Tools:
 
 
 def _namespace(tool: dict, at: str, tools: Tools) -> None:
-    _check_keys(tool, NAMESPACE_KEYS, at)
+    refuse_extra(tool, NAMESPACE_KEYS, at)
     name = string_field(tool, "name", at)
     if tool.get("description") is not None and not isinstance(tool["description"], str):
         raise bad(f"{at}.description must be a string", f"{at}.description")
@@ -95,7 +96,7 @@ def _namespace(tool: dict, at: str, tools: Tools) -> None:
 def _tool(tool: dict, at: str, namespace: str | None, tools: Tools) -> dict:
     """A function or custom tool: its echo; its chat tool is added to `tools`."""
     kind = tool["type"]
-    _check_keys(tool, FUNCTION_KEYS if kind == "function" else CUSTOM_KEYS, at)
+    refuse_extra(tool, FUNCTION_KEYS if kind == "function" else CUSTOM_KEYS, at)
     name = string_field(tool, "name", at)
     seen = flat_name(name, namespace)
     if seen in tools.named:
@@ -128,7 +129,7 @@ def _custom(tool: dict, at: str, seen: str, description: str | None, tools: Tool
     if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
         raise bad(f"{where} must be {{\"type\": \"text\"}} or {{\"type\": \"grammar\", \"syntax\": \"lark\" | "
                   "\"regex\", \"definition\": ...}", where)
-    _check_keys(form, {"type"} if form["type"] == "text" else {"type", "syntax", "definition"}, where)
+    refuse_extra(form, {"type"} if form["type"] == "text" else {"type", "syntax", "definition"}, where)
     text = {"type": "string", "description": "The tool's input, as free-form text (not JSON)."}
     if form["type"] == "grammar":
         syntax = form.get("syntax")
@@ -151,12 +152,6 @@ def _custom(tool: dict, at: str, seen: str, description: str | None, tools: Tool
         form = {"type": "grammar", "syntax": syntax, "definition": definition}
     parameters = {"type": "object", "properties": {INPUT: text}, "required": [INPUT], "additionalProperties": False}
     return form, parameters, description
-
-
-def _check_keys(value: dict, allowed: set, at: str) -> None:
-    extra = sorted(set(value) - allowed)
-    if extra:
-        raise bad(f"{at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
 
 
 def tool_choice(choice, tools: Tools, parallel: bool):

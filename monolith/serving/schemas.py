@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from ..runtime.events import MAX_TOP_LOGPROBS
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
+from .fields import refuse_non_neutral, refuse_unknown
 from .structured import Structure, response_format, tool_choice
 
 MAX_STOP_STRINGS = 16
@@ -210,16 +211,8 @@ def _check_fields(body: dict, known: set[str]) -> None:
     refused = sorted(given & set(REFUSED_FIELDS))
     if refused:
         raise bad(f"{refused[0]}: {REFUSED_FIELDS[refused[0]]}", refused[0])
-    unknown = sorted(k for k in given if k not in known and k not in INERT_FIELDS and k not in NEUTRAL_VALUES)
-    if unknown:
-        raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
-                  "(fields that would change the result are refused, not ignored)", unknown[0])
-    for name, neutral in NEUTRAL_VALUES.items():
-        value = body.get(name)
-        if value is not None and (value != neutral or type(value) is bool and type(neutral) is not bool):
-            what = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported"}.get(
-                name, f"{name} is not supported (only {json.dumps(neutral)})")
-            raise bad(f"{what}, got {json.dumps(value)}", name)
+    refuse_unknown(given, set(known) | INERT_FIELDS | set(NEUTRAL_VALUES))
+    refuse_non_neutral(body, NEUTRAL_VALUES, {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported"})
 
 
 def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> GenerationFields:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ..runtime.grammar import Grammar, GrammarError
 from . import raw_text
 from .errors import APIError, bad
+from .fields import refuse_extra
 
 WHITESPACE = r"(?:\n[ \t]{0,20}| )?"
 CALL_WHITESPACE = r"[ \n]?"
@@ -64,9 +65,7 @@ def response_format(value) -> Structure | None:
     if not isinstance(value, dict):
         raise bad("response_format must be an object like {\"type\": \"json_schema\", ...}", "response_format")
     kind = value.get("type", "text")
-    extra = sorted(set(value) - {"type", "json_schema"})
-    if extra:
-        raise bad(f"response_format has unsupported field(s): {', '.join(extra)}", f"response_format.{extra[0]}")
+    refuse_extra(value, {"type", "json_schema"}, "response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -78,9 +77,7 @@ def response_format(value) -> Structure | None:
     at = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise bad(f"{at} must be an object with a \"schema\"", at)
-    extra = sorted(set(spec) - JSON_SCHEMA_KEYS)
-    if extra:
-        raise bad(f"{at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+    refuse_extra(spec, JSON_SCHEMA_KEYS, at)
     schema = spec.get("schema")
     if not isinstance(schema, dict) and not isinstance(schema, bool):
         raise bad(f"{at}.schema must be a JSON schema (an object)", f"{at}.schema")
