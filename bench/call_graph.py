@@ -3,7 +3,7 @@ to the state commit, and how many distinct calls cross a module boundary on the 
 (issue 14's and issue 31's before/after counts), with and without drafting; and the
 lines of runtime/.
 
-    python bench/call_graph.py [--json FILE]    # FILE: bench/results/call_graph.json by default
+    python -m bench.call_graph [--json FILE]    # FILE: bench/results/call_graph.json by default
 
 Builds a tiny synthetic target + DSpark pair, loads it the way `serve` does (drafting
 forced with --spec-sched fixed so that every round verifies and commits; then without
@@ -24,7 +24,6 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _engine(tmp: Path, drafting: bool):

@@ -14,7 +14,7 @@ over Thunderbolt 5 (assumptions printed with it). Medians of --repeats runs, eac
 (one process, R ranks) run back to back. Prints a table and writes
 bench/results/distributed.json and .md.
 
-    python bench/distributed.py [--ranks 2] [--max-tokens 64] [--repeats 3] [--model M --draft D]
+    python -m bench.distributed [--ranks 2] [--max-tokens 64] [--repeats 3] [--model M --draft D]
 
 Run with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for
 bench/results (docs/performance.md); both the ranks share this machine's two cores.

@@ -21,8 +21,8 @@ engines' control-token finding from bench/results/grammar_engines.json (xgrammar
 <|im_start|> into a JSON string; llguidance allows none). Writes bench/results/fuzz.json
 and .md.
 
-    python bench/fuzz.py [--requests 12000] [--clients 8] [--seed 0] [--port 8123]
-    python bench/fuzz.py --requests 0 --waves 8 --wave-requests 150 \
+    python -m bench.fuzz [--requests 12000] [--clients 8] [--seed 0] [--port 8123]
+    python -m bench.fuzz --requests 0 --waves 8 --wave-requests 150 \
         --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache   # memory only
 """
 
