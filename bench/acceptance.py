@@ -3,7 +3,7 @@ tau, per-position acceptance and decode tok/s of plain vs speculative decoding, 
 and sampled (temperature 0.7), for the BF16 and the NVFP4 draft; the matched-prefix
 acceptance of both drafts against the target's greedy continuations; the goals.
 
-    python bench/acceptance.py [--pair DIR] [--target target] [--prompts 96] [--prompt-tokens 64]
+    python -m bench.acceptance [--pair DIR] [--target target] [--prompts 96] [--prompt-tokens 64]
                                [--max-tokens 128] [--block-size 7] [--repeats 1] [--temperature 0.7]
                                [--seed 0] [--json FILE]
 
@@ -61,7 +61,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from acceptance_report import print_goals, print_rows, print_summary, report_json, summarize
+
+from bench.acceptance_report import (
+    print_goals,
+    print_rows,
+    print_summary,
+    report_json,
+    summarize,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 NO_BF16 = ("no BF16 draft checkpoint ({path} missing): the bundled draft is NVFP4, and loading it with "
@@ -252,9 +259,8 @@ class Decoders:
     always drafting) and the served one."""
 
     def __init__(self, args, model, drafters: dict, gamma: int, max_context: int):
-        from monolith.runtime.decoder import PlainDecoder
+        from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
         from monolith.runtime.scheduler import make_scheduler
-        from monolith.runtime.decoder import SpeculativeDecoder
 
         self.plain = PlainDecoder(model, max_context)
         self.drafts = {label: SpeculativeDecoder(model, d, max_context, gamma=gamma, scheduler=make_scheduler("fixed"))

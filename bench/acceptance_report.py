@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 
-
 GOAL_TAU, GOAL_RATIO, GOAL_SPEEDUP, GOAL_GAMMA = 3.0, 0.97, 1.5, 7
 
 

@@ -4,7 +4,7 @@ against B separate forwards, for B one-row decode segments and B 8-row verify se
 target (bench/target_forward.py's preset); and the demo draft's forward_batch against B
 draft forwards.
 
-    python bench/batch_forward.py [--batches 1,2,4,8] [--context 128] [--repeats 9]
+    python -m bench.batch_forward [--batches 1,2,4,8] [--context 128] [--repeats 9]
                                   [--openblas /usr/lib/x86_64-linux-gnu/libopenblas.so.0]
 Prints a table and writes bench/results/batch_forward.json (one entry per BLAS). Each
 repeat times the batched forward and the B separate ones back to back from the same
@@ -30,11 +30,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from bench.common import PRESETS, count_primitives
 from monolith.models.layers import whole_graphs
 from monolith.runtime.prefill import prefill
-
-sys.path.insert(0, str(Path(__file__).parent))
-from target_forward import PRESETS, count_primitives
 
 
 def caches_at(model, b: int, context: int) -> list:

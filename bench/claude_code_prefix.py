@@ -19,7 +19,7 @@ usage's input_tokens and cache_read_input_tokens, and the warm/cold ratios. Writ
 bench/results/claude_code_prefix.json and .md.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \
-        python bench/claude_code_prefix.py [--prefix-tokens 32700]
+        python -m bench.claude_code_prefix [--prefix-tokens 32700]
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from agent_workload import TOOLS, system_prompt, user_turn
-from http_replay import Server
+from bench.agent_workload import TOOLS, system_prompt, user_turn
+from bench.common import ROOT
+from bench.http_replay import Server
 
 KEY = "bench-key"
 HEADERS = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}

@@ -42,9 +42,9 @@ the same (a FIFO queue: the "before" numbers). Prints a markdown table and write
 bench/results/concurrency.json and .md. `--soak SECONDS` runs bench/soak.py's mixed load
 instead (bench/results/concurrency_soak.json and .md).
 
-    python bench/concurrency.py [--quick] [--clients 1,2,4,8] [--modes plain,speculative]
+    python -m bench.concurrency [--quick] [--clients 1,2,4,8] [--modes plain,speculative]
         [--requests N] [--repeat 3] [--max-tokens 128] [--max-batch B] [--model M --draft D]
-    python bench/concurrency.py --soak 600 [--modes speculative]
+    python -m bench.concurrency --soak 600 [--modes speculative]
 
 The servers inherit the environment: on Linux, run with
 LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for the
@@ -55,14 +55,9 @@ threaded OpenBLAS spends more time synchronizing than multiplying at these sizes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import re
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -73,12 +68,18 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import (
+    RESULTS,
+    Prompts,
+    machine,
+    machine_note,
+    server_command,
+    supports_max_batch,
+    write,
+)
+from bench.http_replay import Server, complete, probe_extra
+from bench.soak import run_soak
 
-from http_replay import Refused, Server, complete
-
-RESULTS = ROOT / "bench" / "results"
 PROMPT_CHARS = (100, 400, 1000, 2000)  # the mix of prompt lengths (characters; the demo: ~35-550 tokens)
 MODES = ("plain", "speculative")
 
@@ -105,21 +106,6 @@ class Result:
 
 
 # ------------------------------------------------------------------ prompts
-
-
-class Prompts:
-    """Windows of the standard library's sources, from a line start, `chars` long."""
-
-    def __init__(self):
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        self.files = [p for p in sorted(stdlib.glob("*.py")) if p.stat().st_size > 20000]
-        self._texts: dict[Path, str] = {}
-
-    def window(self, rng: random.Random, chars: int) -> tuple[str, str]:
-        path = rng.choice(self.files)
-        text = self._texts.setdefault(path, path.read_text(errors="replace"))
-        start = text.find("\n", rng.randrange(max(1, len(text) - chars))) + 1
-        return text[start:start + chars], f"{path.name}:{start}"
 
 
 def request_lists(counts: dict[int, int], max_tokens: int, seed: int, repeat: int = 1) -> dict:
@@ -254,44 +240,10 @@ def mismatches(results: list[Result], reference: dict[str, Result]) -> list[dict
 # ------------------------------------------------------------------ servers
 
 
-def supports_max_batch() -> bool:
-    help_text = subprocess.run([sys.executable, "-m", "monolith.serve", "--help"], capture_output=True, text=True,
-                               cwd=ROOT, check=False).stdout
-    return "--max-batch" in help_text
-
-
-def server_command(args, mode: str, max_batch: int | None, max_queue: int | None = None) -> list[str]:
-    cmd = [sys.executable, "-m", "monolith.serve", "--max-context", str(args.max_context), "--log-level", "info"]
-    if args.model:
-        cmd += ["--model", args.model]
-    if mode == "plain":
-        cmd.append("--no-draft")
-    else:
-        cmd += ["--draft", args.draft] if args.draft else []
-        cmd += ["--spec-sched", args.spec_sched] if args.spec_sched != "server-default" else []
-    if max_batch is not None:
-        cmd += ["--max-batch", str(max_batch)]
-    if max_queue is not None:
-        cmd += ["--max-queue", str(max_queue)]
-    return cmd + args.server_arg
-
-
 def served_decoding(server: Server) -> str:
     """What the server's ready line says it serves: "plain decoding" or "draft ..."."""
     match = re.search(r"ready in [\d.]+ s: .*?(\(plain decoding\)|with draft .*)$", server.log_text(), re.MULTILINE)
     return match.group(1).strip("()") if match else "unknown"
-
-
-def probe_extra(url: str) -> dict:
-    """{"ignore_eos": true} if the server accepts it, else {} (this server refuses unknown fields)."""
-    with httpx.Client(timeout=300) as client:
-        try:
-            complete(client, url, "import os\n", 1, extra={"ignore_eos": True})
-            return {"ignore_eos": True}
-        except Refused as e:
-            if e.status != 400:
-                raise
-            return {}
 
 
 class Scrapes:
@@ -353,29 +305,6 @@ def serve_mode(args, mode: str, lists: dict, servers: list[tuple[str, int | None
 
 
 # ------------------------------------------------------------------ report
-
-
-def machine() -> dict:
-    def version(name):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                            check=False).stdout
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "mlx": version("mlx"),
-            "commit": commit.strip(), "blas": os.environ.get("LD_PRELOAD") or "bundled",
-            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
-
-
-def machine_note(m: dict) -> str:
-    threads = f", {m['openblas_threads']} BLAS thread(s)" if m.get("openblas_threads") else ""
-    return (f"machine: {m['processor']}, {m['cpus']} cpus, mlx {m['mlx']}, BLAS {m.get('blas', 'bundled')}{threads}, "
-            f"commit {m['commit']}")
 
 
 def build_rows(mode: str, seq: dict, conc: dict | None, max_batch: int | None) -> list[dict]:
@@ -451,14 +380,6 @@ def notes(report: dict) -> list[str]:
     return out
 
 
-def write(report: dict, name: str, table: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / f"{name}.md").write_text(f"# {name}\n\n" + "".join(f"- {n}\n" for n in report["notes"])
-                                        + "\n" + table + "\n")
-    print(f"wrote {out_dir / name}.json and .md")
-
-
 # ------------------------------------------------------------------ main
 
 
@@ -509,8 +430,6 @@ def main(argv=None) -> int:
     batching = supports_max_batch()
     max_batch = args.max_batch or max(args.clients)
     if args.soak:
-        from soak import run_soak
-
         return run_soak(args, batching, max_batch)
     counts = {c: args.requests or (max(4, c) if args.quick else max(16, 4 * c)) for c in args.clients}
     lists = request_lists(counts, args.max_tokens, args.seed, args.repeat)

@@ -3,7 +3,7 @@ sigmoid and softmax, and MLX's scaled_dot_product_attention against the ops the 
 uses instead, at the shapes of a speculative round of the bundled demo pair (8 rows a
 sequence; the draft's MLP is 768 wide; 4 query heads over 2 key heads of 64).
 
-    python bench/cpu_ops.py [--repeats 300]
+    python -m bench.cpu_ops [--repeats 300]
 Prints a table and writes bench/results/cpu_ops.json and .md: milliseconds per call
 (medians of 5 timings of --repeats calls, each evaluated), the ratio, and the largest
 relative difference of the results. On Linux, MLX's CPU wheel computes exp as a scalar
@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from concurrency import machine, machine_note, write
-
+from bench.common import machine, machine_note, write
 from monolith.models import layers
 
 

@@ -12,9 +12,9 @@ round ride in the next forward's frame), taps aside (the demo draft taps rank 1'
 they ride back with the stream, in rank 1's bytes). Then a projection for the 35B-A3B at 2 ranks
 over Thunderbolt 5 (assumptions printed with it). Medians of --repeats runs, each pair
 (one process, R ranks) run back to back. Prints a table and writes
-bench/results/distributed.json and .md.
+bench/results/distributed.json and .md (--out-dir for another directory).
 
-    python bench/distributed.py [--ranks 2] [--max-tokens 64] [--repeats 3] [--model M --draft D]
+    python -m bench.distributed [--ranks 2] [--max-tokens 64] [--repeats 3] [--model M --draft D]
 
 Run with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 for
 bench/results (docs/performance.md); both the ranks share this machine's two cores.
@@ -111,6 +111,7 @@ def main() -> int:
                     help="start the ranks here (default) or through mlx.launch (see run_ranks)")
     ap.add_argument("--model", default=str(ROOT / "packs/demo/target"))
     ap.add_argument("--draft", default=str(ROOT / "packs/demo/draft"))
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
     launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -178,7 +179,8 @@ def main() -> int:
                      f"{p['control_bytes']} B -> {p['seconds'] * 1e6:.0f} us")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = ROOT / "bench/results"
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
     name = "distributed" if args.launcher == "direct" else "distributed_mlx_launch"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(text)

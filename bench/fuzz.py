@@ -19,10 +19,10 @@ accepted), the server's RSS (VmRSS) before, its peak during and after, throughpu
 and whether the server still answers a plain request at the end. Also the grammar
 engines' control-token finding from bench/results/grammar_engines.json (xgrammar lets
 <|im_start|> into a JSON string; llguidance allows none). Writes bench/results/fuzz.json
-and .md.
+and .md (--out-dir for another directory; --port 0 takes a free port).
 
-    python bench/fuzz.py [--requests 12000] [--clients 8] [--seed 0] [--port 8123]
-    python bench/fuzz.py --requests 0 --waves 8 --wave-requests 150 \
+    python -m bench.fuzz [--requests 12000] [--clients 8] [--seed 0] [--port 8123]
+    python -m bench.fuzz --requests 0 --waves 8 --wave-requests 150 \
         --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache   # memory only
 """
 
@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from bench.common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
@@ -214,15 +216,17 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--port", type=int, default=8123, help="0: a free port")
     ap.add_argument("--waves", type=int, default=6, help="waves of valid requests after the run (RSS)")
     ap.add_argument("--wave-requests", type=int, default=200)
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for the server, e.g. --server-arg=--prompt-cache-size=0 (repeatable)")
     ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="one more environment variable for the server (repeatable)")
-    ap.add_argument("--out", default="fuzz", help="results are written to bench/results/OUT.json and OUT.md")
+    ap.add_argument("--out", default="fuzz", help="results are written to OUT-DIR/OUT.json and OUT.md")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
+    args.port = args.port or free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **dict(e.split("=", 1) for e in args.env)}
     server = subprocess.Popen([sys.executable, "-m", "monolith.serve", "--no-draft", "--port", str(args.port),
                                "--max-context", "4096", "--max-queue", "256", "--log-level", "error", *args.server_arg],
@@ -320,8 +324,9 @@ def main() -> int:
                                  for n, v in grammar.items()))
     text = "\n".join(lines) + "\n"
     print(text)
-    (ROOT / f"bench/results/{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (ROOT / f"bench/results/{args.out}.md").write_text(text)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / f"{args.out}.md").write_text(text)
     return 1 if server_errors or out_of_shape or not result["still_serving"] else 0
 
 

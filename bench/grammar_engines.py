@@ -37,8 +37,8 @@ is measured from a separate venv (torch pinned first: the CPU build, not a CUDA 
     /work/xg-venv/bin/pip install torch==2.13.0
     /work/xg-venv/bin/pip install xgrammar llguidance numpy jsonschema
 
-    python bench/grammar_engines.py                                    # monolith's venv: llguidance
-    /work/xg-venv/bin/python bench/grammar_engines.py --engine xgrammar
+    python -m bench.grammar_engines                                    # monolith's venv: llguidance
+    /work/xg-venv/bin/python -m bench.grammar_engines --engine xgrammar
         [--engine llguidance|xgrammar] [--cases a,b] [--no-wheels] [--cache DIR] [--json PATH]
 
 (without --engine, every engine installed in the interpreter runs.)
@@ -57,7 +57,6 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")  # llguidance's thread pool (sin
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import platform
@@ -65,7 +64,6 @@ import re
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 import zipfile
@@ -74,20 +72,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+from bench.common import ROOT
+from bench.vocabulary import VOCAB_SIZE, vocabulary
 from monolith.synth.tokenizer import (
     EOS_TOKEN,
-    PRETOKENIZE_REGEX,
     SPECIAL_TOKENS,
-    TEXT_TAGS,
 )
 
 RESULTS = ROOT / "bench" / "results" / "grammar_engines.json"
-VOCAB_SIZE = 248_320  # Qwen3.5/3.6 vocab_size (docs/target.md)
-CORPUS_CHARS = 200_000_000  # enough text for 248K merges at min_frequency 2 here
-CORPUS_EXTENSIONS = ("py", "pyi", "rst", "txt", "md", "json")
 ENGINES = ("llguidance", "xgrammar")
 MANYLINUX = re.compile(r"manylinux_2_(\d+)")
 PLATFORMS = {  # pip download --platform tags tried for each (pip matches tags exactly)
@@ -95,97 +87,6 @@ PLATFORMS = {  # pip download --platform tags tried for each (pip matches tags e
     "linux_x86_64": [f"manylinux_2_{m}_x86_64" for m in (17, 24, 27, 28, 31, 34, 35, 39)] + ["manylinux2014_x86_64"],
     "linux_aarch64": [f"manylinux_2_{m}_aarch64" for m in (17, 24, 26, 27, 28, 31, 34, 35, 39)] + ["manylinux2014_aarch64"],
 }
-
-
-# ---------------------------------------------------------------- the vocabulary
-
-def corpus_files() -> list[Path]:
-    roots = [Path(sysconfig.get_paths()["stdlib"])] + sorted(Path("/usr/lib").glob("python3*"))
-    files = set()
-    for root in roots:
-        for ext in CORPUS_EXTENSIONS:
-            files.update(p for p in root.rglob(f"*.{ext}") if p.is_file())
-    return sorted(files)
-
-
-def corpus_key(files: list[Path]) -> str:
-    h = hashlib.sha256(json.dumps([VOCAB_SIZE, CORPUS_CHARS, PRETOKENIZE_REGEX, SPECIAL_TOKENS]).encode())
-    for p in files:
-        h.update(f"{p}\0{p.stat().st_size}\n".encode())
-    return h.hexdigest()[:16]
-
-
-def read_corpus(files: list[Path]) -> tuple[list[str], int]:
-    texts, chars = [], 0
-    for p in files:
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts.append(text)
-        chars += len(text)
-        if chars >= CORPUS_CHARS:
-            break
-    return texts, chars
-
-
-def train_tokenizer(texts: list[str]) -> str:
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        trainers,
-    )
-
-    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS), min_frequency=2,
-                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[])
-    tok.train_from_iterator(texts, trainer=trainer)
-    for t in SPECIAL_TOKENS:  # as packs/demo/tokenizer.py: the reasoning/tool tags are text
-        if t in TEXT_TAGS:
-            tok.add_tokens([AddedToken(t, special=False, normalized=False)])
-        else:
-            tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
-    return json.dumps(json.loads(tok.to_str()), sort_keys=True, ensure_ascii=False)
-
-
-def vocabulary(cache: Path) -> tuple[str, dict]:
-    """(tokenizer.json text, facts about it), built once per corpus listing."""
-    files = corpus_files()
-    key = corpus_key(files)
-    path = cache / f"bpe-{VOCAB_SIZE}-{key}.json"
-    meta_path = path.with_suffix(".meta.json")
-    if not (path.exists() and meta_path.exists()):
-        cache.mkdir(parents=True, exist_ok=True)
-        print(f"training a {VOCAB_SIZE}-id BPE on up to {CORPUS_CHARS / 1e6:.0f}M characters "
-              f"of {len(files)} files (once; cached in {path})", flush=True)
-        t0 = time.perf_counter()
-        texts, chars = read_corpus(files)
-        text = train_tokenizer(texts)
-        n = len(json.loads(text)["model"]["vocab"]) + len(SPECIAL_TOKENS)
-        meta = {"corpus_roots": [sysconfig.get_paths()["stdlib"], "/usr/lib/python3*"],
-                "corpus_extensions": list(CORPUS_EXTENSIONS), "corpus_files_listed": len(files),
-                "corpus_files_used": len(texts), "corpus_chars": chars, "corpus_key": key,
-                "trained_ids": n, "padding_ids": VOCAB_SIZE - n, "train_s": round(time.perf_counter() - t0, 1)}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-        meta_path.write_text(json.dumps(meta, indent=1))
-    text = path.read_text(encoding="utf-8")
-    meta = json.loads(meta_path.read_text())
-    meta.update(vocab_size=VOCAB_SIZE, sha256=hashlib.sha256(text.encode()).hexdigest(), path=str(path))
-    return text, meta
 
 
 # ---------------------------------------------------------------- the schemas

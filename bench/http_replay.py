@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,10 +21,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serve_latency import free_port
+from bench.common import ROOT, free_port
 
 
 def parse_metrics(text: str, prefixes: tuple[str, ...] = ("monolith_", "spec_decode_")) -> dict[str, float]:
@@ -237,3 +233,15 @@ def _merge_call(calls: dict, delta: dict) -> None:
     function = delta.get("function") or {}
     entry["function"]["name"] += function.get("name") or ""
     entry["function"]["arguments"] += function.get("arguments") or ""
+
+
+def probe_extra(url: str) -> dict:
+    """{"ignore_eos": true} if the server accepts it, else {} (this server refuses unknown fields)."""
+    with httpx.Client(timeout=300) as client:
+        try:
+            complete(client, url, "import os\n", 1, extra={"ignore_eos": True})
+            return {"ignore_eos": True}
+        except Refused as e:
+            if e.status != 400:
+                raise
+            return {}

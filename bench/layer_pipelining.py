@@ -2,7 +2,7 @@
 decode tok/s of B sequences stepped together (runtime/batch.py, as the engine steps
 them), plain and speculative (the draft, fixed blocks), on the bundled demo pair.
 
-    python bench/layer_pipelining.py [--batches 1,4] [--prompt-tokens 256]
+    python -m bench.layer_pipelining [--batches 1,4] [--prompt-tokens 256]
                                      [--max-tokens 128] [--repeats 5]
 Prints a table and writes bench/results/layer_pipelining.json and .md. Each repeat runs
 the same B prompts (slices of monolith/data/corpus.txt, fresh sessions) with the
@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from concurrency import machine, machine_note, write
-from spec_throughput import corpus_prompts
+from bench.common import corpus_prompts, machine, machine_note, write
 
 MODES = ("plain", "speculative")
 

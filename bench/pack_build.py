@@ -10,7 +10,7 @@ Each is measured with a hot page cache and, where the page cache can be dropped 
 on Linux), a cold one (read and build both from the disk).
 Goal (issue 2): build at least half the read speed; peak memory under two shards.
 
-    python bench/pack_build.py [--preset bench] [--repeats 3] [--shard-mb 256] [--work DIR]
+    python -m bench.pack_build [--preset bench] [--repeats 3] [--shard-mb 256] [--work DIR]
 Prints a table and writes bench/results/pack_build.json.
 """
 

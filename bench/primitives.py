@@ -4,7 +4,7 @@ without Metal) against the same forward and commit with the fused kernels. Count
 times: on the Linux CPU neither path says anything about a Mac's speed, but the number of
 primitives (dispatches) and the bytes do.
 
-    python bench/primitives.py [--context 1024] [--rows 8] [--kept 4] [--dtype bfloat16]
+    python -m bench.primitives [--context 1024] [--rows 8] [--kept 4] [--dtype bfloat16]
 
 How it counts (all of it on the graph MLX builds, before any evaluation):
 - A few decoder layers of Qwen3.6-35B-A3B at real size (the model's own classes, with

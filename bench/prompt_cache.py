@@ -29,7 +29,7 @@ writes bench/results/prompt_cache.json. On the demo pair here (MLX's CPU backend
 shared cores) an 8K prefill takes 25-40 s and the default run about 27 minutes, most of
 it the cold run's 22 full prefills; --turns, --runs and --system-tokens shorten it.
 
-    python bench/prompt_cache.py [--model M --draft D] [--turns 10] [--system-tokens 8192]
+    python -m bench.prompt_cache [--model M --draft D] [--turns 10] [--system-tokens 8192]
         [--max-tokens 32] [--variants plain,spec] [--checkpoint-every 0,256,512,2048]
         [--runs cold,warm,restart,memory,sweep,mlx-lm] [--json PATH]
 """
@@ -51,12 +51,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from agent_workload import TOOLS, Conversation, interleave, system_prompt
-from http_replay import Server, ServerFailed, chat
+from bench.agent_workload import TOOLS, Conversation, interleave, system_prompt
+from bench.common import ROOT
+from bench.http_replay import Server, ServerFailed, chat
 
 RESULTS = ROOT / "bench" / "results" / "prompt_cache.json"
 RUNS = ("cold", "warm", "restart", "memory", "sweep", "mlx-lm")

@@ -1,7 +1,7 @@
 """The published layouts at real widths, reduced depth: pack, load, plain and speculative
 greedy generation (they must agree), memory, and what 40 layers would cost on a Mac.
 
-    python bench/real_widths.py [--pairs nvidia-35b:lithos-dspark,nvidia-35b:koopah-dspark,unsloth-27b:speculators-27b]
+    python -m bench.real_widths [--pairs nvidia-35b:lithos-dspark,nvidia-35b:koopah-dspark,unsloth-27b:speculators-27b]
                                 [--layers 4] [--prompt-tokens 32] [--max-tokens 8] [--work DIR]
 
 For each target layout (monolith.synth.published, random values) a checkpoint at the
@@ -30,12 +30,9 @@ import json
 import multiprocessing
 import platform
 import resource
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 RESULTS = Path(__file__).parent / "results"
 BANDWIDTH = 614e9  # M5 Max 40-core, bytes/s
@@ -149,9 +146,9 @@ def graph_counts(model, drafter, prompt, gamma: int) -> dict:
 def _graph_counts(model, drafter, prompt, gamma: int) -> dict:
     import mlx.core as mx
 
+    from bench.common import count_primitives
     from monolith.runtime.prefill import prefill
     from monolith.sampling import SamplingParams
-    from target_forward import count_primitives
 
     cache = model.make_cache(len(prompt) + 32)
     logits = prefill(model, mx.array(prompt, dtype=mx.int32), cache)
@@ -182,7 +179,7 @@ def period_bytes(manifest: dict, rows: int, top_k: int) -> tuple[int, int]:
     """(bytes of the non-layer entries, bytes of the decoder layers) that `rows` rows
     read: the embedding's rows, every other matrix whole, experts by the expected number
     of distinct experts among rows * top_k draws."""
-    from target_forward import weight_bytes
+    from bench.common import weight_bytes
 
     fixed = layers = 0
     for name, size in weight_bytes(manifest).items():

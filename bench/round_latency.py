@@ -2,7 +2,7 @@
 commit ms and full round ms (the seed card's table), plus bytes moved and MLX
 primitives per round.
 
-    python bench/round_latency.py [--contexts 128,512,2048] [--block-size 7] [--repeats 5]
+    python -m bench.round_latency [--contexts 128,512,2048] [--block-size 7] [--repeats 5]
                                   [--preset bench-forward] [--dtype float32]
                                   [--model PACK --draft DRAFT]
 Prints a table and writes bench/results/round_latency.json. By default a synthetic
@@ -26,7 +26,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -34,10 +33,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.common import (
+    PRESETS,
+    bytes_touched,
+    count_primitives,
+    load_pair,
+    weight_bytes,
+)
 from monolith.models.layers import whole_graphs
-
-sys.path.insert(0, str(Path(__file__).parent))
-from target_forward import PRESETS, bytes_touched, count_primitives, weight_bytes
 
 
 def draft_bytes(draft_manifest: dict, draft, context: int, gamma: int, dtype_bytes: int) -> dict:
@@ -151,23 +154,6 @@ def measure(model, target_manifest, drafter, draft_manifest, contexts, gamma, re
     return rows
 
 
-def load_pair(args):
-    """(scratch dir, target pack, draft source, loaded target): --model/--draft, or a
-    synthetic pair of --preset written into a scratch directory."""
-    from monolith.models import load_model
-    from monolith.pack import build_pack, resolve_pack
-    from monolith.synth import Preset, write_draft, write_target
-
-    work = Path(tempfile.mkdtemp(prefix="monolith-bench-"))
-    if args.model is None:
-        target_src = write_target(work / "target", preset=Preset(**PRESETS[args.preset]), format="bf16")
-        draft_src = write_draft(work / "draft", target_src, format="deepspec")
-        target_pack = build_pack(target_src, work / "target.pack", role="target")
-    else:
-        target_pack, draft_src = resolve_pack(args.model, role="target"), args.draft
-    return work, target_pack, draft_src, load_model(target_pack, dtype=args.dtype)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="bench-forward", choices=sorted(PRESETS))
@@ -182,8 +168,8 @@ def main() -> None:
     if (args.model is None) != (args.draft is None):
         ap.error("--model and --draft go together")
 
-    from monolith.pack import read_manifest, resolve_pack
     from monolith.engine_setup import load_drafter
+    from monolith.pack import read_manifest, resolve_pack
 
     work, target_pack, draft_src, model = load_pair(args)
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -8,7 +8,7 @@ per prompt length, medians: time to first token, decode tokens/s (after the firs
 token), and the HTTP overhead = (HTTP wall time - in-process wall time) / in-process
 decode time. Prints a table and writes bench/results/serve_latency.json.
 
-    python bench/serve_latency.py [--preset small|tiny|bench] [--dtype float32]
+    python -m bench.serve_latency [--preset small|tiny|bench] [--dtype float32]
         [--prompt-lengths 16,128,512] [--max-tokens 128] [--repeats 5]
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import free_port
 from monolith.models import load_model
 from monolith.pack import build_pack
 from monolith.runtime.decoder import PlainDecoder
@@ -41,12 +41,6 @@ SMALL = Preset(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_
                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
                vocab_size=1024)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(pack: Path, args) -> tuple[subprocess.Popen, str]:

@@ -27,15 +27,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from concurrency import (
-    Prompts,
-    machine,
-    machine_note,
-    probe_extra,
-    server_command,
-    write,
-)
-from http_replay import Refused, Server, complete
+
+from bench.common import Prompts, machine, machine_note, server_command, write
+from bench.http_replay import Refused, Server, complete, probe_extra
 
 CLIENTS = 8
 KINDS = ("stream", "close", "whole")

@@ -2,7 +2,7 @@
 alternate, medians), acceptance length tau, per-position acceptance, and whether the
 greedy outputs agree.
 
-    python bench/spec_throughput.py [--prompts 3] [--prompt-tokens 128] [--max-tokens 64]
+    python -m bench.spec_throughput [--prompts 3] [--prompt-tokens 128] [--max-tokens 64]
                                     [--repeats 3] [--block-size 7] [--sched fixed,cost]
                                     [--preset bench-forward] [--dtype float32]
                                     [--model PACK --draft DRAFT]
@@ -28,9 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from round_latency import load_pair
-from target_forward import PRESETS
+from bench.common import PRESETS, corpus_prompts, load_pair
 
 
 class ReplayDrafter:
@@ -61,13 +59,6 @@ class ReplayDrafter:
         q = np.zeros((gamma, self.vocab), np.float32)
         q[np.arange(gamma), tokens] = 1.0
         return Proposal(mx.array(tokens, dtype=mx.int32), mx.array(q), None)
-
-
-def corpus_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
-    text = (Path(__file__).parents[1] / "monolith" / "data" / "corpus.txt").read_text()
-    ids = tokenizer.encode(text)
-    stride = max(1, (len(ids) - length) // max(count, 1))
-    return [ids[i * stride:i * stride + length] for i in range(count)]
 
 
 def parse_args() -> argparse.Namespace:

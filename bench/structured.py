@@ -1,6 +1,6 @@
 """Structured output (issue 16): what the grammar costs and what it does to speculation.
 
-    python bench/structured.py [--runs 4] [--max-tokens 400] [--json FILE]
+    python -m bench.structured [--runs 4] [--max-tokens 400] [--json FILE]
 
 1. Mask cost at a 248,320-token vocabulary (Qwen3.5/3.6's; the byte-level BPE that
    bench/grammar_engines.py trains on this machine's text): per output token of a valid
@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,12 +35,10 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grammar_engines import (  # the 248K vocabulary, built once and cached
+from bench.vocabulary import (  # the 248K vocabulary, built once and cached
     VOCAB_SIZE,
     vocabulary,
 )
-
 from monolith.engine_setup import load_drafter, load_target
 from monolith.pack.demo import demo_pair
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder

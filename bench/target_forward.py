@@ -1,7 +1,7 @@
 """Target forward: T=1 and T=8 time by context length, bytes touched, MLX primitives
 per forward, and plain decode tok/s beside mlx-lm's qwen3_5_moe on the same weights.
 
-    python bench/target_forward.py [--contexts 128,512,2048] [--repeats 5] [--decode-tokens 32]
+    python -m bench.target_forward [--contexts 128,512,2048] [--repeats 5] [--decode-tokens 32]
                                    [--preset bench-forward] [--dtype float32]
 Prints tables and writes bench/results/target_forward.json. Sizes are parameters, so the
 same script runs at real size on a Mac (`--pack DIR` to use an existing pack).
@@ -12,7 +12,6 @@ compute there.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import platform
 import statistics
@@ -23,26 +22,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from bench.common import PRESETS, bytes_touched, count_primitives
 from monolith.models.layers import whole_graphs
 from monolith.runtime.prefill import prefill
 
 WARMUP_STEPS = 4
-PRESETS = {
-    # a small MoE target that still has every kind of layer and a few MB of weights
-    "bench-forward": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                          head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-                          linear_value_head_dim=64, num_experts=32, num_experts_per_tok=4,
-                          moe_intermediate_size=128, shared_expert_intermediate_size=128, vocab_size=4096),
-}
-
-
-def count_primitives(*arrays) -> int:
-    """Nodes of the (unevaluated) graph that mx.eval would run: one per primitive."""
-    dot = io.StringIO()
-    mx.export_to_dot(dot, *arrays)
-    return dot.getvalue().count("shape=rectangle")
-
-
 def timed(fn, repeats: int) -> float:
     """Median seconds of fn() (which must evaluate its result)."""
     fn()  # warm-up: compile and allocate
@@ -52,37 +36,6 @@ def timed(fn, repeats: int) -> float:
         fn()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
-
-
-def weight_bytes(manifest: dict) -> dict:
-    """Bytes of each pack entry (all its tensors)."""
-    sizes: dict = {}
-    for tensor, info in manifest["tensors"].items():
-        n = 1
-        for d in info["shape"]:
-            n *= d
-        item = {"U32": 4, "F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I64": 8, "BOOL": 1}[info["dtype"]]
-        entry = next((e for e in (tensor.rsplit(".", 1)[0], tensor) if e in manifest["entries"]), tensor)
-        sizes[entry] = sizes.get(entry, 0) + n * item
-    return sizes
-
-
-def bytes_touched(manifest: dict, args, rows: int, context: int, dtype_bytes: int) -> dict:
-    """Weights read by one forward of `rows` rows (experts: at most rows * top_k distinct
-    per layer), recurrent state read + written, KV read."""
-    sizes = weight_bytes(manifest)
-    weights = 0
-    for name, size in sizes.items():
-        if ".experts." in name:
-            experts = manifest["entries"][name]["shape"][0]
-            weights += size * min(experts, rows * args.num_experts_per_tok) // experts
-        else:
-            weights += size
-    gdn = sum(1 for t in args.layer_types if t == "linear_attention")
-    attn = len(args.layer_types) - gdn
-    state = gdn * args.linear_num_value_heads * args.linear_value_head_dim * args.linear_key_head_dim * 4 * 2
-    kv = attn * (context + rows) * args.num_key_value_heads * args.head_dim * 2 * dtype_bytes
-    return {"weights": weights, "recurrent_state": state, "kv": kv, "total": weights + state + kv}
 
 
 def forward_table(model, manifest, contexts, repeats, dtype_bytes) -> list[dict]:

@@ -4,13 +4,16 @@ prompts cut inside a message) sent to one long-lived engine made as `serve` make
 each greedy reply compared token for token with a cold engine's (a fresh session, no
 prompt cache), in every mode of tests/test_warm_cold.py, on the bundled demo pair.
 
-    python bench/warm_cold.py [--cases 2000] [--seed 0] [--modes plain,drafting,...] [--max-tokens 8] [--jobs 2]
+    PYTHONPATH=tests python -m bench.warm_cold [--cases 2000] [--seed 0] [--modes plain,drafting,...] [--max-tokens 8] [--jobs 2]
 
 --cases is the total, split evenly over the modes; --jobs runs modes in that many
 processes side by side. Reported per mode: cases, requests,
 mismatches (a parting where the target's top two logits are more than 1e-3 apart),
 near-ties (partings within it: float rounding of a resumed prefill's other chunks) and
-seconds. Writes bench/results/warm_cold.json and .md; exits 1 on any mismatch.
+seconds. Writes bench/results/warm_cold.json and .md (--out-dir for another directory);
+exits 1 on any mismatch.
+The harness is tests/test_warm_cold.py's (it imports tests/serving_rig.py): hence
+PYTHONPATH=tests.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 _LOADED = None  # (model, drafter, tokenizer) of this process
@@ -33,11 +35,10 @@ _LOADED = None  # (model, drafter, tokenizer) of this process
 def run_mode(mode: str, cases: int, seed: int, max_tokens: int) -> dict:
     """One mode's row; the demo pair is loaded once per process."""
     global _LOADED
-    from test_warm_cold import HARNESS_MODES, harness
-
     from monolith import engine_setup
     from monolith.pack.demo import bundle_dir, demo_pair
     from monolith.tokenizer import load_tokenizer
+    from tests.test_warm_cold import HARNESS_MODES, harness
 
     if _LOADED is None:
         target, draft = demo_pair()
@@ -55,7 +56,7 @@ def run_mode(mode: str, cases: int, seed: int, max_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from test_warm_cold import HARNESS_MODES
+    from tests.test_warm_cold import HARNESS_MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2000)
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=1, help="processes running modes side by side (each loads the pair)")
     ap.add_argument("--out", default="warm_cold")
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in HARNESS_MODES]
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
     total = {k: sum(r[k] for r in rows) for k in ("cases", "requests", "mismatches", "near_ties", "seconds")}
     report = {"seed": args.seed, "max_tokens": args.max_tokens, "jobs": args.jobs, "wall_seconds": wall,
               "modes": rows, "total": total}
-    out = ROOT / "bench" / "results"
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = ["# Warm against cold (bench/warm_cold.py)", "",
              f"Demo pair, float32, greedy, {args.max_tokens} tokens a reply, seed {args.seed}; {args.jobs} "

@@ -6,7 +6,10 @@ when that sits clearly below the tokens a round can emit (calibrate.round_can_pa
 the decision, beside what the old rule (one trial, cut at gamma + 1 without a margin)
 would have decided from the first trial of each start.
 
-    python bench/break_even.py [--starts 8] [--model M --draft D] [--json FILE]
+    python -m bench.archive.break_even [--starts 8] [--model M --draft D] [--json FILE]
+
+Archived, a finished study: serve now uses the rule it chose (the median of 3 trials, a
+10% margin); its result is bench/archive/results/break_even.json.
 """
 
 from __future__ import annotations
@@ -14,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -28,12 +29,16 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--draft")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "break_even.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "archive" / "results" / "break_even.json")
     args = ap.parse_args()
 
     from monolith.engine_setup import load_drafter, load_target
     from monolith.pack.demo import demo_pair
-    from monolith.runtime.calibrate import measure_break_even, round_can_pay, round_pay_limit
+    from monolith.runtime.calibrate import (
+        measure_break_even,
+        round_can_pay,
+        round_pay_limit,
+    )
     from monolith.runtime.rounds import check_gamma
     from monolith.sampling import SamplingParams
 

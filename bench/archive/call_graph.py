@@ -3,7 +3,7 @@ to the state commit, and how many distinct calls cross a module boundary on the 
 (issue 14's and issue 31's before/after counts), with and without drafting; and the
 lines of runtime/.
 
-    python bench/call_graph.py [--json FILE]    # FILE: bench/results/call_graph.json by default
+    python -m bench.archive.call_graph [--json FILE]    # FILE: bench/archive/results/call_graph.json by default
 
 Builds a tiny synthetic target + DSpark pair, loads it the way `serve` does (drafting
 forced with --spec-sched fixed so that every round verifies and commits; then without
@@ -12,6 +12,9 @@ thread. For each it reports the monolith modules entered, the distinct cross-mod
 calls (a distinct (caller module, callee module.function) pair, both in monolith), and
 the models -> runtime calls among them (a lower layer calling up: there should be none);
 the JSON adds the module names and the edges.
+
+Archived, a finished study: issue 14's and issue 31's before/after counts are recorded in
+bench/archive/results/call_graph.json.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _engine(tmp: Path, drafting: bool):
@@ -98,7 +100,7 @@ def trace_request(engine) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "call_graph.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "archive" / "results" / "call_graph.json")
     args = ap.parse_args()
     threading.setprofile(profile)  # before the engine's worker and the app's thread start
     sys.setprofile(profile)
