@@ -323,10 +323,10 @@ class Engine:
                 self._start(job)
             worked = bool(admitted or len(batch))
             if len(batch):
-                for seq in batch.step():
-                    self._end(seq)
-                for seq in batch.sequences:
-                    self._release(seq.owner)
+                for member in batch.step():
+                    self._end(member)
+                for member in batch.members:
+                    self._release(member.owner)
             if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
                 heap.trim()
 
@@ -394,18 +394,18 @@ class Engine:
         else:
             with self._lock:
                 self._running[job.id] = job
-            seq = self._batch.add(self._run(job), job)
-            if seq.done:  # it ended before its first forward (it failed, or was cancelled)
-                self._end(seq)
+            member = self._batch.add(self._run(job), job)
+            if member.done:  # it ended before its first forward (it failed, or was cancelled)
+                self._end(member)
 
-    def _end(self, seq) -> None:
-        job = seq.owner
+    def _end(self, member) -> None:
+        job = member.owner
         with self._lock:
             self._running.pop(job.id, None)
-        if seq.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
+        if member.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
             self._release(job)
-            self._emit(job, Failed(seq.error))
+            self._emit(job, Failed(member.error))
         job.done.set()
 
     def _run(self, job: Job):
