@@ -25,7 +25,7 @@ decoder.SpeculativeDecoder); events.py holds the request and event types,
 textstream.py the released text.
 
 serve, chat, generate and the benchmarks all run requests through an Engine;
-`generate` below is the same decoder call on the calling thread, without the queue
+`run_decoder` below is the same decoder call on the calling thread, without the queue
 (for code that wants an Outcome's stats or times a loop without a worker thread).
 """
 
@@ -463,9 +463,9 @@ class Engine:
             job._cancelled.set()
 
 
-def generate(decoder, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
-             stop_ids=(), on_token: Callable[[int], None] | None = None, session: Session | None = None,
-             logprobs: int | None = None) -> Outcome:
+def run_decoder(decoder, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+                stop_ids=(), on_token: Callable[[int], None] | None = None, session: Session | None = None,
+                logprobs: int | None = None) -> Outcome:
     """Up to `max_tokens` tokens after `prompt_ids` with `decoder`, on the calling thread
     (a fresh Session unless one is given). The sequence (prompt + output) never exceeds
     the decoder's max_context; a stop token ends it with "stop" and is not part of the
