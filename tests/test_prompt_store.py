@@ -39,7 +39,7 @@ def prompt(tok, question):
 
 
 def ask(engine, ids, boundaries, max_tokens=6):
-    _, finished = engine.generate(GenerationRequest(tuple(ids), max_tokens, boundaries=boundaries))
+    _, finished = engine.run_request(GenerationRequest(tuple(ids), max_tokens, boundaries=boundaries))
     return finished
 
 

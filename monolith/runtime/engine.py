@@ -217,8 +217,8 @@ class Engine:
             self._lock.notify_all()
         return job
 
-    def generate(self, request: GenerationRequest, session: Session | None = None,
-                 on_text: Callable[[str], None] | None = None) -> tuple[str, Finished]:
+    def run_request(self, request: GenerationRequest, session: Session | None = None,
+                    on_text: Callable[[str], None] | None = None) -> tuple[str, Finished]:
         """Run one request to the end (blocking): (text, Finished). `on_text(piece)` sees
         the text as it is released (on the worker thread); an interrupt while waiting
         (Ctrl-C) cancels the request."""
@@ -259,7 +259,7 @@ class Engine:
         """One short generation on the worker thread (allocates the cache, builds the
         kernels), then forget it (on a session of its own, outside the prompt cache)."""
         session = Session()
-        self.generate(GenerationRequest((0, 1), max_tokens=2), session)
+        self.run_request(GenerationRequest((0, 1), max_tokens=2), session)
 
     def abandon(self, error: Exception) -> None:
         """The model cannot answer any more (a pipeline rank is unreachable) and the worker
