@@ -273,15 +273,15 @@ class Decoders:
 def timed_runs(args, prompt: list[int], params: dict, decoders: Decoders) -> dict:
     """(mode, draft) -> the outcomes of --repeats alternating runs: plain, then each
     draft, then the served decoder, per mode."""
-    from monolith.runtime.engine import generate
+    from monolith.runtime.engine import run_decoder
 
     runs = {(m, d): [] for m in params for d in ("plain", *decoders.drafts, "served")}
     for _ in range(args.repeats):
         for mode, p in params.items():
-            runs[mode, "plain"].append(generate(decoders.plain, prompt, args.max_tokens, p))
+            runs[mode, "plain"].append(run_decoder(decoders.plain, prompt, args.max_tokens, p))
             for label, decoder in decoders.drafts.items():
-                runs[mode, label].append(generate(decoder, prompt, args.max_tokens, p))
-            runs[mode, "served"].append(generate(decoders.served, prompt, args.max_tokens, p))
+                runs[mode, label].append(run_decoder(decoder, prompt, args.max_tokens, p))
+            runs[mode, "served"].append(run_decoder(decoders.served, prompt, args.max_tokens, p))
     return runs
 
 

@@ -2,7 +2,7 @@
 
 A synthetic target is packed once; `python -m monolith.serve` runs it in a subprocess
 while this process loads the same pack. For each prompt, HTTP (streamed
-/v1/completions, greedy) and in-process `runtime.engine.generate` (the same plain decoder, no HTTP) alternate; every repetition
+/v1/completions, greedy) and in-process `runtime.engine.run_decoder` (the same plain decoder, no HTTP) alternate; every repetition
 changes the prompt's first token so the server's prefix cache never hits. Reported
 per prompt length, medians: time to first token, decode tokens/s (after the first
 token), and the HTTP overhead = (HTTP wall time - in-process wall time) / in-process
@@ -30,7 +30,7 @@ from bench.common import free_port
 from monolith.models import load_model
 from monolith.pack import build_pack
 from monolith.runtime.decoder import PlainDecoder
-from monolith.runtime.engine import generate
+from monolith.runtime.engine import run_decoder
 from monolith.sampling import SamplingParams
 from monolith.synth import PRESETS, Preset, write_target
 from monolith.tokenizer import load_tokenizer
@@ -88,7 +88,7 @@ def run_http(client: httpx.Client, url: str, prompt: list[int], max_tokens: int)
 
 def run_local(model, prompt: list[int], max_tokens: int, stops, max_context: int) -> dict:
     start = time.perf_counter()
-    result = generate(PlainDecoder(model, max_context), prompt, max_tokens, SamplingParams(), stops)
+    result = run_decoder(PlainDecoder(model, max_context), prompt, max_tokens, SamplingParams(), stops)
     end = time.perf_counter()
     return {"ttft": result.prefill_seconds, "decode_seconds": result.decode_seconds,
             "tokens": len(result.token_ids) + (result.finish_reason == "stop"), "wall": end - start,
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
               f"{r['http_overhead_ratio']:>8.1%}")
     report = {
         "benchmark": "serve_latency",
-        "description": "streamed /v1/completions vs in-process runtime.engine.generate, same pack, greedy; medians",
+        "description": "streamed /v1/completions vs in-process runtime.engine.run_decoder, same pack, greedy; medians",
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "mlx": _version("mlx"), "processor": platform.processor() or platform.machine()},
         "settings": {"preset": args.preset, "dtype": args.dtype, "max_tokens": args.max_tokens,

@@ -111,14 +111,14 @@ def speculative_modes(args, model, drafters: dict, gamma: int, params):
 
 def prompt_rows(args, index: int, prompt: list[int], plain_decoder, modes, params) -> list[dict]:
     """Plain and every speculative mode on one prompt, alternating --repeats times."""
-    from monolith.runtime.engine import generate
+    from monolith.runtime.engine import run_decoder
 
     plain_runs, spec_runs = [], {}
     for _ in range(args.repeats):
-        plain = generate(plain_decoder, prompt, args.max_tokens, params)
+        plain = run_decoder(plain_decoder, prompt, args.max_tokens, params)
         plain_runs.append(plain)
         for name, decoder in modes(prompt + plain.token_ids):
-            spec_runs.setdefault(name, []).append(generate(decoder, prompt, args.max_tokens, params))
+            spec_runs.setdefault(name, []).append(run_decoder(decoder, prompt, args.max_tokens, params))
     plain_tok_s = statistics.median(r.decode_tok_s for r in plain_runs)
     rows = [{"prompt": index, "mode": "plain", "decode_tok_s": plain_tok_s, "speedup": 1.0}]
     for name, runs in spec_runs.items():

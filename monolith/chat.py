@@ -5,8 +5,8 @@ conversation's cache is kept across turns, so each turn prefills only its new
 tokens. The model's reasoning (Qwen's <think> block) shows dimmed, or collapsed to one
 line with /think off. Commands: /reset, /system TEXT, /stats, /think on|off, /save FILE,
 /load FILE, /quit. /save
-writes the conversation and its cached state to FILE (a checkpoint: safetensors with
-SHA-256s, runtime/checkpoint_file.py) and /load reads one back, checked against this model and
+writes the conversation and its cached state to FILE (a state file: safetensors with
+SHA-256s, runtime/state_file.py) and /load reads one back, checked against this model and
 draft, so a long conversation goes on without prefilling it again. Ctrl-C stops the
 current reply (the conversation keeps what was shown); Ctrl-D or /quit leaves.
 """
@@ -24,14 +24,14 @@ from pathlib import Path
 from .cli import ArgumentParser
 from .distributed import add_distributed_arguments, join, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
-from .runtime.checkpoint_file import (
-    CheckpointFileError,
+from .runtime.state_file import (
+    StateFileError,
     device_rows,
     device_snapshot,
     host_arrays,
     identity,
-    read_checkpoint,
-    write_checkpoint,
+    read_state_file,
+    write_state_file,
 )
 from .runtime.events import (
     ContextLengthError,
@@ -173,7 +173,7 @@ class Chat:
         return getattr(self.engine.decoder, "drafter", None)
 
     def save(self, path: Path) -> str:
-        """/save: the conversation and the state the session holds for it, in one checkpoint file."""
+        """/save: the conversation and the state the session holds for it, in one state file."""
         conversation, engine = self.conversation, self.engine
         if not conversation.tokens:
             return "(nothing to save yet)"
@@ -186,7 +186,7 @@ class Chat:
             held, host_rows, host_states = engine.call(export)
             about = {"system": conversation.system, "turns": conversation.turns, "tokens": conversation.tokens,
                      "template_kwargs": conversation.template_kwargs}
-            size = write_checkpoint(path, identity(engine.model, drafter), conversation.tokens[:held], 0, host_rows,
+            size = write_state_file(path, identity(engine.model, drafter), conversation.tokens[:held], 0, host_rows,
                                     host_states, {"conversation": json.dumps(about)})
         except (OSError, ValueError) as e:
             return f"(cannot save: {e})"
@@ -197,10 +197,10 @@ class Chat:
         engine, drafter = self.engine, self._drafter()
 
         def read():
-            stored = read_checkpoint(path, identity(engine.model, drafter), layout_of(engine.model, drafter))
+            stored = read_state_file(path, identity(engine.model, drafter), layout_of(engine.model, drafter))
             about = json.loads(stored.metadata.get("conversation", "null") or "null")
             if not isinstance(about, dict) or stored.start or about.get("tokens", [])[:stored.end] != stored.tokens:
-                raise CheckpointFileError(f"{path}: not a conversation saved by /save")
+                raise StateFileError(f"{path}: not a conversation saved by /save")
             layout = layout_of(engine.model, drafter)
             self.session.adopt(engine.model, engine.max_context, stored.tokens, device_rows(stored, layout),
                                device_snapshot(stored), drafter)

@@ -26,7 +26,7 @@ from .runtime.calibrate import (
     round_can_pay,
     round_pay_limit,
 )
-from .runtime.checkpoint_file import identity
+from .runtime.state_file import identity
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.prompt_cache import (

@@ -98,7 +98,7 @@ def _generate(args, plan, params, ids, load, load_draft, stdout, stderr, rank) -
     engine = load_engine(args, plan, lambda message: None, sources=sources, fallback=False, profile=args.json,
                          load=load, load_draft=load_draft, cache_by_default=False)
     try:
-        text, finished = engine.generate(GenerationRequest(tuple(prompt_ids), args.max_tokens, params),
+        text, finished = engine.run_request(GenerationRequest(tuple(prompt_ids), args.max_tokens, params),
                                          on_text=None if args.json else lambda piece: _write(stdout, piece))
     finally:
         engine.close()

@@ -1,17 +1,17 @@
 """The decoders as the tests call them: one request on a fresh Session through
-monolith.runtime.engine.generate, the call the engine's worker makes."""
+monolith.runtime.engine.run_decoder, the call the engine's worker makes."""
 
 from __future__ import annotations
 
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
-from monolith.runtime.engine import generate
+from monolith.runtime.engine import run_decoder
 from monolith.sampling import SamplingParams
 
 
 def plain(model, prompt, max_tokens, params=SamplingParams(), stop_ids=(), max_context=128,
           prefill_chunk_size=512, on_token=None):
-    return generate(PlainDecoder(model, max_context, prefill_chunk_size), prompt, max_tokens, params, stop_ids,
-                    on_token)
+    return run_decoder(PlainDecoder(model, max_context, prefill_chunk_size), prompt, max_tokens, params, stop_ids,
+                       on_token)
 
 
 def speculate(model, drafter, prompt, max_tokens, params=SamplingParams(), stop_ids=(), max_context=128,
@@ -19,4 +19,4 @@ def speculate(model, drafter, prompt, max_tokens, params=SamplingParams(), stop_
               profile=False, break_even=None):
     decoder = SpeculativeDecoder(model, drafter, max_context, prefill_chunk_size, block_size, scheduler, break_even,
                                  profile, on_round)
-    return generate(decoder, prompt, max_tokens, params, stop_ids, on_token)
+    return run_decoder(decoder, prompt, max_tokens, params, stop_ids, on_token)

@@ -248,10 +248,10 @@ class WarmCold:
 
         prompt, ends = self.ids(ask)
         request = GenerationRequest(tuple(prompt), self.max_tokens, boundaries=ends)
-        _, warm = self.warm.generate(request)
+        _, warm = self.warm.run_request(request)
         cold = self.colds.get(request)
         if cold is None:  # a cold server's greedy reply depends on the request alone
-            _, finished = self.cold.generate(request, Session())
+            _, finished = self.cold.run_request(request, Session())
             cold = self.colds[request] = list(finished.token_ids)
         self.requests += 1
         if list(warm.token_ids) != cold:

@@ -71,7 +71,7 @@ def alone(model, tok, dec, prompt, max_tokens, params=GREEDY):
     """The request served by an engine that runs one at a time, on a fresh session."""
     engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=1)
     try:
-        _, finished = engine.generate(GenerationRequest(prompt, max_tokens=max_tokens, params=params), Session())
+        _, finished = engine.run_request(GenerationRequest(prompt, max_tokens=max_tokens, params=params), Session())
         return finished.token_ids, finished
     finally:
         engine.close()
@@ -240,7 +240,7 @@ def test_prompt_cache_serves_every_sequence_of_a_batch(demo, kind):
     cache = PromptCache(64 << 20, checkpoint_every=16)
     engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3, prompt_cache=cache)
     try:
-        engine.generate(GenerationRequest(tuple(system), max_tokens=1))
+        engine.run_request(GenerationRequest(tuple(system), max_tokens=1))
         got = together(engine, [GenerationRequest(tuple(system + q), max_tokens=16) for q in questions])
     finally:
         engine.close()
@@ -411,7 +411,7 @@ def test_grammar_requests_in_a_batch_equal_alone(demo):
         engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=batch)
         try:
             if batch == 1:
-                return [engine.generate(r, Session())[1] for r in reqs]
+                return [engine.run_request(r, Session())[1] for r in reqs]
             return together(engine, reqs)
         finally:
             engine.close()

@@ -161,7 +161,7 @@ def test_conversation_prompts_extend_the_cached_tokens(pack, tok):
         for i, text in enumerate(["One", "Two", "Three"]):
             prompt = conversation.prompt(text)
             assert prompt[:len(conversation.tokens)] == conversation.tokens
-            _, finished = engine.generate(GenerationRequest(tuple(prompt), 6), session)
+            _, finished = engine.run_request(GenerationRequest(tuple(prompt), 6), session)
             if i:
                 assert finished.usage.cached_tokens >= len(conversation.tokens) - 1
             conversation.commit(prompt, finished.token_ids)

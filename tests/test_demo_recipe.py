@@ -72,17 +72,17 @@ def test_quantized_names_are_the_nvfp4_export_matrices(recipe):
 
 def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path, monkeypatch):
     target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
-    real = engine.generate
+    real = engine.run_decoder
     stopped = []
 
-    def generate(decoder, prompt, *args):  # every third prompt stops early (EOS): skipped, not kept
+    def run_decoder(decoder, prompt, *args):  # every third prompt stops early (EOS): skipped, not kept
         result = real(decoder, prompt, *args)
         if sum(prompt) % 3 == 0:
             stopped.append(prompt)
             return dataclasses.replace(result, token_ids=result.token_ids[:5], finish_reason="stop")
         return result
 
-    monkeypatch.setattr(engine, "generate", generate)
+    monkeypatch.setattr(engine, "run_decoder", run_decoder)
     stream = np.random.default_rng(4).integers(0, 200, 4096).astype(np.int32)
     one_run, extended = tmp_path / "one", tmp_path / "extended"
     for out in (one_run, extended):

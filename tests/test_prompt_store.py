@@ -12,8 +12,8 @@ import pytest
 
 from monolith.formats.stfile import SafetensorsFile
 from monolith.models import load_model
-from monolith.runtime import checkpoint_file
-from monolith.runtime.checkpoint_file import identity
+from monolith.runtime import state_file
+from monolith.runtime.state_file import identity
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.prompt_cache import PromptCache
@@ -39,7 +39,7 @@ def prompt(tok, question):
 
 
 def ask(engine, ids, boundaries, max_tokens=6):
-    _, finished = engine.generate(GenerationRequest(tuple(ids), max_tokens, boundaries=boundaries))
+    _, finished = engine.run_request(GenerationRequest(tuple(ids), max_tokens, boundaries=boundaries))
     return finished
 
 
@@ -114,7 +114,7 @@ def test_a_write_that_fails_leaves_nothing(model, tok, tmp_path, monkeypatch):
         Path(path).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint_file, "write_safetensors", fail)
+    monkeypatch.setattr(state_file, "write_safetensors", fail)
     ask_once(server(model, tok, tmp_path), *prompt(tok, "List the files."))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / ".tmp-abc.safetensors").write_bytes(b"a write that died")  # a crash before the rename

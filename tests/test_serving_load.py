@@ -106,7 +106,7 @@ def test_engine_trims_the_heap_when_it_goes_idle(model, tok, monkeypatch):
     engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("ab")))
     try:
         for prompt in ("x", "y"):
-            engine.generate(GenerationRequest(prompt_ids=tuple(tok.encode(prompt)), max_tokens=2))
+            engine.run_request(GenerationRequest(prompt_ids=tuple(tok.encode(prompt)), max_tokens=2))
         deadline = time.monotonic() + 10
         while len(trims) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -216,7 +216,7 @@ def test_cancel_stops_real_decoding_at_the_next_token(model, tok):
         assert job.done.wait(30)
         finished = seen[-1]
         assert finished.finish_reason == "cancelled" and 1 <= finished.usage.completion_tokens <= 10
-        _, after = engine.generate(GenerationRequest(tuple(chat_ids(tok, "cancel me")), 3))
+        _, after = engine.run_request(GenerationRequest(tuple(chat_ids(tok, "cancel me")), 3))
         assert after.usage.cached_tokens == after.usage.prompt_tokens - 1  # the session survived the cancel
     finally:
         engine.close()
@@ -380,16 +380,16 @@ def test_engine_session_resumes_only_from_exact_prefixes(model, tok):
     engine = Engine(model, tok, max_context=MAX_CONTEXT)
     try:
         ids = chat_ids(tok, "session")
-        _, first = engine.generate(GenerationRequest(tuple(ids), 6))
+        _, first = engine.run_request(GenerationRequest(tuple(ids), 6))
         sequence = ids + list(first.token_ids)
-        _, resumed = engine.generate(GenerationRequest(tuple(sequence + [65, 66]), 4))
+        _, resumed = engine.run_request(GenerationRequest(tuple(sequence + [65, 66]), 4))
         assert resumed.usage.cached_tokens == len(sequence) - 1  # the 6th token was never fed
         changed = list(sequence)
         changed[len(ids) + 2] = (changed[len(ids) + 2] + 1) % 300
-        _, partial = engine.generate(GenerationRequest(tuple(changed), 4))
+        _, partial = engine.run_request(GenerationRequest(tuple(changed), 4))
         assert partial.usage.cached_tokens == len(ids)  # diverges in the reply: resumes at the prompt's end
         changed[3] = (changed[3] + 1) % 300
-        _, fresh = engine.generate(GenerationRequest(tuple(changed), 4))
+        _, fresh = engine.run_request(GenerationRequest(tuple(changed), 4))
         assert fresh.usage.cached_tokens == 0  # diverges inside the prompt: no exact point, a fresh prefill
         want, _ = expected(model, tok, changed, 4)
         assert list(fresh.token_ids) == want.token_ids

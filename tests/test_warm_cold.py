@@ -191,7 +191,7 @@ def test_a_prompt_served_before_is_prefilled_only_for_its_last_token(demo_f32, d
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": text}]
             ids = tok.encode_chat(messages)
-            _, finished = engine.generate(GenerationRequest(tuple(ids), 8, boundaries=tuple(tok.message_ends(ids))))
+            _, finished = engine.run_request(GenerationRequest(tuple(ids), 8, boundaries=tuple(tok.message_ends(ids))))
             return ids, finished
 
         ids, first = send("What does os.path.join do?", "Be brief.")

@@ -4,17 +4,17 @@ draft block), and whoever drives it decides whether that work runs alone (`drive
 packed with other sequences' (`Batch`).
 
     steps = decoder.steps(session, prompt, ...)   # a generator
-    request = next(steps)                          # a Forward or a Propose
-    request = steps.send(result)                   # ... until StopIteration(outcome)
+    work = next(steps)                             # a Forward, a Propose or a Peers
+    work = steps.send(result)                      # ... until StopIteration(outcome)
 
-A `Peers` request asks about the batch instead (what the other sequences put into the
+A `Peers` item asks about the batch instead (what the other sequences put into the
 last forward: the batch-aware schedulers read it). A `Batch` steps every sequence at
 once: first the draft blocks of the sequences that
 draft (packed through the draft model: `Draft.forward_batch`), until every sequence
 waits on a target forward, then one target forward over all their rows
 (`forward_batch`: the linears see every sequence's rows, attention and the gated
 DeltaNet run per sequence on its own cache). A sequence's host work between two
-requests (sampling, acceptance, commit, the token callbacks) is the same as when it
+work items (sampling, acceptance, commit, the token callbacks) is the same as when it
 runs alone, so a greedy sequence's output in a batch is its output alone.
 """
 
@@ -81,71 +81,72 @@ class Peers:
 
 
 def drive(steps: Steps):
-    """Run a decoder's steps alone, each request as it comes; its outcome."""
+    """Run a decoder's steps alone, each work item as it comes; its outcome."""
     try:
-        request = next(steps)
+        work = next(steps)
         while True:
-            request = steps.send(request.run())
+            work = steps.send(work.run())
     except StopIteration as stop:
         return stop.value
 
 
-def run_forwards(requests: list[Forward]) -> list:
+def run_forwards(items: list[Forward]) -> list:
     """The results of target forwards of different sequences, one packed forward per
     model (each alone where the model cannot pack)."""
-    results = [None] * len(requests)
-    for model, members in _groups(requests, lambda r: r.model).items():
+    results = [None] * len(items)
+    for model, members in _groups(items, lambda r: r.model).items():
         batched = getattr(model, "forward_batch", None)
         if batched is None or len(members) == 1:
             for i in members:
-                results[i] = requests[i].run()
+                results[i] = items[i].run()
             continue
-        outs = batched([Segment(requests[i].tokens, requests[i].cache, tuple(requests[i].taps), requests[i].logits)
+        outs = batched([Segment(items[i].tokens, items[i].cache, tuple(items[i].taps), items[i].logits)
                         for i in members])
         for i, out in zip(members, outs):
             results[i] = out
     return results
 
 
-def run_proposals(requests: list[Propose]) -> list:
+def run_proposals(items: list[Propose]) -> list:
     """The Proposals of different sequences' draft blocks: the rows each drafter observed
     since its last proposal, then the blocks, run through each draft model packed; then
     the greedy sequences' proposals are drawn together (`propose_batch`: one chain, slot
     after slot) and every other sequence draws its own."""
-    results = [None] * len(requests)
-    append_waiting([r.drafter for r in requests if getattr(r.drafter, "waiting", None)])
-    for draft, members in _groups(requests, lambda r: getattr(r.drafter, "draft", None)).items():
+    results = [None] * len(items)
+    append_waiting([r.drafter for r in items if getattr(r.drafter, "waiting", None)])
+    for draft, members in _groups(items, lambda r: getattr(r.drafter, "draft", None)).items():
         if draft is not None and len(members) > 1 and hasattr(draft, "forward_batch"):
-            hidden = draft.forward_batch([(requests[i].drafter.context, requests[i].anchor) for i in members])
+            hidden = draft.forward_batch([(items[i].drafter.context, items[i].anchor) for i in members])
             for i, h in zip(members, hidden):
-                requests[i].extra = {"hidden": h}
-            chained = [i for i in members if requests[i].guide is None and requests[i].params.greedy]
+                items[i].extra = {"hidden": h}
+            chained = [i for i in members if items[i].guide is None and items[i].params.greedy]
             if len(chained) > 1:
-                proposals = draft.propose_batch([(requests[i].anchor, requests[i].gamma, requests[i].extra["hidden"])
-                                                 for i in chained], requests[chained[0]].params)
+                proposals = draft.propose_batch([(items[i].anchor, items[i].gamma, items[i].extra["hidden"])
+                                                 for i in chained], items[chained[0]].params)
                 for i, proposal in zip(chained, proposals):
                     results[i] = proposal
         for i in members:
             if results[i] is None:
-                results[i] = requests[i].run()
+                results[i] = items[i].run()
     return results
 
 
-def _groups(requests, key) -> dict:
+def _groups(items, key) -> dict:
     groups: dict = {}
-    for i, r in enumerate(requests):
+    for i, r in enumerate(items):
         groups.setdefault(key(r), []).append(i)
     return groups
 
 
-class Sequence:
-    """One sequence in a Batch: its steps and the request it waits on (None once done);
+class Member:
+    """One sequence in a Batch: its steps and the work item it waits on (a Forward, a
+    Propose or a Peers; None once done);
     `owner` is the caller's (the engine's Job)."""
 
     def __init__(self, steps: Steps, owner=None):
         self.steps = steps
         self.owner = owner
-        self.request = None
+        self.work = None
         self.rows = 0  # target rows of its latest forward
         self.done = False
         self.outcome = None
@@ -154,15 +155,15 @@ class Sequence:
     def send(self, result=None, error: BaseException | None = None) -> None:
         try:
             if error is not None:
-                self.request = self.steps.throw(error)
-            elif self.request is None:
-                self.request = next(self.steps)
+                self.work = self.steps.throw(error)
+            elif self.work is None:
+                self.work = next(self.steps)
             else:
-                self.request = self.steps.send(result)
+                self.work = self.steps.send(result)
         except StopIteration as stop:
-            self.request, self.done, self.outcome = None, True, stop.value
+            self.work, self.done, self.outcome = None, True, stop.value
         except Exception as e:  # noqa: BLE001 - the steps raised: this sequence ends, the others go on
-            self.request, self.done, self.error = None, True, e
+            self.work, self.done, self.error = None, True, e
 
 
 class Batch:
@@ -171,57 +172,57 @@ class Batch:
     only the sequence it belongs to sees it (thrown into its steps)."""
 
     def __init__(self):
-        self.sequences: list[Sequence] = []
+        self.members: list[Member] = []
 
     def __len__(self) -> int:
-        return len(self.sequences)
+        return len(self.members)
 
-    def add(self, steps: Steps, owner=None) -> Sequence:
-        """Start a sequence: it runs to its first request (or to its end)."""
-        seq = Sequence(steps, owner)
-        seq.send()
-        if not seq.done:
-            self.sequences.append(seq)
-        return seq
+    def add(self, steps: Steps, owner=None) -> Member:
+        """Start a sequence: it runs to its first work item (or to its end)."""
+        member = Member(steps, owner)
+        member.send()
+        if not member.done:
+            self.members.append(member)
+        return member
 
-    def step(self) -> list[Sequence]:
+    def step(self) -> list[Member]:
         """One round of every sequence: its draft block if it drafts, then its rows of one
         shared target forward. Returns the sequences that ended (removed)."""
         while True:
-            asking = [s for s in self.sequences if isinstance(s.request, Peers)]
-            total = sum(s.rows for s in self.sequences)
+            asking = [s for s in self.members if isinstance(s.work, Peers)]
+            total = sum(s.rows for s in self.members)
             for s in asking:
-                s.send((len(self.sequences) - 1, total - s.rows))
-            drafting = [s for s in self.sequences if isinstance(s.request, Propose)]
+                s.send((len(self.members) - 1, total - s.rows))
+            drafting = [s for s in self.members if isinstance(s.work, Propose)]
             if drafting:
                 self._run(drafting, run_proposals)
             elif not asking:
                 break
-        forwarding = [s for s in self.sequences if isinstance(s.request, Forward)]
+        forwarding = [s for s in self.members if isinstance(s.work, Forward)]
         for s in forwarding:
-            s.rows = s.request.rows
+            s.rows = s.work.rows
         if forwarding:
             self._run(forwarding, run_forwards)
-        ended = [s for s in self.sequences if s.done]
-        self.sequences = [s for s in self.sequences if not s.done]
+        ended = [s for s in self.members if s.done]
+        self.members = [s for s in self.members if not s.done]
         return ended
 
     def rows(self) -> int:
         """Target rows the sequences wait to run (plain: 1; a verify: 1 + proposals)."""
-        return sum(s.request.rows for s in self.sequences if isinstance(s.request, Forward))
+        return sum(s.work.rows for s in self.members if isinstance(s.work, Forward))
 
     @staticmethod
-    def _run(sequences: list[Sequence], run) -> None:
+    def _run(members: list[Member], run) -> None:
         try:
-            results = run([s.request for s in sequences])
+            results = run([s.work for s in members])
         except Exception:  # noqa: BLE001 - find whose work failed: each alone
-            for s in sequences:
+            for s in members:
                 try:
-                    result = run([s.request])[0]
+                    result = run([s.work])[0]
                 except Exception as e:  # noqa: BLE001 - reported to that sequence only
                     s.send(error=e)
                 else:
                     s.send(result)
             return
-        for s, result in zip(sequences, results):
+        for s, result in zip(members, results):
             s.send(result)

@@ -100,13 +100,13 @@ def measure_step_costs(model, sequences: int, rows: int = 8, context: int = 64, 
         caches.append((cache, cache.snapshot()))
     token = mx.zeros((1,), mx.int32)
 
-    def timed(requests) -> float:
+    def timed(forwards) -> float:
         samples = []
         for i in range(repeats + 1):  # the first is a warm-up
             for cache, snap in caches:
                 cache.restore(snap)
             begin = time.perf_counter()
-            mx.eval([out[0] for out in run_forwards(requests)])
+            mx.eval([out[0] for out in run_forwards(forwards)])
             samples.append(time.perf_counter() - begin)
         return statistics.median(samples[1:])
 

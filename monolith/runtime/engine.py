@@ -25,7 +25,7 @@ decoder.SpeculativeDecoder); events.py holds the request and event types,
 textstream.py the released text.
 
 serve, chat, generate and the benchmarks all run requests through an Engine;
-`generate` below is the same decoder call on the calling thread, without the queue
+`run_decoder` below is the same decoder call on the calling thread, without the queue
 (for code that wants an Outcome's stats or times a loop without a worker thread).
 """
 
@@ -217,8 +217,8 @@ class Engine:
             self._lock.notify_all()
         return job
 
-    def generate(self, request: GenerationRequest, session: Session | None = None,
-                 on_text: Callable[[str], None] | None = None) -> tuple[str, Finished]:
+    def run_request(self, request: GenerationRequest, session: Session | None = None,
+                    on_text: Callable[[str], None] | None = None) -> tuple[str, Finished]:
         """Run one request to the end (blocking): (text, Finished). `on_text(piece)` sees
         the text as it is released (on the worker thread); an interrupt while waiting
         (Ctrl-C) cancels the request."""
@@ -259,7 +259,7 @@ class Engine:
         """One short generation on the worker thread (allocates the cache, builds the
         kernels), then forget it (on a session of its own, outside the prompt cache)."""
         session = Session()
-        self.generate(GenerationRequest((0, 1), max_tokens=2), session)
+        self.run_request(GenerationRequest((0, 1), max_tokens=2), session)
 
     def abandon(self, error: Exception) -> None:
         """The model cannot answer any more (a pipeline rank is unreachable) and the worker
@@ -323,10 +323,10 @@ class Engine:
                 self._start(job)
             worked = bool(admitted or len(batch))
             if len(batch):
-                for seq in batch.step():
-                    self._end(seq)
-                for seq in batch.sequences:
-                    self._release(seq.owner)
+                for member in batch.step():
+                    self._end(member)
+                for member in batch.members:
+                    self._release(member.owner)
             if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
                 heap.trim()
 
@@ -394,18 +394,18 @@ class Engine:
         else:
             with self._lock:
                 self._running[job.id] = job
-            seq = self._batch.add(self._run(job), job)
-            if seq.done:  # it ended before its first forward (it failed, or was cancelled)
-                self._end(seq)
+            member = self._batch.add(self._run(job), job)
+            if member.done:  # it ended before its first forward (it failed, or was cancelled)
+                self._end(member)
 
-    def _end(self, seq) -> None:
-        job = seq.owner
+    def _end(self, member) -> None:
+        job = member.owner
         with self._lock:
             self._running.pop(job.id, None)
-        if seq.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
+        if member.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
             self._release(job)
-            self._emit(job, Failed(seq.error))
+            self._emit(job, Failed(member.error))
         job.done.set()
 
     def _run(self, job: Job):
@@ -463,9 +463,9 @@ class Engine:
             job._cancelled.set()
 
 
-def generate(decoder, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
-             stop_ids=(), on_token: Callable[[int], None] | None = None, session: Session | None = None,
-             logprobs: int | None = None) -> Outcome:
+def run_decoder(decoder, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),
+                stop_ids=(), on_token: Callable[[int], None] | None = None, session: Session | None = None,
+                logprobs: int | None = None) -> Outcome:
     """Up to `max_tokens` tokens after `prompt_ids` with `decoder`, on the calling thread
     (a fresh Session unless one is given). The sequence (prompt + output) never exceeds
     the decoder's max_context; a stop token ends it with "stop" and is not part of the

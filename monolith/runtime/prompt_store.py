@@ -1,10 +1,10 @@
-"""Prompt-cache checkpoints on disk (`--prompt-cache-dir`): checkpoint files
-(checkpoint_file.py) named by the SHA-256 of the identity and of the token prefix, so a
+"""Prompt-cache checkpoints on disk (`--prompt-cache-dir`): state files
+(state_file.py) named by the SHA-256 of the identity and of the token prefix, so a
 lookup hashes the prompt's prefixes and opens only files that can match.
 
 A file that fails its checks (corrupt, truncated, foreign) is ignored with a warning and
 never loaded. Writes happen on a writer thread (the engine thread only copies the arrays
-to the host), each atomically. The directory keeps at most `max_bytes` of checkpoint
+to the host), each atomically. The directory keeps at most `max_bytes` of state
 files: the least recently used go first (a load touches a file), with the files that
 build on them.
 """
@@ -26,25 +26,25 @@ import mlx.core as mx
 from ..formats.nvfp4 import FormatError
 from ..formats.stfile import SafetensorsFile
 from ..models.cache import Snapshot
-from .checkpoint_file import (
+from .state_file import (
     FORMAT,
     SUFFIX,
-    CheckpointFileError,
+    StateFileError,
     Stored,
     device_rows,
     device_snapshot,
     file_key,
     host_arrays,
     prefix_hashes,
-    read_checkpoint,
-    write_checkpoint,
+    read_state_file,
+    write_state_file,
 )
 
 log = logging.getLogger("monolith.prompt_cache")
 
 DEFAULT_DIR_BYTES = 16 << 30
 _WRITES_WAITING = 8  # checkpoints queued for the writer thread; more are not persisted
-_NAME = re.compile(r"[0-9a-f]{64}")  # file_key(): what a checkpoint file is called
+_NAME = re.compile(r"[0-9a-f]{64}")  # file_key(): what a state file is called
 
 
 # ------------------------------------------------------------------ the directory
@@ -80,7 +80,7 @@ class PromptStore:
         self.ident = ident
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}  # prefix hash -> a file of this identity
-        self._sizes: dict[Path, tuple[int, float]] = {}  # every checkpoint file: (size, mtime)
+        self._sizes: dict[Path, tuple[int, float]] = {}  # every state file: (size, mtime)
         self._scan()
         self._queue: queue.Queue = queue.Queue(_WRITES_WAITING)
         self._writer = threading.Thread(target=self._write_loop, name="monolith-prompt-store", daemon=True)
@@ -103,7 +103,7 @@ class PromptStore:
         for path in self.directory.glob(".tmp-*" + SUFFIX):  # a write that died before its rename
             path.unlink(missing_ok=True)
         for path in sorted(self.directory.glob("*" + SUFFIX)):
-            if not _NAME.fullmatch(path.stem):  # not a checkpoint file's name: not ours to count or delete
+            if not _NAME.fullmatch(path.stem):  # not a state file's name: not ours to count or delete
                 continue
             stat = path.stat()
             self._sizes[path] = (stat.st_size, stat.st_mtime)
@@ -134,7 +134,7 @@ class PromptStore:
                     continue
             try:
                 chain = self._read_chain(key, tokens, layout)
-            except CheckpointFileError as e:
+            except StateFileError as e:
                 log.warning("ignoring prompt-cache file %s", e)
                 continue
             return self._found(chain, layout)
@@ -147,11 +147,11 @@ class PromptStore:
             with self._lock:
                 entry = self._entries.get(key)
             if entry is None or entry.pending:
-                raise CheckpointFileError(f"{after}: the file holding the rows before it is gone")
+                raise StateFileError(f"{after}: the file holding the rows before it is gone")
             after = entry.path
             try:
-                stored = read_checkpoint(entry.path, self.ident, layout, tokens)
-            except CheckpointFileError:
+                stored = read_state_file(entry.path, self.ident, layout, tokens)
+            except StateFileError:
                 self._forget(key)
                 raise
             chain.append(stored)
@@ -218,7 +218,7 @@ class PromptStore:
                 return
             key, entry, tokens, rows, states = item
             try:
-                size = write_checkpoint(entry.path, self.ident, tokens, entry.start, rows, states)
+                size = write_state_file(entry.path, self.ident, tokens, entry.start, rows, states)
             except OSError as e:
                 log.warning("cannot write prompt-cache file %s: %s", entry.path, e)
                 self._forget(key)

@@ -5,7 +5,7 @@ items; the store holds at most `size` responses and `max_bytes` bytes (an entry'
 its file's, the JSON of the three), dropping the least recently used first.
 
 With a directory (serve's --prompt-cache-dir DIR: DIR/responses) every stored response
-is also a file there, written atomically (checkpoint_file.write_atomically) on a writer
+is also a file there, written atomically (state_file.write_atomically) on a writer
 thread, so the store survives a restart: the files are listed at start and read when a
 response is first asked for. A file is one JSON header line (format, version, id, the
 payload's byte count and SHA-256) and the payload; one that fails a check (corrupt,
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ..runtime.checkpoint_file import write_atomically
+from ..runtime.state_file import write_atomically
 from .errors import APIError
 
 log = logging.getLogger("monolith.serve")

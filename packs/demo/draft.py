@@ -100,7 +100,7 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
         params = SamplingParams(temperature=0.0) if len(seqs) % 2 == 0 else SamplingParams(
             config.get("temperature", 1.0), config.get("top_p", 1.0), config.get("top_k", 0), 0.0,
             seed=seed * 100_000 + len(seqs))
-        r = engine.generate(decoder, prompt, GEN_LEN, params)
+        r = engine.run_decoder(decoder, prompt, GEN_LEN, params)
         ids = (prompt + list(r.token_ids))[:PROMPT_LEN + GEN_LEN]
         if len(ids) < PROMPT_LEN + GEN_LEN:  # stopped early (EOS): pad by repeating nothing: skip
             continue

@@ -1,7 +1,8 @@
-"""The checkpoint file: one stretch of a sequence's cached state, as the prompt cache's
-directory (prompt_store.py) and the chat's /save write it.
+"""The state file: one stretch of a sequence's cached state, as the prompt cache's
+directory (prompt_store.py) and the chat's /save write it. (Source weights are the other
+kind of file on disk: monolith/checkpoint/ reads those.)
 
-A checkpoint file is a safetensors file holding tokens [start, end): `tokens` (I32), the
+A state file is a safetensors file holding tokens [start, end): `tokens` (I32), the
 KV rows of that stretch per row layer (`rows.{i}.keys` / `rows.{i}.values`, the target's
 layers then the draft's) and the GDN states after `end` rows (`state.{j}.conv` /
 `state.{j}.recurrent`, F32). Its metadata holds the identity it was computed with (the
@@ -11,7 +12,7 @@ holds the rows before it; "" when start is 0), and the SHA-256 of every tensor's
 
 Reading checks all of it (the header, the identity, the tokens against the prompt, every
 tensor's hash, names, shapes and dtypes against the live caches): a corrupt, truncated or
-foreign file raises CheckpointFileError naming the file and what is wrong. Writing goes
+foreign file raises StateFileError naming the file and what is wrong. Writing goes
 to a temporary file in the same directory, fsynced and renamed into place
 (`write_atomically`, which the Responses API's store on disk uses too).
 """
@@ -33,18 +34,18 @@ from ..formats.nvfp4 import FormatError
 from ..formats.stfile import SafetensorsFile, write_safetensors
 from ..models.cache import Snapshot
 
-FORMAT = "monolith-prompt-checkpoint"
+FORMAT = "monolith-prompt-checkpoint"  # the on-disk format name, kept: files written before the rename still load
 VERSION = "1"
 SUFFIX = ".safetensors"
 _STORED = {mx.float32: ("F32", np.float32), mx.float16: ("F16", np.float16), mx.bfloat16: ("BF16", np.uint16)}
 
 
-class CheckpointFileError(ValueError):
-    """A checkpoint file that must not be loaded; the message names the file and why."""
+class StateFileError(ValueError):
+    """A state file that must not be loaded; the message names the file and why."""
 
 
 def identity(model, drafter=None) -> dict[str, str]:
-    """What a checkpoint's values depend on besides its tokens."""
+    """What a state file's values depend on besides its tokens."""
     draft = getattr(getattr(drafter, "draft", None), "pack_sha256", None) if drafter is not None else None
     return {"pack_sha256": str(getattr(model, "pack_sha256", None)), "draft_sha256": str(draft or ""),
             "dtype": str(model.dtype).replace("mlx.core.", ""), "device": str(mx.default_device()),
@@ -73,7 +74,7 @@ def file_key(ident: dict[str, str], prefix: str) -> str:
 
 @dataclass(frozen=True)
 class Stored:
-    """A checkpoint file's contents, checked: tokens [start, end), rows per layer (numpy,
+    """A state file's contents, checked: tokens [start, end), rows per layer (numpy,
     [1, heads, end - start, dim]) and the GDN states after end (numpy)."""
 
     start: int
@@ -98,9 +99,9 @@ def host_arrays(rows: list[tuple[mx.array, mx.array]], states) -> tuple[list, li
     return ([(host(k), host(v)) for k, v in rows], [(host(c), host(r)) for c, r in states])
 
 
-def write_checkpoint(path: Path, ident: dict[str, str], tokens: Sequence[int], start: int, rows, states,
+def write_state_file(path: Path, ident: dict[str, str], tokens: Sequence[int], start: int, rows, states,
                      extra: dict[str, str] | None = None) -> int:
-    """Write the checkpoint of tokens[start:] (host_arrays) at `path`, atomically; its size."""
+    """Write the state file of tokens[start:] (host_arrays) at `path`, atomically; its size."""
     tensors = {"tokens": ("I32", np.asarray(tokens[start:], dtype=np.int32))}
     for i, (keys, values) in enumerate(rows):
         tensors[f"rows.{i}.keys"], tensors[f"rows.{i}.values"] = keys, values
@@ -132,36 +133,36 @@ def write_atomically(path, write: Callable[[str], object]) -> int:
     return path.stat().st_size
 
 
-def read_checkpoint(path: Path, ident: dict[str, str], layout, tokens: Sequence[int] | None = None) -> Stored:
-    """The checked contents of one checkpoint file (CheckpointFileError otherwise):
+def read_state_file(path: Path, ident: dict[str, str], layout, tokens: Sequence[int] | None = None) -> Stored:
+    """The checked contents of one state file (StateFileError otherwise):
     `layout` (prompt_cache.Layout) is what the live caches hold; `tokens`, when given,
     must start with the file's token prefix."""
     path = Path(path)
     try:
         f = SafetensorsFile(path)
     except (FormatError, OSError) as e:
-        raise CheckpointFileError(f"{path}: not a readable safetensors file ({e})") from None
+        raise StateFileError(f"{path}: not a readable safetensors file ({e})") from None
     start, end, hashes = _check_header(f, ident, layout)
     arrays = {}
     for name in sorted(hashes):
         data = f.read(name, copy=True)
         if hashlib.sha256(data.tobytes()).hexdigest() != hashes[name]:
-            raise CheckpointFileError(f"{path}: tensor {name} does not match its SHA-256 (the file is corrupt)")
+            raise StateFileError(f"{path}: tensor {name} does not match its SHA-256 (the file is corrupt)")
         arrays[name] = data
     f.close()
     ids = arrays["tokens"].tolist()
     if f.dtype("tokens") != "I32" or len(ids) != end - start or start < 0:
-        raise CheckpointFileError(f"{path}: tokens hold {len(ids)} ids for [{start}, {end})")
+        raise StateFileError(f"{path}: tokens hold {len(ids)} ids for [{start}, {end})")
     if tokens is not None and (len(tokens) < end or list(tokens[start:end]) != ids
                                or f.metadata.get("prefix_sha256") != prefix_hash(tokens[:end])):
-        raise CheckpointFileError(f"{path}: its tokens are not the prompt's")
+        raise StateFileError(f"{path}: its tokens are not the prompt's")
     rows = []
     for i, (heads, dim, dtype) in enumerate(layout.rows):
         want = _STORED[dtype][0]
         for kv in ("keys", "values"):
             a, stored = arrays[f"rows.{i}.{kv}"], f.dtype(f"rows.{i}.{kv}")
             if a.shape != (1, heads, end - start, dim) or stored != want:
-                raise CheckpointFileError(f"{path}: rows.{i}.{kv} is {stored}{list(a.shape)}, the cache holds "
+                raise StateFileError(f"{path}: rows.{i}.{kv} is {stored}{list(a.shape)}, the cache holds "
                                           f"{want}[1, {heads}, {end - start}, {dim}]")
         rows.append((arrays[f"rows.{i}.keys"], arrays[f"rows.{i}.values"]))
     states = []
@@ -169,22 +170,22 @@ def read_checkpoint(path: Path, ident: dict[str, str], layout, tokens: Sequence[
         pair = (arrays[f"state.{j}.conv"], arrays[f"state.{j}.recurrent"])
         if (pair[0].shape, pair[1].shape) != shapes or {f.dtype(f"state.{j}.{s}") for s in ("conv", "recurrent")} \
                 != {"F32"}:
-            raise CheckpointFileError(f"{path}: state.{j} has shapes {pair[0].shape}, {pair[1].shape}; the cache "
+            raise StateFileError(f"{path}: state.{j} has shapes {pair[0].shape}, {pair[1].shape}; the cache "
                                       f"holds F32 {shapes[0]}, {shapes[1]}")
         states.append(pair)
     return Stored(start, ids, rows, states, f.metadata)
 
 
 def _check_header(f: SafetensorsFile, ident: dict[str, str], layout) -> tuple[int, int, dict[str, str]]:
-    """(start, end, {tensor: sha256}) from a checkpoint file's metadata, checked against
+    """(start, end, {tensor: sha256}) from a state file's metadata, checked against
     this identity and the tensors the layout implies."""
     meta = f.metadata
 
-    def bad(reason: str) -> CheckpointFileError:
-        return CheckpointFileError(f"{f.path}: {reason}")
+    def bad(reason: str) -> StateFileError:
+        return StateFileError(f"{f.path}: {reason}")
 
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise bad(f"not a monolith prompt checkpoint (format {meta.get('format')!r} version {meta.get('version')!r})")
+        raise bad(f"not a monolith state file (format {meta.get('format')!r} version {meta.get('version')!r})")
     try:
         theirs = json.loads(meta["identity"])
         start, end = int(meta["start"]), int(meta["end"])
