@@ -184,10 +184,14 @@ class ForcingProxy:
     the tool named in `pins` and narrows that tool's schema to the pinned arguments. With
     `stop`, it sets those stop sequences on every other Messages request, so that the weak
     model's reply ends as a stop, not at max_tokens (which Claude Code reports as an
-    error). It records every exchange: path, the body as forwarded, status, reply bytes."""
+    error). With `greedy`, every model request is sent with temperature 0, for a client
+    that samples by default (its reply is then the same on every run). It records every
+    exchange: path, the body as forwarded, status, reply bytes."""
 
-    def __init__(self, upstream: str, trigger: str = "", pins: dict | None = None, stop: list | None = None):
+    def __init__(self, upstream: str, trigger: str = "", pins: dict | None = None, stop: list | None = None,
+                 greedy: bool = False):
         self.upstream, self.trigger, self.pins, self.stop = upstream, trigger, pins or {}, stop
+        self.greedy = greedy
         self.exchanges: list[dict] = []
         self.http = httpx.Client(base_url=upstream, timeout=httpx.Timeout(600, connect=10))
         proxy = self
@@ -227,10 +231,11 @@ class ForcingProxy:
             return raw, record
         if api and self.trigger and is_users_task(api, body, self.trigger):
             record["forced"] = force_tool(api, body, self.pins)
-            raw = json.dumps(body).encode()
         elif api == "messages" and self.stop:
             body["stop_sequences"] = self.stop
-            raw = json.dumps(body).encode()
+        if api and self.greedy:
+            body["temperature"] = 0
+        raw = json.dumps(body).encode() if api else raw
         record["request"] = body
         return raw, record
 
