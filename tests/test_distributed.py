@@ -100,7 +100,8 @@ def generate(env, model: list[str], extra: list[str], ranks: int = 0, timeout: f
 def one_answer(run) -> dict:
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"only rank 0 prints, one JSON object: {run.stdout[-2000:]}"
+    # mlx.launch exits 0 even when a rank fails: its stderr says why
+    assert len(lines) == 1, f"only rank 0 prints, one JSON object: {run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     return json.loads(lines[0])
 
 
