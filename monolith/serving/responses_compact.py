@@ -10,7 +10,6 @@ repeats (its summary is summarized again)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 
@@ -18,7 +17,8 @@ from ..runtime.events import Delta, Finished
 from ..sampling import SamplingParams
 from .errors import bad
 from .reasoning import ReasoningSplitter
-from .responses_seal import SEALER
+from .responses_api import parse_request
+from .responses_seal import seal_summary
 from .responses_store import ResponseStore
 from .schemas import SamplingDefaults
 
@@ -30,13 +30,10 @@ SUMMARY_TOKENS = 1024  # the most tokens a summary may take
 ASK = ("Summarize our conversation so far for your own later use, so that it can continue from the summary "
        "alone: the user's goals and constraints, what was decided and done, facts and tool results that still "
        "matter, and what remains to do. Write only the summary.")
-SUMMARY_HEAD = "A summary of our conversation so far:\n\n"  # how a compaction item is shown to the model
 
 
 def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
     """(the summary's ChatRequest, the user messages the window keeps)."""
-    from .responses_api import parse_request  # here: responses_items, below it, reads compaction items
-
     unknown = sorted(set(body) - FIELDS - INERT_FIELDS)
     if unknown:
         raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''} for compaction: {', '.join(unknown)}",
@@ -47,21 +44,6 @@ def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
     request = dataclasses.replace(call.request, messages=ask, max_tokens=SUMMARY_TOKENS, tools=None,
                                   params=SamplingParams(0.0), template_kwargs={"enable_thinking": False})
     return request, kept
-
-
-def seal_summary(text: str) -> str:
-    return SEALER.seal(json.dumps({"compaction": text}))
-
-
-def open_summary(token, param: str) -> str:
-    """The summary a compaction item holds; a 400 naming `param` unless this server sealed it."""
-    try:
-        summary = json.loads(SEALER.open(token, param)).get("compaction")
-    except (json.JSONDecodeError, AttributeError):
-        summary = None
-    if not isinstance(summary, str):
-        raise bad(f"{param} is not a compaction this server made (it holds something else)", param)
-    return summary
 
 
 class CompactFormat:

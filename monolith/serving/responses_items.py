@@ -12,8 +12,7 @@ import json
 
 from .errors import bad
 from .fields import refuse_extra
-from .responses_compact import SUMMARY_HEAD, open_summary
-from .responses_seal import SEALER
+from .responses_seal import SEALER, SUMMARY_HEAD, open_summary
 from .schemas import json_arguments
 
 SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (responses_tools.py)

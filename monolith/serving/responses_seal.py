@@ -9,6 +9,7 @@ server) is a 400 naming the item."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -73,3 +74,21 @@ class Sealer:
 
 
 SEALER = Sealer()
+
+
+SUMMARY_HEAD = "A summary of our conversation so far:\n\n"  # how a compaction item is shown to the model
+
+
+def seal_summary(text: str) -> str:
+    return SEALER.seal(json.dumps({"compaction": text}))
+
+
+def open_summary(token, param: str) -> str:
+    """The summary a compaction item holds; a 400 naming `param` unless this server sealed it."""
+    try:
+        summary = json.loads(SEALER.open(token, param)).get("compaction")
+    except (json.JSONDecodeError, AttributeError):
+        summary = None
+    if not isinstance(summary, str):
+        raise bad(f"{param} is not a compaction this server made (it holds something else)", param)
+    return summary
