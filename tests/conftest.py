@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
-# the module-scoped fixtures of the shared helpers (world, ckpts), requested by name from any test module
-pytest_plugins = ("dspark_world", "synth_helpers")
+# the one way tests share fixtures: those defined here, and the module-scoped ones of these helper
+# modules (world; ckpts; server, synth_pair), requested by name from any test module, never imported
+pytest_plugins = ("dspark_world", "synth_helpers", "serving_rig")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -105,6 +106,27 @@ def tiny_pack(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_pack):
+    """The tiny target's pack (tiny_pack), as the serving and speculative tests name it."""
+    return tiny_pack
+
+
+@pytest.fixture(scope="module")
+def model(pack):
+    """The tiny target, float32, loaded per module (a module may patch it)."""
+    from monolith.models import load_model
+
+    return load_model(pack, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tok(pack):
+    from monolith.tokenizer import load_tokenizer
+
+    return load_tokenizer(pack)
 
 
 def _loaded_pair(cache_dir, target, draft, quantization="auto"):

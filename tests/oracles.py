@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from decoding import plain
 
-from monolith.models import load_model
 from monolith.runtime.drafter import Proposal
 from monolith.sampling import SamplingParams
 
@@ -20,16 +19,6 @@ PROMPT = [401, 316, 265, 198, 71, 72, 402, 198, 401, 77, 81]  # 11 tokens: cross
 CHUNK = 4
 NEAR_TIE = 1e-3  # top-1/top-2 logit margin below which float32 kernel noise may part two runs
 STATE_TOL = 1e-4  # max |a - b| / max |b| of cache arrays: verify-block vs one-forward kernels
-
-
-@pytest.fixture(scope="module")
-def target_pack(tiny_pack):
-    return tiny_pack
-
-
-@pytest.fixture(scope="module")
-def model(target_pack):
-    return load_model(target_pack, dtype="float32")
 
 
 def plain_greedy(model, prompt, n, max_context=None):

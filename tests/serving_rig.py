@@ -15,7 +15,6 @@ import pytest
 import uvicorn
 from decoding import plain
 
-from monolith.models import load_model
 from monolith.pack import build_pack
 from monolith.runtime.batch import Forward
 from monolith.runtime.decoder import SpeculativeDecoder
@@ -24,7 +23,6 @@ from monolith.runtime.events import Outcome
 from monolith.sampling import SamplingParams
 from monolith.serving.app import ServerConfig, create_app
 from monolith.synth import write_pair
-from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024
 NAME = "tiny"
@@ -35,21 +33,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 # ------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def pack(tiny_pack):
-    return tiny_pack
-
-
-@pytest.fixture(scope="module")
-def model(pack):
-    return load_model(pack, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tok(pack):
-    return load_tokenizer(pack)
 
 
 class Server:
@@ -170,7 +153,8 @@ def assert_error(response: httpx.Response, status: int, param=None, code=None):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def synth_pair(tmp_path_factory):
+    """(the default synthetic target's pack, its draft's checkpoint, a cache directory)."""
     root = tmp_path_factory.mktemp("pair")
     target, draft = write_pair(root / "pair")
     return build_pack(target, root / "target.pack", role="target"), draft, root / "cache"

@@ -20,7 +20,7 @@ from anthropic.types.beta import message_create_params as beta_create_params
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
-from serving_rig import NAME, TOOLS, model, pack, server, tok  # noqa: F401 - module fixtures
+from serving_rig import NAME
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api-fields.md"
 MARKS = ("honoured", "accepted, no effect", "refused")

@@ -8,12 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from dspark_world import (
-    GREEDY,
-    context_of,
-    np32,
-    world,  # noqa: F401 - a module fixture
-)
+from dspark_world import GREEDY, context_of, np32
 from metal_emulator import requires_emulator, run_kernel
 from numeric import rel
 from oracles import NEAR_TIE, STATE_TOL

@@ -16,20 +16,9 @@ from monolith.chat import Conversation
 from monolith.models import load_model
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
-from monolith.tokenizer import load_tokenizer
 
 STATS = re.compile(r"-- (\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens: (\d+) cached, (\d+) prefilled, "
                    r"[\d.]+ tok/s \| acceptance n/a \(no draft\) \| (\w+)")
-
-
-@pytest.fixture(scope="module")
-def pack(tiny_pack):
-    return tiny_pack
-
-
-@pytest.fixture(scope="module")
-def tok(pack):
-    return load_tokenizer(pack)
 
 
 def ignore_sigint() -> None:

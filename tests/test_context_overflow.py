@@ -14,7 +14,7 @@ import re
 import anthropic
 import openai
 import pytest
-from serving_rig import NAME, Server, model, pack, tok  # noqa: F401 - fixtures
+from serving_rig import NAME, Server
 
 from monolith.runtime.engine import Engine
 

@@ -10,16 +10,7 @@ import socket
 
 import httpx
 import pytest
-from serving_rig import (
-    MAX_CONTEXT,
-    NAME,
-    Server,
-    assert_error,
-    model,  # noqa: F401 - a module fixture
-    pack,  # noqa: F401 - a module fixture
-    server,  # noqa: F401 - a module fixture
-    tok,  # noqa: F401 - a module fixture
-)
+from serving_rig import MAX_CONTEXT, NAME, Server, assert_error
 
 from monolith.runtime.engine import Engine
 from monolith.serving.timeouts import timed_h11

@@ -188,7 +188,8 @@ def test_metal_kernel_calls_build_one_graph_node_each():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def gdn_model(tmp_path_factory):
+    """A tiny target whose GDN heads are not the default shape (key head dim 32, value 16)."""
     from monolith.models import load_model
     from monolith.pack import build_pack
     from monolith.synth import Preset, write_target
@@ -199,7 +200,7 @@ def model(tmp_path_factory):
 
 
 @requires_emulator
-def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
+def test_premix_and_replay_match_the_models_tape(gdn_model, monkeypatch):
     """Drop-in check: on the model's own GDN inputs, the pre-mixer reproduces the tape the
     model records (q, k, v, gamma, beta, window) and the replay kernel the states
     HybridCache.commit builds from it."""
@@ -214,12 +215,12 @@ def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
         return original(self, x, states, spans)
 
     monkeypatch.setattr(GatedDeltaNet, "__call__", spy)
-    cache = model.make_cache(32)
-    prefill(model, mx.array([3, 14, 15, 92, 65], dtype=mx.int32), cache)
+    cache = gdn_model.make_cache(32)
+    prefill(gdn_model, mx.array([3, 14, 15, 92, 65], dtype=mx.int32), cache)
     snap = cache.snapshot(record=True)
     seen.clear()
     block = mx.array([35, 89, 79, 32, 38, 46], dtype=mx.int32)
-    model(block, cache)
+    gdn_model(block, cache)
     gdn = [layer for layer in cache.layers if hasattr(layer, "tape")]
     assert len(seen) == len(gdn) > 0
     for (mixer, x, conv), state in zip(seen, gdn):
@@ -240,8 +241,8 @@ def test_premix_and_replay_match_the_models_tape(model, monkeypatch):
 
 
 @requires_emulator
-def test_gated_norm_matches_the_models_op(model):
-    mixer = next(layer.mixer for layer in model.layers if layer.kind == "linear_attention")
+def test_gated_norm_matches_the_models_op(gdn_model):
+    mixer = next(layer.mixer for layer in gdn_model.layers if layer.kind == "linear_attention")
     rng = np.random.default_rng(17)
     proj = normal(rng, 1, 6, mixer.in_proj.out_features)
     o = normal(rng, 1, 6, mixer.hv, mixer.dv)
@@ -254,13 +255,13 @@ def test_gated_norm_matches_the_models_op(model):
 
 
 @requires_emulator
-def test_attention_prologue_is_a_drop_in_for_the_models_attention(model):
+def test_attention_prologue_is_a_drop_in_for_the_models_attention(gdn_model):
     from monolith.models.cache import KVCache
     from monolith.models.qwen3_5 import Span
 
-    layer = next(layer for layer in model.layers if layer.kind == "full_attention")
+    layer = next(layer for layer in gdn_model.layers if layer.kind == "full_attention")
     attn = layer.mixer
-    x = normal(np.random.default_rng(18), 1, 5, model.args.hidden_size)
+    x = normal(np.random.default_rng(18), 1, 5, gdn_model.args.hidden_size)
     offset = 3
     cache = KVCache(attn.kv_heads, attn.head_dim, 16, mx.float32)
     cache.update(mx.zeros((1, attn.kv_heads, offset, attn.head_dim)), mx.zeros((1, attn.kv_heads, offset,
@@ -276,14 +277,14 @@ def test_attention_prologue_is_a_drop_in_for_the_models_attention(model):
 
 
 @requires_emulator
-def test_router_and_combine_are_drop_ins_for_the_moe_block(model):
+def test_router_and_combine_are_drop_ins_for_the_moe_block(gdn_model):
     from monolith.models.layers import rms_norm
 
-    block = model.layers[0].mlp
-    next_norm = model.layers[1].input_layernorm
+    block = gdn_model.layers[0].mlp
+    next_norm = gdn_model.layers[1].input_layernorm
     rng = np.random.default_rng(19)
-    x = normal(rng, 7, model.args.hidden_size)
-    residual = normal(rng, 1, 7, model.args.hidden_size)
+    x = normal(rng, 7, gdn_model.args.hidden_size)
+    residual = normal(rng, 1, 7, gdn_model.args.hidden_size)
     logits = block.router(x)
     want_ids, want_weights = block.route(x)
     ids, weights = run_kernel(router.KERNEL, router.launch(logits, block.top_k))
@@ -301,12 +302,12 @@ def test_router_and_combine_are_drop_ins_for_the_moe_block(model):
 
 
 @requires_emulator
-def test_add_rms_norm_is_the_models_residual_and_post_attention_norm(model):
+def test_add_rms_norm_is_the_models_residual_and_post_attention_norm(gdn_model):
     from monolith.models.layers import rms_norm
 
-    layer = model.layers[0]
+    layer = gdn_model.layers[0]
     rng = np.random.default_rng(22)
-    x, y = normal(rng, 1, 6, model.args.hidden_size), normal(rng, 1, 6, model.args.hidden_size)
+    x, y = normal(rng, 1, 6, gdn_model.args.hidden_size), normal(rng, 1, 6, gdn_model.args.hidden_size)
     h, normed = run_kernel(add_norm.KERNEL, add_norm.launch(x, y, layer.post_attention_layernorm, layer.eps))
     assert_matches(h, x + y)
     assert_matches(normed, rms_norm(x + y, layer.post_attention_layernorm, layer.eps))

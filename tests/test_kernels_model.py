@@ -28,7 +28,7 @@ TOLERANCE = 2e-5  # max |a - b| / max |b| in float32
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def nvfp4_pair(tmp_path_factory):
     """A tiny MoE target in ModelOpt NVFP4 and an NVFP4-packed DSpark draft, float32 (target
     packs keep the embedding BF16: the NVFP4 gather runs on the draft's embed_tokens)."""
     from monolith.synth import write_draft, write_target
@@ -80,8 +80,8 @@ def run_pair(target, draft) -> dict[str, mx.array]:
     return out
 
 
-def test_emulated_kernels_equal_the_references(pair, emulated):
-    target, draft = pair
+def test_emulated_kernels_equal_the_references(nvfp4_pair, emulated):
+    target, draft = nvfp4_pair
     with pytest.MonkeyPatch.context() as mp:  # the references, inside the emulated fixture
         mp.setattr(kernel_module, "backend", lambda: "reference")
         want = run_pair(target, draft)
@@ -97,8 +97,8 @@ def test_emulated_kernels_equal_the_references(pair, emulated):
         np.testing.assert_array_equal(np.argmax(got[name], -1), np.argmax(want[name], -1))
 
 
-def test_greedy_speculative_equals_plain_with_emulated_kernels(pair, emulated):
-    target, draft = pair
+def test_greedy_speculative_equals_plain_with_emulated_kernels(nvfp4_pair, emulated):
+    target, draft = nvfp4_pair
     greedy = SamplingParams()
     plain_out = plain(target, PROMPT, 12, greedy, [], 64).token_ids
     calls = sum(emulated.values())

@@ -259,7 +259,7 @@ def test_print_env_shows_what_the_client_gets_and_runs_nothing(env, running):
     r = _launch(env, "codex", "--port", str(port), "--api-key", key, "--print-env", "--", "exec", "hi")
     assert r.returncode == 0, r.stderr
     assert f"export MONOLITH_API_KEY={key}" in r.stdout.splitlines()
-    assert (f"# then: codex -c 'model=\"found-model\"' -c 'model_provider=\"monolith\"'" in r.stdout
+    assert ("# then: codex -c 'model=\"found-model\"' -c 'model_provider=\"monolith\"'" in r.stdout
             and r.stdout.rstrip().endswith("model_context_window=1024 exec hi"))
     free = _free_port()
     r = _launch(env, "claude", "--port", str(free), "--print-env")

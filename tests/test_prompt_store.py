@@ -11,26 +11,14 @@ from pathlib import Path
 import pytest
 
 from monolith.formats.stfile import SafetensorsFile
-from monolith.models import load_model
 from monolith.runtime import state_file
 from monolith.runtime.state_file import identity
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.prompt_store import PromptStore
-from monolith.tokenizer import load_tokenizer
 
 SYSTEM = "You are a careful agent. " * 12
-
-
-@pytest.fixture(scope="module")
-def model(tiny_pack):
-    return load_model(tiny_pack, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_pack):
-    return load_tokenizer(tiny_pack)
 
 
 def prompt(tok, question):

@@ -7,17 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from decoding import speculate
-from oracles import (
-    GAMMA,
-    GREEDY,
-    PROMPT,
-    ConstantDrafter,
-    GreedyOracle,
-    assert_same_greedy,
-    model,  # noqa: F401 - module fixtures (model needs target_pack)
-    target_pack,  # noqa: F401
-    plain_greedy,
-)
+from oracles import GAMMA, GREEDY, PROMPT, ConstantDrafter, GreedyOracle, assert_same_greedy, plain_greedy
 
 from monolith.runtime import calibrate
 from monolith.runtime.calibrate import measure_break_even, measure_costs

@@ -16,14 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from serving_rig import (
-    MAX_CONTEXT,
-    model,  # noqa: F401 - a module fixture
-    pack,  # noqa: F401 - a module fixture
-    pair,  # noqa: F401 - a module fixture
-    server,  # noqa: F401 - a module fixture
-    tok,  # noqa: F401 - a module fixture
-)
+from serving_rig import MAX_CONTEXT
 
 from monolith.models import load_model
 
@@ -96,11 +89,11 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
     assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
 
 
-def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, pair):
+def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, synth_pair):
     from monolith import engine_setup
     from monolith.runtime.calibrate import BreakEven
 
-    target_pack, draft, _ = pair
+    target_pack, draft, _ = synth_pair
     model = load_model(target_pack, dtype="float32")
     args = argparse.Namespace(draft_quantization="none", draft_pack=None, draft_revision=None, local_files_only=True,
                               verify_pack="first", dtype="float32", max_context=MAX_CONTEXT, prefill_chunk_size=512,

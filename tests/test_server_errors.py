@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from serving_rig import NAME, Scripted, Server, model, pack, tok  # noqa: F401 - fixtures
+from serving_rig import NAME, Scripted, Server
 
 from monolith.runtime.engine import Engine
 

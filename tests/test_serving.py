@@ -11,20 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decoding import plain
-from serving_rig import (
-    MAX_CONTEXT,
-    NAME,
-    TOOLS,
-    Scripted,
-    Server,
-    chat_ids,
-    expected,
-    model,  # noqa: F401 - a module fixture
-    pack,  # noqa: F401 - a module fixture
-    pair,  # noqa: F401 - a module fixture
-    server,  # noqa: F401 - a module fixture
-    tok,  # noqa: F401 - a module fixture
-)
+from serving_rig import MAX_CONTEXT, NAME, TOOLS, Scripted, Server, chat_ids, expected
 
 from monolith.engine_setup import load_drafter
 from monolith.models import load_model
@@ -315,8 +302,8 @@ def test_tool_calls_over_http(model, tok, text):
 # ------------------------------------------------------------------ speculative decoding
 
 
-def test_speculative_server_matches_plain_greedy_and_counts_rounds(pair):
-    target_pack, draft, cache = pair
+def test_speculative_server_matches_plain_greedy_and_counts_rounds(synth_pair):
+    target_pack, draft, cache = synth_pair
     model = load_model(target_pack, dtype="float32")
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
@@ -354,10 +341,10 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(pair):
         assert r2.choices[0].text == expected(model, tok, longer, 8)[1]
 
 
-def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pay(pair):
+def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pay(synth_pair):
     from monolith.runtime.scheduler import Fallback
 
-    target_pack, draft, cache = pair
+    target_pack, draft, cache = synth_pair
     model = load_model(target_pack, dtype="float32")
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)

@@ -16,20 +16,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
-from serving_rig import (
-    MAX_CONTEXT,
-    NAME,
-    TOOLS,
-    Scripted,
-    Server,
-    assert_error,
-    chat_ids,
-    expected,
-    model,  # noqa: F401 - a module fixture
-    pack,  # noqa: F401 - a module fixture
-    server,  # noqa: F401 - a module fixture
-    tok,  # noqa: F401 - a module fixture
-)
+from serving_rig import MAX_CONTEXT, NAME, TOOLS, Scripted, Server, assert_error, chat_ids, expected
 
 from monolith.runtime import heap
 from monolith.runtime.engine import Engine

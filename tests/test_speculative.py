@@ -26,8 +26,6 @@ from oracles import (
     SequenceTracker,
     assert_same_greedy,
     forward_all,
-    model,  # noqa: F401 - module fixtures (model needs target_pack)
-    target_pack,  # noqa: F401
     plain_greedy,
 )
 

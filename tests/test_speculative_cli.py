@@ -10,16 +10,7 @@ import sys
 
 import pytest
 from decoding import plain, speculate
-from oracles import (  # noqa: F401 - module fixtures
-    CHUNK,
-    GREEDY,
-    PROMPT,
-    GreedyOracle,
-    assert_same_greedy,
-    model,
-    plain_greedy,
-    target_pack,
-)
+from oracles import CHUNK, GREEDY, PROMPT, GreedyOracle, assert_same_greedy, plain_greedy
 
 from monolith.generate import main
 from monolith.models import load_model
@@ -46,9 +37,9 @@ def run_cli(capsys, argv, model, drafter):
     return code, out, err, loaded
 
 
-def test_cli_draft_json_and_stats_line(capsys, model, target_pack):
+def test_cli_draft_json_and_stats_line(capsys, model, pack):
     reference = plain_greedy(model, PROMPT, 20)
-    base = ["--model", str(target_pack), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "20",
+    base = ["--model", str(pack), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "20",
             "--dtype", "float32"]
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=3)
     code, out, err, loaded = run_cli(capsys, [*base, "--json", "--draft", "D", "--draft-quantization", "none",
@@ -79,9 +70,9 @@ def test_cli_draft_json_and_stats_line(capsys, model, target_pack):
     (["--draft", "D", "--spec-sched", "threshold", "--spec-threshold", "2"], "--spec-threshold must be in [0, 1]"),
     (["--spec-threshold", "0.2"], "--spec-threshold only applies with a draft (--draft)"),
 ])
-def test_cli_draft_argument_errors(capsys, model, target_pack, argv, message):
+def test_cli_draft_argument_errors(capsys, model, pack, argv, message):
     oracle = GreedyOracle(PROMPT, [1], model.args.vocab_size)
-    code, out, err, _ = run_cli(capsys, ["--model", str(target_pack), "--prompt-ids", "1,2", *argv], model, oracle)
+    code, out, err, _ = run_cli(capsys, ["--model", str(pack), "--prompt-ids", "1,2", *argv], model, oracle)
     assert code == 1 and out == "" and message in err and err.startswith("error: "), err
 
 

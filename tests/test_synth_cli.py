@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-from synth_helpers import ckpts  # noqa: F401 - module fixture
 
 from monolith.formats import SafetensorsFile
 from monolith.synth import PRESETS, Preset, draft_sizes, write_draft, write_pair, write_target, write_tokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from synth_helpers import assert_modelopt_mirror, bf16, ckpts, read_all, rel_err  # noqa: F401 - module fixture
+from synth_helpers import assert_modelopt_mirror, bf16, read_all, rel_err
 
 from monolith.formats import dequantize_fp8, dequantize_nvfp4, e4m3_decode, from_compressed_nvfp4
 from monolith.synth import write_target

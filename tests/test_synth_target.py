@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from synth_helpers import bf16, ckpts, read_all  # noqa: F401 - module fixture
+from synth_helpers import bf16, read_all
 
 from monolith.synth import PRESETS, write_draft, write_target
 from monolith.synth import tokenizer as synth_tok
