@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from ..checkpoint import Checkpoint
-from .draft_formats import DRAFT_FORMATS, NESTS, DraftFormat, stated
+from .draft_formats import DRAFT_FORMATS, NESTS, DraftFormat, config_field
 from .recipe import PackError, Plan, Planner
 
 PLAIN_NORM = "draft RMSNorm weight (plain w) stored in F32"
@@ -47,7 +47,7 @@ def _check_nested(ckpt: Checkpoint, cfg: dict) -> None:
         if unknown:
             raise PackError(f"{_where(ckpt)}: {nest}.{unknown[0]} is not supported (supported {nest} fields: "
                             f"{', '.join(NESTED_FIELDS)})")
-    if stated(cfg, "use_aux_hidden_state") is False:
+    if config_field(cfg, "use_aux_hidden_state") is False:
         raise PackError(f"{_where(ckpt)}: use_aux_hidden_state false (a draft without target features) "
                         "is not supported")
     if cfg.get("logit_scale") not in (None, 1, 1.0):
@@ -60,7 +60,7 @@ def _input_embedding_scale(ckpt: Checkpoint, cfg: dict) -> float:
     """DFlash's `input_embedding_scale`: the block's input embeddings (anchor and mask
     rows) are multiplied by it before the first layer (z-lab DFlash2 and vLLM's plugin
     for it); 1 when absent."""
-    scale = stated(cfg, "input_embedding_scale")
+    scale = config_field(cfg, "input_embedding_scale")
     if scale is None:
         return 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -120,7 +120,7 @@ def _sample_from_anchor(ckpt: Checkpoint, fmt: DraftFormat, cfg: dict, block_siz
     (DraftFormat.unstated_sample_from_anchor)."""
     where = _where(ckpt)
     stated = {}
-    value = stated(cfg, "sample_from_anchor")
+    value = config_field(cfg, "sample_from_anchor")
     if value is not None:
         stated[f"sample_from_anchor {value}"] = value
     if cfg.get("dspark_bonus_anchor") is not None:
@@ -149,22 +149,19 @@ def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
     heads = ["markov_head.markov_w1", "confidence_head.proj", *HEAD_PROJECTIONS.values()]
     modules = {name: ckpt.module(name) for name in heads if ckpt.has_module(name)}  # only these are checked here
 
-    def field(name):
-        return stated(cfg, name)
-
     w1 = modules.get("markov_head.markov_w1")
     rank = 0 if w1 is None else int(w1.shape[1])
-    stated = field("markov_rank")
+    stated = config_field(cfg, "markov_rank")
     if stated is not None and int(stated) != rank:
         has = f"markov_head.markov_w1.weight has rank {rank}" if w1 else "there is no markov_head.markov_w1.weight"
         raise PackError(f"{where}: markov_rank {stated} but {has}")
-    head_type = field("markov_head_type") or "vanilla"
+    head_type = config_field(cfg, "markov_head_type") or "vanilla"
     for kind, module in HEAD_PROJECTIONS.items():
         if (module in modules) != (rank > 0 and head_type == kind):
             raise PackError(f"{where}: markov_head_type {head_type!r} (markov rank {rank}) contradicts "
                             f"{module}.weight being {'present' if module in modules else 'absent'}")
     proj = modules.get("confidence_head.proj")
-    enabled = field("enable_confidence_head")
+    enabled = config_field(cfg, "enable_confidence_head")
     if enabled is not None and bool(enabled) != (proj is not None):
         raise PackError(f"{where}: enable_confidence_head {enabled} but confidence_head.proj.weight is "
                         f"{'present' if proj else 'absent'}")
@@ -175,7 +172,7 @@ def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
             raise PackError(f"{where}: confidence_head.proj.weight has {width} columns, neither hidden_size "
                             f"{hidden} nor hidden_size + markov rank {hidden + rank}")
         with_markov = rank > 0 and width == hidden + rank
-        stated = field("confidence_head_with_markov")
+        stated = config_field(cfg, "confidence_head_with_markov")
         if stated is not None and bool(stated) != with_markov:
             raise PackError(f"{where}: confidence_head_with_markov {stated} but confidence_head.proj.weight has "
                             f"{width} columns (hidden_size {hidden}, markov rank {rank})")
@@ -191,7 +188,7 @@ def draft_settings(ckpt: Checkpoint) -> dict:
     layer_cfg = fmt.layer_config(cfg)
     if not taps:
         raise PackError(f"{where}: draft has no target_layer_ids")
-    settings = {"block_size": stated(cfg, "block_size"), "mask_token_id": stated(cfg, "mask_token_id")}
+    settings = {field: config_field(cfg, field) for field in ("block_size", "mask_token_id")}
     for field in ("block_size", "mask_token_id"):
         if settings[field] is None:
             raise PackError(f"{where}: draft config has no {field} (top level or dflash_config)")

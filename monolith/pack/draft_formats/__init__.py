@@ -8,7 +8,7 @@ docs/drafts.md, "Adding a draft format"."""
 from __future__ import annotations
 
 from ...checkpoint.config import DFLASH, DSPARK, DSPARK_SPECULATORS
-from .base import NESTS, DraftFormat, stated
+from .base import NESTS, DraftFormat, config_field
 from .deepspec import DeepSpecFormat
 from .dflash import DFlashFormat
 from .speculators import SpeculatorsFormat
@@ -20,4 +20,5 @@ DRAFT_FORMATS: dict[str, DraftFormat] = {
     DFLASH: DFlashFormat(),
 }
 
-__all__ = ["DRAFT_FORMATS", "NESTS", "DeepSpecFormat", "DFlashFormat", "DraftFormat", "SpeculatorsFormat", "stated"]
+__all__ = ["DRAFT_FORMATS", "NESTS", "DFlashFormat", "DeepSpecFormat", "DraftFormat", "SpeculatorsFormat",
+           "config_field"]

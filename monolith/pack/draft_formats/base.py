@@ -1,5 +1,5 @@
 """What every draft format answers (DraftFormat), and where the fields of the DeepSpec
-and DFlash configs may sit (`stated`): at the top level or under one of the nested
+and DFlash configs may sit (`config_field`): at the top level or under one of the nested
 blocks (NESTS). The formats themselves are the other files of this package."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from ...checkpoint import Checkpoint
 NESTS = ("dflash_config", "dspark_config")
 
 
-def stated(cfg: dict, key: str):
+def config_field(cfg: dict, key: str):
     """A field at the top level or under one of the nested config blocks (NESTS); None
     when neither states it."""
     if key in cfg:
@@ -31,7 +31,7 @@ class DraftFormat(ABC):
 
     def taps(self, where: str, cfg: dict) -> list | None:
         """The target layer ids, DeepSpec convention (id i = output of target layer i)."""
-        return stated(cfg, "target_layer_ids")
+        return config_field(cfg, "target_layer_ids")
 
     def stated_taps(self, taps: tuple[int, ...] | list[int]) -> str:
         """The taps (DeepSpec convention) as this format's config.json states them, for
