@@ -1,6 +1,7 @@
-"""What every draft format answers (DraftFormat), and where the fields of the DeepSpec
-and DFlash configs may sit (`config_field`): at the top level or under one of the nested
-blocks (NESTS). The formats themselves are the other files of this package."""
+"""What every draft format answers (DraftFormat), and where a draft config's shared
+fields (block_size, mask_token_id, the head fields...) may sit (`config_field`): at the
+top level or under one of the DFlash / DeepSpec nested blocks (NESTS). The formats
+themselves are the other files of this package."""
 
 from __future__ import annotations
 
