@@ -20,7 +20,7 @@ from dspark_world import (
 from monolith.checkpoint import open_checkpoint
 from monolith.engine_setup import load_target
 from monolith.models import DraftError, load_draft
-from monolith.models.draft_args import SpeculatorsDraftArgs
+from monolith.models.draft_args import DraftArgs
 from monolith.pack import PackError, build_pack
 from monolith.synth import Preset, write_target
 
@@ -68,8 +68,7 @@ def test_reduced_vocabulary_without_d2t_and_missing_settings(world, tmp_path):
     config = json.loads((broken / "config.json").read_text())
     for field in ("mask_token_id", "block_size"):
         with pytest.raises(DraftError, match=field):
-            SpeculatorsDraftArgs.from_pack(config, {**settings, field: None}, "dspark-speculators",
-                                            "config.json")
+            DraftArgs.from_pack(config, {**settings, field: None}, "dspark-speculators", "config.json")
 
 
 def test_draft_vocab_size_neither_the_targets_nor_a_d2t_is_refused(world, tmp_path):
@@ -246,10 +245,10 @@ def test_detect_architecture_names_the_layout():
 
 def test_every_architecture_has_one_model_and_every_draft_one_pack_format():
     """The architecture names live in monolith.checkpoint.config alone: the models'
-    registry covers each of them, the draft recipe's formats each draft, nothing else."""
+    registry covers each of them, the draft formats' registry each draft, nothing else."""
     from monolith.checkpoint.config import ARCHITECTURE_ROLES
     from monolith.models import MODELS, Draft
-    from monolith.pack.draft_recipe import DRAFT_FORMATS
+    from monolith.pack.draft_formats import DRAFT_FORMATS
 
     drafts = {name for name, role in ARCHITECTURE_ROLES.items() if role == "draft"}
     assert set(MODELS) == set(ARCHITECTURE_ROLES) and drafts

@@ -65,11 +65,12 @@ def text_config_of(config: dict) -> dict:
 
 def detect_architecture(config: dict, where: Path) -> str:
     """One of SUPPORTED_ARCHITECTURES. Drafts are checked first: a DeepSpec draft's
-    config is a copy of a Qwen config plus its own fields. A draft's name here only says
-    where its config keeps its fields and the defaults it implies; what the draft computes
-    (its Markov and confidence heads, the block mask, sample_from_anchor) is decided in
-    pack.draft_recipe from the tensors present and every field that states it, since a
-    `DFlashDraftModel` label or a `dflash_config` block can sit on a DSpark head."""
+    config is a copy of a Qwen config plus its own fields. A draft's name here only picks
+    its format (monolith.pack.draft_formats: where its config keeps its fields and the
+    defaults it implies); what the draft computes (its Markov and confidence heads, the
+    block mask, sample_from_anchor) is decided in pack.draft_recipe from the tensors
+    present and every field that states it, since a `DFlashDraftModel` label or a
+    `dflash_config` block can sit on a DSpark head."""
     archs = config.get("architectures") or []
     if not isinstance(archs, list):
         archs = [archs]

@@ -1,10 +1,9 @@
 """A draft's arguments (docs/drafts.md sections 1-3) from its pack: the draft settings the pack
 recorded (manifest layout.draft, DeepSpec conventions) and its copy of config.json.
 
-The draft formats differ here only in where config.json keeps the layer fields and how
-it names the taps; a format that differs is a DraftArgs subclass overriding those
-(`SpeculatorsDraftArgs`). DRAFT_ARGS gives each draft architecture its class; the
-models' registry (loading.MODELS) takes the drafts from it.
+One DraftArgs serves every draft format: what differs between them (where config.json
+keeps the layer fields, how it states the taps) is asked of the draft's format in
+monolith.pack.draft_formats (DRAFT_FORMATS), keyed by the draft's architecture.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint.config import DFLASH, DSPARK, DSPARK_SPECULATORS
+from ..pack.draft_formats import DRAFT_FORMATS
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -62,8 +61,7 @@ def yarn_parameters(head_dim: int, theta: float, rope: dict, max_position_embedd
 
 @dataclass(frozen=True)
 class DraftArgs:
-    """A DeepSpec-native or DFlash draft: the layer fields at the top level of config.json,
-    the taps stated as target_layer_ids."""
+    """A draft of any format (`architecture`: a key of DRAFT_FORMATS)."""
 
     architecture: str
     hidden_size: int
@@ -88,21 +86,16 @@ class DraftArgs:
     confidence_with_markov: bool
     sample_from_anchor: bool  # every slot predicts (DSpark) or slot 0 is dropped (DFlash)
 
-    @staticmethod
-    def layer_config(config: dict) -> dict:
-        """The part of the draft's config.json that holds its decoder layers' fields."""
-        return config
-
     def stated_taps(self) -> str:
         """The taps as the draft's config.json states them (for error messages)."""
-        return f"target_layer_ids {list(self.taps)}"
+        return DRAFT_FORMATS[self.architecture].stated_taps(self.taps)
 
     @classmethod
     def from_pack(cls, config: dict, settings: dict, architecture: str, where: str) -> DraftArgs:
         """From the pack's draft settings and its copy of the draft's config.json.
         Target-only fields a qwen3 draft inherits (partial_rotary_factor, mrope_*,
         attn_output_gate, linear_*) are never read."""
-        cfg = cls.layer_config(config)
+        cfg = DRAFT_FORMATS[architecture].layer_config(config)
 
         def need(name, source=cfg):
             if source.get(name) is None:
@@ -144,22 +137,6 @@ class DraftArgs:
             sample_from_anchor=sample_from_anchor,
             **heads,
         )
-
-
-class SpeculatorsDraftArgs(DraftArgs):
-    """A speculators-format draft: the layer fields under transformer_layer_config, the
-    taps stated as aux_hidden_state_layer_ids (which count the embedding as layer 0)."""
-
-    @staticmethod
-    def layer_config(config: dict) -> dict:
-        return config.get("transformer_layer_config") or {}
-
-    def stated_taps(self) -> str:
-        return f"aux_hidden_state_layer_ids {[i + 1 for i in self.taps]} (target layer ids {list(self.taps)})"
-
-
-# draft architecture (monolith.checkpoint.config) -> the class that reads its arguments
-DRAFT_ARGS = {DSPARK: DraftArgs, DSPARK_SPECULATORS: SpeculatorsDraftArgs, DFLASH: DraftArgs}
 
 
 def _block_mask(settings: dict, layers: int, where: str) -> tuple[tuple, tuple, float]:

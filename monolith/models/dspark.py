@@ -1,6 +1,7 @@
 """The DSpark / DFlash draft model (docs/drafts.md sections 1-3): DeepSpec-native, its NVFP4
 export, speculators (reduced vocabulary, sliding window) and z-lab DFlash. Its arguments
-are read in draft_args.py; monolith.models.loading.load_draft loads one from a pack.
+are read in draft_args.py, its decoder layer is draft_layer.py's, its Markov and
+confidence heads draft_heads.py's; monolith.models.loading.load_draft loads one from a pack.
 
 The draft is a few Qwen3 decoder layers whose keys/values are [context ; block]. The
 context rows are `hidden_norm(fc(target features))`, the same for every layer, so their
@@ -27,8 +28,9 @@ import numpy as np
 from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
 from .cache import CacheError, DraftContext, KVCache
 from .draft_args import DraftArgs
-from .layers import Embedding, FusedLinear, Linear, attention, cast, rms_norm, run_now
-from .qwen3_5 import MLP, member
+from .draft_heads import ConfidenceHead, MarkovHead
+from .draft_layer import DraftLayer, Rope
+from .layers import Embedding, cast, rms_norm, run_now
 from .weights import PackWeights
 
 __all__ = ["Draft", "DraftContext", "Proposal"]
@@ -43,185 +45,6 @@ class Proposal:
     tokens: mx.array
     q: mx.array
     confidence: mx.array | None
-
-
-# ----------------------------------------------------------------------- pieces
-
-
-def row_slice(linear: Linear | FusedLinear, start: int, stop: int) -> Linear | FusedLinear:
-    """Rows [start, stop) of a (fused) linear entry as a linear of their own. MLX row
-    slices share the parent's buffer, so this costs no weight memory."""
-    if isinstance(linear, FusedLinear):
-        parts, base = [], 0
-        for p in linear.parts:
-            a, b = max(start, base), min(stop, base + p.out_features)
-            if a < b:
-                parts.append(row_slice(p, a - base, b - base))
-            base += p.out_features
-        return parts[0] if len(parts) == 1 else FusedLinear(parts)
-    scales = None if linear.scales is None else linear.scales[start:stop]
-    tensor_scale = None if linear.tensor_scale is None else linear.tensor_scale[start:stop]
-    return Linear(linear.weight[start:stop], linear.precision, scales, tensor_scale,
-                  (stop - start, linear.shape[1]), linear.kernel_dtype)
-
-
-def dense(linear: Linear | FusedLinear) -> mx.array:
-    """The float32 [N, K] matrix of a (small) linear entry, dequantized if needed."""
-    if isinstance(linear, FusedLinear):
-        return mx.concatenate([dense(p) for p in linear.parts])
-    if linear.mode is None:
-        return linear.weight.astype(mx.float32)
-    mode, group_size, bits = linear.mode
-    w = mx.dequantize(linear.weight, linear.scales, group_size=group_size, bits=bits, mode=mode, dtype=mx.float32)
-    return w * linear.tensor_scale.astype(mx.float32)[:, None]
-
-
-class Rope:
-    """Full-width rotate-half RoPE from the draft's config (plain or YaRN). YaRN's cos/sin
-    factor multiplies both q and k, so it is folded into the attention scale."""
-
-    def __init__(self, args: DraftArgs):
-        self.dims = args.head_dim
-        self.base = None if args.rope_inv_freq else args.rope_theta
-        self.freqs = None if not args.rope_inv_freq else 1 / mx.array(args.rope_inv_freq, mx.float32)
-
-    def __call__(self, x: mx.array, offsets: list[int]) -> mx.array:
-        """x [S, heads, T, D]: sequence s at positions offsets[s].. (always an offset array:
-        one sequence alone gets the same arithmetic as in a batch)."""
-        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=1.0,
-                            offset=mx.array(offsets, mx.int32), freqs=self.freqs)
-
-
-class DraftLayer:
-    """Qwen3 decoder layer with KV injection: queries from the block, keys/values from
-    [context ; block] (the last `window` context rows of a sliding layer). A causal
-    layer's slot k sees the block's slots <= k: MLX's "causal" mask aligns the queries
-    with the last keys, which are the block's."""
-
-    def __init__(self, args: DraftArgs, w: PackWeights, index: int, rope: Rope):
-        p = f"layers.{index}."
-        h, self.heads, self.kv_heads, self.head_dim = args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_rows, self.kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.qkv = w.linear(p + "self_attn.qkv", (self.q_rows + 2 * self.kv_rows, h))
-        self.kv = row_slice(self.qkv, self.q_rows, self.q_rows + 2 * self.kv_rows)  # context rows need no q
-        self.o_proj = w.linear(p + "self_attn.o_proj", (h, self.q_rows))
-        self.q_norm = w.tensor(p + "self_attn.q_norm", (self.head_dim,), mx.float32)  # plain weights
-        self.k_norm = w.tensor(p + "self_attn.k_norm", (self.head_dim,), mx.float32)
-        self.input_layernorm = w.tensor(p + "input_layernorm", (h,), mx.float32)
-        self.post_attention_layernorm = w.tensor(p + "post_attention_layernorm", (h,), mx.float32)
-        self.mlp = MLP(w, p + "mlp.", h, args.intermediate_size)
-        self.eps = args.rms_norm_eps
-        self.scale = self.head_dim ** -0.5 * args.rope_attention_factor ** 2
-        self.window = args.sliding_windows[index]
-        self.block_mask = "causal" if args.block_causal[index] else None
-        self.rope = rope
-
-    def _keys_values(self, kv: mx.array, offsets: list[int]) -> tuple[mx.array, mx.array]:
-        """[S, T, 2 * kv_rows] of S sequences at positions offsets[s].. -> k_norm'd, roped
-        keys and values [S, kv_heads, T, head_dim]."""
-        s, t = kv.shape[:2]
-        k = kv[..., :self.kv_rows].reshape(s, t, self.kv_heads, self.head_dim)
-        v = kv[..., self.kv_rows:].reshape(s, t, self.kv_heads, self.head_dim)
-        k = self.rope(rms_norm(k, self.k_norm, self.eps).transpose(0, 2, 1, 3), offsets)
-        return k, v.transpose(0, 2, 1, 3)
-
-    def context_kv(self, kv: mx.array, offsets: list[int]) -> tuple[mx.array, mx.array]:
-        """K/V of S sequences' context rows, n each, at positions offsets[s]..+n-1, from
-        their projection kv = self.kv(C) [S, n, 2 * kv_rows]."""
-        return self._keys_values(kv, offsets)
-
-    def __call__(self, x: mx.array, caches: list[KVCache], offsets: list[int]) -> mx.array:
-        """Packed blocks x [1, S * B, H]: block i (rows i*B..) at positions offsets[i].. over
-        the context rows [0, offsets[i]) of caches[i]; its K/V go to the scratch rows
-        [offset, offset + B). Projections, the q/k norms and RoPE and the MLP run over all
-        blocks at once; the cache writes and the attention, per block."""
-        s = len(caches)
-        b = x.shape[1] // s
-        qkv = self.qkv(rms_norm(x, self.input_layernorm, self.eps)).reshape(s, b, -1)
-        q = qkv[..., :self.q_rows].reshape(s, b, self.heads, self.head_dim)
-        q = self.rope(rms_norm(q, self.q_norm, self.eps).transpose(0, 2, 1, 3), offsets)
-        k, v = self._keys_values(qkv[..., self.q_rows:], offsets)
-        outs = []
-        for i, (cache, offset) in enumerate(zip(caches, offsets)):
-            one = member(i, s)
-            keys, values = cache.update(one(k), one(v), offset)
-            if self.window is not None and offset > self.window:
-                keys, values = keys[:, :, offset - self.window:], values[:, :, offset - self.window:]
-            o = attention(one(q), keys, values, self.scale, self.block_mask)
-            outs.append(o.transpose(0, 2, 1, 3).reshape(1, b, self.q_rows))
-        x = x + self.o_proj(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1))
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
-
-
-class MarkovHead:
-    """Low-rank bias B_k on slot k's logits from the previous token (docs/drafts.md 2): vanilla
-    W2 @ W1[prev]; gated W2 @ (sigmoid(gate_proj([h ; e])) * e); rnn over the block with
-    joint_proj([s ; e ; h]) -> gate, candidate, output. Runs in float32. The parts of
-    gate_proj / joint_proj that read h are applied to all slots at once (`prepare`)."""
-
-    def __init__(self, w: PackWeights, head_type: str, rank: int, hidden: int, target_vocab: int, draft_vocab: int):
-        self.head_type, self.rank = head_type, rank
-        self.w1 = Embedding(w.linear("markov_head.markov_w1", (target_vocab, rank)), mx.float32)
-        self.w2 = w.linear("markov_head.markov_w2", (draft_vocab, rank))
-        r, h = rank, hidden
-        if head_type == "gated":
-            g = dense(w.linear("markov_head.gate_proj", (r, h + r)))  # input [h ; e]
-            self.from_h, self.from_e = g[:, :h].T, g[:, h:].T
-            self.bias = _bias(w, "markov_head.gate_proj.bias", r)
-        elif head_type == "rnn":
-            j = dense(w.linear("markov_head.joint_proj", (3 * r, 2 * r + h)))  # input [s ; e ; h]
-            self.from_s, self.from_e, self.from_h = j[:, :r].T, j[:, r:2 * r].T, j[:, 2 * r:].T
-            self.bias = _bias(w, "markov_head.joint_proj.bias", 3 * r)
-
-    def prepare(self, h: mx.array) -> mx.array | None:
-        """The per-slot part that depends on the block's hidden states h [k, H] only."""
-        if self.head_type == "vanilla":
-            return None
-        return h.astype(mx.float32) @ self.from_h + self.bias
-
-    def initial_state(self, rows: int = 1) -> mx.array | None:
-        return mx.zeros((rows, self.rank), mx.float32) if self.head_type == "rnn" else None
-
-    def step(self, e: mx.array, pre: mx.array | None, state: mx.array | None):
-        """Slot biases [..., V_draft] from e = W1[prev] [..., r] and this slot's `prepare`
-        rows [..., r] (one per sequence)."""
-        if self.head_type == "vanilla":
-            return self.w2(e), state
-        if self.head_type == "gated":
-            return self.w2(mx.sigmoid(pre + e @ self.from_e) * e), state
-        gate, cand, out = mx.split(pre + state @ self.from_s + e @ self.from_e, 3, axis=-1)
-        gate = mx.sigmoid(gate)
-        state = gate * state + (1 - gate) * mx.tanh(cand)
-        return self.w2(mx.tanh(out)), state
-
-    def block_bias(self, prev_ids: mx.array, h: mx.array) -> mx.array:
-        """Teacher-forced biases [k, V_draft] for given previous tokens (target ids) [k]."""
-        pre, state, rows = self.prepare(h), self.initial_state(), []
-        e = self.w1(prev_ids)
-        for k in range(prev_ids.shape[0]):
-            bias, state = self.step(e[k:k + 1], None if pre is None else pre[k:k + 1], state)
-            rows.append(bias)
-        return mx.concatenate(rows)
-
-
-class ConfidenceHead:
-    """logit_k = w . [h_k ; W1[prev_k]] + b (or w . h_k + b without the Markov input)."""
-
-    def __init__(self, w: PackWeights, hidden: int, rank: int):
-        proj = dense(w.linear("confidence_head.proj", (1, hidden + rank)))[0]
-        self.from_h, self.from_e = proj[:hidden], proj[hidden:] if rank else None
-        self.bias = _bias(w, "confidence_head.proj.bias", 1)
-
-    def logits(self, h: mx.array, e: mx.array | None) -> mx.array:
-        out = h.astype(mx.float32) @ self.from_h + self.bias
-        return out if self.from_e is None else out + e @ self.from_e
-
-
-def _bias(w: PackWeights, name: str, size: int) -> mx.array:
-    return w.tensor(name, (size,), mx.float32) if name in w.entries else mx.zeros((size,), mx.float32)
-
-
-# ----------------------------------------------------------------------- the draft
 
 
 class Draft:
@@ -452,19 +275,11 @@ class Draft:
                 token, q = forced, mx.zeros((1, self.target_vocab), mx.float32)
                 q[0, forced] = 1.0
             else:
-                raw = u[k:k + 1] if bias is None else u[k:k + 1] + bias
-                words = guide.words()  # None: no constraint here (before it starts)
-                if words is not None:
-                    ok = allowed(words, self.target_vocab)
-                    if self.draft_to_target is not None:
-                        if not self._reaches(words):
-                            break
-                        ok = ok[self.draft_to_target]
-                    raw = mx.where(ok, raw, NEG_INF)
-                row = filtered_logits(raw, params)
-                token = int(self._draw(raw if params.greedy else row, params,
-                                       None if keys is None else keys[k]).item())
-                q = self._to_target(mx.softmax(row, axis=-1))
+                drawn = self._guided_draw(u[k:k + 1] if bias is None else u[k:k + 1] + bias, guide.words(),
+                                          params, None if keys is None else keys[k])
+                if drawn is None:
+                    break
+                token, q = drawn
                 drafted += 1
             guide.push(token)
             prev = mx.array([token], mx.int32)
@@ -474,16 +289,37 @@ class Draft:
             embeddings.append(e)
             if guide.ended:  # an end token: nothing after it is emitted
                 break
-        n = len(tokens)
-        q = mx.concatenate(qs) if n else mx.zeros((0, self.target_vocab), mx.float32)
-        confidence = None
-        if self.confidence_head is not None and n:
-            on_block = min(n, slots)
-            e = mx.concatenate(embeddings[:on_block]) if m is not None and embeddings[0] is not None else None
-            c = mx.sigmoid(self.confidence_head.logits(h[:on_block], e))
-            c = mx.concatenate([c, mx.ones((n - on_block,), c.dtype)]) if n > on_block else c
-            confidence = mx.where(mx.array(forced_at), 1.0, c)  # a forced token always survives
-        return Proposal(mx.array(tokens, mx.int32), q, confidence)
+        q = mx.concatenate(qs) if tokens else mx.zeros((0, self.target_vocab), mx.float32)
+        return Proposal(mx.array(tokens, mx.int32), q, self._guided_confidence(h, embeddings, forced_at))
+
+    def _guided_draw(self, raw: mx.array, words, params: SamplingParams, key) -> tuple[int, mx.array] | None:
+        """One drawn token of propose_guided from this slot's logits raw [1, V_draft] under the
+        grammar's bitmask `words` (None: no constraint here, before it starts): (target id,
+        its q row [1, V_target]), or None when the draft's reduced vocabulary holds no
+        allowed token."""
+        if words is not None:
+            ok = allowed(words, self.target_vocab)
+            if self.draft_to_target is not None:
+                if not self._reaches(words):
+                    return None
+                ok = ok[self.draft_to_target]
+            raw = mx.where(ok, raw, NEG_INF)
+        row = filtered_logits(raw, params)
+        token = int(self._draw(raw if params.greedy else row, params, key).item())
+        return token, self._to_target(mx.softmax(row, axis=-1))
+
+    def _guided_confidence(self, h: mx.array, embeddings: list, forced_at: list[bool]) -> mx.array | None:
+        """The confidences of propose_guided's tokens: the head's over the ones on the block's
+        slots h [slots, H] (with their W1[prev] rows `embeddings`), 1 past the block and
+        wherever the grammar forced the token (a forced token always survives)."""
+        n = len(forced_at)
+        if self.confidence_head is None or not n:
+            return None
+        on_block = min(n, h.shape[0])
+        e = mx.concatenate(embeddings[:on_block]) if self.markov is not None and embeddings[0] is not None else None
+        c = mx.sigmoid(self.confidence_head.logits(h[:on_block], e))
+        c = mx.concatenate([c, mx.ones((n - on_block,), c.dtype)]) if n > on_block else c
+        return mx.where(mx.array(forced_at), 1.0, c)
 
     def _reaches(self, words) -> bool:
         """Whether the draft's reduced vocabulary holds a token the bitmask allows (host)."""

@@ -2,10 +2,10 @@
 (load_draft), through the one architecture registry.
 
 The architecture names are monolith.checkpoint.config's; MODELS says what each loads
-into. A new draft format touches three files: its name and detection there, its pack
-recipe's format (pack.draft_recipe.DRAFT_FORMATS) and its arguments' class
-(draft_args.DRAFT_ARGS: DraftArgs, or a subclass when its config.json differs). The
-weights are read by PackWeights (weights.py).
+into. Every draft format loads into Draft with DraftArgs, which asks the format
+(monolith.pack.draft_formats.DRAFT_FORMATS) what differs; a new draft format adds
+nothing here (docs/drafts.md, "Adding a draft format"). The weights are read by
+PackWeights (weights.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from ..checkpoint.config import (
 )
 from ..kernels import check_kernels
 from ..pack import PackError, read_manifest
+from ..pack.draft_formats import DRAFT_FORMATS
 from ..pack.split import LAYER
-from .draft_args import DRAFT_ARGS, DraftArgs, DraftError
+from .draft_args import DraftArgs, DraftError
 from .dspark import Draft
 from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
@@ -42,7 +43,7 @@ class Architecture(NamedTuple):
 MODELS = {
     QWEN3_5_MOE: Architecture(Qwen3_5Moe, ModelArgs),
     QWEN3_5: Architecture(Qwen3_5, ModelArgs),
-    **{name: Architecture(Draft, args) for name, args in DRAFT_ARGS.items()},
+    **{name: Architecture(Draft, DraftArgs) for name in DRAFT_FORMATS},
 }
 # pack tensors the draft does not read: t2d is the inverse of d2t; speculators' verifier_norm
 # is a training-time copy of the target's final norm

@@ -9,8 +9,9 @@ layer i), whatever the source format, and every decision that needs the tensors:
 the heads (a Markov head is read from the `markov_head.*` tensors, whatever the
 config's label), per layer the sliding window and whether the block is causal,
 whether slot 0 predicts (`sample_from_anchor`) and the block input's scale. Where the
-formats' configs differ is said in one place: a DraftFormat per architecture
-(DRAFT_FORMATS).
+formats' configs differ (the taps, the layer fields, the block mask, an unstated
+sample_from_anchor) is not said here: this recipe asks the draft's format
+(pack/draft_formats, DRAFT_FORMATS, one file a format).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from __future__ import annotations
 import math
 
 from ..checkpoint import Checkpoint
-from ..checkpoint.config import DFLASH, DSPARK, DSPARK_SPECULATORS
+from .draft_formats import DRAFT_FORMATS, NESTS, DraftFormat, config_field
 from .recipe import PackError, Plan, Planner
 
 PLAIN_NORM = "draft RMSNorm weight (plain w) stored in F32"
-NESTS = ("dflash_config", "dspark_config")
 # the nested-block fields a draft may carry; any other one changes what the draft computes
 # in some engine (vLLM's use_swa, swa_window_size, attention_sink_bias, DFlash2's selector
 # and conv fields...) and is refused, never ignored
@@ -32,102 +32,8 @@ NESTED_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "causal", "i
 HEAD_PROJECTIONS = {"gated": "markov_head.gate_proj", "rnn": "markov_head.joint_proj"}
 
 
-def _get(cfg: dict, key: str, *nests: str):
-    """A field at the top level or under one of the nested config blocks."""
-    if key in cfg:
-        return cfg[key]
-    for nest in nests:
-        block = cfg.get(nest) or {}
-        if key in block:
-            return block[key]
-    return None
-
-
 def _where(ckpt: Checkpoint) -> str:
     return f"{ckpt.path}/config.json"
-
-
-class DraftFormat:
-    """Where a draft format's config.json keeps what the pack records, and what it means
-    by what it leaves unstated. This base is z-lab DFlash: fields at the top level or
-    under dflash_config / dspark_config (vLLM's reading)."""
-
-    def taps(self, where: str, cfg: dict) -> list | None:
-        """The target layer ids, DeepSpec convention (id i = output of target layer i)."""
-        return _get(cfg, "target_layer_ids", *NESTS)
-
-    def layer_config(self, cfg: dict) -> dict:
-        """The part of config.json that holds the decoder layers' fields."""
-        return cfg
-
-    def block_causal(self, where: str, cfg: dict, layer_cfg: dict, sliding: list, windows: list) -> list:
-        """Per layer, whether the block is causal. vLLM's `_dflash_layer_causal`: top-level
-        `is_causal`, else `dflash_config.causal`, else causal exactly on the
-        sliding_attention layers."""
-        if "sliding_window_non_causal" in cfg:
-            raise PackError(f"{where}: sliding_window_non_causal is a speculators field; this draft states its "
-                            "block mask with is_causal or dflash_config.causal")
-        if any(s and w is None for s, w in zip(sliding, windows)):
-            raise PackError(f"{where}: sliding_attention layers without a window (sliding_window "
-                            f"{layer_cfg.get('sliding_window')!r}, use_sliding_window "
-                            f"{layer_cfg.get('use_sliding_window')!r})")
-        causal = cfg.get("is_causal")
-        field = "is_causal"
-        if causal is None:
-            causal, field = (cfg.get("dflash_config") or {}).get("causal"), "dflash_config.causal"
-        if causal is None:
-            return sliding
-        if not isinstance(causal, bool):
-            raise PackError(f"{where}: {field} {causal!r} must be true or false")
-        return [causal] * len(sliding)
-
-    def unstated_sample_from_anchor(self, ckpt: Checkpoint, where: str) -> bool:
-        """A plain DFlash draft drops slot 0; a DSpark head predicts from every slot, also
-        under a DFlash label (its Markov tensors say what it is)."""
-        return ckpt.has_module("markov_head.markov_w1")
-
-
-class DeepSpecFormat(DraftFormat):
-    """DeepSpec-native DSpark (and its NVFP4 export): every slot predicts unless stated."""
-
-    def unstated_sample_from_anchor(self, ckpt: Checkpoint, where: str) -> bool:
-        return True
-
-
-class SpeculatorsFormat(DraftFormat):
-    """speculators' DSpark: the layer fields under transformer_layer_config, the taps as
-    aux_hidden_state_layer_ids, the block mask from layer_types and
-    sliding_window_non_causal."""
-
-    def taps(self, where: str, cfg: dict) -> list:
-        aux = cfg.get("aux_hidden_state_layer_ids")
-        if aux is None:
-            raise PackError(f"{where}: speculators draft without aux_hidden_state_layer_ids")
-        return [int(i) - 1 for i in aux]  # speculators counts the embedding as layer 0
-
-    def layer_config(self, cfg: dict) -> dict:
-        return cfg.get("transformer_layer_config") or {}
-
-    def block_causal(self, where: str, cfg: dict, layer_cfg: dict, sliding: list, windows: list) -> list:
-        """speculators' create_anchor_block_mask_mod: `non_causal = sliding_window is None or
-        sliding_window_non_causal` per layer, the flag defaulting to false, so full-attention
-        layers are always bidirectional."""
-        for name, source in (("is_causal", cfg), ("is_causal", layer_cfg), ("dflash_config", cfg)):
-            if name in source:
-                raise PackError(f"{where}: {name} is not read by speculators (its block mask follows "
-                                "layer_types and sliding_window_non_causal); remove it")
-        flag = cfg.get("sliding_window_non_causal", False)
-        if not isinstance(flag, bool):
-            raise PackError(f"{where}: sliding_window_non_causal {flag!r} must be true or false")
-        return [w is not None and not flag for w in windows]
-
-    def unstated_sample_from_anchor(self, ckpt: Checkpoint, where: str) -> bool:
-        raise PackError(f"{where}: neither sample_from_anchor nor speculators_config speculative_tokens is given "
-                        "(speculators reads a missing sample_from_anchor as true, vLLM as false)")
-
-
-# the one place a draft architecture (monolith.checkpoint.config) meets its format
-DRAFT_FORMATS = {DSPARK: DeepSpecFormat(), DSPARK_SPECULATORS: SpeculatorsFormat(), DFLASH: DraftFormat()}
 
 
 def _check_nested(ckpt: Checkpoint, cfg: dict) -> None:
@@ -141,7 +47,7 @@ def _check_nested(ckpt: Checkpoint, cfg: dict) -> None:
         if unknown:
             raise PackError(f"{_where(ckpt)}: {nest}.{unknown[0]} is not supported (supported {nest} fields: "
                             f"{', '.join(NESTED_FIELDS)})")
-    if _get(cfg, "use_aux_hidden_state", *NESTS) is False:
+    if config_field(cfg, "use_aux_hidden_state") is False:
         raise PackError(f"{_where(ckpt)}: use_aux_hidden_state false (a draft without target features) "
                         "is not supported")
     if cfg.get("logit_scale") not in (None, 1, 1.0):
@@ -154,7 +60,7 @@ def _input_embedding_scale(ckpt: Checkpoint, cfg: dict) -> float:
     """DFlash's `input_embedding_scale`: the block's input embeddings (anchor and mask
     rows) are multiplied by it before the first layer (z-lab DFlash2 and vLLM's plugin
     for it); 1 when absent."""
-    scale = _get(cfg, "input_embedding_scale", *NESTS)
+    scale = config_field(cfg, "input_embedding_scale")
     if scale is None:
         return 1.0
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -214,7 +120,7 @@ def _sample_from_anchor(ckpt: Checkpoint, fmt: DraftFormat, cfg: dict, block_siz
     (DraftFormat.unstated_sample_from_anchor)."""
     where = _where(ckpt)
     stated = {}
-    value = _get(cfg, "sample_from_anchor", *NESTS)
+    value = config_field(cfg, "sample_from_anchor")
     if value is not None:
         stated[f"sample_from_anchor {value}"] = value
     if cfg.get("dspark_bonus_anchor") is not None:
@@ -243,22 +149,19 @@ def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
     heads = ["markov_head.markov_w1", "confidence_head.proj", *HEAD_PROJECTIONS.values()]
     modules = {name: ckpt.module(name) for name in heads if ckpt.has_module(name)}  # only these are checked here
 
-    def field(name):
-        return _get(cfg, name, *NESTS)
-
     w1 = modules.get("markov_head.markov_w1")
     rank = 0 if w1 is None else int(w1.shape[1])
-    stated = field("markov_rank")
+    stated = config_field(cfg, "markov_rank")
     if stated is not None and int(stated) != rank:
         has = f"markov_head.markov_w1.weight has rank {rank}" if w1 else "there is no markov_head.markov_w1.weight"
         raise PackError(f"{where}: markov_rank {stated} but {has}")
-    head_type = field("markov_head_type") or "vanilla"
+    head_type = config_field(cfg, "markov_head_type") or "vanilla"
     for kind, module in HEAD_PROJECTIONS.items():
         if (module in modules) != (rank > 0 and head_type == kind):
             raise PackError(f"{where}: markov_head_type {head_type!r} (markov rank {rank}) contradicts "
                             f"{module}.weight being {'present' if module in modules else 'absent'}")
     proj = modules.get("confidence_head.proj")
-    enabled = field("enable_confidence_head")
+    enabled = config_field(cfg, "enable_confidence_head")
     if enabled is not None and bool(enabled) != (proj is not None):
         raise PackError(f"{where}: enable_confidence_head {enabled} but confidence_head.proj.weight is "
                         f"{'present' if proj else 'absent'}")
@@ -269,7 +172,7 @@ def _heads(ckpt: Checkpoint, cfg: dict, hidden: int) -> dict:
             raise PackError(f"{where}: confidence_head.proj.weight has {width} columns, neither hidden_size "
                             f"{hidden} nor hidden_size + markov rank {hidden + rank}")
         with_markov = rank > 0 and width == hidden + rank
-        stated = field("confidence_head_with_markov")
+        stated = config_field(cfg, "confidence_head_with_markov")
         if stated is not None and bool(stated) != with_markov:
             raise PackError(f"{where}: confidence_head_with_markov {stated} but confidence_head.proj.weight has "
                             f"{width} columns (hidden_size {hidden}, markov rank {rank})")
@@ -285,7 +188,7 @@ def draft_settings(ckpt: Checkpoint) -> dict:
     layer_cfg = fmt.layer_config(cfg)
     if not taps:
         raise PackError(f"{where}: draft has no target_layer_ids")
-    settings = {"block_size": _get(cfg, "block_size", *NESTS), "mask_token_id": _get(cfg, "mask_token_id", *NESTS)}
+    settings = {field: config_field(cfg, field) for field in ("block_size", "mask_token_id")}
     for field in ("block_size", "mask_token_id"):
         if settings[field] is None:
             raise PackError(f"{where}: draft config has no {field} (top level or dflash_config)")

@@ -193,24 +193,19 @@ def write_draft(
     save_pretrained writes: no lm_head, d2t or t2d, and `auto_map` naming config.py, its
     config module, written beside config.json with code that fails loudly if anything
     runs it (a checkpoint's code is never run)."""
-    _check_choice("draft format", format, DRAFT_FORMATS)
-    _check_choice("markov_head_type", markov_head_type, MARKOV_HEAD_TYPES)
-    if full_vocab and format != "speculators":
-        raise ValueError(f"full_vocab is a speculators option; draft format {format!r} has no draft_vocab_size")
+    _check_options(format, markov_head_type, full_vocab)
     seed = check_seed(seed)
     target = Path(target_dir)
     target_cfg = _target_config(target)
     tc = target_cfg.get("text_config", target_cfg)
-    s = sizes or draft_sizes(tc)
     h, vocab = tc["hidden_size"], tc["vocab_size"]
+    s = sizes or draft_sizes(tc)
     if full_vocab:
         s = replace(s, draft_vocab_size=vocab)
     mask_id = _mask_id(s, tc)
     copies = {} if skeleton else _frozen_copies(target, (vocab, h))
     heads = head_params(h, vocab, s, markov_head_type) if format != "dflash" else []
-    rows = None
-    if format == "speculators":
-        rows = draft_vocab(vocab, s.draft_vocab_size)
+    rows = draft_vocab(vocab, s.draft_vocab_size) if format == "speculators" else None
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,6 +225,13 @@ def write_draft(
     _write_config_module(out, full_vocab)
     _write_tokenizer_files(out, format)
     return out
+
+
+def _check_options(format: str, markov_head_type: str, full_vocab: bool) -> None:
+    _check_choice("draft format", format, DRAFT_FORMATS)
+    _check_choice("markov_head_type", markov_head_type, MARKOV_HEAD_TYPES)
+    if full_vocab and format != "speculators":
+        raise ValueError(f"full_vocab is a speculators option; draft format {format!r} has no draft_vocab_size")
 
 
 def _check_choice(label: str, value: str, known: tuple[str, ...]) -> None:
