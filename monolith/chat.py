@@ -42,7 +42,7 @@ from .runtime.events import (
 )
 from .runtime.prompt_cache import layout_of
 from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
-from .sampling import SamplingParams
+from .sampling import SamplingParams, add_sampling_arguments
 
 HELP = ("commands: /reset  /system TEXT  /stats  /think on|off  /save FILE  /load FILE  /quit   "
         "(Ctrl-C stops a reply, Ctrl-D leaves)")
@@ -54,11 +54,7 @@ def build_parser() -> ArgumentParser:
     add_model_arguments(ap)
     ap.add_argument("--system", help="system prompt")
     ap.add_argument("--max-tokens", type=int, default=2048, help="per reply (default 2048)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int)
+    add_sampling_arguments(ap)
     ap.add_argument("--no-thinking", action="store_true", help="render the template with enable_thinking=false")
     add_distributed_arguments(ap)
     return ap
@@ -103,7 +99,7 @@ class Chat:
         self.engine = engine
         self.name = name or engine.tokenizer.path.name
         self.out = out or sys.stdout
-        self.params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+        self.params = SamplingParams.from_args(args)
         self.max_tokens = args.max_tokens
         self.template_kwargs = {"enable_thinking": False} if args.no_thinking else {}
         self.session = engine.new_session()
@@ -351,7 +347,7 @@ def main(argv=None) -> int:
         plan = plan_model(args)
         if args.max_tokens < 1:
             raise SetupError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-        SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+        SamplingParams.from_args(args)
     except (SetupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ from .engine_setup import (
     resolve_sources,
 )
 from .runtime.events import ContextLengthError, Finished, GenerationRequest
-from .sampling import SamplingParams
+from .sampling import SamplingParams, add_sampling_arguments
 from .tokenizer import load_tokenizer
 
 
@@ -36,11 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     prompt.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--min-p", type=float, default=0.0)
-    ap.add_argument("--seed", type=int)
+    add_sampling_arguments(ap)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_distributed_arguments(ap)
     return ap
@@ -74,7 +70,7 @@ def run(args: argparse.Namespace, load=load_target, stdout=None, stderr=None, lo
 
 def _run(args, load, load_draft, stdout, stderr) -> int:
     plan = plan_model(args)
-    params = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+    params = SamplingParams.from_args(args)
     if args.max_tokens < 1:
         raise SetupError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None

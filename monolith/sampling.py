@@ -59,6 +59,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @classmethod
+    def from_args(cls, args) -> SamplingParams:
+        """From the flags add_sampling_arguments added (chat, generate)."""
+        return cls(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
+
+
+def add_sampling_arguments(parser) -> None:
+    """The sampling flags of the command-line faces that sample (chat, generate)."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+
 
 def _check_real(name, value, want, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
