@@ -432,10 +432,11 @@ def test_bodies_ship_in_the_wheel_and_load_from_an_install(tmp_path):
     py = venv / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
                    check=True, capture_output=True)
-    # source.py is standard library only: load it from the installed package by path
+    # source.py and data_files.py are standard library only: load source.py from the installed
+    # package by path, under its own name (not through monolith.kernels, which needs MLX)
     script = ("import importlib.util, pathlib, sysconfig\n"
               "path = pathlib.Path(sysconfig.get_path('purelib')) / 'monolith' / 'kernels' / 'source.py'\n"
-              "spec = importlib.util.spec_from_file_location('source', path)\n"
+              "spec = importlib.util.spec_from_file_location('monolith.kernels.source', path)\n"
               "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
               "import sys\n"
               "for name in sys.argv[1:]:\n"

@@ -1,6 +1,7 @@
 """The dependency direction: formats <- checkpoint <- pack <- models <-
 runtime <- engine_setup <- serving, distributed <- the command-line faces, and the agent
-launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves. No
+launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves (over
+data_files, where the files shipped beside the code are found). No
 module imports from a higher layer, not even late inside a function, and module imports
 form no loop."""
 
@@ -14,15 +15,16 @@ import monolith
 ROOT = Path(monolith.__file__).parent
 # every top-level package or module of monolith, by layer: an import may only go down
 LAYERS = {
-    "formats": 0, "kernels": 0, "sampling": 0, "tokenizer": 0, "cli": 0, "agents": 0,
-    "checkpoint": 1, "synth": 1,
-    "pack": 2,
-    "models": 3,
-    "runtime": 4,
-    "engine_setup": 5,
-    "serving": 6, "distributed": 6,
-    "generate": 7, "serve": 7, "chat": 7,
-    "launch": 8,  # runs serve
+    "data_files": 0,
+    "formats": 1, "kernels": 1, "sampling": 1, "tokenizer": 1, "cli": 1, "agents": 1,
+    "checkpoint": 2, "synth": 2,
+    "pack": 3,
+    "models": 4,
+    "runtime": 5,
+    "engine_setup": 6,
+    "serving": 7, "distributed": 7,
+    "generate": 8, "serve": 8, "chat": 8,
+    "launch": 9,  # runs serve
 }
 
 

@@ -21,15 +21,14 @@ server of random weights.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import shutil
-import sysconfig
 import time
 from pathlib import Path
 
 from filelock import FileLock
 
+from ..data_files import candidates
 from .cache import resolve_pack
 from .manifest import MANIFEST, lock_path, read_manifest
 
@@ -38,32 +37,15 @@ BUNDLE_FORMAT = "monolith-demo-bundle/1"
 EXPECTED = "expected.json"
 # role -> pack quantization: what serve and chat resolve the pair with by default
 DEMO_PACKS = {"target": "auto", "draft": "auto"}
-DATA_SUBDIR = ("share", "monolith", "packs", "demo")
 
 
 class DemoError(RuntimeError):
     """The bundled demo pair is missing, or does not build into the recorded packs."""
 
 
-def _installed_dir() -> Path | None:
-    try:
-        dist = importlib.metadata.distribution("monolith")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for entry in dist.files or ():
-        if entry.parts[-5:] == (*DATA_SUBDIR, EXPECTED):
-            return Path(dist.locate_file(entry)).resolve().parent
-    return None
-
-
 def search_paths() -> list[Path]:
     """Where the bundle is looked for, in order: the checkout, then the installed data files."""
-    paths = [Path(__file__).resolve().parents[2] / "packs" / "demo"]
-    installed = _installed_dir()
-    if installed is not None:
-        paths.append(installed)
-    paths.append(Path(sysconfig.get_path("data")).joinpath(*DATA_SUBDIR))
-    return list(dict.fromkeys(paths))
+    return [path.parent for path in candidates("packs", "demo", EXPECTED)]
 
 
 def bundle_dir() -> Path:
