@@ -289,7 +289,7 @@ class Engine:
         self._thread.join(timeout)
         store = getattr(self.prompt_cache, "store", None)
         if store is not None:
-            store.close()  # the checkpoints queued for the disk are written
+            store.close()  # the saved states queued for the disk are written
 
     # ---------------------------------------------------------------- worker
 
