@@ -11,8 +11,9 @@ import threading
 import pytest
 
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
-from monolith.runtime.engine import Engine, QueueFull
+from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
+from monolith.runtime.jobs import QueueFull
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams
