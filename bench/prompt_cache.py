@@ -12,14 +12,14 @@ Runs (each a fresh server on the bundled demo pair, or --model / --draft):
 - warm: the default prompt cache, plain and speculative (--spec-sched fixed: always
   drafts); TTFT, tokens prefilled (prompt_tokens - cached_tokens) against the new tokens
   (the prompt beyond its longest common prefix with any earlier prompt), hit rate,
-  /metrics (bytes held, checkpoints, evictions) scraped through every request.
+  /metrics (bytes held, saved states, evictions) scraped through every request.
 - restart: a server with --prompt-cache-dir D replays the workload and stops; a new one
   on D answers a new conversation C (same system prompt) first, then A's next turn.
 - memory: A, B and C replayed on a server with a small --prompt-cache-size; the bytes
   held must stay within it at every scrape.
-- sweep: per --checkpoint-every interval, the cold prefill of A1's prompt (its
-  checkpointing overhead against interval 0), the bytes held, and the worst case: a
-  prompt that leaves A1's one token before a checkpoint (tokens re-prefilled).
+- sweep: per --save-every interval, the cold prefill of A1's prompt (the overhead of
+  its saves against interval 0), the bytes held, and the worst case: a prompt that
+  leaves A1's one token before a saved state (tokens re-prefilled).
 - mlx-lm: mlx_lm.server on the same workload (the demo target dequantized to F32,
   bench/mlx_lm_checkpoint.py), its cached_tokens and prompt tokens processed per turn.
 Every turn's text and tool calls are compared with the cold (plain) server's, the
@@ -30,7 +30,7 @@ shared cores) an 8K prefill takes 25-40 s and the default run about 27 minutes, 
 it the cold run's 22 full prefills; --turns, --runs and --system-tokens shorten it.
 
     python -m bench.prompt_cache [--model M --draft D] [--turns 10] [--system-tokens 8192]
-        [--max-tokens 32] [--variants plain,spec] [--checkpoint-every 0,256,512,2048]
+        [--max-tokens 32] [--variants plain,spec] [--save-every 0,256,512,2048]
         [--runs cold,warm,restart,memory,sweep,mlx-lm] [--json PATH]
 """
 
@@ -58,7 +58,7 @@ from bench.http_replay import Server, ServerFailed, chat
 RESULTS = ROOT / "bench" / "results" / "prompt_cache.json"
 RUNS = ("cold", "warm", "restart", "memory", "sweep", "mlx-lm")
 CACHE_METRICS = {"bytes": "monolith_prompt_cache_bytes", "budget": "monolith_prompt_cache_budget_bytes",
-                 "checkpoints": "monolith_prompt_cache_checkpoints", "hits": "monolith_prompt_cache_hits_total",
+                 "saved_states": "monolith_prompt_cache_saved_states", "hits": "monolith_prompt_cache_hits_total",
                  "misses": "monolith_prompt_cache_misses_total",
                  "evictions": "monolith_prompt_cache_evictions_total",
                  "disk_bytes": "monolith_prompt_cache_disk_bytes", "disk_files": "monolith_prompt_cache_disk_files",
@@ -70,18 +70,20 @@ MLX_CACHE = re.compile(r"Prompt Cache: (\d+) sequences, ([0-9.]+) GB")
 
 
 def serve_flags() -> set[str]:
-    """The long options `python -m monolith.serve` accepts (read from its parser: older
-    servers lack the prompt-cache flags)."""
+    """The long options `python -m monolith.serve` offers (read from its parser: older
+    servers lack the prompt-cache flags; deprecated aliases, hidden from --help, are left
+    out)."""
     from monolith.serve import build_parser
 
-    return {flag for flag in build_parser()._option_string_actions if flag.startswith("--")}
+    return {flag for flag, action in build_parser()._option_string_actions.items()
+            if flag.startswith("--") and action.help != argparse.SUPPRESS}
 
 
-INTERVAL = re.compile(r"prompt cache: .*checkpoints at message ends(?: and every (\d+) tokens)?")
+INTERVAL = re.compile(r"prompt cache: .*states saved at message ends(?: and every (\d+) tokens)?")
 
 
 def logged_interval(log: str) -> int | None:
-    """The prefill checkpoint interval a monolith server says it uses (0: message ends only)."""
+    """The interval between saved states a monolith server says it uses (0: message ends only)."""
     found = INTERVAL.search(log)
     return None if found is None else int(found.group(1) or 0)
 
@@ -187,8 +189,8 @@ class Bench:
                 "startup_s": server.started_seconds, "interval": logged_interval(server.log_text())}
 
     def interval_flags(self) -> list[str]:
-        if self.args.interval is not None and self.has("--prompt-cache-checkpoint-every"):
-            return ["--prompt-cache-checkpoint-every", str(self.args.interval)]
+        if self.args.interval is not None and self.has("--prompt-cache-save-every"):
+            return ["--prompt-cache-save-every", str(self.args.interval)]
         return []
 
     def restart(self) -> dict:
@@ -225,29 +227,29 @@ class Bench:
                 "interval": logged_interval(server.log_text())}
 
     def sweep(self, ids: list[int]) -> list[dict]:
-        if not self.has("--prompt-cache-checkpoint-every"):
-            return [{"skipped": "this server has no --prompt-cache-checkpoint-every"}]
+        if not self.has("--prompt-cache-save-every"):
+            return [{"skipped": "this server has no --prompt-cache-save-every"}]
         other = self.tok.encode(" Unrelated: summarize the release notes of version 2.4 in three bullet points.",
                                 add_special_tokens=False)
         rows = []
-        for every in self.args.checkpoint_every:
-            server = self.monolith("plain", "--prompt-cache-checkpoint-every", str(every))
+        for every in self.args.save_every:
+            server = self.monolith("plain", "--prompt-cache-save-every", str(every))
             with server, httpx.Client(timeout=3600) as client:
                 first = _complete(client, server.url, ids)
                 after_first = _cache_metrics(server.scrape())
-                # leave A1's prompt one token before a checkpoint: the worst case
+                # leave A1's prompt one token before a saved state: the worst case
                 q = (len(ids) - 1) // every * every - 1 if every else len(ids) - 2
                 q = q if q > 0 else len(ids) - 2
                 second = _complete(client, server.url, ids[:q] + other)
             cached = second["cached_tokens"]
-            rows.append({"checkpoint_every": every, "cold_prefill_s": first["seconds"],
-                         "prompt_tokens": len(ids), "checkpoints": after_first.get("checkpoints"),
+            rows.append({"save_every": every, "cold_prefill_s": first["seconds"],
+                         "prompt_tokens": len(ids), "saved_states": after_first.get("saved_states"),
                          "bytes": after_first.get("bytes"), "diverge_at": q, "second_cached": cached,
                          "second_prefill_s": second["seconds"],
                          "extra_prefilled": None if cached is None else q - cached})
-            print(f"  every {every}: cold prefill {first['seconds']:.2f} s, {after_first.get('checkpoints')} "
-                  f"checkpoints, {after_first.get('bytes')} bytes; diverging at {q}: {cached} cached", flush=True)
-        base = next((r["cold_prefill_s"] for r in rows if r["checkpoint_every"] == 0), None)
+            print(f"  every {every}: cold prefill {first['seconds']:.2f} s, {after_first.get('saved_states')} "
+                  f"saved states, {after_first.get('bytes')} bytes; diverging at {q}: {cached} cached", flush=True)
+        base = next((r["cold_prefill_s"] for r in rows if r["save_every"] == 0), None)
         for r in rows:
             r["overhead_vs_0"] = None if base is None else r["cold_prefill_s"] / base - 1
         return rows
@@ -429,7 +431,7 @@ def _mib(value) -> str:
 def print_report(report: dict) -> None:
     st = report["settings"]
     print(f"\n{st['model']}: system prompt {st['system_tokens']} tokens with {st['tools']} tools, {st['turns']} turns "
-          f"per conversation, max_tokens {st['max_tokens']}, checkpoint interval {st['checkpoint_every_used']}\n")
+          f"per conversation, max_tokens {st['max_tokens']}, save interval {st['save_every_used']}\n")
     cold = report.get("cold", {}).get("turns", [])
     runs = {f"warm {v}": r["turns"] for v, r in report.get("warm", {}).items()}
     if report.get("restart", {}).get("turns"):
@@ -438,7 +440,7 @@ def print_report(report: dict) -> None:
         print("\n".join(turn_table("TTFT and tokens prefilled per turn", cold, runs)))
     elif cold:
         print("\n".join(turn_table("cold", cold, {"cold": cold})))
-    print("### hit rate and memory\n\n| run | requests hit | token hit rate | peak held | budget | checkpoints "
+    print("### hit rate and memory\n\n| run | requests hit | token hit rate | peak held | budget | saved states "
           "(end) | evictions (end) |\n|---|---|---|---|---|---|---|")
     for name, run in [("cold", report.get("cold", {}))] + [(f"warm {v}", r) for v, r in
                                                              report.get("warm", {}).items()] + \
@@ -449,16 +451,16 @@ def print_report(report: dict) -> None:
             end = (run.get("after_restart") or run["turns"])[-1].get("metrics", {})
             print(f"| {name} | {h['requests_hit']}/{h['requests']} | {rate} | "
                   f"{_mib(run.get('peak', run.get('peak_first')))} | {_mib(end.get('budget'))} | "
-                  f"{end.get('checkpoints', '-')} | {end.get('evictions', '-')} |")
+                  f"{end.get('saved_states', '-')} | {end.get('evictions', '-')} |")
     if report.get("sweep"):
-        print("\n### checkpoint interval\n\n| every | cold prefill s | overhead vs 0 | checkpoints | bytes | "
+        print("\n### save interval\n\n| every | cold prefill s | overhead vs 0 | saved states | bytes | "
               "worst-case extra prefilled |\n|---|---|---|---|---|---|")
         for r in report["sweep"]:
             if "skipped" in r:
                 print(f"| skipped: {r['skipped']} |")
                 continue
             overhead = "-" if r["overhead_vs_0"] is None else f"{r['overhead_vs_0']:+.1%}"
-            print(f"| {r['checkpoint_every']} | {r['cold_prefill_s']:.2f} | {overhead} | {r['checkpoints']} | "
+            print(f"| {r['save_every']} | {r['cold_prefill_s']:.2f} | {overhead} | {r['saved_states']} | "
                   f"{_mib(r['bytes'])} | {r['extra_prefilled']} |")
     mlx = report.get("mlx_lm")
     if mlx and mlx.get("turns"):
@@ -486,10 +488,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--variants", default="plain,spec", help="warm runs: plain and/or spec (default both)")
     ap.add_argument("--no-draft", action="store_true", help="plain only (same as --variants plain)")
-    ap.add_argument("--interval", type=int, help="--prompt-cache-checkpoint-every of the warm, restart and "
+    ap.add_argument("--interval", type=int, help="--prompt-cache-save-every of the warm, restart and "
                                                  "memory runs (default: the server's)")
-    ap.add_argument("--checkpoint-every", default="0,256,512,2048", help="intervals the sweep measures "
-                                                                          "(default 0,256,512,2048)")
+    ap.add_argument("--save-every", default="0,256,512,2048", help="intervals the sweep measures "
+                                                                    "(default 0,256,512,2048)")
     ap.add_argument("--memory-budget", type=int, help="--prompt-cache-size of the memory run "
                                                       "(default: --memory-share of the warm run's peak)")
     ap.add_argument("--memory-share", type=float, default=0.5)
@@ -500,7 +502,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
-    args.checkpoint_every = [int(x) for x in args.checkpoint_every.split(",") if x.strip()]
+    args.save_every = [int(x) for x in args.save_every.split(",") if x.strip()]
     variants = ["plain"] if args.no_draft else [v for v in args.variants.split(",") if v]
     runs = [r for r in args.runs.split(",") if r]
     for name in [v for v in variants if v not in ("plain", "spec")] + [r for r in runs if r not in RUNS]:
@@ -553,7 +555,7 @@ def main(argv=None) -> int:
             peak = report.get("warm", {}).get("plain", {}).get("peak")
             report["memory"] = bench.memory(peak)
         if "sweep" in runs:
-            print("checkpoint interval sweep (plain)", flush=True)
+            print("save interval sweep (plain)", flush=True)
             first = Conversation("A", system).next_request()
             report["sweep"] = bench.sweep(tok.encode_chat(first, TOOLS, add_generation_prompt=True))
         if "mlx-lm" in runs:
@@ -562,7 +564,7 @@ def main(argv=None) -> int:
     for run in [report.get("cold"), *report.get("warm", {}).values(), report.get("restart"), report.get("memory")]:
         if run and run.get("turns"):
             run["hit_rate"] = hit_rate(run["turns"] + run.get("after_restart", []))
-    report["settings"]["checkpoint_every_used"] = next(
+    report["settings"]["save_every_used"] = next(
         (r["interval"] for r in [*report.get("warm", {}).values(), report.get("restart", {})] if r.get("interval")
          is not None), args.interval)
     report["goals"] = goals(report)

@@ -33,8 +33,8 @@ from .runtime.prompt_cache import (
     DEFAULT_MEMORY_SHARE,
     PromptCache,
     available_memory,
-    checkpoint_interval,
     default_budget,
+    save_interval,
 )
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
 from .runtime.rounds import check_gamma
@@ -93,14 +93,16 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation after loading")
     cache = ap.add_argument_group("prompt cache (prefixes of earlier requests, reused exactly)")
     cache.add_argument("--prompt-cache-size", type=byte_size, metavar="BYTES",
-                       help="memory for checkpoints, e.g. 4G; 0 turns the cache off (default "
+                       help="memory for saved states, e.g. 4G; 0 turns the cache off (default "
                             f"{DEFAULT_MEMORY_SHARE:.0%}% of the memory free after loading)")
-    cache.add_argument("--prompt-cache-checkpoint-every", type=int, metavar="N",
-                       help="also checkpoint every N prompt tokens while prefilling, besides each message's end "
-                            "and the prompt's (default: the fewest tokens, a multiple of --prefill-chunk-size, "
-                            "whose KV takes the bytes of one checkpoint's recurrent states; 0: only those)")
+    cache.add_argument("--prompt-cache-save-every", type=int, metavar="N",
+                       help="also save the state every N prompt tokens while prefilling, besides at each message's "
+                            "end and the prompt's (default: the fewest tokens, a multiple of --prefill-chunk-size, "
+                            "whose KV takes the bytes of one saved state's recurrent states; 0: only those)")
+    cache.add_argument("--prompt-cache-checkpoint-every", dest="prompt_cache_save_every", type=int,
+                       help=argparse.SUPPRESS)  # the deprecated name of --prompt-cache-save-every
     cache.add_argument("--prompt-cache-dir", metavar="DIR",
-                       help="keep checkpoints in DIR across restarts (default: in memory only)")
+                       help="keep saved states in DIR across restarts (default: in memory only)")
     cache.add_argument("--prompt-cache-dir-size", type=byte_size, default=DEFAULT_DIR_BYTES, metavar="BYTES",
                        help=f"most bytes the --prompt-cache-dir files take (default {DEFAULT_DIR_BYTES >> 30}G)")
 
@@ -120,7 +122,7 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
     for flag, value, least in (("--max-context", args.max_context, 2),
                                ("--prefill-chunk-size", args.prefill_chunk_size, 1),
                                ("--draft-block-size", args.draft_block_size, 1),
-                               ("--prompt-cache-checkpoint-every", args.prompt_cache_checkpoint_every, 0),
+                               ("--prompt-cache-save-every", args.prompt_cache_save_every, 0),
                                ("--prompt-cache-dir-size", args.prompt_cache_dir_size, 1)):
         if value is not None and value < least:
             raise SetupError(f"{flag} must be at least {least}, got {value}")
@@ -344,10 +346,10 @@ def prompt_cache(args, model, drafter, log, by_default: bool = True, reserved: i
             store = PromptStore(args.prompt_cache_dir, args.prompt_cache_dir_size, identity(model, drafter))
         except OSError as e:
             raise SetupError(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}") from None
-    every = args.prompt_cache_checkpoint_every
+    every = args.prompt_cache_save_every
     if every is None:
-        every = checkpoint_interval(model, drafter, args.prefill_chunk_size)
-    log(f"prompt cache: {budget / 2**30:.2f} GiB, checkpoints at message ends"
+        every = save_interval(model, drafter, args.prefill_chunk_size)
+    log(f"prompt cache: {budget / 2**30:.2f} GiB, states saved at message ends"
         + (f" and every {every} tokens" if every else "")
         + (f", kept in {store.directory} ({store.files} files, {store.nbytes / 2**30:.2f} of "
            f"{store.max_bytes / 2**30:.2f} GiB)" if store is not None else ""))

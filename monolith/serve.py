@@ -63,51 +63,65 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         plan = plan_model(args)
-        if not 0 <= args.port <= 65535:
-            raise SetupError(f"--port must be in [0, 65535], got {args.port}")
-        for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
-                            ("--max-request-bytes", args.max_request_bytes),
-                            ("--response-store-size", args.response_store_size),
-                            ("--response-store-bytes", args.response_store_bytes)):
-            if value < 1:
-                raise SetupError(f"{flag} must be at least 1, got {value}")
-        if not args.queue_timeout > 0:
-            raise SetupError(f"--queue-timeout must be positive, got {args.queue_timeout}")
-        for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
-            if not value > 0:
-                raise SetupError(f"{flag} must be positive, got {value}")
-        if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
-            raise SetupError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
-        if args.api_key is not None and not args.api_key.strip():
-            raise SetupError("--api-key is empty: an empty key would turn authentication off; give a key, "
-                             "or leave the flag out (and MONOLITH_API_KEY unset) to serve without one")
+        check_server_options(args)
     except SetupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
+        return _failed(e)
     if args.distributed and rank_of(args) != 0:  # a stage only: rank 0 serves
         try:
             return join(args, plan, to_stderr).serve()
         except SetupError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            return _failed(e)
+    return serve(args, plan)
 
+
+def check_server_options(args) -> None:
+    """Check the server's own flags (the model flags are plan_model's): SetupError with
+    one line."""
+    if not 0 <= args.port <= 65535:
+        raise SetupError(f"--port must be in [0, 65535], got {args.port}")
+    for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
+                        ("--max-request-bytes", args.max_request_bytes),
+                        ("--response-store-size", args.response_store_size),
+                        ("--response-store-bytes", args.response_store_bytes)):
+        if value < 1:
+            raise SetupError(f"{flag} must be at least 1, got {value}")
+    if not args.queue_timeout > 0:
+        raise SetupError(f"--queue-timeout must be positive, got {args.queue_timeout}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise SetupError(f"{flag} must be positive, got {value}")
+    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
+        raise SetupError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SetupError("--api-key is empty: an empty key would turn authentication off; give a key, "
+                         "or leave the flag out (and MONOLITH_API_KEY unset) to serve without one")
+
+
+def server_config(args, plan):
+    """The app's serving.app.ServerConfig from the flags (and $MONOLITH_API_KEY)."""
+    from .serving.app import ServerConfig
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
+    return ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
+                        max_tokens_limit=args.max_tokens_limit, loopback_only=_loopback_address(args.host),
+                        allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout,
+                        response_store_size=args.response_store_size,
+                        response_store_bytes=args.response_store_bytes,
+                        response_store_dir=None if args.prompt_cache_dir is None
+                        else str(Path(args.prompt_cache_dir) / "responses"))
+
+
+def serve(args, plan) -> int:
+    """Serve HTTP until stopped, loading the model in the background (with --distributed,
+    as rank 0: joining the other ranks first); the exit status."""
     import uvicorn
 
-    from .serving.app import ServerConfig, create_app
+    from .serving.app import create_app
     from .serving.timeouts import timed_h11
 
     level = logging.DEBUG if args.log_level == "trace" else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s:     %(message)s", stream=sys.stderr)
     log = logging.getLogger("monolith.serve")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
-    config = ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
-                          max_tokens_limit=args.max_tokens_limit, loopback_only=_loopback_address(args.host),
-                          allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout,
-                          response_store_size=args.response_store_size,
-                          response_store_bytes=args.response_store_bytes,
-                          response_store_dir=None if args.prompt_cache_dir is None
-                          else str(Path(args.prompt_cache_dir) / "responses"))
     failures: list[Exception] = []
     server: uvicorn.Server | None = None
 
@@ -125,10 +139,9 @@ def main(argv=None) -> int:
                            sources=ranks[0].sources, load=ranks[0].target)
 
     try:
-        app = create_app(load, config, on_load_failure)
+        app = create_app(load, server_config(args, plan), on_load_failure)
     except OSError as e:  # the stored responses' directory
-        print(f"error: --prompt-cache-dir {args.prompt_cache_dir}: {e}", file=sys.stderr)
-        return 1
+        return _failed(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10, http=timed_h11(args.header_timeout)))
     log.info("loading %s in the background; /health answers 503 until it is ready", plan.name)
@@ -140,9 +153,14 @@ def main(argv=None) -> int:
         for rank in ranks:
             rank.close()
     if failures:
-        print(f"error: {failures[0]}".replace("\n", " "), file=sys.stderr)
-        return 1
+        return _failed(str(failures[0]).replace("\n", " "))
     return 0 if server.started else 1
+
+
+def _failed(error) -> int:
+    """Say `error` on stderr as one "error: ..." line; exit status 1."""
+    print(f"error: {error}", file=sys.stderr)
+    return 1
 
 
 def _loopback_address(host: str) -> bool:

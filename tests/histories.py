@@ -14,7 +14,7 @@ case's asks in order to one long-lived server and hands each reply back
 - shared: two conversations with the same opening, their turns interleaved;
 - again: a prompt sent before, sent again after other requests;
 - cut: a conversation's prompt stopped inside a message, at a random token (inside a
-  checkpoint interval as often as not), sent as raw ids.
+  save interval as often as not), sent as raw ids.
 
 Everything is drawn from one `random.Random`, so a seed names a fixed sample.
 """
@@ -73,7 +73,7 @@ class Case:
 class Histories:
     """Cases drawn from `rng`; `encode(messages, tools)` renders a conversation into ids
     (the model's tokenizer and chat template) for the cut kind; `every` is the prompt
-    cache's checkpoint interval (a cut lands inside one)."""
+    cache's save interval (a cut lands inside one)."""
 
     KINDS = ("edited", "tools", "reasoning", "shared", "again", "cut")
 
@@ -166,7 +166,7 @@ class Histories:
             ids = self.encode(history + [assistant(reply), user(rng.choice(FOLLOW_UPS))], None)
             for _ in range(2):
                 end = rng.randrange(2, len(ids))
-                if rng.random() < 0.5 and end > self.every:  # inside a checkpoint interval, off its multiple
+                if rng.random() < 0.5 and end > self.every:  # inside a save interval, off its multiple
                     end = end - end % self.every + rng.randrange(1, self.every)
                 self._send(ask, Ask("cut", prompt=ids[:min(end, len(ids) - 1)]))
         return script

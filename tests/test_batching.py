@@ -11,8 +11,9 @@ import threading
 import pytest
 
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
-from monolith.runtime.engine import Engine, QueueFull
+from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
+from monolith.runtime.jobs import QueueFull
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams
@@ -237,7 +238,7 @@ def test_prompt_cache_serves_every_sequence_of_a_batch(demo, kind):
     system = tok.encode("You are a helpful assistant. " * 6)
     questions = [tok.encode(q) for q in (" What is 2+2?", " Name a colour.", " Say hello.")]
     want = [alone(model, tok, dec, tuple(system + q), 16)[0] for q in questions]
-    cache = PromptCache(64 << 20, checkpoint_every=16)
+    cache = PromptCache(64 << 20, save_every=16)
     engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3, prompt_cache=cache)
     try:
         engine.run_request(GenerationRequest(tuple(system), max_tokens=1))
@@ -246,7 +247,7 @@ def test_prompt_cache_serves_every_sequence_of_a_batch(demo, kind):
         engine.close()
     assert [f.token_ids for f in got] == want
     cached = sorted(f.usage.cached_tokens for f in got)
-    assert cached[0] >= 16 and cached[-1] <= len(system)  # at least one checkpoint of the system prompt each
+    assert cached[0] >= 16 and cached[-1] <= len(system)  # at least one saved state of the system prompt each
 
 
 def test_queue_limits_with_a_full_batch(demo):

@@ -79,7 +79,7 @@ def test_two_turns_prefill_only_the_new_tokens_and_commands(pack, tok):
     child.expect("> ")
     _, prompt3, cached3, _, _ = turn(child, "Hello there")
     # /reset forgets the conversation; the prompt cache still holds the first turn's
-    # checkpoints, the deepest one token before the prompt's end
+    # saved states, the deepest one token before the prompt's end
     first = tok.encode_chat([{"role": "user", "content": "Hello there"}])
     assert prompt3 == prompt1 and cached3 == len(first) - 1
 

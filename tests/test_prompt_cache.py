@@ -2,9 +2,9 @@
 trained DSpark draft): a warm run that resumes from the cache gives what a cold run on a
 fresh Session without a prompt cache gives, token for token (oracles.assert_same_greedy:
 float rounding may part them only at a near-tie), and resumes exactly where the
-checkpoint contract says (`Contract`: checkpoints at the multiples of N, the message
+saving contract says (`Contract`: states saved at the multiples of N, the message
 ends, the prompt's end and the request's end). Also: a cancelled prefill leaves only
-complete, exact checkpoints; checkpoints copy their KV rows; the /metrics series and
+complete, exact saved states; saved states copy their KV rows; the /metrics series and
 usage.prompt_tokens_details.cached_tokens agree with the cache's own numbers."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def run(decoder, session, prompt, boundaries=(), n=NEW, cancelled=lambda: False)
 
 
 class Contract:
-    """The checkpoints the prompt cache promises to hold (nothing evicted): of each
+    """The saved states the prompt cache promises to hold (nothing evicted): of each
     request's prompt, the prefixes ending at the multiples of `every`, at its message
     ends, one token before its end and at its end; and the request's whole sequence (prompt + output but the last
     token, which is never fed). A request resumes from the longest one it starts with
@@ -84,7 +84,7 @@ class Conversations:
         self.model, _, self.tok = loaded
         self.decoder, self.cache = decoder, cache
         self.session = Session(cache)
-        self.contract = Contract(cache.checkpoint_every)
+        self.contract = Contract(cache.save_every)
 
     def ask(self, messages, session=None, exact=True):
         prompt = self.tok.encode_chat(messages)
@@ -99,7 +99,7 @@ class Conversations:
         assert_same_state(session, cold_session)
         if exact:
             assert warm.cached_tokens == expected, (warm.cached_tokens, expected, boundaries)
-        else:  # an evicted checkpoint may leave less, never more
+        else:  # an evicted saved state may leave less, never more
             assert warm.cached_tokens <= expected
         self.contract.add(prompt, boundaries, warm.token_ids)
         return prompt, boundaries, warm
@@ -139,7 +139,7 @@ def user(text):
 
 
 def test_a_resumed_conversation_on_a_new_session(loaded, decoder):
-    talk = Conversations(loaded, decoder, PromptCache(BIG, checkpoint_every=0))
+    talk = Conversations(loaded, decoder, PromptCache(BIG, save_every=0))
     first = [system(), user(ASKS[0])]
     prompt1, _, out1 = talk.ask(first)
     assert out1.cached_tokens == 0
@@ -153,7 +153,7 @@ def test_a_resumed_conversation_on_a_new_session(loaded, decoder):
 
 
 def test_a_divergence_mid_message_resumes_at_the_message_end(loaded, decoder):
-    talk = Conversations(loaded, decoder, PromptCache(BIG, checkpoint_every=0))
+    talk = Conversations(loaded, decoder, PromptCache(BIG, save_every=0))
     prompt1, boundaries1, _ = talk.ask([system(), user(ASKS[1] + " Keep comments.")])
     prompt2, _, out2 = talk.ask([system(), user(ASKS[1] + " Drop comments.")], session=Session(talk.cache))
     shared = next(i for i, (a, b) in enumerate(zip(prompt1, prompt2)) if a != b)
@@ -161,18 +161,18 @@ def test_a_divergence_mid_message_resumes_at_the_message_end(loaded, decoder):
     assert out2.cached_tokens == boundaries1[0]  # the system message's end
 
 
-def test_a_divergence_inside_an_interval_resumes_at_its_checkpoint(loaded, decoder):
+def test_a_divergence_inside_an_interval_resumes_at_its_saved_state(loaded, decoder):
     every = 16
-    talk = Conversations(loaded, decoder, PromptCache(BIG, checkpoint_every=every))
+    talk = Conversations(loaded, decoder, PromptCache(BIG, save_every=every))
     prompt1, boundaries1, _ = talk.ask([system(), user(ASKS[1] + " Keep comments and type hints.")])
     prompt2, _, out2 = talk.ask([system(), user(ASKS[1] + " Keep comments, drop type hints.")])
     shared = next(i for i, (a, b) in enumerate(zip(prompt1, prompt2)) if a != b)
-    assert shared % every and shared // every * every > boundaries1[0]  # an interval checkpoint lies deepest
+    assert shared % every and shared // every * every > boundaries1[0]  # an interval's saved state lies deepest
     assert out2.cached_tokens == shared // every * every
 
 
 def test_interleaved_conversations_on_one_session(loaded, decoder):
-    talk = Conversations(loaded, decoder, PromptCache(BIG, checkpoint_every=32))
+    talk = Conversations(loaded, decoder, PromptCache(BIG, save_every=32))
     a = [system(), user(ASKS[0])]
     b = [system(), user(ASKS[1])]
     pa1, ends, oa1 = talk.ask(a)
@@ -187,11 +187,11 @@ def test_interleaved_conversations_on_one_session(loaded, decoder):
 
 
 def test_eviction_under_a_small_budget(loaded, decoder):
-    probe = PromptCache(BIG, checkpoint_every=32)
+    probe = PromptCache(BIG, save_every=32)
     Conversations(loaded, decoder, probe).ask([system(), user(ASKS[0])])
-    per_checkpoint = probe.nbytes // probe.checkpoints
-    budget = 3 * per_checkpoint  # a few checkpoints fit, not a conversation's
-    talk = Conversations(loaded, decoder, PromptCache(budget, checkpoint_every=32))
+    per_state = probe.nbytes // probe.saved_states
+    budget = 3 * per_state  # a few saved states fit, not a conversation's
+    talk = Conversations(loaded, decoder, PromptCache(budget, save_every=32))
     a, b = [system(), user(ASKS[0])], [system(), user(ASKS[1])]
     outs = {}
     for name, messages in [("a1", a), ("b1", b), ("a2", a), ("b2", b)]:
@@ -202,8 +202,8 @@ def test_eviction_under_a_small_budget(loaded, decoder):
     assert talk.cache.stats.evictions > 0
 
 
-def test_a_checkpoint_of_another_sequence_drops_the_live_points_it_overwrites(loaded, decoder):
-    """The live session holds X; a checkpoint of Y (which parts from X at d) is loaded and
+def test_a_saved_state_of_another_sequence_drops_the_live_points_it_overwrites(loaded, decoder):
+    """The live session holds X; a saved state of Y (which parts from X at d) is loaded and
     Y goes on past X's length; then Z = Y up to past X's end, then other tokens. X's
     restore points past d would look valid for Z's tokens (the session's tokens are Y's
     now) but hold X's recurrent states: Z must resume elsewhere and give the cold output."""
@@ -227,7 +227,7 @@ def test_a_checkpoint_of_another_sequence_drops_the_live_points_it_overwrites(lo
 # ------------------------------------------------------------------ cancellation
 
 
-def test_a_cancelled_prefill_leaves_only_complete_exact_checkpoints(loaded):
+def test_a_cancelled_prefill_leaves_only_complete_exact_saved_states(loaded):
     model, _, tok = loaded
     chunk, every = 16, 32
     decoder = PlainDecoder(model, MAX_CONTEXT, chunk)
@@ -237,7 +237,7 @@ def test_a_cancelled_prefill_leaves_only_complete_exact_checkpoints(loaded):
     assert stop_at + chunk < len(prompt)
 
     def cancelled_prefill():
-        cache = PromptCache(BIG, checkpoint_every=every)
+        cache = PromptCache(BIG, save_every=every)
         session = Session(cache)
         out = run(decoder, session, prompt, boundaries, cancelled=lambda: session.cache.offset >= stop_at)
         assert out.finish_reason == "abort" and out.token_ids == []
@@ -245,14 +245,14 @@ def test_a_cancelled_prefill_leaves_only_complete_exact_checkpoints(loaded):
         return cache, session, session.cache.offset
 
     cache, session, done = cancelled_prefill()
-    nodes = checkpoint_nodes(cache)
+    nodes = saved_nodes(cache)
     # the interval's multiples, the message ends, and where it stopped (a retry resumes there)
     assert sorted(n.end for n in nodes) == [p for p in range(1, done + 1)
                                             if p % every == 0 or p in boundaries or p == done]
     for node in nodes:
         assert node.prefix() == prompt[:node.end]
         assert_holds_a_cold_prefill(model, cache, node, chunk)
-    # a later request resumes correctly: on a new session from the deepest checkpoint, on the
+    # a later request resumes correctly: on a new session from the deepest saved state, on the
     # cancelled one from where its prefill stopped
     cold = run(decoder, Session(), prompt, boundaries)
     warm = run(decoder, Session(cache), prompt, boundaries)
@@ -279,14 +279,14 @@ def test_a_cancelled_speculative_prefill_stops_between_chunks(loaded):
     out = run(decoder, session, prompt, boundaries, cancelled=lambda: session.cache.offset >= stop_at)
     done = session.cache.offset
     assert out.finish_reason == "abort" and out.token_ids == [] and stop_at <= done < stop_at + chunk
-    assert max(n.end for n in checkpoint_nodes(cache)) <= done
+    assert max(n.end for n in saved_nodes(cache)) <= done
     warm, cold = run(decoder, session, prompt, boundaries), run(decoder, Session(), prompt, boundaries)
     assert warm.cached_tokens == done
     assert_same_greedy(model, prompt, warm.token_ids, cold.token_ids)
     assert warm.speculative.accepted_per_round == cold.speculative.accepted_per_round  # the draft's context too
 
 
-def checkpoint_nodes(cache: PromptCache):
+def saved_nodes(cache: PromptCache):
     found, stack = [], list(cache.root.children.values())
     while stack:
         node = stack.pop()
@@ -297,7 +297,7 @@ def checkpoint_nodes(cache: PromptCache):
 
 
 def assert_holds_a_cold_prefill(model, cache: PromptCache, node, chunk: int):
-    """Loaded into a fresh cache, checkpoint `node` holds the KV rows [0, end) and the GDN
+    """Loaded into a fresh cache, saved state `node` holds the KV rows [0, end) and the GDN
     states of a cold prefill of its tokens."""
     loaded = model.make_cache(MAX_CONTEXT)
     cache.load(node, loaded, None)
@@ -316,7 +316,7 @@ def assert_holds_a_cold_prefill(model, cache: PromptCache, node, chunk: int):
 # ------------------------------------------------------------------ memory
 
 
-def test_a_checkpoint_copies_its_rows_so_later_updates_stay_in_place():
+def test_a_saved_state_copies_its_rows_so_later_updates_stay_in_place():
     live = KVCache(4, 128, 32768, mx.float32)  # 64 MiB of keys, 64 MiB of values
     cache = HybridCache([live], 32760)
     rows = mx.ones((1, 4, 100, 128))
@@ -360,7 +360,7 @@ class Recording(PlainDecoder):
 
 def test_metrics_and_usage_report_the_cache(loaded):
     model, _, tok = loaded
-    cache = PromptCache(BIG, checkpoint_every=32)
+    cache = PromptCache(BIG, save_every=32)
     decoder = Recording(model, MAX_CONTEXT, CHUNK)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder, prompt_cache=cache),
                 model_names=("demo",)) as server:
@@ -381,7 +381,7 @@ def test_metrics_and_usage_report_the_cache(loaded):
         assert metric("monolith_prompt_cache_hits_total") == stats.hits
         assert metric("monolith_prompt_cache_misses_total") == stats.misses
         assert metric("monolith_prompt_cache_evictions_total") == stats.evictions == 0
-        assert metric("monolith_prompt_cache_checkpoints") == cache.checkpoints > 0
+        assert metric("monolith_prompt_cache_saved_states") == cache.saved_states > 0
         assert metric("monolith_prompt_cache_bytes") == cache.nbytes == held_bytes(cache)
         assert metric("monolith_prompt_cache_budget_bytes") == BIG
         assert metric("monolith_prompt_cache_disk_hits_total") == stats.disk_hits == 0  # no --prompt-cache-dir

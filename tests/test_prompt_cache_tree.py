@@ -1,7 +1,7 @@
 """The prompt cache's radix tree without a model: tiny hybrid caches (one attention
 layer, one gated DeltaNet layer) filled with known values stand for a model's cache
 after `tokens`, and the tree is checked against what they held: lookup, branch points,
-splits, the byte count, LRU eviction and where prefill checkpoints go."""
+splits, the byte count, LRU eviction and where prefill saves states."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def lookup(pc: PromptCache, tokens, limit=None):
 A = list(range(100, 120))  # 20 tokens
 
 
-def test_lookup_returns_the_deepest_checkpoint_at_or_before_the_limit():
+def test_lookup_returns_the_deepest_saved_state_at_or_before_the_limit():
     pc = PromptCache(BIG)
     for n in (4, 8, 16):
         insert(pc, A[:n])
@@ -108,14 +108,14 @@ def test_a_branch_point_holds_no_state_and_is_never_returned():
     insert(pc, b)  # splits A's edge after 10 tokens
     (top,) = pc.root.children.values()
     assert top.end == 10 and top.state is None and sorted(c.end for c in top.children.values()) == [14, 16]
-    assert pc.checkpoints == 2
+    assert pc.saved_states == 2
     for prompt in (A[:10] + [9] * 6, A[:12], b[:13], A[:10]):
         assert lookup(pc, prompt) is None
     assert lookup(pc, b) == 14 and lookup(pc, A) == 16
     assert_exact(pc, pc.lookup(b, 14, fake_cache([]), None), b)
     assert_exact(pc, pc.lookup(A, 16, fake_cache([]), None), A[:16])
-    insert(pc, A[:10])  # the branch point becomes a checkpoint
-    assert lookup(pc, A[:10] + [9] * 6) == 10 and pc.checkpoints == 3
+    insert(pc, A[:10])  # the branch point becomes a saved state
+    assert lookup(pc, A[:10] + [9] * 6) == 10 and pc.saved_states == 3
     assert_exact(pc, top, A[:10])
 
 
@@ -141,10 +141,10 @@ def test_nbytes_is_the_sum_of_the_arrays_and_the_host_memory_held():
         assert pc.nbytes == held_bytes(pc)
     row = 2 * HEADS * DIM * 4  # keys and values, float32
     state = sum(a.nbytes for pair in fake_cache([]).snapshot().states for a in pair)
-    tokens_held = 16 + 2 + 3  # every token's row once, however many checkpoints lie past it
-    assert len(nodes(pc)) == pc.checkpoints == 5
-    handles = 2 + 2  # a checkpoint's arrays: keys and values of one row layer, conv and recurrent
-    assert pc.nbytes == tokens_held * (row + 4) + pc.checkpoints * (state + NODE_BYTES + handles * HANDLE_BYTES)
+    tokens_held = 16 + 2 + 3  # every token's row once, however many saved states lie past it
+    assert len(nodes(pc)) == pc.saved_states == 5
+    handles = 2 + 2  # a saved state's arrays: keys and values of one row layer, conv and recurrent
+    assert pc.nbytes == tokens_held * (row + 4) + pc.saved_states * (state + NODE_BYTES + handles * HANDLE_BYTES)
 
 
 def test_the_host_memory_of_a_node_is_within_what_the_budget_counts():
@@ -203,7 +203,7 @@ def test_evicting_the_last_child_of_a_branch_point_removes_it():
     assert pc.stats.evictions == 0 and [n.state is None for n in pc.root.children.values()].count(True) == 1
     lookup(pc, z + [0])
     insert(pc, w)  # x goes first, then y, and with it the branch point [1, 2, 3]
-    assert pc.stats.evictions == 2 and pc.checkpoints == 2
+    assert pc.stats.evictions == 2 and pc.saved_states == 2
     assert sorted(pc.root.children) == [8, 9] and all(n.state is not None for n in nodes(pc))
     assert pc.nbytes == held_bytes(pc) == 2 * sizes(4)
 
@@ -229,11 +229,11 @@ def test_an_evicting_insert_that_cannot_fit_returns_none():
 def test_stops_are_the_multiples_the_boundaries_and_the_end(every, start, end, boundaries):
     want = [p for p in range(start + 1, end + 1)
             if (every and p % every == 0) or p in boundaries or p in (end - 1, end)]
-    assert PromptCache(BIG, checkpoint_every=every).stops(start, end, boundaries) == want
+    assert PromptCache(BIG, save_every=every).stops(start, end, boundaries) == want
 
 
 def test_bad_settings_and_mismatched_states_are_errors():
-    with pytest.raises(ValueError, match="budget and checkpoint_every must be >= 0"):
+    with pytest.raises(ValueError, match="budget and save_every must be >= 0"):
         PromptCache(-1)
-    with pytest.raises(ValueError, match="checkpoint of 3 tokens with states after 4 rows"):
+    with pytest.raises(ValueError, match="saved state of 3 tokens with states after 4 rows"):
         PromptCache(BIG).insert([1, 2, 3], fake_cache([1, 2, 3, 4]), fake_cache([1, 2, 3, 4]).snapshot(), None)

@@ -1,4 +1,4 @@
-"""--prompt-cache-dir: checkpoints written as hashed safetensors survive a restart, and a
+"""--prompt-cache-dir: saved states written as hashed safetensors survive a restart, and a
 corrupt, truncated or foreign file is never loaded. References: a cold run (a fresh
 Session, no prompt cache) for outputs; the directory's bytes for the bound."""
 
@@ -51,7 +51,7 @@ def server(model, tok, directory, max_bytes=1 << 30, every=32):
     return Engine(model, tok, max_context=512, prompt_cache=PromptCache(1 << 30, every, store))
 
 
-def test_checkpoints_survive_a_restart(model, tok, tmp_path):
+def test_saved_states_survive_a_restart(model, tok, tmp_path):
     first, first_ends = prompt(tok, "List the files.")
     assert ask_once(server(model, tok, tmp_path), first, first_ends)[0].usage.cached_tokens == 0
     files = sorted(tmp_path.glob("*.safetensors"))
@@ -59,7 +59,7 @@ def test_checkpoints_survive_a_restart(model, tok, tmp_path):
     second, ends = prompt(tok, "Now read the first one.")
     finished, stats = ask_once(server(model, tok, tmp_path), second, ends)
     common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
-    # the deepest checkpoint the first request took before the prompts part: a message end or a multiple of 32
+    # the deepest state the first request saved before the prompts part: a message end or a multiple of 32
     deepest = max([e for e in first_ends if e <= common] + [common // 32 * 32])
     assert finished.usage.cached_tokens == deepest > 0 and stats.disk_hits == 1
     assert finished.token_ids == cold(model, tok, second)
@@ -85,7 +85,7 @@ def damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
 def test_a_bad_file_is_ignored_with_a_warning(model, tok, tmp_path, caplog, how):
     ask_once(server(model, tok, tmp_path), *prompt(tok, "List the files."))
-    for path in tmp_path.glob("*.safetensors"):  # every checkpoint: nothing valid is left
+    for path in tmp_path.glob("*.safetensors"):  # every saved state: nothing valid is left
         damage(path, how)
     second, second_ends = prompt(tok, "Now read the first one.")
     with caplog.at_level(logging.WARNING, logger="monolith.prompt_cache"):
@@ -115,7 +115,7 @@ def test_the_directory_keeps_its_bound(model, tok, tmp_path):
     one = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     bound = one * 3 // 2
     (tmp_path / "bounded").mkdir()
-    theirs = tmp_path / "bounded" / "weights.safetensors"  # not a checkpoint: never counted or deleted
+    theirs = tmp_path / "bounded" / "weights.safetensors"  # not a state file: never counted or deleted
     theirs.write_bytes(b"x" * 10)
     for directory in (tmp_path / "bounded",):
         engine = server(model, tok, directory, max_bytes=bound)
@@ -141,7 +141,7 @@ def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, sy
     from monolith.runtime.decoder import SpeculativeDecoder
 
     model, drafter, tok = synth_pair_f32
-    directory = tmp_path / "checkpoints"
+    directory = tmp_path / "saved-states"
 
     def engine(cache: bool):
         prompt_cache = None

@@ -19,6 +19,7 @@ import pytest
 from serving_rig import MAX_CONTEXT
 
 from monolith.models import load_model
+from monolith.serve import build_parser
 
 # ------------------------------------------------------------------ the command line
 
@@ -129,8 +130,19 @@ def test_cli_flags(tmp_path, pack):
         _stop(proc)
 
 
+def test_the_deprecated_prompt_cache_checkpoint_every_sets_what_prompt_cache_save_every_sets():
+    parser = build_parser()
+    new = parser.parse_args(["--prompt-cache-save-every", "48"])
+    old = parser.parse_args(["--prompt-cache-checkpoint-every", "48"])
+    assert vars(old) == vars(new) and new.prompt_cache_save_every == 48
+    assert vars(parser.parse_args([])) != vars(new)
+    shown = parser.format_help()
+    assert "--prompt-cache-save-every" in shown and "--prompt-cache-checkpoint-every" not in shown
+
+
 @pytest.mark.parametrize("args,message", [
     (["--no-draft", "--draft-block-size", "3"], "only appl"),
+    (["--prompt-cache-save-every", "-1"], "--prompt-cache-save-every must be at least 0"),
     (["--spec-sched", "cost", "--model", "x"], "only appl"),
     (["--max-context", "1"], "--max-context"),
     (["--port", "99999"], "--port"),

@@ -17,7 +17,7 @@ from serving_rig import NAME, Scripted, Server
 
 from monolith.runtime.engine import Engine
 
-BROKEN = "a checkpoint of 60 tokens with states after 27 rows"
+BROKEN = "a saved state of 60 tokens with states after 27 rows"
 
 
 def failing_once(tokens):

@@ -213,7 +213,7 @@ def test_prefill_chunking_is_invisible(moe_f32):
 
 
 def test_a_snapshot_after_a_prefill_chunk_holds_only_the_states(moe_f32):
-    """A restore point or checkpoint keeps the GDN states after a prefill chunk; a conv
+    """A restore point or saved state keeps the GDN states after a prefill chunk; a conv
     state that were a view of the chunk's pre-conv window would keep all of it alive
     (for Qwen3.6-35B-A3B: 30 x 515 x 8192 x 4 bytes = 506 MB per 512-row chunk)."""
     model = moe_f32

@@ -65,7 +65,7 @@ MODES = {"plain, prompt cache on": ("--no-draft",), "plain, prompt cache off": (
 @pytest.mark.parametrize("mode", MODES)
 def test_an_edited_reply_in_the_history_gets_the_cold_servers_answer(demo_f32, mode):
     """Turn 2 resends turn 1 with its reply edited at the start ("Well: " + reply): the
-    warm server answers as a cold one does (before the fix: a 400 "a checkpoint of N
+    warm server answers as a cold one does (before the fix: a 400 "a saved state of N
     tokens with states after M rows" with the prompt cache, turn 1's answer without)."""
     argv = MODES[mode]
     with Server(lambda: serve_engine(demo_f32, *argv), model_names=("monolith-demo",)) as warm, \
@@ -86,20 +86,20 @@ def test_an_edited_reply_in_the_history_gets_the_cold_servers_answer(demo_f32, m
 
 CASES = 6  # one of each kind per mode: the suite's fixed sample (bench/warm_cold.py runs thousands)
 SEED = 31
-EVERY = "16"  # the prompt cache's checkpoint interval here: cuts land inside intervals
+EVERY = "16"  # the prompt cache's save interval here: cuts land inside intervals
 HARNESS_MODES = {
     "plain": ("--no-draft", "--prompt-cache-size", "0"),
-    "plain + prompt cache": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY),
-    "plain + prompt cache on disk + restart": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "DIR"),
-    "plain + 4 clients batched": ("--no-draft", "--prompt-cache-checkpoint-every", EVERY, "--max-batch", "4"),
+    "plain + prompt cache": ("--no-draft", "--prompt-cache-save-every", EVERY),
+    "plain + prompt cache on disk + restart": ("--no-draft", "--prompt-cache-save-every", EVERY, "DIR"),
+    "plain + 4 clients batched": ("--no-draft", "--prompt-cache-save-every", EVERY, "--max-batch", "4"),
     "drafting": ("--spec-sched", "fixed", "--prompt-cache-size", "0"),
-    "drafting + prompt cache": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY),
-    "drafting + prompt cache on disk + restart": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
+    "drafting + prompt cache": ("--spec-sched", "fixed", "--prompt-cache-save-every", EVERY),
+    "drafting + prompt cache on disk + restart": ("--spec-sched", "fixed", "--prompt-cache-save-every", EVERY,
                                                   "DIR"),
-    "drafting + 4 clients batched": ("--spec-sched", "fixed", "--prompt-cache-checkpoint-every", EVERY,
+    "drafting + 4 clients batched": ("--spec-sched", "fixed", "--prompt-cache-save-every", EVERY,
                                     "--max-batch", "4"),
 }
-CACHE_FLAGS = {"--prompt-cache-size": 1, "--prompt-cache-checkpoint-every": 1, "--prompt-cache-dir": 1,
+CACHE_FLAGS = {"--prompt-cache-size": 1, "--prompt-cache-save-every": 1, "--prompt-cache-dir": 1,
                "--max-batch": 1}
 
 

@@ -70,7 +70,7 @@ def load_model(pack_dir, dtype=None, dense: bool | None = None, layers: range | 
     args = args_class.from_config(weights.config, architecture, weights.generation_config,
                                   where=str(pack_dir / "config.json"))
     model = model_class(args, weights, layers, head)
-    model.pack_sha256 = manifest.get("pack_sha256")  # what a prompt-cache checkpoint was computed with
+    model.pack_sha256 = manifest.get("pack_sha256")  # what a prompt-cache saved state was computed with
     unused = [n for n in weights.unused() if _held(n, model)]
     if unused:
         raise PackError(f"{pack_dir}: tensors the {architecture} model does not use: {_listed(unused)}")

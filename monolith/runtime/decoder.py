@@ -7,16 +7,16 @@ sequences); its arguments were checked at the boundary (events.check_request).
 `PlainDecoder` never drafts; `SpeculativeDecoder` drafts with a DSpark / DFlash drafter.
 Both resume, prefill, decode and keep their state the same way:
 
-- the session resumes from its longest restore point or prompt-cache checkpoint that
+- the session resumes from its longest restore point or prompt-cache saved state that
   leaves at least one prompt token to prefill (the same prompt again: its last token);
-- the prefill runs the rest in chunks, taking prompt-cache checkpoints at the session's
+- the prefill runs the rest in chunks, saving prompt-cache states at the session's
   stops (`Session.stops`: every N tokens, the message `boundaries`, the prompt's end and
   one token before it); a cancel takes effect between chunks, keeping what was
   prefilled;
 - rounds emit tokens to `on_token(id, logprob)` until a stop token (not output),
   max_tokens or the context's end, or `on_token` returning False;
 - at the end the cache holds the prompt and every emitted token but the last, which is
-  kept as a restore point and a checkpoint.
+  kept as a restore point and a saved state.
 
 Logprobs come from the target's rows that chose each token: the verify rows for
 accepted, corrected and bonus tokens, the step's row in a plain round. A prompt that
@@ -96,14 +96,14 @@ class SpeculativeDecoder:
         on_resume(cached)
         resumable = drafter is None or drafter.snapshot() is not None
 
-        def checkpoint(end: int) -> None:
+        def save_state(end: int) -> None:
             if end == len(prompt) - 1 and resumable:  # the same prompt again resumes here
                 session.mark(prompt[:end])
             if resumable:  # the drafter's context as of now (it appends the rows it observed)
-                session.checkpoint(prompt[:end], draft=None if drafter is None else drafter.snapshot())
+                session.save_state(prompt[:end], draft=None if drafter is None else drafter.snapshot())
 
         first = yield from rounds.prefill_steps(prompt[cached:], self.prefill_chunk_size,
-                                                session.stops(cached, len(prompt), boundaries), checkpoint, cancelled)
+                                                session.stops(cached, len(prompt), boundaries), save_state, cancelled)
         if first is None:  # cancelled between prefill chunks: keep what was prefilled
             self._keep(session, rounds, prompt[:rounds.cache.offset])
             return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)
@@ -128,7 +128,7 @@ class SpeculativeDecoder:
         rounds = Rounds(self.model, drafter, params, self.max_context, self.gamma, self.scheduler,
                         self.profile, cache=cache, logprobs=logprobs, guide=guide)
         if cached and drafter is not None and not drafter.restore(session.draft_snapshot, cached):
-            session.reset()  # no draft context for this point: a checkpoint (which holds one), or start over
+            session.reset()  # no draft context for this point: a saved state (which holds one), or start over
             _, cached = session.resume(self.model, prompt, self.max_context, drafter=drafter)
             if cached:
                 drafter.restore(session.draft_snapshot, cached)
@@ -146,7 +146,7 @@ class SpeculativeDecoder:
         if (snapshot is not None or not drafting) and rounds.cache.offset == len(committed):
             session.mark(committed)
             session.draft_snapshot, session.fallback = snapshot, rounds.fallback
-            session.checkpoint(committed, draft=snapshot)
+            session.save_state(committed, draft=snapshot)
         else:
             session.reset()
 

@@ -35,7 +35,7 @@ bounds gamma; `arrays()` gives the context state to evaluate between prefill chu
 a long prompt's features are not all held until the first proposal). A drafter whose
 `snapshot()` is None cannot resume: every prompt is then prefilled whole. A snapshot
 that is a `models.cache.DraftContext` (the draft model's) also lets the prompt cache
-copy the context's rows into its checkpoints and back (prompt_cache.py). A drafter with
+copy the context's rows into its saved states and back (prompt_cache.py). A drafter with
 a `draft` attribute (a draft model) has its blocks run packed across a batch
 (batch.run_proposals: it reads `draft`, `context` and `waiting`, and passes the block's
 `hidden` states to propose / propose_guided).

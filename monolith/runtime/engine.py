@@ -6,14 +6,9 @@ worker thread, as sequences of one `batch.Batch`: every round, each running sequ
 drafts (if it does) and puts its rows into one shared target forward, so B sequences
 cost little more than one where decode is bound by reading the weights. Sequences join
 between rounds, in queue order, as slots free up; a newcomer's prefill runs chunk by
-chunk inside the rounds, so the others keep streaming. Each request reports through a `sink`
-(called on the worker thread) with `Started`, `Resumed` (the prompt tokens the session or
-the prompt cache held), then `Delta`s (text that is whole UTF-8
-characters and cannot be the start of a stop string, with the logprobs of its tokens;
-one per round and request: a speculative round's tokens go out together, once the
-round has run for every sequence of the batch), then one `Finished` or `Failed`.
-`Job.cancel()` (a client that went away, Ctrl-C) stops a request at its next token,
-or removes it from the queue.
+chunk inside the rounds, so the others keep streaming. Each request is a `jobs.Job`: it
+reports through a `sink` (Started, Resumed, Deltas, then Finished or Failed: jobs.py),
+and `Job.cancel()` stops it at its next token, or removes it from the queue.
 
 The sequence a request leaves behind is kept in a `Session` (the model cache plus
 restore points), so a request whose prompt extends it prefills only the new tokens:
@@ -21,8 +16,8 @@ the next chat turn, or the same prompt again. A request that brings no session o
 own runs on one of the engine's `max_batch` sessions (the free one whose tokens share
 the longest prefix with its prompt); all of them share the prompt cache. The
 generation itself is `decoder.steps(session, prompt, ...)` (decoder.PlainDecoder or
-decoder.SpeculativeDecoder); events.py holds the request and event types,
-textstream.py the released text.
+decoder.SpeculativeDecoder), which `Job.steps` wraps in the request's events; events.py
+holds the request and event types, textstream.py the released text.
 
 serve, chat, generate and the benchmarks all run requests through an Engine;
 `run_decoder` below is the same decoder call on the calling thread, without the queue
@@ -32,7 +27,6 @@ serve, chat, generate and the benchmarks all run requests through an Engine;
 from __future__ import annotations
 
 import atexit
-import itertools
 import threading
 import time
 import weakref
@@ -45,6 +39,7 @@ import mlx.core as mx
 from ..sampling import SamplingParams
 from . import heap
 from .batch import Batch
+from .decoder import PlainDecoder
 from .events import (
     Delta,
     Event,
@@ -53,17 +48,13 @@ from .events import (
     GenerationRequest,
     Outcome,
     RequestError,
-    Resumed,
-    Started,
     TokenLogprob,
-    Usage,
     check_request,
 )
 from .grammar import GrammarTokenizer
-from .decoder import PlainDecoder
-from .prompt_cache import PromptCache
+from .jobs import EngineClosed, Job, QueueFull, QueueTimeout
+from .prompt_cache import PromptCache, common_prefix
 from .session import Session
-from .textstream import TextStream
 
 
 def release_thread_streams() -> None:
@@ -81,51 +72,6 @@ _ENGINES: weakref.WeakSet = weakref.WeakSet()
 def _close_engines() -> None:
     for engine in list(_ENGINES):
         engine.close()
-
-
-class QueueFull(RuntimeError):
-    """The queue holds as many waiting requests as it may."""
-
-
-class QueueTimeout(RuntimeError):
-    """A request waited in the queue longer than the engine's queue timeout."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed: it takes no more requests."""
-
-
-# ------------------------------------------------------------------ the engine
-
-
-class Job:
-    """One request in the engine. `cancel()` is safe from any thread."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, engine: Engine, request: GenerationRequest, sink: Callable[[Event], None],
-                 session: Session | None, timeout: float):
-        self.id = next(self._ids)
-        self.request = request
-        self.sink = sink
-        self.session = session  # None: one of the engine's sessions, when it starts
-        self.submitted_at = time.monotonic()
-        self.deadline = self.submitted_at + timeout
-        self.started = threading.Event()
-        self.done = threading.Event()
-        self._engine = engine
-        self._cancelled = threading.Event()
-        self.task: Callable[[], object] | None = None  # Engine.call's work instead of a request
-        self.result = self.error = None
-        self.held: list[Delta] = []  # the worker's: this round's text, sent when the round is over
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._engine._drop(self)
 
 
 class Engine:
@@ -207,7 +153,7 @@ class Engine:
         prompt = check_request(request.prompt_ids, request.max_tokens, request.logprobs, self.vocab_size,
                                self.max_context, self.supports_logprobs)
         request = replace(request, prompt_ids=tuple(prompt))
-        job = Job(self, request, sink, session, self.queue_timeout if timeout is None else timeout)
+        job = Job(request, sink, session, self.queue_timeout if timeout is None else timeout, self._drop)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine is closed")
@@ -243,7 +189,7 @@ class Engine:
     def call(self, fn: Callable[[], object]) -> object:
         """Run fn() on the worker thread between requests (the thread that owns the MLX
         state: sessions, caches); its result, or its exception raised here."""
-        job = Job(self, None, lambda event: None, None, 1e12)
+        job = Job(None, lambda event: None, None, 1e12)
         job.task = fn
         with self._lock:
             if self._closed:
@@ -270,9 +216,7 @@ class Engine:
             self._running.clear()
             self._lock.notify_all()
         for job in jobs:
-            job.error = error
-            self._emit(job, Failed(error))
-            job.done.set()
+            job.fail(error)
 
     def close(self, timeout: float = 30.0) -> None:
         """Cancel the running requests, fail the queued ones, stop the worker."""
@@ -280,16 +224,14 @@ class Engine:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
             for job in self._running.values():
-                job._cancelled.set()
+                job.cancel()  # seen at its next token
             self._lock.notify_all()
         for job in queued:
-            job.error = EngineClosed("the engine was closed")
-            self._emit(job, Failed(job.error))
-            job.done.set()
+            job.fail(EngineClosed("the engine was closed"))
         self._thread.join(timeout)
         store = getattr(self.prompt_cache, "store", None)
         if store is not None:
-            store.close()  # the checkpoints queued for the disk are written
+            store.close()  # the saved states queued for the disk are written
 
     # ---------------------------------------------------------------- worker
 
@@ -299,8 +241,7 @@ class Engine:
                 self._queue.remove(job)
             except ValueError:
                 return  # running or finished: the worker sees the flag at the next token
-        self._emit(job, Finished("cancelled", Usage(len(job.request.prompt_ids), 0, 0), ()))
-        job.done.set()
+        job.finish_cancelled()
 
     def _work(self) -> None:
         try:
@@ -326,7 +267,7 @@ class Engine:
                 for member in batch.step():
                     self._end(member)
                 for member in batch.members:
-                    self._release(member.owner)
+                    member.owner.release()
             if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
                 heap.trim()
 
@@ -365,16 +306,8 @@ class Engine:
             self._sessions.append(session)
             return session
         prompt = list(prompt)
-
-        def shared(session: Session) -> int:
-            n = 0
-            for a, b in zip(session.tokens, prompt):
-                if a != b:
-                    break
-                n += 1
-            return n
-
-        return max(free, key=shared)  # the first of equals: sequential requests keep to one session
+        # the first of equals: sequential requests keep to one session
+        return max(free, key=lambda session: common_prefix(session.tokens, prompt))
 
     def _start(self, job: Job) -> None:
         """Run a task, end a cancelled or timed-out job, or add a request to the batch."""
@@ -385,16 +318,15 @@ class Engine:
                 job.error = e
             job.done.set()
         elif job.cancelled:
-            self._emit(job, Finished("cancelled", Usage(len(job.request.prompt_ids), 0, 0), ()))
-            job.done.set()
+            job.finish_cancelled()
         elif time.monotonic() > job.deadline:
-            self._emit(job, Failed(QueueTimeout(
-                f"the request waited {time.monotonic() - job.submitted_at:.1f} s in the queue")))
-            job.done.set()
+            job.fail(QueueTimeout(f"the request waited {time.monotonic() - job.submitted_at:.1f} s in the queue"))
         else:
             with self._lock:
                 self._running[job.id] = job
-            member = self._batch.add(self._run(job), job)
+            steps = job.steps(self.decoder, self.tokenizer, self.stop_ids,
+                              lambda grammar: self.grammar_tokenizer.guide(grammar))
+            member = self._batch.add(steps, job)
             if member.done:  # it ended before its first forward (it failed, or was cancelled)
                 self._end(member)
 
@@ -404,63 +336,9 @@ class Engine:
             self._running.pop(job.id, None)
         if member.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
-            self._release(job)
-            self._emit(job, Failed(member.error))
+            job.release()
+            job.emit(Failed(member.error))
         job.done.set()
-
-    def _run(self, job: Job):
-        """The request's steps (batch.py): its decoder's, with the events around them."""
-        request = job.request
-        queued = time.monotonic() - job.submitted_at
-        job.started.set()
-        self._emit(job, Started(queued))
-        text = TextStream(self.tokenizer, request.stop)
-
-        def on_token(token_id: int, logprob: TokenLogprob | None) -> bool:
-            delta = text.add(token_id, logprob)
-            if delta is not None:
-                job.held.append(delta)  # sent after the batch's round (_serve_queue)
-            return not (text.stopped or job.cancelled)
-
-        try:
-            constrained = {} if request.grammar is None else {"guide": self.grammar_tokenizer.guide(request.grammar)}
-            args = (job.session, request.prompt_ids, request.max_tokens, request.params, self.stop_ids, on_token)
-            kwargs = dict(logprobs=request.logprobs, cancelled=lambda: job.cancelled, boundaries=request.boundaries,
-                          **constrained)
-            outcome = yield from self.decoder.steps(*args, **kwargs,
-                                                    on_resume=lambda cached: self._emit(job, Resumed(cached)))
-        except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
-            job.session.reset()
-            self._release(job)
-            self._emit(job, Failed(e))
-            return
-        tail = text.finish()
-        if tail is not None:
-            job.held.append(tail)
-        self._release(job)
-        if text.stopped:
-            finish = "stop"
-        elif outcome.finish_reason == "abort":
-            finish = "cancelled"
-        else:
-            finish = outcome.finish_reason
-        generated = len(outcome.token_ids) + outcome.stop_token
-        usage = Usage(outcome.prompt_tokens, generated, outcome.cached_tokens)
-        self._emit(job, Finished(finish, usage, tuple(outcome.token_ids), queued, outcome.prefill_seconds,
-                                 outcome.decode_seconds, outcome.decode_steps, outcome.speculative))
-
-    def _release(self, job: Job) -> None:
-        """Send the text a request's round held back, as one Delta."""
-        if job.held:
-            held, job.held = job.held, []
-            self._emit(job, Delta.join(held))
-
-    @staticmethod
-    def _emit(job: Job, event: Event) -> None:
-        try:
-            job.sink(event)
-        except Exception:  # noqa: BLE001 - a consumer that went away must not stop the engine
-            job._cancelled.set()
 
 
 def run_decoder(decoder, prompt_ids: Sequence[int], max_tokens: int, params: SamplingParams = SamplingParams(),

@@ -72,7 +72,7 @@ class GenerationRequest:
     params: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the k most likely
-    boundaries: tuple[int, ...] = ()  # where the prompt's chat messages end: prompt-cache checkpoints
+    boundaries: tuple[int, ...] = ()  # where the prompt's chat messages end: prompt-cache saves
     grammar: Grammar | None = None  # constrains the output (runtime.grammar)
 
 

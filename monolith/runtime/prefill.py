@@ -17,8 +17,8 @@ def prefill_rows(model, tokens: Sequence[int] | mx.array, cache, chunk_size: int
                  cancelled: Callable[[], bool] = lambda: False) -> Steps:
     """The one prefill: `tokens` through `model` after the rows `cache` holds, in chunks
     ending on multiples of chunk_size from row 0 and at `stops` (positions in the
-    sequence), so a prompt prefilled from a checkpoint runs the same chunks as a cold
-    prefill that took it. Each chunk's tap features go to `observe`; between chunks
+    sequence), so a prompt prefilled from a saved state runs the same chunks as a cold
+    prefill that saved it. Each chunk's tap features go to `observe`; between chunks
     `bound()` evaluates the state (default: the cache's; it bounds the graph) and
     `on_stop(position)` runs once the cache holds the rows up to each stop. Returns the
     last row's logits [vocab], or None when `cancelled()` turned true between chunks."""

@@ -1,19 +1,19 @@
-"""The prompt cache: checkpoints of earlier sequences in a radix tree keyed by tokens, so a
-request resumes from the deepest checkpoint its prompt shares, from any conversation.
+"""The prompt cache: saved states of earlier sequences in a radix tree keyed by tokens, so a
+request resumes from the deepest saved state its prompt shares, from any conversation.
 
-A checkpoint at position p is exact: the attention KV rows [0, p), the gated DeltaNet
+A saved state at position p is exact: the attention KV rows [0, p), the gated DeltaNet
 states after p rows (conv and recurrent; they cannot be rebuilt from the KV) and the
 draft context's rows [0, p) when the engine drafts. Each tree node owns the KV rows of
-its edge only ([parent's end, end), one copy per token however many checkpoints lie
-past it) and, when it is a checkpoint, the GDN states at its end (small fixed-size
+its edge only ([parent's end, end), one copy per token however many saved states lie
+past it) and, when it is a saved state, the GDN states at its end (small fixed-size
 copies: a conv state is a view of its forward's whole pre-conv window, which a
 reference would keep alive). A node without states is a branch point: a resume point needs
 states, so `lookup` returns the deepest node with states whose tokens the prompt starts
 with, at or before `limit`.
 
-Loading a checkpoint writes its rows into the session's live cache, skipping the rows
+Loading a saved state writes its rows into the session's live cache, skipping the rows
 the live cache already holds for the same tokens. Rows are copied out of the live
-cache when a checkpoint is taken (`KVCache.rows`), never referenced: a view would pin
+cache when a state is saved (`KVCache.rows`), never referenced: a view would pin
 the live buffer and make every later update copy all of it.
 
 Memory: `budget` bytes (every row and state array counted, and the host memory of each
@@ -21,7 +21,7 @@ node: its edge's tokens, 4 bytes each, and the objects that hold it and its arra
 disables the cache), LRU
 by leaf: using a node touches its ancestors, so the least recently used leaf goes
 first, and a branch point left without children goes with it. An optional `store`
-(prompt_store.PromptStore) persists checkpoints and answers lookups the tree misses.
+(prompt_store.PromptStore) persists saved states and answers lookups the tree misses.
 One engine thread uses a PromptCache; the counters may be read from any thread.
 """
 
@@ -85,41 +85,41 @@ class Node:
 class CacheStats:
     hits: int = 0  # requests that resumed from a cached prefix (the tree, the store or the live session)
     misses: int = 0  # requests that prefilled from the first token
-    evictions: int = 0  # checkpoints dropped for the budget
-    disk_hits: int = 0  # checkpoints loaded from the store
+    evictions: int = 0  # saved states dropped for the budget
+    disk_hits: int = 0  # saved states loaded from the store
 
 
 class PromptCache:
-    def __init__(self, budget: int, checkpoint_every: int = 0, store=None):
-        if budget < 0 or checkpoint_every < 0:
-            raise ValueError(f"budget and checkpoint_every must be >= 0, got {budget} and {checkpoint_every}")
+    def __init__(self, budget: int, save_every: int = 0, store=None):
+        if budget < 0 or save_every < 0:
+            raise ValueError(f"budget and save_every must be >= 0, got {budget} and {save_every}")
         self.budget = budget
-        self.checkpoint_every = checkpoint_every
+        self.save_every = save_every
         self.store = store
         self.root = Node(0, array("i"), None, [], None)
         self.nbytes = 0
         self.stats = CacheStats()
         self._ticks = itertools.count(1)
         self._leaves: set[Node] = set()
-        self._layout: Layout | None = None  # what the first checkpoint held
-        self._checkpoints = 0
+        self._layout: Layout | None = None  # what the first saved state held
+        self._saved_states = 0
 
     def __repr__(self) -> str:
-        return (f"PromptCache({self.checkpoints} checkpoints, {self.nbytes} of {self.budget} bytes, "
-                f"every {self.checkpoint_every} tokens)")
+        return (f"PromptCache({self.saved_states} saved states, {self.nbytes} of {self.budget} bytes, "
+                f"every {self.save_every} tokens)")
 
     @property
-    def checkpoints(self) -> int:
-        return self._checkpoints
+    def saved_states(self) -> int:
+        return self._saved_states
 
-    # ---------------------------------------------------------------- where to checkpoint
+    # ---------------------------------------------------------------- where to save
 
     def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
-        """Positions in (start, end] to checkpoint while prefilling rows [start, end): the
-        multiples of checkpoint_every, the given message boundaries, one token before the
+        """Positions in (start, end] to save the state at while prefilling rows [start, end): the
+        multiples of save_every, the given message boundaries, one token before the
         end (the same prompt again resumes there: a resume leaves a token to prefill, whose
         logits start the reply) and end."""
-        every = self.checkpoint_every
+        every = self.save_every
         wanted = {b for b in boundaries if start < b < end}
         if start < end - 1:
             wanted.add(end - 1)
@@ -130,9 +130,9 @@ class PromptCache:
     # ---------------------------------------------------------------- lookup and load
 
     def lookup(self, tokens: Sequence[int], limit: int, cache: HybridCache, draft: DraftContext | None) -> Node | None:
-        """The deepest checkpoint (a node with states, end <= limit) whose tokens `tokens`
+        """The deepest saved state (a node with states, end <= limit) whose tokens `tokens`
         starts with, from the tree or, when it has one deeper, the store; touched. `cache`
-        and `draft` are the live caches it will load into (a stored checkpoint must fit them)."""
+        and `draft` are the live caches it will load into (a stored state must fit them)."""
         node, pos, best = self.root, 0, None
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -153,7 +153,7 @@ class PromptCache:
 
     def load(self, node: Node, cache: HybridCache, draft: DraftContext | None, held: int = 0,
              draft_held: int = 0) -> None:
-        """Put checkpoint `node` into the live caches: write its rows past the first `held`
+        """Put saved state `node` into the live caches: write its rows past the first `held`
         (the target's; `draft_held` the draft's), which the live caches already hold for the
         same tokens, then take its states there."""
         put_rows(cache, draft, [(item.start, item.rows) for item in node.path()], held, draft_held)
@@ -165,18 +165,18 @@ class PromptCache:
 
     def insert(self, tokens: Sequence[int], cache: HybridCache, state: Snapshot,
                draft: DraftContext | None) -> Node | None:
-        """Checkpoint `tokens`: the live caches hold their rows and `state` is the GDN
+        """Save the state after `tokens`: the live caches hold their rows and `state` is the GDN
         states after them. Returns the node, or None when the budget cannot hold it."""
         if not self.budget or not tokens:
             return None
         if state.offset != len(tokens):
-            raise ValueError(f"a checkpoint of {len(tokens)} tokens with states after {state.offset} rows")
+            raise ValueError(f"a saved state of {len(tokens)} tokens with states after {state.offset} rows")
         layers = row_layers(cache, draft)
         layout = self.layout(cache, draft)
         if self._layout is None:
             self._layout = layout
         elif layout != self._layout:
-            raise ValueError("a checkpoint's layers differ from the earlier checkpoints' (one prompt cache serves "
+            raise ValueError("a saved state's layers differ from the earlier saved states' (one prompt cache serves "
                              "one target and draft)")
         # copies: a conv state is a view of its forward's whole pre-conv window (K-1+T rows)
         state = Snapshot(state.offset, tuple((mx.array(conv), mx.array(recurrent)) for conv, recurrent in state.states))
@@ -192,11 +192,11 @@ class PromptCache:
         node, pos = self._descend(tokens)
         end = len(tokens)
         if pos == end:
-            if node.state is None:  # a branch point becomes a checkpoint
+            if node.state is None:  # a branch point becomes a saved state
                 node.state = state
                 before = node.nbytes
                 self.nbytes += node.measure() - before
-                self._checkpoints += 1
+                self._saved_states += 1
         else:
             copies = rows(pos, end)
             mx.eval([a for pair in copies for a in pair])
@@ -205,7 +205,7 @@ class PromptCache:
             self._leaves.discard(node.parent)
             self._leaves.add(node)
             self.nbytes += node.measure()
-            self._checkpoints += 1
+            self._saved_states += 1
         self._touch(node)
         self._evict()
         return None if node.evicted else node
@@ -258,7 +258,7 @@ class PromptCache:
             del parent.children[leaf.tokens[0]]
             self._leaves.discard(leaf)
             self.nbytes -= leaf.nbytes
-            self._checkpoints -= leaf.state is not None
+            self._saved_states -= leaf.state is not None
             leaf.evicted = True
             if parent.parent is None:
                 return
@@ -273,7 +273,7 @@ class PromptCache:
 
     @staticmethod
     def layout(cache: HybridCache, draft: DraftContext | None) -> Layout:
-        """What a checkpoint for these caches holds: per row layer (kv heads, head dim,
+        """What a saved state for these caches holds: per row layer (kv heads, head dim,
         dtype); per GDN layer the (conv, recurrent) shapes."""
         rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
                      for layer in row_layers(cache, draft))
@@ -288,12 +288,12 @@ class Layout:
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
 
 
-def checkpoint_interval(model, drafter=None, chunk_size: int = 512) -> int:
-    """The default prefill checkpoint interval: the fewest tokens, a multiple of the
-    prefill chunk, whose KV rows take at least the bytes of one checkpoint's GDN states,
-    so interval checkpoints at most double the memory of the rows they cover (on a
-    multiple of the chunk a checkpoint adds no chunk boundary, so prefill time does not
-    change: bench/prompt_cache.py). Qwen3.6-35B-A3B in BF16: 62.8 MiB of states, 20 KiB
+def save_interval(model, drafter=None, chunk_size: int = 512) -> int:
+    """The default interval between saved states while prefilling: the fewest tokens, a
+    multiple of the prefill chunk, whose KV rows take at least the bytes of one saved
+    state's GDN states, so interval saves at most double the memory of the rows they
+    cover (on a multiple of the chunk a save adds no chunk boundary, so prefill time
+    does not change: bench/prompt_cache.py). Qwen3.6-35B-A3B in BF16: 62.8 MiB of states, 20 KiB
     of KV per token -> 3584; the demo pair (F32) -> 512."""
     layout = layout_of(model, drafter)
     per_token = sum(2 * heads * dim * mx.zeros((), dtype).itemsize for heads, dim, dtype in layout.rows)
@@ -302,7 +302,7 @@ def checkpoint_interval(model, drafter=None, chunk_size: int = 512) -> int:
 
 
 def layout_of(model, drafter=None) -> Layout:
-    """The Layout of a checkpoint for `model` (and the drafter's context)."""
+    """The Layout of a saved state for `model` (and the drafter's context)."""
     draft = None
     if drafter is not None:
         drafter.start(1)
@@ -311,7 +311,7 @@ def layout_of(model, drafter=None) -> Layout:
 
 
 def row_layers(cache: HybridCache, draft: DraftContext | None) -> list[KVCache]:
-    """The KV caches a checkpoint copies rows of: the target's attention layers, then the draft's."""
+    """The KV caches a saved state copies rows of: the target's attention layers, then the draft's."""
     return cache.row_layers + ([] if draft is None else draft.row_layers)
 
 
@@ -323,7 +323,7 @@ def put_rows(cache: HybridCache, draft: DraftContext | None, pieces, held: int =
     targets = len(cache.row_layers)
     for start, rows in pieces:
         if len(rows) != len(layers):
-            raise ValueError(f"a checkpoint holds rows of {len(rows)} layers, the caches have {len(layers)}")
+            raise ValueError(f"a saved state holds rows of {len(rows)} layers, the caches have {len(layers)}")
         for i, (layer, (keys, values)) in enumerate(zip(layers, rows)):
             skip = max(0, (held if i < targets else draft_held) - start)
             if skip < keys.shape[2]:

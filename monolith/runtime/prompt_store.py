@@ -1,4 +1,4 @@
-"""Prompt-cache checkpoints on disk (`--prompt-cache-dir`): state files
+"""Prompt-cache saved states on disk (`--prompt-cache-dir`): state files
 (state_file.py) named by the SHA-256 of the identity and of the token prefix, so a
 lookup hashes the prompt's prefixes and opens only files that can match.
 
@@ -43,7 +43,7 @@ from .state_file import (
 log = logging.getLogger("monolith.prompt_cache")
 
 DEFAULT_DIR_BYTES = 16 << 30
-_WRITES_WAITING = 8  # checkpoints queued for the writer thread; more are not persisted
+_WRITES_WAITING = 8  # saved states queued for the writer thread; more are not persisted
 _NAME = re.compile(r"[0-9a-f]{64}")  # file_key(): what a state file is called
 
 
@@ -63,7 +63,7 @@ class _Entry:
 
 @dataclass(frozen=True)
 class Found:
-    """A stored checkpoint as prompt_cache.PromptCache adopts it."""
+    """A saved state read from the store, as prompt_cache.PromptCache adopts it."""
 
     tokens: list[int]
     state: Snapshot
@@ -120,7 +120,7 @@ class PromptStore:
     # ---------------------------------------------------------------- lookup
 
     def find(self, tokens: Sequence[int], limit: int, deeper_than: int, layout) -> Found | None:
-        """The deepest stored checkpoint of `tokens` past `deeper_than` and at most
+        """The deepest stored state of `tokens` past `deeper_than` and at most
         `limit` tokens, read and checked (with the files before it), or None."""
         with self._lock:
             ends = sorted({e.end for e in self._entries.values() if deeper_than < e.end <= limit and not e.pending})
@@ -182,8 +182,8 @@ class PromptStore:
     # ---------------------------------------------------------------- save
 
     def save(self, node) -> None:
-        """Persist a prompt_cache.Node (its checkpoint): the rows past the deepest
-        checkpoint before it that is stored already; queued for the writer thread."""
+        """Persist a prompt_cache.Node (its saved state): the rows past the deepest
+        saved state before it that is stored already; queued for the writer thread."""
         path_nodes = node.path()
         tokens = [t for n in path_nodes for t in n.tokens]
         ends = [n.end for n in path_nodes if n.state is not None]
@@ -205,7 +205,7 @@ class PromptStore:
         try:
             self._queue.put_nowait((key, entry, tokens, host_rows, host_states))
         except queue.Full:
-            log.debug("prompt-cache writes are behind: checkpoint of %d tokens not persisted", node.end)
+            log.debug("prompt-cache writes are behind: the saved state of %d tokens is not persisted", node.end)
             return
         with self._lock:
             self._entries[key] = entry
@@ -231,7 +231,7 @@ class PromptStore:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued checkpoint is written."""
+        """Wait until every queued saved state is written."""
         self._queue.join()
 
     def close(self) -> None:

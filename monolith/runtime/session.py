@@ -1,7 +1,7 @@
 """A sequence kept between requests: the target's cache, the tokens in it, restore points,
 and what a speculative decoder keeps with them (the drafter's context snapshot and the
-conversation's fallback state); with a prompt cache (prompt_cache.py), the checkpoints
-of every earlier sequence too."""
+conversation's fallback state); with a prompt cache (prompt_cache.py), the saved
+states of every earlier sequence too."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class _Point:
 
 class Session:
     """A new prompt resumes from the longest restore point it extends exactly, or from a
-    deeper checkpoint of the prompt cache (loaded into the live cache); anything else
+    deeper saved state of the prompt cache (loaded into the live cache); anything else
     starts from the empty cache. Either way at least one prompt token is left to
     prefill: its logits start the reply. Restoring a point is free: KV rows past the
     offset are ignored and the recurrent states are held by reference."""
@@ -39,9 +39,9 @@ class Session:
 
     def resume(self, model, prompt: Sequence[int], max_context: int, drafter=None):
         """Put the cache at the longest restore point `prompt` extends that leaves at
-        least one token to prefill, or at a deeper checkpoint of the prompt cache; return
+        least one token to prefill, or at a deeper saved state of the prompt cache; return
         (cache, cached token count). With a `drafter` (a speculative decoder's), a
-        checkpoint also fills the drafter's context, session.draft_snapshot."""
+        saved state also fills the drafter's context, session.draft_snapshot."""
         if self.cache is None or self.cache.max_context != max_context:
             self.cache = model.make_cache(max_context)
             self.tokens, self._points = [], [_Point(0, self.cache.snapshot())]
@@ -52,7 +52,7 @@ class Session:
             n = point.length
             if best.length < n < len(prompt) and self.tokens[:n] == prompt[:n]:
                 best = point
-        stored = self._checkpoint_for(prompt, best.length, drafter, max_context)
+        stored = self._saved_state_for(prompt, best.length, drafter, max_context)
         if stored is not None:
             return self.cache, stored
         self.cache.restore(best.snapshot)
@@ -61,8 +61,8 @@ class Session:
         self._points = [p for p in self._points if p.length <= best.length]  # later ones get overwritten
         return self.cache, best.length
 
-    def _checkpoint_for(self, prompt: list[int], live: int, drafter, max_context: int) -> int | None:
-        """Load the prompt cache's deepest checkpoint of `prompt` if it lies past `live`
+    def _saved_state_for(self, prompt: list[int], live: int, drafter, max_context: int) -> int | None:
+        """Load the prompt cache's deepest saved state of `prompt` if it lies past `live`
         tokens (the live cache's best point); its length, or None."""
         cache = self.prompt_cache
         if cache is None or not cache.budget:
@@ -81,7 +81,7 @@ class Session:
         held = common_prefix(self.tokens, prompt, node.end)
         draft_held = 0 if draft is None or draft is not self.draft_snapshot else min(held, draft.offset)
         cache.load(node, self.cache, draft, held, draft_held)
-        if held < len(self.tokens):  # another sequence's checkpoint: the drafting state was the live one's
+        if held < len(self.tokens):  # another sequence's saved state: the drafting state was the live one's
             self.fallback = None
         self.tokens = prompt[:node.end]
         self._points = [p for p in self._points if p.length <= held]
@@ -98,7 +98,7 @@ class Session:
             else:
                 stats.misses += 1
 
-    def checkpoint(self, tokens: Sequence[int], snapshot=None, draft=None) -> None:
+    def save_state(self, tokens: Sequence[int], snapshot=None, draft=None) -> None:
         """Keep the cache's state after `tokens` in the prompt cache (if any): the cache
         holds their rows and is at len(tokens) rows (or was, at `snapshot`); `draft` is
         the drafter's context holding them too, when the engine drafts."""
@@ -108,7 +108,7 @@ class Session:
         self.prompt_cache.insert(list(tokens), self.cache, state, draft)
 
     def stops(self, start: int, end: int, boundaries: Sequence[int] = ()) -> list[int]:
-        """Where prefilling rows [start, end) takes checkpoints: one token before the end
+        """Where prefilling rows [start, end) saves states: one token before the end
         (the same prompt again resumes there) and the end, and with a prompt cache its
         interval's multiples and the message `boundaries` in between."""
         if self.prompt_cache is None or not self.prompt_cache.budget:

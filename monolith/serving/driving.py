@@ -14,7 +14,6 @@ from contextlib import aclosing
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..runtime.engine import EngineClosed, QueueFull, QueueTimeout
 from ..runtime.events import (
     ContextLengthError,
     Delta,
@@ -26,6 +25,7 @@ from ..runtime.events import (
     Started,
 )
 from ..runtime.grammar import Grammar
+from ..runtime.jobs import EngineClosed, QueueFull, QueueTimeout
 from ..runtime.pipeline import PipelineError
 from .errors import APIError, ContextOverflow, bad
 from .metrics import Metrics

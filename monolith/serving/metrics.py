@@ -100,16 +100,16 @@ class PromptCacheCollector:
         series = (
             (CounterMetricFamily, "hits", "Requests that resumed from a cached prefix", stats and stats.hits),
             (CounterMetricFamily, "misses", "Requests that prefilled from the first token", stats and stats.misses),
-            (CounterMetricFamily, "evictions", "Checkpoints dropped to stay within the memory budget",
+            (CounterMetricFamily, "evictions", "Saved states dropped to stay within the memory budget",
              stats and stats.evictions),
-            (CounterMetricFamily, "disk_hits", "Checkpoints loaded from --prompt-cache-dir", stats and stats.disk_hits),
-            (GaugeMetricFamily, "checkpoints", "Checkpoints held in memory", cache and cache.checkpoints),
+            (CounterMetricFamily, "disk_hits", "Saved states loaded from --prompt-cache-dir", stats and stats.disk_hits),
+            (GaugeMetricFamily, "saved_states", "Saved states held in memory", cache and cache.saved_states),
             (GaugeMetricFamily, "bytes", "Bytes of KV rows and recurrent states the prompt cache holds",
              cache and cache.nbytes),
             (GaugeMetricFamily, "budget_bytes", "The prompt cache's memory budget (--prompt-cache-size)",
              cache and cache.budget),
-            (GaugeMetricFamily, "disk_files", "Checkpoint files in --prompt-cache-dir", store and store.files),
-            (GaugeMetricFamily, "disk_bytes", "Bytes of checkpoint files in --prompt-cache-dir", store and store.nbytes))
+            (GaugeMetricFamily, "disk_files", "State files in --prompt-cache-dir", store and store.files),
+            (GaugeMetricFamily, "disk_bytes", "Bytes of the state files in --prompt-cache-dir", store and store.nbytes))
         for family, name, doc, value in series:
             metric = family(f"monolith_prompt_cache_{name}", doc)
             metric.add_metric([], value or 0)
