@@ -58,16 +58,17 @@ class ResponsesSocket:
             else:
                 await websocket.close(WS_1008_POLICY_VIOLATION, e.message[:120])
             return
+        opened = self.clock()  # before the client can see the handshake answered
         await websocket.accept()
-        await _Connection(self, websocket).run()
+        await _Connection(self, websocket, opened).run()
 
 
 class _Connection:
-    def __init__(self, socket: ResponsesSocket, websocket: WebSocket):
+    def __init__(self, socket: ResponsesSocket, websocket: WebSocket, opened: float):
         self.socket = socket
         self.handlers = socket.handlers
         self.websocket = websocket
-        self.opened = socket.clock()
+        self.opened = opened
         self.last: tuple[dict, list[dict]] | None = None  # the most recent response: (body, conversation)
 
     async def run(self) -> None:
