@@ -105,14 +105,23 @@ def one_answer(run) -> dict:
     return json.loads(lines[0])
 
 
+@pytest.fixture(scope="module")
+def one_process(env):
+    """(target, mode) -> the model flags and the answer of one process, run once for both
+    rank counts."""
+    return {}
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("mode", ["plain", "speculative"])
 @pytest.mark.parametrize("target", ["demo", "dense"])
-def test_pipeline_output_equals_one_process(env, request, target, mode, ranks):
-    model = request.getfixturevalue(target)
-    if mode == "plain":
-        model = model[:2] + ["--no-draft"]
-    alone = one_answer(generate(env, model, []))
+def test_pipeline_output_equals_one_process(env, request, one_process, target, mode, ranks):
+    if (target, mode) not in one_process:
+        model = request.getfixturevalue(target)
+        if mode == "plain":
+            model = model[:2] + ["--no-draft"]
+        one_process[target, mode] = model, one_answer(generate(env, model, []))
+    model, alone = one_process[target, mode]
     split = one_answer(generate(env, model, [], ranks))
     assert split["token_ids"] == alone["token_ids"]
     assert split["text"] == alone["text"]

@@ -36,6 +36,21 @@ def headers_only(monkeypatch):
     monkeypatch.setattr(Checkpoint, "_sha256", forbidden)
 
 
+@pytest.fixture(scope="module")
+def skeleton(tmp_path_factory):
+    """skeleton(layout) -> a full-size sparse skeleton of a published target layout, written
+    once per module (about 3 s each): dry runs only read it."""
+    root = tmp_path_factory.mktemp("skeletons")
+    made = {}
+
+    def get(layout: str) -> Path:
+        if layout not in made:
+            made[layout] = write_published_target(root / layout, layout, preset="full", skeleton=True)
+        return made[layout]
+
+    return get
+
+
 def snapshot(path: Path) -> dict:
     return {p.relative_to(path).as_posix(): p.stat().st_mtime_ns for p in sorted(path.rglob("*"))}
 
@@ -161,9 +176,8 @@ def expected_payload_35b() -> int:
     return 2 * V * H + 4 * H + nvfp4(V, H) + sum(per_layer)
 
 
-def test_dry_run_of_a_full_size_35b_skeleton(tmp_path, headers_only):
-    src = tmp_path / "nvidia-35b"
-    write_published_target(src, "nvidia-35b", preset="full", skeleton=True)
+def test_dry_run_of_a_full_size_35b_skeleton(skeleton, headers_only):
+    src = skeleton("nvidia-35b")
     source_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert source_bytes > 22e9  # "23.4 GB of safetensors"
     start = time.perf_counter()
@@ -185,27 +199,25 @@ def test_dry_run_of_a_full_size_35b_skeleton(tmp_path, headers_only):
     assert f"pack size   {report.pack_bytes} bytes" in text
 
 
-def test_dry_run_cli_on_the_35b_skeleton(tmp_path):
-    src = tmp_path / "nvidia-35b"
-    write_published_target(src, "nvidia-35b", preset="full", skeleton=True)
+def test_dry_run_cli_on_the_35b_skeleton(skeleton):
+    src = skeleton("nvidia-35b")
+    before = snapshot(src.parent)
     start = time.perf_counter()
     result = run_cli("build", src, "--dry-run")
     MEASURED["dry run of the 35B-A3B skeleton, CLI incl. start-up (s)"] = round(time.perf_counter() - start, 2)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "problems    0" in result.stdout
-    assert not any(p.name.startswith(".") or p.is_dir() for p in tmp_path.iterdir() if p != src)
+    assert snapshot(src.parent) == before  # nothing written beside or inside the source
 
 
 @pytest.mark.parametrize("layout", [*TARGET_LAYOUTS, *DRAFT_LAYOUTS])
-def test_dry_run_of_every_published_layout_at_full_size(tmp_path, headers_only, layout):
+def test_dry_run_of_every_published_layout_at_full_size(tmp_path, skeleton, headers_only, layout):
     """Every published layout (monolith.synth.published, full-size sparse skeletons)
     plans with no problem, from headers only, and every source tensor gets an action."""
     if layout in TARGET_LAYOUTS:
-        src = write_published_target(tmp_path / layout, layout, preset="full", skeleton=True)
+        src = skeleton(layout)
     else:
-        target = write_published_target(tmp_path / "target", DRAFT_LAYOUTS[layout].target, preset="full",
-                                         skeleton=True)
-        src = write_published_draft(tmp_path / layout, layout, target, skeleton=True)
+        src = write_published_draft(tmp_path / layout, layout, skeleton(DRAFT_LAYOUTS[layout].target), skeleton=True)
     start = time.perf_counter()
     report = dry_run(src)
     MEASURED[f"dry run of the full-size {layout} skeleton (s)"] = round(time.perf_counter() - start, 2)
