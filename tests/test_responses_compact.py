@@ -6,6 +6,8 @@ or foreign compaction item is a 400 naming it."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -28,9 +30,8 @@ def server(demo_f32):
 
 def test_compaction_continues_like_the_chat_endpoint(server):
     client = server.client()
-    compacted = client.responses.compact(model=NAME, input=TURNS, instructions="Be terse.")
-    body = httpx.post(server.url + "/v1/responses/compact", timeout=300,
-                      json={"model": NAME, "input": TURNS, "instructions": "Be terse."}).json()
+    raw = client.responses.with_raw_response.compact(model=NAME, input=TURNS, instructions="Be terse.")
+    compacted, body = raw.parse(), json.loads(raw.text)  # the SDK's reading and the wire's
     check("CompactResource", body)
     assert [i.type for i in compacted.output] == [i["type"] for i in body["output"]]
     assert compacted.object == "response.compaction" and compacted.usage.output_tokens > 0
