@@ -18,7 +18,10 @@ from serving_rig import Scripted, Server, demo_servers
 from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
-from monolith.serving.anthropic import parse_count_tokens_request, parse_messages_request
+from monolith.serving.anthropic import (
+    parse_count_tokens_request,
+    parse_messages_request,
+)
 from monolith.serving.errors import APIError
 from monolith.serving.schemas import SamplingDefaults
 from monolith.tokenizer import load_tokenizer
