@@ -46,7 +46,7 @@ from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
-from .responses import ChatFormat, CompletionFormat, TokenText, read_json
+from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .responses_routes import STORED_ROUTES, ResponsesRoutes, StoredResponses
 from .responses_socket import LIMIT_SECONDS, ResponsesSocket
 from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
