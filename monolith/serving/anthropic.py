@@ -29,7 +29,7 @@ from .context_edits import ContextEdits, parse_context_management
 from .errors import bad
 from .fields import refuse_unknown
 from .schemas import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_request
-from .tool_specs import chat_tool, named, tool_fields
+from .tool_specs import chat_tool, named, tool_entries, tool_fields
 
 # accepted and inert: metadata (user_id), cache_control (the prompt cache keeps every
 # prefix on its own), service_tier, speed, inference_geo, diagnostics, and the beta's
@@ -288,13 +288,8 @@ def _assistant_blocks(blocks: list, where: str) -> dict:
 
 
 def _tools(value) -> list[dict] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad("tools must be a list of {\"name\", \"description\", \"input_schema\"} objects", "tools")
     out = []
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
+    for at, tool in tool_entries(value, "{\"name\", \"description\", \"input_schema\"} objects"):
         if not isinstance(tool, dict):
             raise bad(f"{at} must be an object", at)
         if tool.get("type") not in (None, "custom"):

@@ -32,7 +32,7 @@ import llguidance
 from .errors import bad
 from .fields import refuse_extra
 from .responses_items import flat_name, string_field
-from .tool_specs import chat_tool, forced_calls, named, tool_fields
+from .tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
 
 HOSTED = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
@@ -55,12 +55,7 @@ class Tools:
 
 def parse_tools(value) -> Tools:
     tools = Tools()
-    if value is None:
-        return tools
-    if not isinstance(value, list):
-        raise bad("tools must be a list of tool objects", "tools")
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
+    for at, tool in tool_entries(value, "tool objects"):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind in HOSTED:
             tools.omitted.append(kind)

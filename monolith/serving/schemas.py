@@ -26,7 +26,7 @@ from .fields import (
     refuse_unknown,
 )
 from .structured import Structure, response_format
-from .tool_specs import forced_calls, json_arguments, named, tool_fields
+from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_fields
 
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
@@ -367,12 +367,7 @@ def _tool_calls(value, where: str) -> list[dict]:
 
 
 def _tools(value) -> list[dict] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
+    for at, tool in tool_entries(value, "{\"type\": \"function\", \"function\": {...}} objects"):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", at)
         tool_fields(tool["function"], f"{at}.function")

@@ -115,6 +115,15 @@ def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
     return Grammar(text, starts_after)
 
 
+def grammar_tokenizer(engine):
+    """The engine's llguidance tokenizer (a 500 if llguidance cannot read the tokenizer)."""
+    try:
+        return engine.grammar_tokenizer
+    except Exception as e:  # noqa: BLE001 - llguidance refused the tokenizer
+        raise APIError(500, f"structured output is unavailable: llguidance cannot read this tokenizer: {e}",
+                       "response_format") from None
+
+
 def check(structure: Structure, grammar_: Grammar, grammar_tokenizer) -> None:
     """A 400 naming what llguidance refuses (e.g. an unimplemented schema keyword)."""
     try:

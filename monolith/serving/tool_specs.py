@@ -2,6 +2,7 @@
 of how the server holds it. Each API reads its own wire shape (chat's in schemas.py,
 Anthropic's in anthropic.py, the Responses API's in responses_tools.py) and calls these:
 
+- `tool_entries`: the entries of a `tools` list, each with its path (`tools[0]`);
 - `tool_fields`: a tool's name (a non-empty string), description (a string, if given)
   and parameter schema (an object whose `properties` and `required` the tool-call
   parser can read: `check_parameters`), each refused with a 400 naming it under the
@@ -20,6 +21,16 @@ import json
 
 from .errors import bad
 from .structured import Structure
+
+
+def tool_entries(value, shape: str) -> list[tuple[str, object]]:
+    """(path, entry) for each entry of a `tools` list (None: no tools); a 400 if `tools`
+    is not a list (`shape` words what its entries must be)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad(f"tools must be a list of {shape}", "tools")
+    return [(f"tools[{i}]", tool) for i, tool in enumerate(value)]
 
 
 def tool_fields(tool: dict, at: str, schema_key: str | None = "parameters",
