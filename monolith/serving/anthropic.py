@@ -1,15 +1,17 @@
 """Anthropic's Messages API on the chat path: POST /v1/messages and
-/v1/messages/count_tokens: the requests (the replies: anthropic_reply.py).
+/v1/messages/count_tokens: the requests (the replies: anthropic_reply.py; the
+endpoints: anthropic_routes.py).
 
 A request is checked here, field by field (an unknown field, block type or value this
 server cannot honour is a 400 naming it), and turned into the OpenAI-shaped chat body
 the rest of the server reads (schemas.parse_chat_request): `system` becomes a system
 message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
 messages, `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
-functions with `parameters`; `tool_choice` any -> "required", tool -> the named
-function (both grammar-constrained, schemas.py / structured.py). `thinking` and
-`output_config` are read by anthropic_options.py, `context_management` by
-context_edits.py.
+functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
+any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
+call), tool -> the named function (both grammar-constrained, schemas.py /
+structured.py). `thinking` and `output_config` are read by anthropic_options.py,
+`context_management` by context_edits.py.
 
 Accepted and inert (HINTS): `metadata`, `cache_control` at any level (the prompt cache
 keeps every prefix on its own, and usage reports its hits exactly), `service_tier`,
