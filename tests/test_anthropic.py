@@ -18,6 +18,12 @@ from serving_rig import Scripted, Server, demo_servers
 from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
+from monolith.serving.anthropic import (
+    parse_count_tokens_request,
+    parse_messages_request,
+)
+from monolith.serving.errors import APIError
+from monolith.serving.schemas import SamplingDefaults
 from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024
@@ -349,6 +355,20 @@ def test_hostile_fields_never_5xx(servers, change):
         assert r.status_code < 500, r.text
         if r.status_code != 200:  # (a reply's text may say anything: the demo model writes Python)
             _anthropic_error(r, r.status_code, {400: "invalid_request_error", 404: "not_found_error"}[r.status_code])
+
+
+@pytest.mark.parametrize("schema,param", [
+    ({"type": "object", "properties": ["city"]}, "tools[0].input_schema.properties"),
+    ({"type": "object", "properties": {"city": "string"}}, "tools[0].input_schema.properties.city"),
+    ({"type": "object", "properties": {}, "required": [1]}, "tools[0].input_schema.required"),
+])
+def test_a_tool_schema_the_call_parser_cannot_read_is_a_400_naming_input_schema(schema, param):
+    """The parameter-schema checks every API shares (tool_specs.py), named in Anthropic's fields."""
+    body = {"model": NAME, "messages": HELLO, "tools": [{"name": "get_weather", "input_schema": schema}]}
+    for parse, extra in ((parse_messages_request, {"max_tokens": 5}), (parse_count_tokens_request, {})):
+        with pytest.raises(APIError) as caught:
+            parse({**body, **extra}, SamplingDefaults())
+        assert caught.value.status == 400 and caught.value.param == param and param in caught.value.message
 
 
 def test_malformed_bodies_and_deep_nesting(servers):

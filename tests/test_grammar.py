@@ -22,6 +22,7 @@ from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams, filtered_probs, mask_logits
 from monolith.serving import structured
+from monolith.serving.tool_specs import forced_calls
 from monolith.serving.tools import parse_tool_calls
 
 MAX_CONTEXT = 256
@@ -190,7 +191,7 @@ def test_qwen35_xml_tool_calls(demo):
     tools = [{"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {
         "path": {"type": "string"}, "steps": {"type": "integer", "minimum": 1, "maximum": 5},
         "force": {"type": "boolean"}}, "required": ["path", "steps"]}}}]
-    grammar = structured.grammar(structured.tool_choice("required", tools), xml_tok, reasoning_open=False)
+    grammar = structured.grammar(forced_calls(tools), xml_tok, reasoning_open=False)
     gt.check(grammar)
 
     def accepts(text):

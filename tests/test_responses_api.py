@@ -238,6 +238,11 @@ def nested(depth: int) -> bytes:
     ({"input": "x", "tools": [{"type": "browser"}]}, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools[0].parameters"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"properties": ["a"]}}]},
+     "tools[0].parameters.properties"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "function", "name": "f", "parameters": {"properties": {}, "required": "a"}}]}]},
+     "tools[0].tools[0].parameters.required"),
     ({"input": "x", "tools": [TOOLS[0], TOOLS[0]]}, "tools[1].name"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),

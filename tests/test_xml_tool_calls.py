@@ -92,10 +92,12 @@ def gt(xml_model):
     return GrammarTokenizer.of(tok, model.args.vocab_size)
 
 
-def grammar_of(tools, tok, choice="required"):
+def grammar_of(tools, tok, single=False):
+    """The grammar of a forced call: tool_choice "required" (`single`: a named tool's)."""
     from monolith.serving import structured
+    from monolith.serving.tool_specs import forced_calls
 
-    return structured.grammar(structured.tool_choice(choice, tools), tok, reasoning_open=False)
+    return structured.grammar(forced_calls(tools, single=single), tok, reasoning_open=False)
 
 
 def accepts(gt, tok, grammar, text) -> bool:
@@ -259,7 +261,7 @@ def named(tool) -> dict:
 def test_format_examples(xml_model, gt, name):
     _, tok = xml_model
     tool = one_parameter({"type": "string", "format": name})
-    grammar = grammar_of([tool], tok, named(tool))
+    grammar = grammar_of([tool], tok, single=True)
     good, bad = FORMAT_EXAMPLES[name]
     for value in good:
         assert accepts(gt, tok, grammar, xml_call("f", {"v": value})), value
@@ -318,7 +320,7 @@ def test_random_paths_through_a_format_are_valid(xml_model, gt, name):
 
     _, tok = xml_model
     tool = one_parameter({"type": "string", "format": name})
-    grammar = grammar_of([tool], tok, named(tool))
+    grammar = grammar_of([tool], tok, single=True)
     rng = np.random.default_rng(0)
     texts = [random_text(gt, tok, grammar, rng) for _ in range(40)]
     ended = [t for t in texts if t is not None]

@@ -1,15 +1,17 @@
 """Anthropic's Messages API on the chat path: POST /v1/messages and
-/v1/messages/count_tokens: the requests (the replies: anthropic_reply.py).
+/v1/messages/count_tokens: the requests (the replies: anthropic_reply.py; the
+endpoints: anthropic_routes.py).
 
 A request is checked here, field by field (an unknown field, block type or value this
 server cannot honour is a 400 naming it), and turned into the OpenAI-shaped chat body
 the rest of the server reads (schemas.parse_chat_request): `system` becomes a system
 message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
 messages, `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
-functions with `parameters`; `tool_choice` any -> "required", tool -> the named
-function (both grammar-constrained, schemas.py / structured.py). `thinking` and
-`output_config` are read by anthropic_options.py, `context_management` by
-context_edits.py.
+functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
+any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
+call), tool -> the named function (both grammar-constrained, schemas.py /
+structured.py). `thinking` and `output_config` are read by anthropic_options.py,
+`context_management` by context_edits.py.
 
 Accepted and inert (HINTS): `metadata`, `cache_control` at any level (the prompt cache
 keeps every prefix on its own, and usage reports its hits exactly), `service_tier`,
@@ -22,14 +24,14 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .anthropic_options import Thinking, output_format, parse_thinking
 from .context_edits import ContextEdits, parse_context_management
 from .errors import bad
 from .fields import refuse_unknown
 from .schemas import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_request
-from .structured import Structure
+from .tool_specs import chat_tool, named, tool_entries, tool_fields
 
 # accepted and inert: metadata (user_id), cache_control (the prompt cache keeps every
 # prefix on its own), service_tier, speed, inference_geo, diagnostics, and the beta's
@@ -70,7 +72,7 @@ def parse_messages_request(body: dict, defaults: SamplingDefaults) -> MessagesRe
     _check_type(body, "max_tokens", int, "an integer >= 1")
     if body["max_tokens"] < 1:
         raise bad(f"max_tokens must be an integer >= 1, got {body['max_tokens']}", "max_tokens")
-    chat, single = _chat_body(body)
+    chat = _chat_body(body)
     chat["max_tokens"] = body["max_tokens"]
     for name in ("stream", "top_p", "top_k"):
         if body.get(name) is not None:
@@ -88,16 +90,16 @@ def parse_messages_request(body: dict, defaults: SamplingDefaults) -> MessagesRe
         if len(stops) > MAX_STOP_STRINGS:
             raise bad(f"stop_sequences has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop_sequences")
         chat["stop"] = stops
-    return _request(body, chat, single, defaults)
+    return _request(body, chat, defaults)
 
 
 def parse_count_tokens_request(body: dict, defaults: SamplingDefaults) -> MessagesRequest:
     refuse_unknown(body, COUNT_FIELDS, "")
-    chat, single = _chat_body(body)
-    return _request(body, chat, single, defaults)
+    chat = _chat_body(body)
+    return _request(body, chat, defaults)
 
 
-def _request(body: dict, chat: dict, single: bool, defaults: SamplingDefaults) -> MessagesRequest:
+def _request(body: dict, chat: dict, defaults: SamplingDefaults) -> MessagesRequest:
     _check_hints(body)
     thinking = parse_thinking(body, chat["messages"][-1]["role"] == "tool")
     if thinking.switch is not None:
@@ -107,9 +109,6 @@ def _request(body: dict, chat: dict, single: bool, defaults: SamplingDefaults) -
         chat["response_format"] = response_format
     edits = parse_context_management(body.get("context_management"))
     req = parse_chat_request(chat, defaults)
-    if single:
-        s = req.structure
-        req = replace(req, structure=Structure(s.kind, s.param, s.schema, s.tools, single=True))
     eager = frozenset(t["name"] for t in body.get("tools") or () if t.get("eager_input_streaming") is True)
     return MessagesRequest(req, chat["model"], req.tools, thinking, edits, eager)
 
@@ -127,9 +126,10 @@ def _check_hints(body: dict) -> None:
             raise bad(f"{name} must be an object", name)
 
 
-def _chat_body(body: dict) -> tuple[dict, bool]:
-    """The OpenAI-shaped chat body of the fields the two endpoints share, and whether the
-    output must be exactly one call to any of the tools (any + disable_parallel_tool_use)."""
+def _chat_body(body: dict) -> dict:
+    """The OpenAI-shaped chat body of the fields the two endpoints share (any +
+    disable_parallel_tool_use, exactly one call to any of the tools: "required" with
+    parallel_tool_calls false)."""
     if body.get("model") is None:
         raise bad("model is required", "model")
     _check_type(body, "model", str, "a string")
@@ -141,7 +141,9 @@ def _chat_body(body: dict) -> tuple[dict, bool]:
         chat["tools"] = tools
     if choice is not None:
         chat["tool_choice"] = choice
-    return chat, single
+    if single:
+        chat["parallel_tool_calls"] = False
+    return chat
 
 
 def _check_type(value: dict, name: str, kind, want: str, where: str = "") -> None:
@@ -288,33 +290,20 @@ def _assistant_blocks(blocks: list, where: str) -> dict:
 
 
 def _tools(value) -> list[dict] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad("tools must be a list of {\"name\", \"description\", \"input_schema\"} objects", "tools")
     out = []
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
+    for at, tool in tool_entries(value, "{\"name\", \"description\", \"input_schema\"} objects"):
         if not isinstance(tool, dict):
             raise bad(f"{at} must be an object", at)
         if tool.get("type") not in (None, "custom"):
             raise bad(f"{at}.type: {json.dumps(tool.get('type'))[:60]} tools (server tools) are not supported; "
                       "only client tools with an input_schema", f"{at}.type")
         refuse_unknown(tool, TOOL_FIELDS, f"{at}.")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad(f"{at}.name must be a non-empty string", f"{at}.name")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise bad(f"{at}.input_schema must be a JSON schema object", f"{at}.input_schema")
+        name, description, schema = tool_fields(tool, at, "input_schema", schema_required=True)
         for flag in ("eager_input_streaming", "strict", "defer_loading"):
             if tool.get(flag) is not None and not isinstance(tool[flag], bool):
                 raise bad(f"{at}.{flag} must be true or false", f"{at}.{flag}")
-        fn = {"name": tool["name"]}  # in the order OpenAI's function objects have
-        if tool.get("description") is not None:
-            if not isinstance(tool["description"], str):
-                raise bad(f"{at}.description must be a string", f"{at}.description")
-            fn["description"] = tool["description"]
-        fn["parameters"] = tool["input_schema"]
-        out.append({"type": "function", "function": fn})
+        # in the order OpenAI's function objects have
+        out.append(chat_tool(name=name, description=description, parameters=schema))
     return out or None
 
 
@@ -343,6 +332,6 @@ def _tool_choice(value, tools: list[dict] | None) -> tuple[object, bool]:
         return "required", bool(single)
     if not isinstance(value.get("name"), str):
         raise bad("tool_choice.name must be a string", "tool_choice.name")
-    if value["name"] not in [t["function"]["name"] for t in tools]:
+    if not named(tools, value["name"]):
         raise bad(f"tool_choice names tool {value['name']!r}, which is not in tools", "tool_choice.name")
     return {"type": "function", "function": {"name": value["name"]}}, False

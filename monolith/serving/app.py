@@ -3,11 +3,15 @@
 
 - GET /health, GET /metrics, GET /v1/models;
 - POST /v1/chat/completions and /v1/completions (OpenAI);
-- POST /v1/messages and /v1/messages/count_tokens (Anthropic);
+- POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
+  anthropic_routes.py);
 - POST /v1/responses, /v1/responses/input_tokens and /v1/responses/compact; for a
   stored response GET and DELETE /v1/responses/{id}, GET .../{id}/input_items and
   POST .../{id}/cancel (the handlers: responses_routes.py); and a WebSocket at
   /v1/responses (responses_socket.py), on the same engine driving (driving.py).
+
+An API other than OpenAI's chat and completions brings its routes (`API_ROUTES`: each
+module's `routes(handlers)`), its handlers calling the app's (`_Handlers`).
 
 `create_app(load, config)` answers at once and runs `load()` (which returns an
 Engine) on a background thread: /health says 503 until it is done, and the
@@ -35,20 +39,18 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Route
 
 from ..runtime import heap
 from ..runtime.engine import release_thread_streams
 from ..runtime.grammar import Grammar
-from . import access, anthropic, anthropic_options, anthropic_reply, structured
-from .context_edits import edit_context
+from . import access, anthropic_routes, responses_routes, structured
+from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
-from .responses import ChatFormat, CompletionFormat, TokenText, read_json
-from .responses_routes import STORED_ROUTES, ResponsesRoutes, StoredResponses
-from .responses_socket import LIMIT_SECONDS, ResponsesSocket
+from .responses_socket import LIMIT_SECONDS
 from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
 from .schemas import (
     ChatRequest,
@@ -59,6 +61,9 @@ from .schemas import (
 )
 
 log = logging.getLogger("monolith.serve")
+# the APIs beside OpenAI's chat and completions: each module's `routes(handlers)` gives
+# its endpoints (docs/serving.md, "Adding an API")
+API_ROUTES = (anthropic_routes.routes, responses_routes.routes)
 TRIM_AFTER_BYTES = 2**20  # a request body this large: hand the freed heap back after it (runtime/heap.py)
 
 
@@ -111,14 +116,6 @@ def _prepare_grammars(engine) -> None:
         log.warning("structured output is unavailable: llguidance cannot read this tokenizer: %s", e)
 
 
-def _grammar_tokenizer(engine):
-    try:
-        return engine.grammar_tokenizer
-    except Exception as e:  # noqa: BLE001 - llguidance refused the tokenizer
-        raise APIError(500, f"structured output is unavailable: llguidance cannot read this tokenizer: {e}",
-                       "response_format") from None
-
-
 def create_app(load: Callable[[], object], config: ServerConfig,
                on_load_failure: Callable[[Exception], None] | None = None) -> Starlette:
     """The app; `load()` runs on a background thread at startup and returns the Engine.
@@ -146,23 +143,13 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
 
     handlers = _Handlers(state)
-    posted, stored = ResponsesRoutes(handlers), StoredResponses(state.responses)
     routes = [
         Route("/health", handlers.health, methods=["GET"]),
         Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
         Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
         Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
-        Route("/v1/messages", handlers.endpoint("messages", handlers.messages, anthropic_error), methods=["POST"]),
-        Route("/v1/messages/count_tokens", handlers.endpoint("count_tokens", handlers.count_tokens, anthropic_error),
-              methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
-        Route("/v1/responses", handlers.endpoint("responses", posted.responses), methods=["POST"]),
-        Route("/v1/responses/input_tokens", handlers.endpoint("responses", posted.input_tokens), methods=["POST"]),
-        Route("/v1/responses/compact", handlers.endpoint("responses", posted.compact), methods=["POST"]),
-        *[Route(path, handlers.endpoint("responses", _json(getattr(stored, name))), methods=[method])
-          for path, method, name in STORED_ROUTES],
-        WebSocketRoute("/v1/responses", ResponsesSocket(handlers, config.websocket_limit_seconds,
-                                                        config.websocket_clock).serve),
+        *[route for api_routes in API_ROUTES for route in api_routes(handlers)],
     ]
 
     async def http_error(request, exc: HTTPException):
@@ -175,26 +162,14 @@ def create_app(load: Callable[[], object], config: ServerConfig,
     return app
 
 
-def _json(handler):
-    """A handler that returns a JSON body, as a starlette endpoint."""
-
-    async def run(request: Request) -> Response:
-        return JSONResponse(await handler(request))
-
-    return run
-
-
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def anthropic_error(e: APIError) -> JSONResponse:
-    return JSONResponse(anthropic_reply.error_body(e), status_code=e.status)
-
-
 class _Handlers(Driver):
-    """The endpoints (and what the Responses routes and WebSocket reach them by: access,
-    the engine, the model, the body), on the engine driving of driving.py."""
+    """The endpoints (and what each API's routes, API_ROUTES, and the Responses WebSocket
+    reach them by: access, the engine, the model, the body), on the engine driving of
+    driving.py."""
 
     def endpoint(self, name: str, handler, render: Callable[[APIError], Response] = error_response):
         """Authorization, error bodies for every failure (`render`: OpenAI's shape unless
@@ -292,7 +267,7 @@ class _Handlers(Driver):
             constraint = None
             if req.structure is not None:
                 constraint = structured.grammar(req.structure, engine.tokenizer, reasoning)
-                structured.check(req.structure, constraint, _grammar_tokenizer(engine))
+                structured.check(req.structure, constraint, structured.grammar_tokenizer(engine))
             return engine.tokenizer.encode(text, add_special_tokens=False), reasoning, constraint
 
         return await anyio.to_thread.run_sync(encode)
@@ -313,32 +288,6 @@ class _Handlers(Driver):
         job, events = await self.start(engine, prompt_ids, req, fmt, prompt_param, started,
                                        engine.tokenizer.message_ends(prompt_ids), constraint, request)
         return job, events, fmt
-
-    async def messages(self, request: Request) -> Response:
-        """Anthropic's Messages API (anthropic.py, anthropic_reply.py)."""
-        engine = self.ready_engine()
-        started = time.monotonic()
-        req = anthropic.parse_messages_request(await self.read_body(request), self.state.defaults)
-        name = self.model_name(req.model)
-        chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False)
-        prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, chat)
-        if req.thinking.budget is not None:  # a grammar ends the reasoning
-            constraint = anthropic_options.budget_grammar(req.thinking, reasoning_open, constraint,
-                                                          engine.tokenizer, _grammar_tokenizer(engine))
-        fmt = anthropic_reply.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer, applied)
-        return await self.generate(request, engine, prompt_ids, chat, fmt, "messages", started,
-                                    engine.tokenizer.message_ends(prompt_ids), constraint)
-
-    async def count_tokens(self, request: Request) -> Response:
-        engine = self.ready_engine()
-        req = anthropic.parse_count_tokens_request(await self.read_body(request), self.state.defaults)
-        self.model_name(req.model)
-        chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True)
-        prompt_ids, _, _ = await self.encode_chat(engine, chat)
-        body = {"input_tokens": len(prompt_ids)}
-        if req.edits is not None:
-            body["context_management"] = {"original_input_tokens": original}
-        return JSONResponse(body)
 
     async def completions(self, request: Request) -> Response:
         engine = self.ready_engine()

@@ -2,11 +2,14 @@
 know is refused, not ignored, with a 400 naming it (its `param`): at the top of a body
 (`refuse_unknown`) or inside one of its objects (`refuse_extra`); a field accepted only
 at its neutral value (the one that means "off", or the API's default) is refused at any
-other (`refuse_non_neutral`)."""
+other (`refuse_non_neutral`). And a field's value checked against the type it must have
+(`optional`, `positive_int`, `real`): JSON null counts as not given."""
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 
 from .errors import bad
 
@@ -42,3 +45,35 @@ def refuse_extra(value: dict, allowed, at: str, label: str | None = None) -> Non
     extra = sorted(set(value) - set(allowed))
     if extra:
         raise bad(f"{label or at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
+
+
+def is_int(value) -> bool:
+    """An integer, not a boolean (JSON's true is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def optional(body: dict, name: str, kind, want: str, param: str | None = None):
+    """`body[name]` if it is a `kind` (`want` words it for the 400), None if not given."""
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise bad(f"{param or name} must be {want}, got {json.dumps(value)[:60]}", param or name)
+    return value
+
+
+def positive_int(body: dict, name: str) -> int | None:
+    value = optional(body, name, int, "an integer >= 1")
+    if value is not None and value < 1:
+        raise bad(f"{name} must be an integer >= 1, got {value}", name)
+    return value
+
+
+def real(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise bad(f"{name} must be a finite number, got {json.dumps(value)[:60]}", name)
+    return float(value)

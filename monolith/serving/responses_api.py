@@ -19,18 +19,18 @@ from dataclasses import dataclass
 
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
-from .fields import refuse_extra, refuse_non_neutral, refuse_unknown
+from .fields import (
+    optional,
+    positive_int,
+    real,
+    refuse_extra,
+    refuse_non_neutral,
+    refuse_unknown,
+)
 from .responses_items import items_to_messages
 from .responses_store import ResponseStore, input_items
 from .responses_tools import Tools, parse_tools, tool_choice
-from .schemas import (
-    MAX_TEMPERATURE,
-    ChatRequest,
-    SamplingDefaults,
-    _optional,
-    _positive_int,
-    _real,
-)
+from .schemas import MAX_TEMPERATURE, ChatRequest, SamplingDefaults
 from .structured import Structure
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
@@ -67,22 +67,22 @@ class ResponsesCall:
 def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) -> ResponsesCall:
     body = {key: value for key, value in body.items() if value is not None}
     _check_fields(body)
-    model = _optional(body, "model", str, "a string")
-    stream = _optional(body, "stream", bool, "true or false") or False
-    keep = _optional(body, "store", bool, "true or false")
-    parallel = _optional(body, "parallel_tool_calls", bool, "true or false")
+    model = optional(body, "model", str, "a string")
+    stream = optional(body, "stream", bool, "true or false") or False
+    keep = optional(body, "store", bool, "true or false")
+    parallel = optional(body, "parallel_tool_calls", bool, "true or false")
     parallel = True if parallel is None else parallel
-    max_tokens = _positive_int(body, "max_output_tokens")
-    temperature = _real(body, "temperature", defaults.temperature)
+    max_tokens = positive_int(body, "max_output_tokens")
+    temperature = real(body, "temperature", defaults.temperature)
     if temperature > MAX_TEMPERATURE:
         raise bad(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {temperature}", "temperature")
-    top_p = _real(body, "top_p", defaults.top_p)
+    top_p = real(body, "top_p", defaults.top_p)
     try:
         params = SamplingParams(temperature, top_p, defaults.top_k, defaults.min_p)
     except SamplingError as e:
         raise bad(str(e), e.field) from None
-    instructions = _optional(body, "instructions", str, "a string")
-    previous = _optional(body, "previous_response_id", str, "a string")
+    instructions = optional(body, "instructions", str, "a string")
+    previous = optional(body, "previous_response_id", str, "a string")
     history = list(store.get(previous, "previous_response_id")[1]) if previous is not None else []
     history += _input(body.get("input"), history)
     tools = parse_tools(body.get("tools"))
@@ -125,7 +125,7 @@ def _settings_echo(body: dict) -> dict:
     echo = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0, "background": False,
             "service_tier": "default", "max_tool_calls": max_calls}
     for name in ("safety_identifier", "prompt_cache_key"):
-        echo[name] = _optional(body, name, str, "a string")
+        echo[name] = optional(body, name, str, "a string")
     return echo
 
 
@@ -158,7 +158,7 @@ def _check_fields(body: dict) -> None:
 
 
 def _metadata(body: dict) -> dict:
-    value = _optional(body, "metadata", dict, "an object of strings") or {}
+    value = optional(body, "metadata", dict, "an object of strings") or {}
     if len(value) > 16:
         raise bad(f"metadata has {len(value)} keys; at most 16", "metadata")
     for key, item in value.items():

@@ -13,7 +13,7 @@ import json
 from .errors import bad
 from .fields import refuse_extra
 from .responses_seal import SEALER, SUMMARY_HEAD, open_summary
-from .schemas import json_arguments
+from .tool_specs import json_arguments
 
 SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (responses_tools.py)
 
@@ -39,17 +39,7 @@ def flat_name(name: str, namespace: str | None) -> str:
 def items_to_messages(items: list, where: str, known_calls: set | None = None) -> list[dict]:
     """Input (or output) items -> chat messages: consecutive reasoning, assistant message
     and function_call items make one assistant message."""
-    known_calls = set(known_calls or ())
-    messages: list[dict] = []
-    turn: dict | None = None  # the assistant message being assembled
-
-    def flush():
-        nonlocal turn
-        if turn is not None:
-            turn.setdefault("content", "")
-            messages.append(turn)
-            turn = None
-
+    talk = _Conversation(known_calls)
     for i, item in enumerate(items):
         at = f"{where}[{i}]"
         if not isinstance(item, dict):
@@ -60,59 +50,89 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
                       f"got {json.dumps(kind)[:60]}", f"{at}.type")
         refuse_extra(item, ITEM_KEYS[kind], at, f"{at} ({kind})")
         if kind == "message":
-            role = item.get("role")
-            if role not in TEXT_PARTS:
-                raise bad(f"{at}.role must be one of {', '.join(TEXT_PARTS)}, got {json.dumps(role)[:60]}",
-                          f"{at}.role")
-            if item.get("phase") is not None and (role != "assistant" or item["phase"] not in PHASES):
-                raise bad(f"{at}.phase must be one of {', '.join(PHASES)} on an assistant message, got "
-                          f"{json.dumps(item['phase'])[:60]}", f"{at}.phase")
-            text = _text_content(item.get("content"), TEXT_PARTS[role], f"{at}.content")
-            if role != "assistant":
-                flush()
-                messages.append({"role": "system" if role == "developer" else role, "content": text})
-                continue
-            if turn is not None and (turn.get("content") or turn.get("tool_calls")):
-                flush()
-            turn = turn or {"role": "assistant"}
-            turn["content"] = text
+            _message(item, at, talk)
         elif kind == "compaction":  # a window from POST /v1/responses/compact: its summary, as the user's
-            flush()
             summary = open_summary(item.get("encrypted_content"), f"{at}.encrypted_content")
-            messages.append({"role": "user", "content": SUMMARY_HEAD + summary, "compaction": True})
+            talk.add({"role": "user", "content": SUMMARY_HEAD + summary, "compaction": True})
         elif kind == "reasoning":
-            if item.get("encrypted_content") is not None:
-                text = SEALER.open(item["encrypted_content"], f"{at}.encrypted_content")
-            else:
-                parts = item.get("content") or item.get("summary") or []
-                text = _parts(parts, {"reasoning_text", "summary_text"},
-                              f"{at}.{'content' if item.get('content') else 'summary'}")
-            if turn is not None:
-                flush()
-            turn = {"role": "assistant", "reasoning_content": text}
+            talk.flush()
+            talk.turn = {"role": "assistant", "reasoning_content": _reasoning(item, at)}
         elif kind in ("function_call", "custom_tool_call"):
-            call_id, name = string_field(item, "call_id", at), string_field(item, "name", at)
-            if item.get("namespace") is not None:
-                name = flat_name(name, string_field(item, "namespace", at))
-            if kind == "function_call":
-                parsed = json_arguments(string_field(item, "arguments", at, empty=True), f"{at}.arguments")
-            else:
-                parsed = {"input": string_field(item, "input", at, empty=True)}
-            turn = turn or {"role": "assistant"}
-            turn.setdefault("tool_calls", []).append(
-                {"type": "function", "id": call_id, "function": {"name": name, "arguments": parsed}})
-            known_calls.add(call_id)
+            _call(item, kind, at, talk)
         else:  # function_call_output, custom_tool_call_output
             call_id = string_field(item, "call_id", at)
-            if call_id not in known_calls:
+            if call_id not in talk.known_calls:
                 raise bad(f"{at}.call_id {call_id!r} answers no tool call of this conversation",
                           f"{at}.call_id")
             output = item.get("output")
             text = output if isinstance(output, str) else _parts(output, {"input_text"}, f"{at}.output")
-            flush()
-            messages.append({"role": "tool", "content": text, "tool_call_id": call_id})
-    flush()
-    return messages
+            talk.add({"role": "tool", "content": text, "tool_call_id": call_id})
+    talk.flush()
+    return talk.messages
+
+
+class _Conversation:
+    """The chat messages so far, and the assistant message being assembled (`turn`)."""
+
+    def __init__(self, known_calls: set | None):
+        self.messages: list[dict] = []
+        self.turn: dict | None = None
+        self.known_calls = set(known_calls or ())  # the call ids an output may answer
+
+    def flush(self) -> None:
+        """The assistant message being assembled, ended."""
+        if self.turn is not None:
+            self.turn.setdefault("content", "")
+            self.messages.append(self.turn)
+            self.turn = None
+
+    def add(self, message: dict) -> None:
+        """A message that ends the assistant's turn."""
+        self.flush()
+        self.messages.append(message)
+
+    def assistant(self) -> dict:
+        """The assistant message being assembled (a new one if none is)."""
+        self.turn = self.turn or {"role": "assistant"}
+        return self.turn
+
+
+def _message(item: dict, at: str, talk: _Conversation) -> None:
+    role = item.get("role")
+    if role not in TEXT_PARTS:
+        raise bad(f"{at}.role must be one of {', '.join(TEXT_PARTS)}, got {json.dumps(role)[:60]}", f"{at}.role")
+    if item.get("phase") is not None and (role != "assistant" or item["phase"] not in PHASES):
+        raise bad(f"{at}.phase must be one of {', '.join(PHASES)} on an assistant message, got "
+                  f"{json.dumps(item['phase'])[:60]}", f"{at}.phase")
+    text = _text_content(item.get("content"), TEXT_PARTS[role], f"{at}.content")
+    if role != "assistant":
+        talk.add({"role": "system" if role == "developer" else role, "content": text})
+        return
+    if talk.turn is not None and (talk.turn.get("content") or talk.turn.get("tool_calls")):
+        talk.flush()
+    talk.assistant()["content"] = text
+
+
+def _reasoning(item: dict, at: str) -> str:
+    """A reasoning item's text: its encrypted_content opened, or its content (or summary) parts."""
+    if item.get("encrypted_content") is not None:
+        return SEALER.open(item["encrypted_content"], f"{at}.encrypted_content")
+    parts = item.get("content") or item.get("summary") or []
+    return _parts(parts, {"reasoning_text", "summary_text"}, f"{at}.{'content' if item.get('content') else 'summary'}")
+
+
+def _call(item: dict, kind: str, at: str, talk: _Conversation) -> None:
+    """A function_call or custom_tool_call, added to the assistant's turn."""
+    call_id, name = string_field(item, "call_id", at), string_field(item, "name", at)
+    if item.get("namespace") is not None:
+        name = flat_name(name, string_field(item, "namespace", at))
+    if kind == "function_call":
+        parsed = json_arguments(string_field(item, "arguments", at, empty=True), f"{at}.arguments")
+    else:
+        parsed = {"input": string_field(item, "input", at, empty=True)}
+    talk.assistant().setdefault("tool_calls", []).append(
+        {"type": "function", "id": call_id, "function": {"name": name, "arguments": parsed}})
+    talk.known_calls.add(call_id)
 
 
 def string_field(item: dict, name: str, at: str, empty: bool = False) -> str:

@@ -31,9 +31,11 @@ import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from . import responses_api, responses_compact, responses_reply
 from .errors import APIError, bad
+from .responses_socket import ResponsesSocket
 from .responses_store import ResponseStore
 
 log = logging.getLogger("monolith.serve")
@@ -47,6 +49,30 @@ STORED_ROUTES = (("/v1/responses/{response_id}", "GET", "get"), ("/v1/responses/
                  ("/v1/responses/{response_id}/input_items", "GET", "input_items"),
                  ("/v1/responses/{response_id}/cancel", "POST", "cancel"))  # (path, method, handler)
 CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finish it
+
+
+def routes(handlers) -> list[BaseRoute]:
+    """The routes of the Responses API's endpoints and its WebSocket on the app's handlers
+    (app._Handlers)."""
+    posted, stored, config = ResponsesRoutes(handlers), StoredResponses(handlers.state.responses), handlers.state.config
+    return [
+        Route("/v1/responses", handlers.endpoint("responses", posted.responses), methods=["POST"]),
+        Route("/v1/responses/input_tokens", handlers.endpoint("responses", posted.input_tokens), methods=["POST"]),
+        Route("/v1/responses/compact", handlers.endpoint("responses", posted.compact), methods=["POST"]),
+        *[Route(path, handlers.endpoint("responses", _json(getattr(stored, name))), methods=[method])
+          for path, method, name in STORED_ROUTES],
+        WebSocketRoute("/v1/responses", ResponsesSocket(handlers, config.websocket_limit_seconds,
+                                                        config.websocket_clock).serve),
+    ]
+
+
+def _json(handler):
+    """A handler that returns a JSON body, as a starlette endpoint."""
+
+    async def run(request: Request) -> Response:
+        return JSONResponse(await handler(request))
+
+    return run
 
 
 class ResponsesRoutes:

@@ -32,7 +32,7 @@ import llguidance
 from .errors import bad
 from .fields import refuse_extra
 from .responses_items import flat_name, string_field
-from .structured import Structure
+from .tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
 
 HOSTED = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
@@ -55,12 +55,7 @@ class Tools:
 
 def parse_tools(value) -> Tools:
     tools = Tools()
-    if value is None:
-        return tools
-    if not isinstance(value, list):
-        raise bad("tools must be a list of tool objects", "tools")
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
+    for at, tool in tool_entries(value, "tool objects"):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind in HOSTED:
             tools.omitted.append(kind)
@@ -97,33 +92,26 @@ def _tool(tool: dict, at: str, namespace: str | None, tools: Tools) -> dict:
     """A function or custom tool: its echo; its chat tool is added to `tools`."""
     kind = tool["type"]
     refuse_extra(tool, FUNCTION_KEYS if kind == "function" else CUSTOM_KEYS, at)
-    name = string_field(tool, "name", at)
+    name, description, parameters = tool_fields(tool, at, "parameters" if kind == "function" else None)
     seen = flat_name(name, namespace)
     if seen in tools.named:
         raise bad(f"{at}.name: a tool the model sees as {seen!r} is given twice", f"{at}.name")
     tools.named[seen] = (kind, name, namespace)
-    description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise bad(f"{at}.description must be a string", f"{at}.description")
     if kind == "function":
-        for key, want, words in (("parameters", dict, "a JSON schema object"), ("strict", bool, "true or false")):
-            if tool.get(key) is not None and not isinstance(tool[key], want):
-                raise bad(f"{at}.{key} must be {words}", f"{at}.{key}")
-        parameters = tool.get("parameters") or {"type": "object", "properties": {}}
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise bad(f"{at}.strict must be true or false", f"{at}.strict")
+        parameters = parameters or {"type": "object", "properties": {}}
         echo = {"type": "function", "name": name, "description": description, "parameters": parameters,
                 "strict": tool.get("strict")}
     else:
-        form, parameters, description = _custom(tool, at, seen, description, tools)
-        echo = {"type": "custom", "name": name, "description": tool.get("description"), "format": form}
-    fn = {"name": seen, "parameters": parameters}
-    if description is not None:
-        fn["description"] = description
-    tools.chat.append({"type": "function", "function": fn})
+        form, parameters = _custom(tool, at, seen, tools)
+        echo = {"type": "custom", "name": name, "description": description, "format": form}
+    tools.chat.append(chat_tool(name=seen, parameters=parameters, description=description))
     return echo
 
 
-def _custom(tool: dict, at: str, seen: str, description: str | None, tools: Tools):
-    """(the format echo, the one-string parameters the model sees, the description)."""
+def _custom(tool: dict, at: str, seen: str, tools: Tools) -> tuple[dict, dict]:
+    """(the format echo, the one-string parameters the model sees)."""
     form = tool.get("format") or {"type": "text"}
     where = f"{at}.format"
     if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
@@ -151,7 +139,7 @@ def _custom(tool: dict, at: str, seen: str, description: str | None, tools: Tool
             text["pattern"] = pattern
         form = {"type": "grammar", "syntax": syntax, "definition": definition}
     parameters = {"type": "object", "properties": {INPUT: text}, "required": [INPUT], "additionalProperties": False}
-    return form, parameters, description
+    return form, parameters
 
 
 def tool_choice(choice, tools: Tools, parallel: bool):
@@ -161,7 +149,7 @@ def tool_choice(choice, tools: Tools, parallel: bool):
     if choice == "required":
         if not tools.chat:
             raise bad("tool_choice \"required\" needs tools the model can call", "tool_choice")
-        return choice, _forcing(tools.chat, tools, single=not parallel)
+        return choice, forced_calls(tools.chat, single=not parallel, grammars=tools.grammars)
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind in HOSTED:
         raise bad(f"tool_choice forces the hosted tool {kind!r}, which this server cannot run", "tool_choice.type")
@@ -170,16 +158,9 @@ def tool_choice(choice, tools: Tools, parallel: bool):
         if tools.named.get(name, (None,))[0] != kind:
             raise bad(f"tool_choice names {kind} tool {json.dumps(name)[:60]}, which is not in tools",
                       "tool_choice.name")
-        named = [t for t in tools.chat if t["function"]["name"] == name]
-        return dict(choice), _forcing(named, tools, single=True)
+        return dict(choice), forced_calls(named(tools.chat, name), single=True, grammars=tools.grammars)
     raise bad("tool_choice must be \"auto\", \"none\", \"required\", {\"type\": \"function\", \"name\": ...} or "
               f"{{\"type\": \"custom\", \"name\": ...}}, got {json.dumps(choice)[:80]}", "tool_choice")
-
-
-def _forcing(chat: list, tools: Tools, single: bool) -> Structure:
-    names = {t["function"]["name"] for t in chat}
-    grammars = tuple((name, lark) for name, lark in tools.grammars.items() if name in names)
-    return Structure("tools", "tools", tools=tuple(chat), single=single, grammars=grammars)
 
 
 def call_item(call, tools: Tools) -> dict:

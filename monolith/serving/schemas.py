@@ -11,15 +11,22 @@ docs/api-fields.md has the table of every field and why.
 from __future__ import annotations
 
 import json
-import math
 import numbers
 from dataclasses import dataclass, replace
 
 from ..runtime.events import MAX_TOP_LOGPROBS
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
-from .fields import refuse_non_neutral, refuse_unknown
-from .structured import Structure, response_format, tool_choice
+from .fields import (
+    is_int,
+    optional,
+    positive_int,
+    real,
+    refuse_non_neutral,
+    refuse_unknown,
+)
+from .structured import Structure, response_format
+from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_fields
 
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
@@ -129,8 +136,8 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
         tools, choice = _allowed_tools(choice, tools)
-    structure = tool_choice(choice, tools)
-    parallel = _optional(body, "parallel_tool_calls", bool, "true or false")
+    structure = _tool_choice(choice, tools)
+    parallel = optional(body, "parallel_tool_calls", bool, "true or false")
     if structure is not None and parallel is False:
         structure = replace(structure, single=True)
     form = response_format(body.get("response_format"))
@@ -143,7 +150,7 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
 
 def _template_kwargs(body: dict) -> dict:
     """chat_template_kwargs, with reasoning_effort's thinking switch (the two must agree)."""
-    kwargs = dict(_optional(body, "chat_template_kwargs", dict, "an object") or {})
+    kwargs = dict(optional(body, "chat_template_kwargs", dict, "an object") or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise bad(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
@@ -191,7 +198,7 @@ def parse_completion_request(body: dict, defaults: SamplingDefaults = SamplingDe
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt is empty", "prompt")
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         if min(prompt) < 0:
             raise bad("prompt token ids must be >= 0", "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -216,25 +223,25 @@ def _check_fields(body: dict, known: set[str]) -> None:
 
 
 def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> GenerationFields:
-    model = _optional(body, "model", str, "a string")
-    stream = _optional(body, "stream", bool, "true or false") or False
+    model = optional(body, "model", str, "a string")
+    stream = optional(body, "stream", bool, "true or false") or False
     include_usage = _stream_options(body) and stream
-    max_tokens = _positive_int(body, "max_tokens")
+    max_tokens = positive_int(body, "max_tokens")
     if chat:
-        completion = _positive_int(body, "max_completion_tokens")
+        completion = positive_int(body, "max_completion_tokens")
         if completion is not None and max_tokens is not None and completion != max_tokens:
             raise bad("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
         max_tokens = completion if completion is not None else max_tokens
-    temperature = _real(body, "temperature", defaults.temperature)
+    temperature = real(body, "temperature", defaults.temperature)
     if temperature > MAX_TEMPERATURE:  # the API's bound; SamplingParams checks the rest
         raise bad(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {temperature}", "temperature")
-    top_p, min_p = _real(body, "top_p", defaults.top_p), _real(body, "min_p", defaults.min_p)
-    top_k = _optional(body, "top_k", int, "an integer >= 0 (0 or -1 = off)")
+    top_p, min_p = real(body, "top_p", defaults.top_p), real(body, "min_p", defaults.min_p)
+    top_k = optional(body, "top_k", int, "an integer >= 0 (0 or -1 = off)")
     if top_k is None:
         top_k = defaults.top_k
     elif top_k < -1:
         raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k}", "top_k")
-    seed = _optional(body, "seed", int, "an integer")
+    seed = optional(body, "seed", int, "an integer")
     try:
         params = SamplingParams(temperature, top_p, max(top_k, 0), min_p, seed)
     except SamplingError as e:
@@ -245,25 +252,25 @@ def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> Ge
 
 def _stream_options(body: dict) -> bool:
     """stream_options' include_usage (the options change nothing when not streaming)."""
-    options = _optional(body, "stream_options", dict, "an object") or {}
+    options = optional(body, "stream_options", dict, "an object") or {}
     unknown = sorted(set(options) - STREAM_OPTIONS)
     if unknown:
         raise bad(f"stream_options.{unknown[0]} is not supported", f"stream_options.{unknown[0]}")
     for name in STREAM_OPTIONS:
-        _optional(options, name, bool, "true or false", f"stream_options.{name}")
+        optional(options, name, bool, "true or false", f"stream_options.{name}")
     return bool(options.get("include_usage"))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
     if chat:
-        wanted = _optional(body, "logprobs", bool, "true or false")
-        top = _optional(body, "top_logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        wanted = optional(body, "logprobs", bool, "true or false")
+        top = optional(body, "top_logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
         if top is not None and not wanted:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         return (top or 0) if wanted else None
-    top = _optional(body, "logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    top = optional(body, "logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "logprobs")
     return top
@@ -359,83 +366,27 @@ def _tool_calls(value, where: str) -> list[dict]:
     return calls
 
 
-def json_arguments(text: str, where: str) -> dict:
-    """A tool call's arguments, JSON text in the APIs, as the mapping templates iterate
-    (empty text: no arguments)."""
-    try:
-        value = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError:
-        raise bad(f"{where} is not valid JSON", where) from None
-    if not isinstance(value, dict):
-        raise bad(f"{where} must be a JSON object", where)
-    return value
-
-
 def _tools(value) -> list[dict] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad("tools must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools")
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
+    for at, tool in tool_entries(value, "{\"type\": \"function\", \"function\": {...}} objects"):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise bad(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", at)
-        fn = tool["function"]
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"{at}.function.name must be a non-empty string", f"{at}.function.name")
-        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise bad(f"{at}.function.parameters must be a JSON schema object", f"{at}.function.parameters")
-        _check_parameters(fn.get("parameters") or {}, f"{at}.function.parameters")
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise bad(f"{at}.function.description must be a string", f"{at}.function.description")
+        tool_fields(tool["function"], f"{at}.function")
     return value or None
 
 
-def _check_parameters(schema: dict, at: str) -> None:
-    """The parts of a tool's parameter schema the tool-call parser reads: `properties`
-    an object of schemas (objects or booleans), `required` a list of names."""
-    properties = schema.get("properties")
-    if properties is not None:
-        if not isinstance(properties, dict):
-            raise bad(f"{at}.properties must be an object of property schemas, got {json.dumps(properties)[:60]}",
-                      f"{at}.properties")
-        for name, prop in properties.items():
-            if not isinstance(prop, (dict, bool)):
-                raise bad(f"{at}.properties.{name} must be a schema object, got {json.dumps(prop)[:60]}",
-                          f"{at}.properties.{name}")
-    required = schema.get("required")
-    if required is not None and (not isinstance(required, list) or not all(isinstance(n, str) for n in required)):
-        raise bad(f"{at}.required must be a list of property names", f"{at}.required")
-
-
-# ------------------------------------------------------------------ scalars
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _optional(body: dict, name: str, kind, want: str, param: str | None = None):
-    value = body.get(name)
-    if value is None:
+def _tool_choice(choice, tools: list[dict] | None) -> Structure | None:
+    """The Structure a `tool_choice` asks for (None: "auto", "none" or absent)."""
+    if choice is None or choice in ("auto", "none"):
         return None
-    ok = _is_int(value) if kind is int else isinstance(value, kind)
-    if not ok:
-        raise bad(f"{param or name} must be {want}, got {json.dumps(value)[:60]}", param or name)
-    return value
-
-
-def _positive_int(body: dict, name: str) -> int | None:
-    value = _optional(body, name, int, "an integer >= 1")
-    if value is not None and value < 1:
-        raise bad(f"{name} must be an integer >= 1, got {value}", name)
-    return value
-
-
-def _real(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise bad(f"{name} must be a finite number, got {json.dumps(value)[:60]}", name)
-    return float(value)
+    if choice == "required":
+        if not tools:
+            raise bad("tool_choice \"required\" needs tools", "tool_choice")
+        return forced_calls(tools)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = named(tools, name)
+        if not chosen:
+            raise bad(f"tool_choice names function {name!r}, which is not in tools", "tool_choice.function.name")
+        return forced_calls(chosen[:1], single=True)
+    raise bad("tool_choice must be \"auto\", \"none\", \"required\" or "
+              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")

@@ -1,4 +1,5 @@
-"""Structured output: `response_format` and `tool_choice` -> a grammar (runtime.grammar).
+"""Structured output: `response_format` and a forcing `tool_choice` (its Structure:
+tool_specs.forced_calls) -> a grammar (runtime.grammar).
 
 - `{"type": "json_object"}`: any JSON object; `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}`: an instance of the schema (enforced
@@ -87,24 +88,6 @@ def response_format(value) -> Structure | None:
     return Structure("json", f"{at}.schema", schema)
 
 
-def tool_choice(choice, tools: list[dict] | None) -> Structure | None:
-    """The Structure a `tool_choice` asks for (None: "auto", "none" or absent)."""
-    if choice is None or choice in ("auto", "none"):
-        return None
-    if choice == "required":
-        if not tools:
-            raise bad("tool_choice \"required\" needs tools", "tool_choice")
-        return Structure("tools", "tools", tools=tuple(tools))
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
-        name = choice["function"].get("name")
-        named = [t for t in tools or () if t["function"]["name"] == name]
-        if not named:
-            raise bad(f"tool_choice names function {name!r}, which is not in tools", "tool_choice.function.name")
-        return Structure("tools", "tools", tools=tuple(named[:1]), single=True)
-    raise bad("tool_choice must be \"auto\", \"none\", \"required\" or "
-              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
-
-
 def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
     """The Grammar for `structure` with the model's tokenizer (monolith.tokenizer):
     Lark text for llguidance (with a custom tool's Lark grammar: llguidance's JSON list of
@@ -130,6 +113,15 @@ def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
         subs = [{"name": sub, "lark_grammar": lark} for sub, lark in grammars.values()]
         text = json.dumps({"grammars": [{"lark_grammar": text}, *subs]})
     return Grammar(text, starts_after)
+
+
+def grammar_tokenizer(engine):
+    """The engine's llguidance tokenizer (a 500 if llguidance cannot read the tokenizer)."""
+    try:
+        return engine.grammar_tokenizer
+    except Exception as e:  # noqa: BLE001 - llguidance refused the tokenizer
+        raise APIError(500, f"structured output is unavailable: llguidance cannot read this tokenizer: {e}",
+                       "response_format") from None
 
 
 def check(structure: Structure, grammar_: Grammar, grammar_tokenizer) -> None:

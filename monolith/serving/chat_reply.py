@@ -1,4 +1,5 @@
-"""The bodies the HTTP app sends: chat.completion(.chunk) and text_completion objects
+"""OpenAI chat/completions replies (the reply formats ChatFormat, CompletionFormat):
+chat.completion(.chunk) and text_completion objects
 (non-streamed and as Server-Sent Events), usage, and the exact token bytes that
 logprobs report (docs/serving.md)."""
 

@@ -1,0 +1,65 @@
+"""Anthropic's HTTP endpoints (app.py routes them: `routes`): POST /v1/messages and POST
+/v1/messages/count_tokens, on the app's handlers (their access checks, engine, model
+names, body reading and engine driving). The requests: anthropic.py; `thinking` and
+`output_config`: anthropic_options.py; `context_management`: context_edits.py; the
+replies and Anthropic's error body: anthropic_reply.py."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import anthropic, anthropic_options, anthropic_reply
+from .context_edits import edit_context
+from .errors import APIError
+from .structured import grammar_tokenizer
+
+
+def routes(handlers) -> list[Route]:
+    """The routes of Anthropic's endpoints on the app's handlers (app._Handlers)."""
+    api = AnthropicRoutes(handlers)
+    return [Route("/v1/messages", handlers.endpoint("messages", api.messages, error_response), methods=["POST"]),
+            Route("/v1/messages/count_tokens", handlers.endpoint("count_tokens", api.count_tokens, error_response),
+                  methods=["POST"])]
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """An error as Anthropic's error body."""
+    return JSONResponse(anthropic_reply.error_body(e), status_code=e.status)
+
+
+class AnthropicRoutes:
+    def __init__(self, handlers):
+        self.handlers = handlers
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (anthropic.py, anthropic_reply.py)."""
+        handlers = self.handlers
+        engine = handlers.ready_engine()
+        started = time.monotonic()
+        req = anthropic.parse_messages_request(await handlers.read_body(request), handlers.state.defaults)
+        name = handlers.model_name(req.model)
+        chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False)
+        prompt_ids, reasoning_open, constraint = await handlers.encode_chat(engine, chat)
+        if req.thinking.budget is not None:  # a grammar ends the reasoning
+            constraint = anthropic_options.budget_grammar(req.thinking, reasoning_open, constraint,
+                                                          engine.tokenizer, grammar_tokenizer(engine))
+        fmt = anthropic_reply.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer, applied)
+        return await handlers.generate(request, engine, prompt_ids, chat, fmt, "messages", started,
+                                       engine.tokenizer.message_ends(prompt_ids), constraint)
+
+    async def count_tokens(self, request: Request) -> Response:
+        handlers = self.handlers
+        engine = handlers.ready_engine()
+        req = anthropic.parse_count_tokens_request(await handlers.read_body(request), handlers.state.defaults)
+        handlers.model_name(req.model)
+        chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True)
+        prompt_ids, _, _ = await handlers.encode_chat(engine, chat)
+        body = {"input_tokens": len(prompt_ids)}
+        if req.edits is not None:
+            body["context_management"] = {"original_input_tokens": original}
+        return JSONResponse(body)
