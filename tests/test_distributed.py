@@ -130,6 +130,39 @@ def test_pipeline_output_equals_one_process(env, request, one_process, target, m
         assert split["stats"]["rounds"] == alone["stats"]["rounds"] > 0
 
 
+def test_taps_all_on_rank_0_reach_the_drafter_between_prefill_chunks(env, dense, tmp_path):
+    """The split follows each rank's measured speed, so it varies from run to run. Here
+    rank 1 measures as slow, so rank 0 keeps every layer the draft taps: a prefill chunk
+    that wants no logits must still hand the drafter its tap features (they were dropped,
+    and the run failed at the next chunk in about 1 run in 15)."""
+    script = ("import sys\n"
+              "import monolith.distributed as distributed\n"
+              "measure = distributed.measure_stage\n"
+              "def slow_followers(model, head):\n"
+              "    took, outside = measure(model, head)\n"
+              "    return (took if head else took * 100), outside\n"
+              "distributed.measure_stage = slow_followers\n"
+              "join = distributed.join\n"
+              "def join_and_tell(*args, **kwargs):\n"
+              "    rank = join(*args, **kwargs)\n"
+              "    print('rank 0 layers', list(rank.split[0]), file=sys.stderr) if rank.leader else None\n"
+              "    return rank\n"
+              "distributed.join = join_and_tell\n"
+              "from monolith.generate import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    wrapper = tmp_path / "slow_followers.py"
+    wrapper.write_text(script)
+    args = [*dense, "--prompt", PROMPT, "--max-tokens", "40", "--json", "--prefill-chunk-size", "8"]
+    alone = one_answer(subprocess.run([sys.executable, "-m", "monolith.generate", *args], check=False, env=env,
+                                      capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL))
+    split = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--",
+                            sys.executable, str(wrapper), *args, "--distributed"], check=False, env=env,
+                           capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert "rank 0 layers [0, 1, 2]" in split.stderr, split.stderr[-2000:]  # the draft taps layers 0 and 2
+    answer = one_answer(split)
+    assert answer["token_ids"] == alone["token_ids"] and answer["stats"]["rounds"] == alone["stats"]["rounds"] > 0
+
+
 def test_a_rank_with_another_pack_is_refused_by_name(env, demo, dense, tmp_path):
     """Each rank builds its pack from its own --model: rank 1 gets the dense target."""
     script = ('import subprocess, sys, os\n'

@@ -216,8 +216,8 @@ class Pipeline:
             s.cache.advance(n)
         self.forwards += 1
         self.rows += sum(rows)
-        if not reply:
-            return [(None, None) for _ in segments]
+        if not reply:  # no logits, and every wanted tap is on this rank
+            return [(None, local._hidden(tapped, t, span)) for t, span in zip(taps, spans)]
         final = back[..., :h]
         for j, layer in enumerate(remote):
             tapped[layer] = back[0, :, h * (j + 1):h * (j + 2)]
