@@ -28,7 +28,8 @@ from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
 from .cache import CacheError, DraftContext, KVCache
 from .draft_args import DraftArgs
 from .layers import Embedding, FusedLinear, Linear, attention, cast, rms_norm, run_now
-from .qwen3_5 import MLP, member
+from .mixers import member
+from .mlp import MLP
 from .weights import PackWeights
 
 __all__ = ["Draft", "DraftContext", "Proposal"]

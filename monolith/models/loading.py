@@ -26,7 +26,8 @@ from ..pack import PackError, read_manifest
 from ..pack.split import LAYER
 from .draft_args import DRAFT_ARGS, DraftArgs, DraftError
 from .dspark import Draft
-from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
+from .qwen3_5 import Qwen3_5, Qwen3_5Moe
+from .target_args import ModelArgs
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
 
 
