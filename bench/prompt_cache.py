@@ -29,7 +29,7 @@ writes bench/results/prompt_cache.json. On the demo pair here (MLX's CPU backend
 shared cores) an 8K prefill takes 25-40 s and the default run about 27 minutes, most of
 it the cold run's 22 full prefills; --turns, --runs and --system-tokens shorten it.
 
-    python -m bench.prompt_cache [--model M --draft D] [--turns 10] [--system-tokens 8192]
+    python -m bench.prompt_cache [--model M --draft D] [--turns 10] [--system-tokens 8192] [--tools N]
         [--max-tokens 32] [--variants plain,spec] [--checkpoint-every 0,256,512,2048]
         [--runs cold,warm,restart,memory,sweep,mlx-lm] [--json PATH]
 """
@@ -99,6 +99,7 @@ class Bench:
         self.args = args
         self.tok = tokenizer
         self.system = system
+        self.tools = TOOLS[:args.tools]
         self.work = work
         self.flags = serve_flags()
         self.env = {"LD_PRELOAD": args.openblas} if args.openblas else {}
@@ -134,16 +135,16 @@ class Bench:
             for name in order:
                 conv = conversations[name]
                 messages = conv.next_request()
-                ids = self.tok.encode_chat(messages, TOOLS, add_generation_prompt=True)
+                ids = self.tok.encode_chat(messages, self.tools, add_generation_prompt=True)
                 shared = max((lcp(ids, p) for p in seen), default=0)
                 seen.append(ids)
                 log_mark = len(server.log_text())
-                reply = (chat_api or chat)(client, server.url, messages, TOOLS, self.args.max_tokens)
+                reply = (chat_api or chat)(client, server.url, messages, self.tools, self.args.max_tokens)
                 row = self.row(name, conv.turns_done, ids, shared, reply)
                 row["processed"], row["server_cache_before"] = _from_log(server.log_text()[log_mark:])
                 if cold and reply.cached_tokens:
                     _flush(client, server.url)
-                    again = chat(client, server.url, messages, TOOLS, self.args.max_tokens)
+                    again = chat(client, server.url, messages, self.tools, self.args.max_tokens)
                     row.update(cold_ttft_s=again.ttft, cold_cached_tokens=again.cached_tokens,
                                cold_text_equal=again.text == reply.text)
                 if server.metrics:
@@ -253,7 +254,7 @@ class Bench:
         return rows
 
     def mlx_lm(self, target: Path, target_pack: Path) -> dict:
-        from mlx_lm_checkpoint import write_float_checkpoint
+        from bench.mlx_lm_checkpoint import write_float_checkpoint
 
         out = {"version": _version("mlx-lm"), "source_load": self.mlx_lm_load(target)}
         unpacked = self.work / "unpacked"
@@ -482,6 +483,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"))
     ap.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     ap.add_argument("--system-tokens", type=int, default=8192, help="system prompt + tools, in tokens")
+    ap.add_argument("--tools", type=int, default=len(TOOLS), choices=range(1, len(TOOLS) + 1), metavar="N",
+                    help=f"how many of the workload's {len(TOOLS)} tools the requests carry (default all)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--variants", default="plain,spec", help="warm runs: plain and/or spec (default both)")
@@ -519,7 +522,8 @@ def main(argv=None) -> int:
     tok = load_tokenizer(target_pack)
 
     def count(text: str) -> int:
-        return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS, add_generation_prompt=False))
+        return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS[:args.tools],
+                                   add_generation_prompt=False))
 
     system = system_prompt(count, args.system_tokens)
     began = time.perf_counter()
@@ -533,7 +537,7 @@ def main(argv=None) -> int:
                   "machine": {"platform": platform.platform(), "python": platform.python_version(),
                               "mlx": _version("mlx"), "cpus": os.cpu_count()},
                   "settings": {"model": args.model or "demo pair", "draft": args.draft, "turns": args.turns,
-                               "system_tokens": count(system), "tools": len(TOOLS), "max_tokens": args.max_tokens,
+                               "system_tokens": count(system), "tools": args.tools, "max_tokens": args.max_tokens,
                                "variants": variants,
                                "openblas": args.openblas,
                                "server_prompt_cache_flags": sorted(f for f in bench.flags if "prompt-cache" in f)}}
@@ -555,7 +559,7 @@ def main(argv=None) -> int:
         if "sweep" in runs:
             print("checkpoint interval sweep (plain)", flush=True)
             first = Conversation("A", system).next_request()
-            report["sweep"] = bench.sweep(tok.encode_chat(first, TOOLS, add_generation_prompt=True))
+            report["sweep"] = bench.sweep(tok.encode_chat(first, bench.tools, add_generation_prompt=True))
         if "mlx-lm" in runs:
             print("mlx-lm", flush=True)
             report["mlx_lm"] = bench.mlx_lm(target, target_pack)
