@@ -76,8 +76,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import ROOT
 from bench.archive.vocabulary import VOCAB_SIZE, vocabulary
+from bench.common import ROOT
 from monolith.synth.tokenizer import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
