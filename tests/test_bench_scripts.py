@@ -55,13 +55,13 @@ RUNS = {
 NEEDS = {"target_forward": "mlx_lm"}  # compares with mlx-lm's decode (the [bench] extra)
 
 # committed results named otherwise than their run (bench/results/NAME.json and .md): the
-# run with other flags wrote them, and the run here writes the same structure
+# script run with other flags wrote them, and the run here writes the same structure
 RESULT_RUNS = {
-    "concurrency_plain_5_lists": "concurrency",  # --modes plain --clients 1,4 --repeat 5
-    "concurrency_soak": "concurrency --soak",
-    "distributed_mlx_launch": "distributed",  # --launcher mlx.launch
-    "fuzz_no_prompt_cache": "fuzz",  # --server-arg=--prompt-cache-size=0
-    "fuzz_waves_prompt_cache_256M": "fuzz",  # --waves, --server-arg=--prompt-cache-size=256M
+    "concurrency_plain_5_lists": "concurrency",  # --modes plain --clients 1,4 --repeat 5, the files renamed
+    "concurrency_soak": "concurrency --soak",  # the name --soak writes
+    "distributed_mlx_launch": "distributed",  # the name --launcher mlx writes
+    "fuzz_no_prompt_cache": "fuzz",  # --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache
+    "fuzz_waves_prompt_cache_256M": "fuzz",  # --server-arg=--prompt-cache-size=256M --out ...
 }
 
 # top-level keys a committed result has that the run here leaves out: what only a larger
@@ -120,8 +120,10 @@ def same_structure(path: Path, run: str, fresh: dict) -> None:
     old, new = structure(json.loads(path.read_text())), structure(fresh)
     name = path.relative_to(REPO)
     missing, unknown = sorted(set(new) - set(old)), sorted(set(old) - set(new) - SECTIONS.get(run, set()))
-    assert not missing and not unknown, (f"{name} is not what `python -m bench.{run}` writes now: it lacks "
-                                         f"{missing}; no run writes {unknown} (regenerate it or archive it)")
+    assert not missing and not unknown, (f"{name} is not what `python -m bench.{run}` writes now: "
+                                         + "; ".join(([f"it lacks {missing}"] if missing else [])
+                                                     + ([f"the script writes no {unknown}"] if unknown else []))
+                                         + " (regenerate it or archive it)")
     for key in set(old) & set(new):
         if old[key] is not None and new[key] is not None:
             assert old[key] == new[key], (f"{name}: the rows of {key!r} have keys {old[key]}, the script's rows "
