@@ -476,7 +476,8 @@ def print_report(report: dict) -> None:
         print(f"- {'PASS' if g['pass'] else 'FAIL'}: {g['goal']}: {g['detail']}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked; `variants` and `runs` as lists, `checkpoint_every` as ints."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target (default: the bundled demo pair)")
     ap.add_argument("--draft", help="draft of the speculative variant (with --model)")
@@ -502,12 +503,44 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the server logs and cache directory here")
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     args.checkpoint_every = [int(x) for x in args.checkpoint_every.split(",") if x.strip()]
-    variants = ["plain"] if args.no_draft else [v for v in args.variants.split(",") if v]
-    runs = [r for r in args.runs.split(",") if r]
-    for name in [v for v in variants if v not in ("plain", "spec")] + [r for r in runs if r not in RUNS]:
+    args.variants = ["plain"] if args.no_draft else [v for v in args.variants.split(",") if v]
+    args.runs = [r for r in args.runs.split(",") if r]
+    for name in [v for v in args.variants if v not in ("plain", "spec")] + [r for r in args.runs if r not in RUNS]:
         raise SystemExit(f"unknown variant or run: {name}")
+    return args
+
+
+def measure(bench: Bench, report: dict, target: Path, target_pack: Path) -> None:
+    """The runs --runs asks for, each into its section of `report`."""
+    runs = bench.args.runs
+    if "cold" in runs:
+        print("cold (plain, --prompt-cache-size 0)", flush=True)
+        report["cold"] = bench.cold()
+    if "warm" in runs:
+        report["warm"] = {}
+        for v in bench.args.variants:
+            print(f"warm ({v})", flush=True)
+            report["warm"][v] = bench.warm(v)
+    if "restart" in runs:
+        print("restart (plain, --prompt-cache-dir)", flush=True)
+        report["restart"] = bench.restart()
+    if "memory" in runs:
+        print("memory (plain, a small --prompt-cache-size)", flush=True)
+        peak = report.get("warm", {}).get("plain", {}).get("peak")
+        report["memory"] = bench.memory(peak)
+    if "sweep" in runs:
+        print("checkpoint interval sweep (plain)", flush=True)
+        first = Conversation("A", bench.system).next_request()
+        report["sweep"] = bench.sweep(bench.tok.encode_chat(first, bench.tools, add_generation_prompt=True))
+    if "mlx-lm" in runs:
+        print("mlx-lm", flush=True)
+        report["mlx_lm"] = bench.mlx_lm(target, target_pack)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
     from monolith.pack.cache import resolve_pack
     from monolith.tokenizer import load_tokenizer
@@ -538,31 +571,10 @@ def main(argv=None) -> int:
                               "mlx": _version("mlx"), "cpus": os.cpu_count()},
                   "settings": {"model": args.model or "demo pair", "draft": args.draft, "turns": args.turns,
                                "system_tokens": count(system), "tools": args.tools, "max_tokens": args.max_tokens,
-                               "variants": variants,
+                               "variants": args.variants,
                                "openblas": args.openblas,
                                "server_prompt_cache_flags": sorted(f for f in bench.flags if "prompt-cache" in f)}}
-        if "cold" in runs:
-            print("cold (plain, --prompt-cache-size 0)", flush=True)
-            report["cold"] = bench.cold()
-        if "warm" in runs:
-            report["warm"] = {}
-            for v in variants:
-                print(f"warm ({v})", flush=True)
-                report["warm"][v] = bench.warm(v)
-        if "restart" in runs:
-            print("restart (plain, --prompt-cache-dir)", flush=True)
-            report["restart"] = bench.restart()
-        if "memory" in runs:
-            print("memory (plain, a small --prompt-cache-size)", flush=True)
-            peak = report.get("warm", {}).get("plain", {}).get("peak")
-            report["memory"] = bench.memory(peak)
-        if "sweep" in runs:
-            print("checkpoint interval sweep (plain)", flush=True)
-            first = Conversation("A", system).next_request()
-            report["sweep"] = bench.sweep(tok.encode_chat(first, bench.tools, add_generation_prompt=True))
-        if "mlx-lm" in runs:
-            print("mlx-lm", flush=True)
-            report["mlx_lm"] = bench.mlx_lm(target, target_pack)
+        measure(bench, report, target, target_pack)
     for run in [report.get("cold"), *report.get("warm", {}).values(), report.get("restart"), report.get("memory")]:
         if run and run.get("turns"):
             run["hit_rate"] = hit_rate(run["turns"] + run.get("after_restart", []))
