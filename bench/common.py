@@ -3,8 +3,9 @@ the synthetic target presets and a pack's byte counts, the synthetic pair loader
 prompt sources, and the `monolith.serve` command line.
 
 Scripts import each other's helpers only from here (or from the library modules
-bench/http_replay.py, bench/agent_workload.py, bench/acceptance_report.py), and run
-from the repository root as `python -m bench.NAME`.
+bench/http_replay.py, bench/agent_workload.py, bench/acceptance_report.py,
+bench/mlx_lm_checkpoint.py; the archived grammar studies from
+bench/archive/vocabulary.py), and run from the repository root as `python -m bench.NAME`.
 """
 
 from __future__ import annotations

@@ -409,8 +409,12 @@ def parse_args(argv):
     ap.add_argument("--soak-wait-bound", type=float, default=60.0,
                     help="soak: the longest a request may wait for its first token (default 60 s)")
     ap.add_argument("--soak-max-queue", type=int, default=4, help="soak: the server's --max-queue (default 4)")
+    ap.add_argument("--soak-max-tokens", type=int, default=192,
+                    help="soak: a request's max_tokens is drawn from 8 up to this (default 192)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
+    if args.soak_max_tokens < 8:
+        ap.error("--soak-max-tokens must be at least 8")
     args.modes = [m for m in args.modes.split(",") if m]
     if set(args.modes) - set(MODES):
         ap.error(f"--modes takes {', '.join(MODES)}")

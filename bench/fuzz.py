@@ -17,7 +17,7 @@ Reported: the status histogram (0 5xx required: the script exits 1 otherwise), t
 replies not in the API's error shape (uvicorn's plain-text 400 for malformed HTTP is
 accepted), the server's RSS (VmRSS) before, its peak during and after, throughput,
 and whether the server still answers a plain request at the end. Also the grammar
-engines' control-token finding from bench/results/grammar_engines.json (xgrammar lets
+engines' control-token finding from bench/archive/results/grammar_engines.json (xgrammar lets
 <|im_start|> into a JSON string; llguidance allows none). Writes bench/results/fuzz.json
 and .md (--out-dir for another directory; --port 0 takes a free port).
 
@@ -289,7 +289,7 @@ def main() -> int:
         server.wait(30)
     server_errors = sum(n for s, n in statuses.items() if isinstance(s, int) and s >= 500)
     grammar = {}
-    engines = ROOT / "bench/results/grammar_engines.json"
+    engines = ROOT / "bench/archive/results/grammar_engines.json"
     if engines.exists():
         found = json.loads(engines.read_text()).get("engines", {})
         grammar = {name: e.get("special_tokens_allowed_inside_a_string") for name, e in found.items()}
@@ -319,7 +319,7 @@ def main() -> int:
                   f"the rest {(w['rss'] - w['mlx_active_bytes'] - w['mlx_cache_bytes']) / 2**20:.0f})"
                   for w in waves)]
     if grammar:
-        lines.append("- control tokens a grammar lets into a JSON string (bench/grammar_engines.py): "
+        lines.append("- control tokens a grammar lets into a JSON string (bench/archive/grammar_engines.py): "
                      + "; ".join(f"{n}: {', '.join(t for t, ok in v.items() if ok) or 'none'}"
                                  for n, v in grammar.items()))
     text = "\n".join(lines) + "\n"

@@ -57,8 +57,9 @@ from monolith.kernels import (
 )
 from monolith.kernels import kernel as kernel_module
 from monolith.kernels.kernel import MetalKernel
-from monolith.models import qwen3_5
 from monolith.models.layers import Experts, Linear, whole_graphs
+from monolith.models.qwen3_5 import Qwen3_5Moe
+from monolith.models.target_args import ModelArgs
 from monolith.models.weights import model_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,8 +142,8 @@ def model_objects(obj, seen=None):
 
 def build_model(layers: int, dtype):
     config = dict(CONFIG, num_hidden_layers=layers)
-    args = qwen3_5.ModelArgs.from_config(config, "qwen3_5_moe")
-    model = qwen3_5.Qwen3_5Moe(args, ShapeWeights(dtype))
+    args = ModelArgs.from_config(config, "qwen3_5_moe")
+    model = Qwen3_5Moe(args, ShapeWeights(dtype))
     as_on_metal(model, dtype)
     mx.eval(model_arrays(model))
     return model
@@ -358,7 +359,7 @@ def kernel_nodes_when_traced(rows: int = 8) -> dict[str, int]:
         mx.eval(x)
         return x
 
-    a = qwen3_5.ModelArgs.from_config(dict(CONFIG, num_hidden_layers=4), "qwen3_5_moe")
+    a = ModelArgs.from_config(dict(CONFIG, num_hidden_layers=4), "qwen3_5_moe")
     c, hv, dv = conv_dim(a), a.linear_num_value_heads, a.linear_value_head_dim
     hk, dk = a.linear_num_key_heads, a.linear_key_head_dim
     bf, f32 = mx.bfloat16, mx.float32
@@ -424,7 +425,7 @@ def main(argv=None) -> dict:
         results[kind] = {"reference": ref, "kernels": ker,
                          "fewer_primitives": 1 - ker["total"] / ref["total"]}
 
-    full = qwen3_5.ModelArgs.from_config(dict(CONFIG, num_hidden_layers=TOTAL_LAYERS), "qwen3_5_moe")
+    full = ModelArgs.from_config(dict(CONFIG, num_hidden_layers=TOTAL_LAYERS), "qwen3_5_moe")
     for kind, rows in (("decode", 1), ("round", opts.rows)):
         common = weight_bytes_total(models, rows) + state_bytes(full, rows, opts.context)
         regions = fused_region_bytes(full, rows, s)

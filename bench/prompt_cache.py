@@ -29,7 +29,7 @@ writes bench/results/prompt_cache.json. On the demo pair here (MLX's CPU backend
 shared cores) an 8K prefill takes 25-40 s and the default run about 27 minutes, most of
 it the cold run's 22 full prefills; --turns, --runs and --system-tokens shorten it.
 
-    python -m bench.prompt_cache [--model M --draft D] [--turns 10] [--system-tokens 8192]
+    python -m bench.prompt_cache [--model M --draft D] [--turns 10] [--system-tokens 8192] [--tools N]
         [--max-tokens 32] [--variants plain,spec] [--save-every 0,256,512,2048]
         [--runs cold,warm,restart,memory,sweep,mlx-lm] [--json PATH]
 """
@@ -101,6 +101,7 @@ class Bench:
         self.args = args
         self.tok = tokenizer
         self.system = system
+        self.tools = TOOLS[:args.tools]
         self.work = work
         self.flags = serve_flags()
         self.env = {"LD_PRELOAD": args.openblas} if args.openblas else {}
@@ -136,16 +137,16 @@ class Bench:
             for name in order:
                 conv = conversations[name]
                 messages = conv.next_request()
-                ids = self.tok.encode_chat(messages, TOOLS, add_generation_prompt=True)
+                ids = self.tok.encode_chat(messages, self.tools, add_generation_prompt=True)
                 shared = max((lcp(ids, p) for p in seen), default=0)
                 seen.append(ids)
                 log_mark = len(server.log_text())
-                reply = (chat_api or chat)(client, server.url, messages, TOOLS, self.args.max_tokens)
+                reply = (chat_api or chat)(client, server.url, messages, self.tools, self.args.max_tokens)
                 row = self.row(name, conv.turns_done, ids, shared, reply)
                 row["processed"], row["server_cache_before"] = _from_log(server.log_text()[log_mark:])
                 if cold and reply.cached_tokens:
                     _flush(client, server.url)
-                    again = chat(client, server.url, messages, TOOLS, self.args.max_tokens)
+                    again = chat(client, server.url, messages, self.tools, self.args.max_tokens)
                     row.update(cold_ttft_s=again.ttft, cold_cached_tokens=again.cached_tokens,
                                cold_text_equal=again.text == reply.text)
                 if server.metrics:
@@ -255,7 +256,7 @@ class Bench:
         return rows
 
     def mlx_lm(self, target: Path, target_pack: Path) -> dict:
-        from mlx_lm_checkpoint import write_float_checkpoint
+        from bench.mlx_lm_checkpoint import write_float_checkpoint
 
         out = {"version": _version("mlx-lm"), "source_load": self.mlx_lm_load(target)}
         unpacked = self.work / "unpacked"
@@ -477,13 +478,16 @@ def print_report(report: dict) -> None:
         print(f"- {'PASS' if g['pass'] else 'FAIL'}: {g['goal']}: {g['detail']}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked; `variants` and `runs` as lists, `save_every` as ints."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target (default: the bundled demo pair)")
     ap.add_argument("--draft", help="draft of the speculative variant (with --model)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"))
     ap.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     ap.add_argument("--system-tokens", type=int, default=8192, help="system prompt + tools, in tokens")
+    ap.add_argument("--tools", type=int, default=len(TOOLS), choices=range(1, len(TOOLS) + 1), metavar="N",
+                    help=f"how many of the workload's {len(TOOLS)} tools the requests carry (default all)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-context", type=int, default=32768)
     ap.add_argument("--variants", default="plain,spec", help="warm runs: plain and/or spec (default both)")
@@ -501,12 +505,44 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the server logs and cache directory here")
     ap.add_argument("--json", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     args.save_every = [int(x) for x in args.save_every.split(",") if x.strip()]
-    variants = ["plain"] if args.no_draft else [v for v in args.variants.split(",") if v]
-    runs = [r for r in args.runs.split(",") if r]
-    for name in [v for v in variants if v not in ("plain", "spec")] + [r for r in runs if r not in RUNS]:
+    args.variants = ["plain"] if args.no_draft else [v for v in args.variants.split(",") if v]
+    args.runs = [r for r in args.runs.split(",") if r]
+    for name in [v for v in args.variants if v not in ("plain", "spec")] + [r for r in args.runs if r not in RUNS]:
         raise SystemExit(f"unknown variant or run: {name}")
+    return args
+
+
+def measure(bench: Bench, report: dict, target: Path, target_pack: Path) -> None:
+    """The runs --runs asks for, each into its section of `report`."""
+    runs = bench.args.runs
+    if "cold" in runs:
+        print("cold (plain, --prompt-cache-size 0)", flush=True)
+        report["cold"] = bench.cold()
+    if "warm" in runs:
+        report["warm"] = {}
+        for v in bench.args.variants:
+            print(f"warm ({v})", flush=True)
+            report["warm"][v] = bench.warm(v)
+    if "restart" in runs:
+        print("restart (plain, --prompt-cache-dir)", flush=True)
+        report["restart"] = bench.restart()
+    if "memory" in runs:
+        print("memory (plain, a small --prompt-cache-size)", flush=True)
+        peak = report.get("warm", {}).get("plain", {}).get("peak")
+        report["memory"] = bench.memory(peak)
+    if "sweep" in runs:
+        print("save interval sweep (plain)", flush=True)
+        first = Conversation("A", bench.system).next_request()
+        report["sweep"] = bench.sweep(bench.tok.encode_chat(first, bench.tools, add_generation_prompt=True))
+    if "mlx-lm" in runs:
+        print("mlx-lm", flush=True)
+        report["mlx_lm"] = bench.mlx_lm(target, target_pack)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
     from monolith.pack.cache import resolve_pack
     from monolith.tokenizer import load_tokenizer
@@ -521,7 +557,8 @@ def main(argv=None) -> int:
     tok = load_tokenizer(target_pack)
 
     def count(text: str) -> int:
-        return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS, add_generation_prompt=False))
+        return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS[:args.tools],
+                                   add_generation_prompt=False))
 
     system = system_prompt(count, args.system_tokens)
     began = time.perf_counter()
@@ -535,32 +572,11 @@ def main(argv=None) -> int:
                   "machine": {"platform": platform.platform(), "python": platform.python_version(),
                               "mlx": _version("mlx"), "cpus": os.cpu_count()},
                   "settings": {"model": args.model or "demo pair", "draft": args.draft, "turns": args.turns,
-                               "system_tokens": count(system), "tools": len(TOOLS), "max_tokens": args.max_tokens,
-                               "variants": variants,
+                               "system_tokens": count(system), "tools": args.tools, "max_tokens": args.max_tokens,
+                               "variants": args.variants,
                                "openblas": args.openblas,
                                "server_prompt_cache_flags": sorted(f for f in bench.flags if "prompt-cache" in f)}}
-        if "cold" in runs:
-            print("cold (plain, --prompt-cache-size 0)", flush=True)
-            report["cold"] = bench.cold()
-        if "warm" in runs:
-            report["warm"] = {}
-            for v in variants:
-                print(f"warm ({v})", flush=True)
-                report["warm"][v] = bench.warm(v)
-        if "restart" in runs:
-            print("restart (plain, --prompt-cache-dir)", flush=True)
-            report["restart"] = bench.restart()
-        if "memory" in runs:
-            print("memory (plain, a small --prompt-cache-size)", flush=True)
-            peak = report.get("warm", {}).get("plain", {}).get("peak")
-            report["memory"] = bench.memory(peak)
-        if "sweep" in runs:
-            print("save interval sweep (plain)", flush=True)
-            first = Conversation("A", system).next_request()
-            report["sweep"] = bench.sweep(tok.encode_chat(first, TOOLS, add_generation_prompt=True))
-        if "mlx-lm" in runs:
-            print("mlx-lm", flush=True)
-            report["mlx_lm"] = bench.mlx_lm(target, target_pack)
+        measure(bench, report, target, target_pack)
     for run in [report.get("cold"), *report.get("warm", {}).values(), report.get("restart"), report.get("memory")]:
         if run and run.get("turns"):
             run["hit_rate"] = hit_rate(run["turns"] + run.get("after_restart", []))

@@ -3,7 +3,7 @@ issue's "no deadlock or starvation" goal.
 
 Eight client threads; every 3-15 s the number of active ones changes (1-8, from a fixed
 seed). Each active client sends request after request: random prompt lengths (50-3000
-characters of standard-library source) and max_tokens (8-192), 60% streamed to the end,
+characters of standard-library source) and max_tokens (8-192: --soak-max-tokens), 60% streamed to the end,
 20% streamed and closed after 1-16 text deltas (a client that goes away), 20% not
 streamed. The server gets a small --max-queue (--soak-max-queue) so that the queue limit
 is hit too; a 429 or 503 is counted and the client tries again after 1 s.
@@ -36,10 +36,11 @@ KINDS = ("stream", "close", "whole")
 KIND_WEIGHTS = (0.6, 0.2, 0.2)
 
 
-def one_request(client: httpx.Client, url: str, rng: random.Random, prompts: Prompts, extra: dict) -> dict:
+def one_request(client: httpx.Client, url: str, rng: random.Random, prompts: Prompts, extra: dict,
+                longest: int = 192) -> dict:
     kind = rng.choices(KINDS, KIND_WEIGHTS)[0]
     prompt, _ = prompts.window(rng, rng.randint(50, 3000))
-    max_tokens = rng.randint(8, 192)
+    max_tokens = rng.randint(8, longest)
     close_after = rng.randint(1, 16) if kind == "close" else None
     outcome = {"kind": kind, "max_tokens": max_tokens}
     try:
@@ -61,7 +62,8 @@ def one_request(client: httpx.Client, url: str, rng: random.Random, prompts: Pro
     return outcome | ({"status": "error", "detail": problem} if problem else {"status": "ok"})
 
 
-def load(url: str, seconds: float, seed: int, extra: dict) -> tuple[list[dict], list[tuple[float, int]]]:
+def load(url: str, seconds: float, seed: int, extra: dict,
+         longest: int = 192) -> tuple[list[dict], list[tuple[float, int]]]:
     """(every request's outcome, the (time, active clients) schedule) of one soak."""
     prompts, outcomes, lock = Prompts(), [], threading.Lock()
     active, stop = [CLIENTS], threading.Event()
@@ -74,7 +76,7 @@ def load(url: str, seconds: float, seed: int, extra: dict) -> tuple[list[dict], 
                 if i >= active[0]:
                     time.sleep(0.1)
                     continue
-                outcome = one_request(http, url, rng, prompts, extra)
+                outcome = one_request(http, url, rng, prompts, extra, longest)
                 with lock:
                     outcomes.append(outcome)
                 if outcome["status"] in ("429", "503"):
@@ -130,7 +132,7 @@ def run_soak(args, batching: bool, max_batch: int) -> int:
             print(f"# soak {mode} for {args.soak:.0f} s: {' '.join(command[1:])}", flush=True)
             with Server(command, Path(tmp) / f"soak-{mode}.log", scrape_every=1.0) as server:
                 extra = probe_extra(server.url)
-                outcomes, schedule = load(server.url, args.soak, args.seed, extra)
+                outcomes, schedule = load(server.url, args.soak, args.seed, extra, args.soak_max_tokens)
                 run = summarize(mode, outcomes, schedule, idle(server), args.soak_wait_bound)
             report["runs"].append(run | {"command": command[1:]})
             print(f"  {run['requests']} requests, max wait {run['max_wait_s']:.2f} s, {run['errors']} errors, "

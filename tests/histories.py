@@ -1,5 +1,5 @@
 """Agent-style request histories for the warm-against-cold harness (test_warm_cold.py,
-bench/warm_cold.py): what coding agents resend every turn, which is rarely the bytes
+bench/archive/warm_cold.py): what coding agents resend every turn, which is rarely the bytes
 the server generated.
 
 A `Case` is a short script of requests. Each request is an `Ask`: chat messages (and

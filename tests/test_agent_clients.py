@@ -139,7 +139,7 @@ def test_claude_code(server, note, tmp_path, tools):
     """Claude Code ends with an error on a reply cut at max_tokens: the proxy ends the
     demo model's rambling replies at a sentence or paragraph end instead. In the suite
     it offers the model only its Read tool (`--tools=Read`, a 3,900-token prompt); with
-    all its tools the prompt is ~32,500 tokens (bench/claude_code_prefix.py measures a
+    all its tools the prompt is ~32,500 tokens (bench/archive/claude_code_prefix.py measures a
     prompt that long cold and warm)."""
     claude = need(node_client("claude"), "Claude Code")
     with Check(server, {"Read": {"file_path": str(note)}}, stop=[". ", "\n\n"]) as check:

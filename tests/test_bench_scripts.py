@@ -2,7 +2,11 @@
 subprocess (`python -m bench.NAME`, as docs/performance.md says to run them) with its
 output in tmp_path, exit status 0, the JSON it says it writes. Nothing may land in
 bench/results, and the caches are the session's private ones (tests/conftest.py) or
-tmp_path. Also: no script edits sys.path, and bench's imports have no cycle."""
+tmp_path. Every committed result in bench/results belongs to a live script, and that
+script's smallest run writes JSON of the same structure (the same top-level keys, the
+same keys in its rows), so a result no current script could write is caught. Also: no
+script edits sys.path, and bench's imports have no cycle. Finished studies live in
+bench/archive/ with their results; nothing here runs them."""
 
 from __future__ import annotations
 
@@ -18,18 +22,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
+RESULTS = BENCH / "results"
 
-# name: (arguments, the files it writes under OUT); OUT is the test's output directory
+# run: (arguments, the files it writes under OUT); OUT is the test's output directory. A
+# run is its script's name, or the name and the flag of another mode of the script.
 RUNS = {
+    "acceptance": (["--prompts", "1", "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "batch_forward": (["--batches", "2", "--context", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
-    "cpu_ops": (["--repeats", "1", "--out", "OUT"], ["cpu_ops.json", "cpu_ops.md"]),
+    "concurrency": (["--modes", "plain", "--clients", "1", "--requests", "1", "--max-tokens", "2", "--repeat", "1",
+                     "--server-arg=--no-warmup", "--out-dir", "OUT"], ["concurrency.json", "concurrency.md"]),
+    "concurrency --soak": (["1", "--modes", "plain", "--soak-max-tokens", "8", "--server-arg=--no-warmup",
+                            "--out-dir", "OUT"], ["concurrency_soak.json", "concurrency_soak.md"]),
     "distributed": (["--max-tokens", "4", "--repeats", "1", "--out-dir", "OUT"], ["distributed.json"]),
     "fuzz": (["--requests", "20", "--clients", "1", "--waves", "0", "--port", "0",
               "--out-dir", "OUT"], ["fuzz.json", "fuzz.md"]),
-    "layer_pipelining": (["--batches", "1", "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1",
-                          "--out", "OUT"], ["layer_pipelining.json", "layer_pipelining.md"]),
     "pack_build": (["--preset", "tiny", "--repeats", "1", "--work", "OUT/work", "--json", "OUT/r.json"], ["r.json"]),
     "primitives": (["--context", "16", "--out", "OUT/r.json"], ["r.json"]),
+    "prompt_cache": (["--runs", "warm", "--variants", "plain", "--turns", "1", "--system-tokens", "16", "--tools", "1",
+                      "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "real_widths": (["--preset", "tiny", "--layers", "1", "--prompt-tokens", "8", "--max-tokens", "2",
                      "--pairs", "nvidia-35b:lithos-dspark", "--work", "OUT/work", "--json", "OUT/r.json"], ["r.json"]),
     "round_latency": (["--contexts", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
@@ -39,23 +49,27 @@ RUNS = {
                          "--sched", "fixed", "--json", "OUT/r.json"], ["r.json"]),
     "target_forward": (["--contexts", "16", "--repeats", "1", "--decode-tokens", "2", "--rounds", "1",
                         "--json", "OUT/r.json"], ["r.json"]),
-    "warm_cold": (["--cases", "1", "--modes", "plain", "--max-tokens", "2", "--out-dir", "OUT"],
-                  ["warm_cold.json", "warm_cold.md"]),
-}
-ENV = {"warm_cold": {"PYTHONPATH": "tests"}}  # its harness is tests/test_warm_cold.py's
-
-# scripts that cannot run in a few seconds even at their smallest setting
-SKIPS = {
-    "acceptance": "packs and loads the demo pair with both drafts: ~25 s at --prompts 1 --max-tokens 4",
-    "claude_code_prefix": "starts servers and prefills a Claude Code prefix: ~40 s at --prefix-tokens 600",
-    "concurrency": "a sequential and a batched server: ~13 s at one plain request (--quick: ~2 minutes)",
-    "grammar_engines": "trains a 248,320-id BPE vocabulary first (bench/vocabulary.py; minutes)",
-    "prompt_cache": "starts a server per run and replays whole agent conversations (minutes)",
-    "structured": "trains a 248,320-id BPE vocabulary first (bench/vocabulary.py; minutes)",
 }
 
 # scripts with a condition of their own
 NEEDS = {"target_forward": "mlx_lm"}  # compares with mlx-lm's decode (the [bench] extra)
+
+# committed results named otherwise than their run (bench/results/NAME.json and .md): the
+# script run with other flags wrote them, and the run here writes the same structure
+RESULT_RUNS = {
+    "concurrency_plain_5_lists": "concurrency",  # --modes plain --clients 1,4 --repeat 5, the files renamed
+    "concurrency_soak": "concurrency --soak",  # the name --soak writes
+    "distributed_mlx_launch": "distributed",  # the name --launcher mlx writes
+    "fuzz_no_prompt_cache": "fuzz",  # --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache
+    "fuzz_waves_prompt_cache_256M": "fuzz",  # --server-arg=--prompt-cache-size=256M --out ...
+}
+
+# top-level keys a committed result has that the run here leaves out: what only a larger
+# setting writes (each a section of its own, not a renamed one)
+SECTIONS = {
+    "concurrency": {"spec_vs_plain_mismatches"},  # both modes (--modes plain,speculative)
+    "prompt_cache": {"cold", "restart", "memory", "sweep", "mlx_lm"},  # the other --runs (minutes: a server each)
+}
 
 
 def modules() -> dict[str, Path]:
@@ -72,9 +86,48 @@ def live_scripts() -> list[str]:
     return sorted(p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
 
 
-def test_every_live_script_is_run_or_skipped_with_a_reason():
-    assert set(live_scripts()) == set(RUNS) | set(SKIPS)
-    assert not set(RUNS) & set(SKIPS)
+def test_every_live_script_is_run():
+    assert set(live_scripts()) == {run.split()[0] for run in RUNS}
+
+
+def committed(run: str) -> list[Path]:
+    """The committed JSON results of a run (bench/results/NAME.json)."""
+    return sorted(p for p in RESULTS.glob("*.json") if RESULT_RUNS.get(p.stem, p.stem) == run)
+
+
+def test_every_committed_result_belongs_to_a_live_run():
+    for path in sorted(RESULTS.iterdir()):
+        assert path.suffix in (".json", ".md"), f"{path.relative_to(REPO)}: results are .json (and .md beside it)"
+        assert path.with_suffix(".json").is_file(), f"{path.relative_to(REPO)} has no JSON beside it"
+        run = RESULT_RUNS.get(path.stem, path.stem)
+        assert run in RUNS, (f"{path.relative_to(REPO)}: no live script writes it (a finished study's result "
+                             "belongs in bench/archive/results; a variant's run is named in RESULT_RUNS)")
+    for run in SECTIONS:
+        assert committed(run), f"SECTIONS names {run}, which has no committed result"
+
+
+def structure(report: dict) -> dict[str, list[str] | None]:
+    """A result's top-level keys, each with the keys its records use where it is a list
+    of records (rows), else None."""
+    return {key: sorted({k for row in value for k in row})
+            if isinstance(value, list) and value and all(isinstance(row, dict) for row in value) else None
+            for key, value in report.items()}
+
+
+def same_structure(path: Path, run: str, fresh: dict) -> None:
+    """A committed result has the structure of what the run wrote now, but for the
+    sections only a larger setting writes (SECTIONS)."""
+    old, new = structure(json.loads(path.read_text())), structure(fresh)
+    name = path.relative_to(REPO)
+    missing, unknown = sorted(set(new) - set(old)), sorted(set(old) - set(new) - SECTIONS.get(run, set()))
+    assert not missing and not unknown, (f"{name} is not what `python -m bench.{run}` writes now: "
+                                         + "; ".join(([f"it lacks {missing}"] if missing else [])
+                                                     + ([f"the script writes no {unknown}"] if unknown else []))
+                                         + " (regenerate it or archive it)")
+    for key in set(old) & set(new):
+        if old[key] is not None and new[key] is not None:
+            assert old[key] == new[key], (f"{name}: the rows of {key!r} have keys {old[key]}, the script's rows "
+                                          f"{new[key]} (regenerate it or archive it)")
 
 
 def test_no_script_edits_sys_path_and_no_import_cycle():
@@ -110,24 +163,29 @@ def results_listing() -> dict[str, tuple[int, int]]:
             for p in BENCH.rglob("results/*") if p.is_file()}
 
 
-@pytest.mark.parametrize("name", live_scripts())
-def test_bench_script_runs_at_its_smallest_setting(name, tmp_path):
-    if name in SKIPS:
-        pytest.skip(SKIPS[name])
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_bench_script_runs_at_its_smallest_setting(run, tmp_path):
+    name = run.split()[0]
     if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
         pytest.skip(f"needs {NEEDS[name]}")
-    args, outputs = RUNS[name]
+    args, outputs = RUNS[run]
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg"), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1", **ENV.get(name, {})}  # MONOLITH_CACHE: the session's private one
+           "HF_HUB_OFFLINE": "1"}  # MONOLITH_CACHE: the session's private one
     before = results_listing()
-    run = subprocess.run([sys.executable, "-m", f"bench.{name}", *(a.replace("OUT", str(out)) for a in args)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    argv = [a.replace("OUT", str(out)) for a in run.split()[1:] + args]
+    done = subprocess.run([sys.executable, "-m", f"bench.{name}", *argv],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    written = {}
     for file in outputs:
-        written = out / file
-        assert written.is_file(), f"{name} did not write {file}: {run.stdout[-2000:]}"
+        path = out / file
+        assert path.is_file(), f"{run} did not write {file}: {done.stdout[-2000:]}"
         if file.endswith(".json"):
-            assert json.loads(written.read_text()), f"{name} wrote an empty {file}"
-    assert results_listing() == before, f"{name} wrote into bench/results"
+            written[file] = json.loads(path.read_text())
+            assert written[file], f"{run} wrote an empty {file}"
+    assert results_listing() == before, f"{run} wrote into bench/results"
+    report = next(iter(written.values()))
+    for path in committed(run):
+        same_structure(path, run, report)

@@ -204,7 +204,7 @@ def test_premix_and_replay_match_the_models_tape(gdn_model, monkeypatch):
     """Drop-in check: on the model's own GDN inputs, the pre-mixer reproduces the tape the
     model records (q, k, v, gamma, beta, window) and the replay kernel the states
     HybridCache.commit builds from it."""
-    from monolith.models.qwen3_5 import GatedDeltaNet
+    from monolith.models.mixers import GatedDeltaNet
 
     seen = []
     original = GatedDeltaNet.__call__
@@ -257,7 +257,7 @@ def test_gated_norm_matches_the_models_op(gdn_model):
 @requires_emulator
 def test_attention_prologue_is_a_drop_in_for_the_models_attention(gdn_model):
     from monolith.models.cache import KVCache
-    from monolith.models.qwen3_5 import Span
+    from monolith.models.mixers import Span
 
     layer = next(layer for layer in gdn_model.layers if layer.kind == "full_attention")
     attn = layer.mixer

@@ -299,7 +299,7 @@ def test_rewind_alone_suffices_without_gdn_layers(packs):
 def bf16_vs_f32_cosines(pack, ids, monkeypatch=None) -> np.ndarray:
     """Per-row cosine of BF16-compute against F32-compute logits. With monkeypatch, the
     BF16 run replays the F32 run's expert choices (its router weights are its own)."""
-    from monolith.models.qwen3_5 import SparseMoeBlock
+    from monolith.models.mlp import SparseMoeBlock
 
     route, chosen, out = SparseMoeBlock.route, [], {}
 

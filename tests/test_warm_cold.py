@@ -84,7 +84,7 @@ def test_an_edited_reply_in_the_history_gets_the_cold_servers_answer(demo_f32, m
 
 # ------------------------------------------------------------------ the differential harness
 
-CASES = 6  # one of each kind per mode: the suite's fixed sample (bench/warm_cold.py runs thousands)
+CASES = 6  # one of each kind per mode: the suite's fixed sample (bench/archive/warm_cold.py runs thousands)
 SEED = 31
 EVERY = "16"  # the prompt cache's save interval here: cuts land inside intervals
 HARNESS_MODES = {

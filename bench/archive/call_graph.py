@@ -14,7 +14,9 @@ the models -> runtime calls among them (a lower layer calling up: there should b
 the JSON adds the module names and the edges.
 
 Archived, a finished study: issue 14's and issue 31's before/after counts are recorded in
-bench/archive/results/call_graph.json.
+bench/archive/results/call_graph.json. That file is stale: it names the modules and calls
+of the code it measured then (monolith.models.qwen3_5 has been split since, and modules
+renamed), and nothing reruns it; read it as the record of that time, not of the code now.
 """
 
 from __future__ import annotations

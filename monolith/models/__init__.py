@@ -4,7 +4,8 @@ DSpark / DFlash draft."""
 from .draft_args import DraftArgs, DraftError
 from .dspark import Draft, Proposal
 from .loading import MODELS, load_draft, load_model
-from .qwen3_5 import ConfigError, ModelArgs, Qwen3_5, Qwen3_5Moe, Segment
+from .qwen3_5 import Qwen3_5, Qwen3_5Moe, Segment
+from .target_args import ConfigError, ModelArgs
 from .weights import PackWeights
 
 __all__ = [

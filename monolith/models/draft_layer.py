@@ -9,7 +9,8 @@ import mlx.core as mx
 from .cache import KVCache
 from .draft_args import DraftArgs
 from .layers import FusedLinear, Linear, attention, rms_norm
-from .qwen3_5 import MLP, member
+from .mixers import member
+from .mlp import MLP
 from .weights import PackWeights
 
 

@@ -51,7 +51,7 @@ def run_now(*arrays) -> None:
     MLX's CPU stream runs ops only once an eval submits them, so a forward evaluated at its
     end leaves the CPU idle while the host builds the graph, and the host idle while the
     CPU runs it; handing over each layer overlaps the two
-    (bench/results/layer_pipelining.md). On a GPU the graph is left whole for one eval."""
+    (bench/archive/results/layer_pipelining.md). On a GPU the graph is left whole for one eval."""
     if pipeline_layers and not on_gpu():
         mx.async_eval(*arrays)
 
@@ -69,7 +69,7 @@ def fast_exp() -> bool:
     """Does exp(x) run as 2 ** (x * log2(e)) here? On the CPU: the CPU wheels' exp (and the
     sigmoid and softmax built on it) is a scalar polynomial calling libm's fmaf, about 14
     ns a value, against about 6 for pow, which costs the speculative round's per-row
-    activations and per-sequence attention most (bench/results/cpu_ops.md). The results
+    activations and per-sequence attention most (bench/archive/results/cpu_ops.md). The results
     differ from exp by a few parts in 10^7. A GPU keeps exp, and so does BF16 compute."""
     return not on_gpu()
 

@@ -27,7 +27,8 @@ from ..pack.draft_formats import DRAFT_FORMATS
 from ..pack.split import LAYER
 from .draft_args import DraftArgs, DraftError
 from .dspark import Draft
-from .qwen3_5 import ModelArgs, Qwen3_5, Qwen3_5Moe
+from .qwen3_5 import Qwen3_5, Qwen3_5Moe
+from .target_args import ModelArgs
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
 
 

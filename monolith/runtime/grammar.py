@@ -1,5 +1,5 @@
 """Grammar-constrained decoding over llguidance (issue 16; why llguidance:
-bench/results/grammar_engines.md).
+bench/archive/results/grammar_engines.md).
 
 A `Grammar` is an llguidance grammar (from a JSON schema or a Lark text; the serving layer
 builds them) and, for a prompt that leaves Qwen's reasoning block open, the token that

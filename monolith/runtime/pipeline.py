@@ -42,7 +42,8 @@ import numpy as np
 
 from ..models.cache import CacheError, HybridCache, Snapshot
 from ..models.layers import rms_norm
-from ..models.qwen3_5 import Segment, Span
+from ..models.mixers import Span
+from ..models.qwen3_5 import Segment
 
 FRAME = 512  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
 

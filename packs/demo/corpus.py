@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import io
 import sysconfig
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def conversations(module: str, source: str) -> list[str]:
     except (SyntaxError, ValueError):
         return []
     pairs = []
+    lines = io.StringIO(source, newline="").readlines()  # split once: ast.get_source_segment splits per call
     doc = ast.get_docstring(tree)
     if doc:
         pairs.append((f"What is the `{module}` module for?", _first_paragraph(doc)))
@@ -67,11 +69,22 @@ def conversations(module: str, source: str) -> list[str]:
             continue
         name, kind = f"{module}.{node.name}", "class" if isinstance(node, ast.ClassDef) else "function"
         pairs.append((f"What does the {kind} `{name}` do?", _first_paragraph(doc)))
-        code = ast.get_source_segment(source, node)
+        code = _segment(lines, node)
         if code and len(code) <= MAX_ANSWER:
             pairs.append((f"Show me the source of `{name}`.", f"```python\n{code}\n```"))
     return ["".join(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
                     for q, a in pairs[i:i + TURNS]) for i in range(0, len(pairs), TURNS)]
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(source, node) from the source's lines (ends kept, split at
+    \n, \r and \r\n as it splits them); the column offsets count UTF-8 bytes."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()[node.col_offset:].decode()
+    tail = lines[last].encode()[:node.end_col_offset].decode()
+    return head + "".join(lines[first + 1:last]) + tail
 
 
 def _first_paragraph(doc: str) -> str:

@@ -2,9 +2,9 @@
 decode tok/s of B sequences stepped together (runtime/batch.py, as the engine steps
 them), plain and speculative (the draft, fixed blocks), on the bundled demo pair.
 
-    python -m bench.layer_pipelining [--batches 1,4] [--prompt-tokens 256]
-                                     [--max-tokens 128] [--repeats 5]
-Prints a table and writes bench/results/layer_pipelining.json and .md. Each repeat runs
+    python -m bench.archive.layer_pipelining [--batches 1,4] [--prompt-tokens 256]
+                                             [--max-tokens 128] [--repeats 5]
+Prints a table and writes bench/archive/results/layer_pipelining.json and .md. Each repeat runs
 the same B prompts (slices of monolith/data/corpus.txt, fresh sessions) with the
 pipelining off and then on, back to back; a run's tok/s counts the tokens after every
 sequence's first one over the time after the batch's first step (its prefills). Rows
@@ -12,6 +12,10 @@ give medians, and the speedup is the median (and range) of the repeats' own on /
 ratios; `same output` checks that every sequence's tokens are equal both ways. Run it
 as the other CPU benches, e.g. with LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 OPENBLAS_NUM_THREADS=1.
+
+Archived, a finished study: the CPU pipelines its layers (monolith.models.layers.run_now)
+and bench/archive/results/layer_pipelining.md, which models/layers.py and the docs cite,
+says what it gains.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")  # bench/archive/results
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(args.modes) - set(MODES)

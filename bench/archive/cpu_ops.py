@@ -3,11 +3,15 @@ sigmoid and softmax, and MLX's scaled_dot_product_attention against the ops the 
 uses instead, at the shapes of a speculative round of the bundled demo pair (8 rows a
 sequence; the draft's MLP is 768 wide; 4 query heads over 2 key heads of 64).
 
-    python -m bench.cpu_ops [--repeats 300]
-Prints a table and writes bench/results/cpu_ops.json and .md: milliseconds per call
+    python -m bench.archive.cpu_ops [--repeats 300]
+Prints a table and writes bench/archive/results/cpu_ops.json and .md: milliseconds per call
 (medians of 5 timings of --repeats calls, each evaluated), the ratio, and the largest
 relative difference of the results. On Linux, MLX's CPU wheel computes exp as a scalar
 polynomial whose fused multiply-adds are calls into libm; pow is one libm call.
+
+Archived, a finished study: the runtime computes exp through pow on the CPU
+(monolith.models.layers.fast_exp), and bench/archive/results/cpu_ops.md, which
+models/layers.py and docs/operations.md cite, says by how much.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def pairs() -> list[tuple[str, object, object]]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=300)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")  # bench/archive/results
     args = ap.parse_args(argv)
     rows = []
     for what, theirs, ours in pairs():

@@ -1,9 +1,9 @@
 """Structured output (issue 16): what the grammar costs and what it does to speculation.
 
-    python -m bench.structured [--runs 4] [--max-tokens 400] [--json FILE]
+    python -m bench.archive.structured [--runs 4] [--max-tokens 400] [--json FILE]
 
 1. Mask cost at a 248,320-token vocabulary (Qwen3.5/3.6's; the byte-level BPE that
-   bench/grammar_engines.py trains on this machine's text): per output token of a valid
+   bench/archive/grammar_engines.py trains on this machine's text): per output token of a valid
    instance of each schema, the host time of `Guide.words()` (llguidance's mask, copied
    out) + `forced()` (the popcount for jump-forward) + `push()`, and the device time of
    `sampling.mask_logits` on one row and on a round's 8 rows. The share of a decode step
@@ -18,7 +18,10 @@
    speculative) parsed and checked with `jsonschema`; the fraction that validates, how
    many ended by max_tokens instead of the end token (a JSON prefix: the demo model
    can write a free string for ever), and the fraction of the others that validates.
-Writes bench/results/structured.json (default) and prints the tables.
+Writes bench/archive/results/structured.json (default) and prints the tables.
+
+Archived, a finished study (issue 16): what the grammar costs per token and what it does
+to tau are recorded in bench/archive/results/structured.json (docs/serving.md cites it).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 
-from bench.vocabulary import (  # the 248K vocabulary, built once and cached
+from bench.archive.vocabulary import (  # the 248K vocabulary, built once and cached
     VOCAB_SIZE,
     vocabulary,
 )

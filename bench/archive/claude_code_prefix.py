@@ -16,10 +16,14 @@ high, context_management, cache_control marks):
 The system text is bench/agent_workload.py's, sized with /v1/messages/count_tokens to
 --prefix-tokens. Reported per turn: TTFT (request sent -> first content delta), the
 usage's input_tokens and cache_read_input_tokens, and the warm/cold ratios. Writes
-bench/results/claude_code_prefix.json and .md.
+bench/archive/results/claude_code_prefix.json and .md.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \
-        python -m bench.claude_code_prefix [--prefix-tokens 32700]
+        python -m bench.archive.claude_code_prefix [--prefix-tokens 32700]
+
+Archived, a finished study (issue 32): the line is dropped and turn 2 prefills only what is
+new (bench/archive/results/claude_code_prefix.md: warm/cold TTFT 0.005 against 0.837);
+tests/test_anthropic_agents.py checks that the line is not part of the prompt.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix-tokens", type=int, default=32700)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "claude_code_prefix")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "archive" / "results" / "claude_code_prefix")
     args = ap.parse_args()
     command = [sys.executable, "-m", "monolith.serve", "--no-draft", "--max-context", "65536", "--api-key", KEY]
     with tempfile.TemporaryDirectory() as tmp, Server(command, Path(tmp) / "serve.log", metrics=False) as server, \

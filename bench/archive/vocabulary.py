@@ -1,4 +1,4 @@
-"""The 248,320-id vocabulary bench/grammar_engines.py and bench/structured.py measure
+"""The 248,320-id vocabulary bench/archive/grammar_engines.py and bench/archive/structured.py measure
 grammars at: no model can be downloaded here, so a Qwen-style byte-level BPE (the
 synthetic tokenizer's pre-tokenizer and special tokens) trained on this machine's Python
 sources, once, and cached under the directory the caller names."""

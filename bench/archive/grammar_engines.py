@@ -37,16 +37,20 @@ is measured from a separate venv (torch pinned first: the CPU build, not a CUDA 
     /work/xg-venv/bin/pip install torch==2.13.0
     /work/xg-venv/bin/pip install xgrammar llguidance numpy jsonschema
 
-    python -m bench.grammar_engines                                    # monolith's venv: llguidance
-    /work/xg-venv/bin/python -m bench.grammar_engines --engine xgrammar
+    python -m bench.archive.grammar_engines                            # monolith's venv: llguidance
+    /work/xg-venv/bin/python -m bench.archive.grammar_engines --engine xgrammar
         [--engine llguidance|xgrammar] [--cases a,b] [--no-wheels] [--cache DIR] [--json PATH]
 
 (without --engine, every engine installed in the interpreter runs.)
 
-Each run merges its engines into bench/results/grammar_engines.json and rewrites
-bench/results/grammar_engines.md from the whole file. Unless --no-wheels, it also asks
+Each run merges its engines into bench/archive/results/grammar_engines.json and rewrites
+bench/archive/results/grammar_engines.md from the whole file. Unless --no-wheels, it also asks
 the package registry (pip download --no-deps) which wheels each engine publishes for
 macOS arm64 and Linux and what they require.
+
+Archived, a finished study (issue 16): monolith uses llguidance (runtime/grammar.py), for the
+reasons in bench/archive/results/grammar_engines.md; bench/fuzz.py reads the control-token
+finding from bench/archive/results/grammar_engines.json.
 """
 
 from __future__ import annotations
@@ -72,14 +76,14 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.archive.vocabulary import VOCAB_SIZE, vocabulary
 from bench.common import ROOT
-from bench.vocabulary import VOCAB_SIZE, vocabulary
 from monolith.synth.tokenizer import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
 )
 
-RESULTS = ROOT / "bench" / "results" / "grammar_engines.json"
+RESULTS = ROOT / "bench" / "archive" / "results" / "grammar_engines.json"
 ENGINES = ("llguidance", "xgrammar")
 MANYLINUX = re.compile(r"manylinux_2_(\d+)")
 PLATFORMS = {  # pip download --platform tags tried for each (pip matches tags exactly)
@@ -569,7 +573,7 @@ def summary(engine: dict) -> dict:
 def markdown(report: dict) -> str:
     v = report["vocabulary"]
     out = ["# Grammar engines: llguidance vs xgrammar (issue 16, item 1)", "",
-           ("Written by `bench/grammar_engines.py` (its docstring says how); numbers from "
+           ("Written by `bench/archive/grammar_engines.py` (its docstring says how); numbers from "
            f"{report.get('host', '?')}, one thread."), "",
            (f"Vocabulary: a byte-level BPE with the Qwen3.5 split rule trained here, {v['vocab_size']:,} ids "
            f"({v['trained_ids']:,} trained incl. 10 special tokens, {v['padding_ids']} padding) on "
@@ -703,7 +707,7 @@ def conclusion(report: dict) -> str:
         "first token (a few ms without free-text strings, longest with a complex regex such as format email), "
         "and free-string positions cost it a few hundred µs. llguidance compiles in milliseconds and computes "
         f"masks as it goes; its slowest schemas: {slowest(engines['llguidance'])}. The mean of either is well "
-        "under a millisecond; its share of a decode step is bench/structured.py's measure. Mask time does not "
+        "under a millisecond; its share of a decode step is bench/archive/structured.py's measure. Mask time does not "
         "decide between them."),
         (f"4. Wheels and dependencies: llguidance {engines['llguidance']['version']}: "
         f"{wheel_facts(report, 'llguidance')}; installed {lc['mib']} MiB in {len(lc['distributions'])} "
