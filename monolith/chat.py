@@ -21,17 +21,14 @@ import sys
 import unicodedata
 from pathlib import Path
 
-from .cli import ArgumentParser
+from .cli import ArgumentParser, print_failure
 from .distributed import add_distributed_arguments, join, to_stderr
-from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
-from .runtime.state_file import (
-    StateFileError,
-    device_rows,
-    device_snapshot,
-    host_arrays,
-    identity,
-    read_state_file,
-    write_state_file,
+from .engine_setup import (
+    NOT_A_BUG,
+    SetupError,
+    add_model_arguments,
+    load_engine,
+    plan_model,
 )
 from .runtime.events import (
     ContextLengthError,
@@ -41,8 +38,17 @@ from .runtime.events import (
     GenerationRequest,
 )
 from .runtime.prompt_cache import layout_of
-from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from .runtime.state_file import (
+    StateFileError,
+    device_rows,
+    device_snapshot,
+    host_arrays,
+    identity,
+    read_state_file,
+    write_state_file,
+)
 from .sampling import SamplingParams, add_sampling_arguments
+from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
 
 HELP = ("commands: /reset  /system TEXT  /stats  /think on|off  /save FILE  /load FILE  /quit   "
         "(Ctrl-C stops a reply, Ctrl-D leaves)")
@@ -362,8 +368,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # noqa: BLE001 - a model that cannot load ends in one line, not a traceback
-        print(f"error: {e}".replace("\n", " "), file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one error line (and a traceback if it is ours)
+        print_failure(e, NOT_A_BUG)
         return 1
     try:
         try:

@@ -1,7 +1,8 @@
 """What every `python -m monolith.*` command shares: usage errors are one line on
 stderr and exit status 1, like every other bad input (argparse would print the usage
-and exit 2); and a command whose output's reader leaves early (`... | head`) ends
-quietly (`quiet_when_stdout_closes`)."""
+and exit 2); a failure that is not bad input is a bug of ours and shows its traceback
+before that line (`print_failure`); and a command whose output's reader leaves early
+(`... | head`) ends quietly (`quiet_when_stdout_closes`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 import os
 import re
 import sys
+import traceback
 
 STDOUT_CLOSED = 141  # 128 + SIGPIPE: the status a shell reports for a writer whose reader left
 
@@ -18,6 +20,19 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(1)
+
+
+def print_failure(error: BaseException, bad_input: tuple[type, ...], stderr=None) -> None:
+    """The `error:` line a command ends with. Bad input (an exception of the `bad_input`
+    kinds: a missing or corrupt file, a wrong flag) is that one line; anything else is a
+    bug of ours, so its traceback comes first, to be reported."""
+    stderr = stderr or sys.stderr
+    if isinstance(error, bad_input):
+        message = str(error)
+    else:
+        traceback.print_exception(error, file=stderr)
+        message = f"internal error (a bug in monolith; the traceback above says where): {type(error).__name__}: {error}"
+    print(f"error: {message}".replace("\n", " "), file=stderr)
 
 
 def quiet_when_stdout_closes(main):

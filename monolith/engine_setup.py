@@ -19,27 +19,16 @@ from .cli import byte_size
 from .models import load_draft, load_model
 from .pack import VERIFY_MODES, build_pack, ensure_verified, is_pack, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
-from .runtime.calibrate import (
-    BreakEven,
-    measure_break_even,
-    measure_step_costs,
-    round_can_pay,
-    round_pay_limit,
-)
-from .runtime.state_file import identity
+from .runtime.calibrate import BreakEven, measure_break_even, measure_step_costs, round_can_pay, round_pay_limit
+from .runtime.decoder import SpeculativeDecoder
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
-from .runtime.prompt_cache import (
-    DEFAULT_MEMORY_SHARE,
-    PromptCache,
-    available_memory,
-    default_budget,
-    save_interval,
-)
+from .runtime.pipeline import PipelineError
+from .runtime.prompt_cache import DEFAULT_MEMORY_SHARE, PromptCache, available_memory, default_budget, save_interval
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
 from .runtime.rounds import check_gamma
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
-from .runtime.decoder import SpeculativeDecoder
+from .runtime.state_file import identity
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
@@ -51,6 +40,10 @@ SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "sp
 
 class SetupError(Exception):
     """Bad flags or a model that cannot be served: one line for the user, exit 1."""
+
+
+# one line, no traceback (cli.print_failure): bad input, missing or corrupt files, a lost rank
+NOT_A_BUG = (SetupError, ValueError, OSError, PipelineError)
 
 
 def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = False) -> None:

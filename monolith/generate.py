@@ -12,9 +12,10 @@ import argparse
 import json
 import sys
 
-from .cli import ArgumentParser, quiet_when_stdout_closes
+from .cli import ArgumentParser, print_failure, quiet_when_stdout_closes
 from .distributed import add_distributed_arguments, join
 from .engine_setup import (
+    NOT_A_BUG,
     SetupError,
     add_model_arguments,
     load_drafter,
@@ -60,12 +61,9 @@ def run(args: argparse.Namespace, load=load_target, stdout=None, stderr=None, lo
         return 130
     except BrokenPipeError:
         raise  # stdout's reader left: quiet_when_stdout_closes
-    except (SetupError, ValueError, OSError) as e:  # bad input, missing or corrupt files
-        message = str(e)
-    except Exception as e:  # noqa: BLE001 - an unreadable model must not end in a traceback
-        message = f"{type(e).__name__}: {e}"
-    print(f"error: {message}".replace("\n", " "), file=stderr)
-    return 1
+    except Exception as e:  # noqa: BLE001 - one error line (and a traceback if it is ours)
+        print_failure(e, NOT_A_BUG, stderr)
+        return 1
 
 
 def _run(args, load, load_draft, stdout, stderr) -> int:

@@ -266,14 +266,30 @@ def test_cli_stops_at_any_eos_id(capsys, pack_dir):
     assert code == 0 and json.loads(out)["finish_reason"] == "stop" and json.loads(out)["token_ids"] == []
 
 
-def test_cli_model_errors_are_one_line(capsys, pack_dir):
-    def broken(pack, dtype, verify):
-        raise RuntimeError("shard model-00001 is truncated\nat offset 12")
+def test_cli_model_errors_are_one_line_and_our_bugs_show_their_traceback(capsys, pack_dir, tmp_path):
+    def unreadable(pack, dtype, verify):
+        raise ValueError("shard model-00001 is truncated\nat offset 12")
 
-    code = main(["--model", str(pack_dir), "--prompt-ids", "1"], load=broken)
+    def buggy(pack, dtype, verify):
+        return None.ndim  # an AttributeError of ours
+
+    code = main(["--model", str(pack_dir), "--prompt-ids", "1"], load=unreadable)
     out, err = capsys.readouterr()
     assert code == 1 and out == ""
-    assert err == "error: RuntimeError: shard model-00001 is truncated at offset 12\n"
+    assert err == "error: shard model-00001 is truncated at offset 12\n"
+    code = main(["--model", str(pack_dir), "--prompt-ids", "1"], load=buggy)
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.startswith("Traceback (most recent call last):")
+    assert "return None.ndim" in err and err.splitlines()[-1].startswith("error: internal error (a bug in monolith")
+    # a shard damaged after its pack was verified: MLX's RuntimeError, reported as a damaged pack
+    damaged = tmp_path / "damaged.pack"
+    shutil.copytree(pack_dir, damaged)
+    shard = next(damaged.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    proc = cli("--model", str(damaged), "--prompt-ids", "1", "--verify-pack", "never")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr  # after a line: "pack not checked"
+    error = proc.stderr.splitlines()[-1]
+    assert error.startswith(f"error: {shard}: cannot be read") and "the pack is damaged" in error
     code, out, err, _ = run_cli(capsys, ["--model", str(pack_dir), "--prompt-ids", "1,512"])
     assert code == 1 and err.startswith("error: prompt token id 512 is out of range") and err.count("\n") == 1
 

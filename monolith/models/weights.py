@@ -60,7 +60,11 @@ class PackWeights:
         self.generation_config = _read_json(self.path / "generation_config.json", required=False)
         self.arrays: dict[str, mx.array] = {}
         for shard in sorted(self.manifest["shards"]):
-            self.arrays.update(mx.load(str(self.path / shard)))
+            try:
+                self.arrays.update(mx.load(str(self.path / shard)))
+            except RuntimeError as e:  # MLX's word for a truncated or corrupt file
+                raise PackError(f"{self.path / shard}: cannot be read ({e}); the pack is damaged: "
+                                "`python -m monolith.pack verify` it, or delete it to have it rebuilt") from None
         self.used: set[str] = set()
 
     def _array(self, name: str) -> mx.array:
