@@ -2,7 +2,7 @@
 head. Run it through make_speculators_goldens.sh (the venv of speculators_goldens.py:
 speculators pins transformers <= 5.19, which conflicts with ours). It never runs in the
 test suite; its output in tests/data/speculators-mtp/ is committed, and the README there
-says what every array is.
+says what every array is. What the head computes: docs/drafts.md 6.
 
 Two cases over the tiny synthetic target's sizes (monolith.synth's "tiny" Preset, read
 from monolith.synth itself so the head fits that target): `moe`, speculators'
@@ -50,9 +50,9 @@ from transformers.masking_utils import create_causal_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the synthetic target's sizes and tensor names
-from monolith.synth.presets import PRESETS  # noqa: E402
-from monolith.synth.target import LM, mtp_params, plan_units, text_config  # noqa: E402
-from monolith.synth.writers import stored_specs  # noqa: E402
+from monolith.synth.presets import PRESETS
+from monolith.synth.target import LM, mtp_params, plan_units, text_config
+from monolith.synth.writers import stored_specs
 
 OUT = ROOT / "tests" / "data" / "speculators-mtp"
 PRESET = PRESETS["tiny"]
@@ -198,6 +198,19 @@ def decode(model: MTPDraftModel, input_ids, hidden, positions) -> dict:
     }
 
 
+def watch_router(model: MTPDraftModel, gaps: list[float]):
+    """Record, per router call, the smallest gap between the probabilities of the last
+    expert kept and the first one dropped: the experts a row picks must not hang on
+    rounding."""
+    router = model.mtp_layers[0].mlp.gate
+
+    def record(module, inputs, output):
+        probs = output[0].softmax(-1).topk(router.top_k + 1).values
+        gaps.append(float((probs[:, -2] - probs[:, -1]).min()))
+
+    return router.register_forward_hook(record)
+
+
 def run_case(name: str, case: dict) -> None:
     gen = torch.Generator().manual_seed(case["seed"])
     model = build(case["dense"])
@@ -211,18 +224,14 @@ def run_case(name: str, case: dict) -> None:
         "hidden_states": hidden[0].numpy(),
         "positions": positions[0].numpy().astype(np.int64),
     }
-    gaps = []
-    if not case["dense"]:  # the experts each row picks must not hang on rounding
-        router = model.mtp_layers[0].mlp.gate
-        k = router.top_k
-        hook = router.register_forward_hook(
-            lambda module, inputs, output: gaps.append(output[0].softmax(-1).topk(k + 1).values.diff(dim=-1)[:, -1].abs().min()))
+    gaps: list[float] = []
+    hook = None if case["dense"] else watch_router(model, gaps)
     golden.update(train(model, input_ids, hidden, positions))
     golden.update(decode(model, input_ids, hidden, positions))
-    if gaps:
+    if hook is not None:
         hook.remove()
         if min(gaps) < ROUTER_GAP:
-            raise AssertionError(f"{name}: a router choice hangs on {float(min(gaps))}")
+            raise AssertionError(f"{name}: a router choice hangs on {min(gaps)}")
     # the two schedules share step 0 on the rows both score
     rows = golden["train_hidden"].shape[1]
     gap = np.abs(golden["decode_step0_hidden"][:rows] - golden["train_hidden"][0]).max()
