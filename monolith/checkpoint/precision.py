@@ -56,6 +56,22 @@ class NoQuantRules:
         return Expectation(PLAIN_ONLY, "has no quantization config (and there is no hf_quant_config.json)")
 
 
+class AsStored:
+    """No rule: a module is read as it is stored (any scheme whose tensors check out).
+    For the modules of AS_STORED_PREFIXES, which published configs' rules wrongly match."""
+
+    subject = "nothing"
+
+    def expect(self, name: str) -> Expectation:
+        return Expectation(frozenset({"nvfp4", "fp8", "plain"}), "reads it as stored")
+
+
+# The MTP head: unsloth's Qwen3.6-27B stores `mtp.*` BF16 in model_mtp.safetensors while
+# its NVFP4 and FP8 rules match those names (and nothing ignores them); a recipe that
+# keeps the head (pack/target_recipe.py, --with-mtp) reads each module as stored.
+AS_STORED_PREFIXES = ("mtp.",)
+
+
 class ModelOptRules:
     """ModelOpt. Single NVFP4: modules matching an `exclude_modules` glob (fnmatch, or
     the pattern names a parent module) are BF16; the rest are NVFP4 or, when the

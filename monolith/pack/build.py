@@ -132,8 +132,10 @@ def build_pack(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     force: bool = False,
     extra_manifest: dict | None = None,
+    with_mtp: bool = False,
 ) -> Path:
-    """Build a pack at `out` from a checkpoint (local dir or hub id). Returns `out`."""
+    """Build a pack at `out` from a checkpoint (local dir or hub id). Returns `out`.
+    `with_mtp`: a target pack keeps the checkpoint's MTP head (pack/target_recipe.py)."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out)):
@@ -146,7 +148,7 @@ def build_pack(
                 f"{ckpt.path}/config.json: --role {role} requested but the checkpoint is a {ckpt.role} "
                 f"({ckpt.architecture})"
             )
-        plan = plan_pack(ckpt, quantization)
+        plan = plan_pack(ckpt, quantization, with_mtp=with_mtp)
         tmp = mf.temporary_path(out)
         tmp.mkdir()
         try:
