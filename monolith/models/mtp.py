@@ -1,4 +1,4 @@
-"""The target checkpoint's own multi-token-prediction head (docs/drafts.md, "The MTP head"),
+"""The target checkpoint's own multi-token-prediction head (docs/drafts.md 6),
 read from a target pack built with `--with-mtp` (docs/formats.md 5).
 
 One MTP step, over T rows, row t pairing the target's hidden state at position p + t
