@@ -60,8 +60,8 @@ def test_dropped_mtp_modules_are_not_checked_against_the_quantization_rules(synt
     for name in mtp:
         assert "MTP head" in skipped[name], name
         assert ("model_mtp.safetensors" in skipped[name]) == (not listed), skipped[name]
-    # asked for (a --with-mtp pack), an MTP module is read as stored, whatever the rules that
-    # match its name say (a module of the model itself is still checked strictly: see below)
+    # asked for (a --with-mtp pack), an MTP module may be stored BF16 although the rules that
+    # match its name quantize it (a module of the model itself is still checked strictly: below)
     assert open_checkpoint(str(src)).module("mtp.layers.0.mlp.gate_proj").precision == "bf16"
 
 

@@ -56,20 +56,23 @@ class NoQuantRules:
         return Expectation(PLAIN_ONLY, "has no quantization config (and there is no hf_quant_config.json)")
 
 
-class AsStored:
-    """No rule: a module is read as it is stored (any scheme whose tensors check out).
-    For the modules of AS_STORED_PREFIXES, which published configs' rules wrongly match."""
+class PlainAllowed:
+    """The rules of `inner`, except that a module may also be stored unquantized. For the
+    modules of PLAIN_ALLOWED_PREFIXES, which published configs' rules wrongly match."""
 
-    subject = "nothing"
+    def __init__(self, inner):
+        self.inner = inner
+        self.subject = inner.subject
 
     def expect(self, name: str) -> Expectation:
-        return Expectation(frozenset({"nvfp4", "fp8", "plain"}), "reads it as stored")
+        e = self.inner.expect(name)
+        return Expectation(e.allowed | PLAIN_ONLY, f"{e.reason} (or it is stored unquantized)")
 
 
 # The MTP head: unsloth's Qwen3.6-27B stores `mtp.*` BF16 in model_mtp.safetensors while
 # its NVFP4 and FP8 rules match those names (and nothing ignores them); a recipe that
-# keeps the head (pack/target_recipe.py, --with-mtp) reads each module as stored.
-AS_STORED_PREFIXES = ("mtp.",)
+# keeps the head (pack/target_recipe.py, --with-mtp) reads such a module as stored.
+PLAIN_ALLOWED_PREFIXES = ("mtp.",)
 
 
 class ModelOptRules:

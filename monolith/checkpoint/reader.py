@@ -39,7 +39,7 @@ from .config import (
 )
 from .errors import CheckpointError
 from .experts import expert_scale, fused_experts_spec, halves_of, is_fused_experts_name
-from .precision import AS_STORED_PREFIXES, AsStored, ModuleSpec, module_spec, rules_for
+from .precision import PLAIN_ALLOWED_PREFIXES, ModuleSpec, PlainAllowed, module_spec, rules_for
 from .resolve import resolve_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,11 +193,11 @@ class Checkpoint:
 
     def module(self, name: str) -> ModuleSpec:
         """The checked ModuleSpec of a linear module or of fused experts; the
-        quantization rules are applied here, on first use (not to the MTP head's
-        modules, read as stored: precision.AS_STORED_PREFIXES)."""
+        quantization rules are applied here, on first use (the MTP head's modules may
+        also be stored unquantized: precision.PLAIN_ALLOWED_PREFIXES)."""
         spec = self._specs.get(name)
         if spec is None:
-            rules = AsStored() if name.startswith(AS_STORED_PREFIXES) else self._rules
+            rules = PlainAllowed(self._rules) if name.startswith(PLAIN_ALLOWED_PREFIXES) else self._rules
             if name in self._module_names:
                 spec = module_spec(self, name, rules)
             elif self.has_fused_experts(name):

@@ -15,9 +15,9 @@ its decoder layer `mtp.layers.{j}.` is planned exactly as a target full-attentio
 `model.layers.{i}.` is, `mtp.fc` as a linear, `mtp.pre_fc_norm_embedding`,
 `mtp.pre_fc_norm_hidden` and `mtp.norm` as zero-centred norms. Its linears follow a
 draft's quantization rules (under auto, float matrices become NVFP4: it drafts), and its
-modules are read as stored (checkpoint/precision.py AS_STORED_PREFIXES: unsloth's 27B
-stores them BF16 although its quantization rules match their names). Without it, the
-head is dropped.
+modules may be stored unquantized whatever the quantization rules say
+(checkpoint/precision.py PLAIN_ALLOWED_PREFIXES: unsloth's 27B stores them BF16 although
+its NVFP4 and FP8 rules match their names). Without it, the head is dropped.
 """
 
 from __future__ import annotations
