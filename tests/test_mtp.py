@@ -2,7 +2,8 @@
 (nvidia's inline fused experts, unsloth's separate BF16 shard under matching NVFP4/FP8
 rules), and run on MLX (monolith/models/mtp.py).
 
-Independent references: the source checkpoint (unpack gives the head's tensors back
+Independent references: goldens from speculators 0.9.0 itself (its training forward
+and vLLM's decode schedule, tests/data/speculators-mtp/README.md), the source checkpoint (unpack gives the head's tensors back
 bit for bit), the target's own full-attention layer (the head's layer is packed as it
 is), the pack without --with-mtp (unchanged), and the head's own KV cache (one step over
 T rows equals T one-row steps)."""
@@ -10,20 +11,24 @@ T rows equals T one-row steps)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from numeric import rel
 from pack_helpers import assert_cli_error, run_cli
 
 from monolith.checkpoint import open_checkpoint
 from monolith.models import load_model, load_mtp
 from monolith.pack import PackError, build_pack, read_manifest, resolve_pack, unpack_pack
+from monolith.synth import write_target
 from monolith.synth.published import TARGET_LAYOUTS, write_published_target
 
 FULL_LAYER = "model.layers.3."  # the tiny layouts' full-attention layer (layer_types: every 4th)
 MTP_LAYER = "mtp.layers.0."
 KEPT = ("mtp.layers.0.mlp.gate", "mtp.layers.0.mlp.shared_expert_gate")  # a draft's keep rules
+MEASURED: dict[str, object] = {}  # printed after the module's tests with pytest -s
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +177,89 @@ def test_load_mtp_refuses_a_pack_without_a_head_or_of_another_target(layouts, mo
         load_mtp(layouts["nvidia-35b"]["plain"], target)
     with pytest.raises(PackError, match="not the pack the target model was loaded from"):
         load_mtp(layouts["nvidia-35b"]["auto"], target)
+
+
+# ------------------------------------------------------------------ speculators' own goldens
+
+SPECULATORS_MTP = Path(__file__).parent / "data" / "speculators-mtp"
+GOLDEN_CASES = ("moe", "dense")
+# max |ours - speculators| / max |speculators|: both float32 on the same bf16 weights, so only
+# the summation order differs, and our positions: the head's cache starts at 0 where the
+# goldens' rows sit at 5.., which attention does not see (RoPE scores depend on position
+# differences) but the rotation angles round differently (measured <= 8e-7)
+GOLDEN_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def golden_heads(tmp_path_factory):
+    """Per case: the tiny synthetic target of the goldens' shape (MoE with fused experts, or
+    dense), its MTP head, embedding and lm_head replaced by the goldens' (published names),
+    packed --with-mtp unquantized and loaded in float32."""
+    from monolith.formats import SafetensorsFile, write_safetensors
+
+    root, heads = tmp_path_factory.mktemp("mtp-goldens"), {}
+    for case in GOLDEN_CASES:
+        src = write_target(root / case, format="bf16", dense=case == "dense")
+        gold = SafetensorsFile(SPECULATORS_MTP / f"{case}.safetensors")
+        ckpt = open_checkpoint(src)
+        assert set(gold.names()) <= set(ckpt.tensor_names())
+        for path in {ckpt.file_of(name) for name in gold.names()}:
+            st = SafetensorsFile(path)
+            tensors = {n: (st.dtype(n), np.array(st.read(n))) for n in st.names()}
+            st.close()
+            for name in set(gold.names()) & set(tensors):
+                assert tensors[name][0] == gold.dtype(name) and tensors[name][1].shape == gold.shape(name), name
+                tensors[name] = (gold.dtype(name), np.array(gold.read(name)))
+            write_safetensors(path, tensors)
+        pack = build_pack(src, root / f"{case}-pack", quantization="none", with_mtp=True)
+        target = load_model(pack, "float32")
+        heads[case] = load_mtp(pack, target)
+    return heads
+
+
+def golden(case: str) -> dict:
+    with np.load(SPECULATORS_MTP / f"{case}.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def decode_errors(head, want: dict) -> dict:
+    """vLLM's schedule (the goldens' README): step 0 over the prompt rows (hidden t, token
+    t + 1), then one row a step, greedy, over the head's KV cache."""
+    ids, hidden = want["input_ids"], mx.array(want["hidden_states"])
+    steps = head.chain(hidden[:-1], ids[1:], head.make_cache(32), 3)
+    assert [int(np.argmax(np.array(lg[-1]))) for _, lg in steps] == want["decode_tokens"].tolist()
+    return {"step 0 rows": rel(np.array(steps[0][0]), want["decode_step0_hidden"]),
+            "hidden": rel(np.stack([np.array(o[-1]) for o, _ in steps]), want["decode_hidden"]),
+            "logits": rel(np.stack([np.array(lg[-1]) for _, lg in steps]), want["decode_logits"])}
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_the_head_matches_speculators_decoding(golden_heads, case):
+    errs = decode_errors(golden_heads[case], golden(case))
+    MEASURED[f"{case} decode vs speculators (rel)"] = {k: f"{v:.1e}" for k, v in errs.items()}
+    assert max(errs.values()) < GOLDEN_TOL, errs
+
+
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_the_head_matches_speculators_training_forward(golden_heads, case):
+    """MTPDraftModel.forward: three teacher-forced steps, step k over rows t with the step
+    before's output and token t + k + 1, each step a fresh pass at the same positions."""
+    head, want = golden_heads[case], golden(case)
+    rows = want["train_hidden"].shape[1]
+    hidden = mx.array(want["hidden_states"][:rows])
+    for k in range(3):
+        hidden, logits = head(hidden, want["input_ids"][k + 1:k + 1 + rows], head.make_cache(32))
+        errs = rel(np.array(hidden), want["train_hidden"][k]), rel(np.array(logits), want["train_logits"][k])
+        MEASURED[f"{case} training step {k} vs speculators (rel hidden, logits)"] = f"{errs[0]:.1e}, {errs[1]:.1e}"
+        assert max(errs) < GOLDEN_TOL, (k, errs)
+
+
+def test_the_goldens_see_the_head_s_own_final_norm(golden_heads):
+    """The comparison notices the target's final norm in place of the head's mtp.norm."""
+    head, want = golden_heads["moe"], golden("moe")
+    saved, head.norm = head.norm, head.target.norm
+    try:
+        out, _ = head(mx.array(want["hidden_states"][:-1]), want["input_ids"][1:], head.make_cache(32))
+    finally:
+        head.norm = saved
+    assert rel(np.array(out), want["decode_step0_hidden"]) > 100 * GOLDEN_TOL
