@@ -17,11 +17,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from numeric import rel
-from pack_helpers import assert_cli_error, run_cli
+from pack_helpers import assert_cli_error, copy_checkpoint, run_cli
 
 from monolith.checkpoint import open_checkpoint
+from monolith.formats import SafetensorsFile, write_safetensors
 from monolith.models import load_model, load_mtp
-from monolith.pack import PackError, build_pack, read_manifest, resolve_pack, unpack_pack
+from monolith.pack import (
+    PackError,
+    build_pack,
+    read_manifest,
+    resolve_pack,
+    unpack_pack,
+)
 from monolith.synth import write_target
 from monolith.synth.published import TARGET_LAYOUTS, write_published_target
 
@@ -117,9 +124,6 @@ def test_with_mtp_packs_get_their_own_cache_entry(layouts, tmp_path):
 
 
 def test_with_mtp_refuses_a_checkpoint_without_a_head_and_a_draft(synth_dir, tmp_path):
-    from monolith.formats import SafetensorsFile, write_safetensors
-    from pack_helpers import copy_checkpoint
-
     src = copy_checkpoint(synth_dir("target", "bf16"), tmp_path / "src")
     for path in src.glob("*.safetensors"):
         st = SafetensorsFile(path)
@@ -195,8 +199,6 @@ def golden_heads(tmp_path_factory):
     """Per case: the tiny synthetic target of the goldens' shape (MoE with fused experts, or
     dense), its MTP head, embedding and lm_head replaced by the goldens' (published names),
     packed --with-mtp unquantized and loaded in float32."""
-    from monolith.formats import SafetensorsFile, write_safetensors
-
     root, heads = tmp_path_factory.mktemp("mtp-goldens"), {}
     for case in GOLDEN_CASES:
         src = write_target(root / case, format="bf16", dense=case == "dense")

@@ -39,7 +39,13 @@ from .config import (
 )
 from .errors import CheckpointError
 from .experts import expert_scale, fused_experts_spec, halves_of, is_fused_experts_name
-from .precision import PLAIN_ALLOWED_PREFIXES, ModuleSpec, PlainAllowed, module_spec, rules_for
+from .precision import (
+    PLAIN_ALLOWED_PREFIXES,
+    ModuleSpec,
+    PlainAllowed,
+    module_spec,
+    rules_for,
+)
 from .resolve import resolve_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -18,7 +18,7 @@ are the target's own classes (qwen3_5.DecoderLayer); only the wiring is here.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 
