@@ -56,6 +56,25 @@ class NoQuantRules:
         return Expectation(PLAIN_ONLY, "has no quantization config (and there is no hf_quant_config.json)")
 
 
+class PlainAllowed:
+    """The rules of `inner`, except that a module may also be stored unquantized. For the
+    modules of PLAIN_ALLOWED_PREFIXES, which published configs' rules wrongly match."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.subject = inner.subject
+
+    def expect(self, name: str) -> Expectation:
+        e = self.inner.expect(name)
+        return Expectation(e.allowed | PLAIN_ONLY, f"{e.reason} (or it is stored unquantized)")
+
+
+# The MTP head: unsloth's Qwen3.6-27B stores `mtp.*` BF16 in model_mtp.safetensors while
+# its NVFP4 and FP8 rules match those names (and nothing ignores them); a recipe that
+# keeps the head (pack/target_recipe.py, --with-mtp) reads such a module as stored.
+PLAIN_ALLOWED_PREFIXES = ("mtp.",)
+
+
 class ModelOptRules:
     """ModelOpt. Single NVFP4: modules matching an `exclude_modules` glob (fnmatch, or
     the pattern names a parent module) are BF16; the rest are NVFP4 or, when the

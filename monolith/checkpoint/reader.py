@@ -39,7 +39,13 @@ from .config import (
 )
 from .errors import CheckpointError
 from .experts import expert_scale, fused_experts_spec, halves_of, is_fused_experts_name
-from .precision import ModuleSpec, module_spec, rules_for
+from .precision import (
+    PLAIN_ALLOWED_PREFIXES,
+    ModuleSpec,
+    PlainAllowed,
+    module_spec,
+    rules_for,
+)
 from .resolve import resolve_checkpoint
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,13 +199,15 @@ class Checkpoint:
 
     def module(self, name: str) -> ModuleSpec:
         """The checked ModuleSpec of a linear module or of fused experts; the
-        quantization rules are applied here, on first use."""
+        quantization rules are applied here, on first use (the MTP head's modules may
+        also be stored unquantized: precision.PLAIN_ALLOWED_PREFIXES)."""
         spec = self._specs.get(name)
         if spec is None:
+            rules = PlainAllowed(self._rules) if name.startswith(PLAIN_ALLOWED_PREFIXES) else self._rules
             if name in self._module_names:
-                spec = module_spec(self, name, self._rules)
+                spec = module_spec(self, name, rules)
             elif self.has_fused_experts(name):
-                spec = fused_experts_spec(self, name, self._rules)
+                spec = fused_experts_spec(self, name, rules)
             else:
                 raise CheckpointError(f"{self.path}: no module named {name}")
             self._specs[name] = spec

@@ -1,9 +1,10 @@
-"""MLX models read from packs: the Qwen3.5/3.6 hybrid target (dense and MoE) and the
-DSpark / DFlash draft."""
+"""MLX models read from packs: the Qwen3.5/3.6 hybrid target (dense and MoE), its own
+MTP head, and the DSpark / DFlash draft."""
 
 from .draft_args import DraftArgs, DraftError
 from .dspark import Draft, Proposal
-from .loading import MODELS, load_draft, load_model
+from .loading import MODELS, load_draft, load_model, load_mtp
+from .mtp import MTPHead
 from .qwen3_5 import Qwen3_5, Qwen3_5Moe, Segment
 from .target_args import ConfigError, ModelArgs
 from .weights import PackWeights
@@ -14,6 +15,7 @@ __all__ = [
     "Draft",
     "DraftArgs",
     "DraftError",
+    "MTPHead",
     "ModelArgs",
     "PackWeights",
     "Proposal",
@@ -22,4 +24,5 @@ __all__ = [
     "Segment",
     "load_draft",
     "load_model",
+    "load_mtp",
 ]

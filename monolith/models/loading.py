@@ -27,6 +27,7 @@ from ..pack.draft_formats import DRAFT_FORMATS
 from ..pack.split import LAYER
 from .draft_args import DraftArgs, DraftError
 from .dspark import Draft
+from .mtp import MTPHead
 from .qwen3_5 import Qwen3_5, Qwen3_5Moe
 from .target_args import ModelArgs
 from .weights import PackWeights, compute_dtype, model_arrays, open_pack
@@ -90,6 +91,26 @@ def _held(name: str, model) -> bool:
     if m is not None:
         return int(m.group(1)) in model.owned or int(m.group(1)) >= model.args.num_hidden_layers
     return model.head or not name.startswith(("model.embed_tokens", "lm_head", "model.norm"))
+
+
+def load_mtp(pack_dir, target_model, dense: bool | None = None, verify: str = "first") -> MTPHead:
+    """The MTP head (models/mtp.py) of a target pack built with --with-mtp, for
+    `target_model`, the model loaded from that same pack (its compute dtype is the head's).
+    PackError when the pack has no MTP head or is another pack than the target's."""
+    pack_dir = open_pack(pack_dir, verify)
+    manifest = read_manifest(pack_dir)
+    if manifest.get("role") != "target" or not (manifest.get("layout") or {}).get("mtp"):
+        raise PackError(f"{pack_dir}: the pack has no MTP head (build the target pack with "
+                        "`python -m monolith.pack build --with-mtp`)")
+    if manifest.get("pack_sha256") != getattr(target_model, "pack_sha256", None):
+        raise PackError(f"{pack_dir}: the MTP head's pack is not the pack the target model was loaded from")
+    weights = PackWeights(pack_dir, target_model.dtype, dense, verify)
+    head = MTPHead(target_model, weights)
+    unused = [n for n in weights.arrays if n.startswith("mtp.") and n not in weights.used]
+    if unused:
+        raise PackError(f"{pack_dir}: MTP tensors the head does not use: {_listed(unused)}")
+    mx.eval(model_arrays(head.fc), model_arrays(head.layer), head.norm)
+    return head
 
 
 def load_draft(pack_dir, target_model, dtype=None, dense: bool | None = None, verify: str = "first") -> Draft:

@@ -38,9 +38,11 @@ class Segment:
 
 
 class DecoderLayer:
-    def __init__(self, args: ModelArgs, w, index: int, mlp):
-        prefix = f"model.layers.{index}."
-        self.kind = args.layer_types[index]
+    """One decoder layer of kind "linear_attention" or "full_attention", its pack entries
+    under `prefix` (`model.layers.{i}.`, or the MTP head's `mtp.layers.{j}.`: models/mtp.py)."""
+
+    def __init__(self, args: ModelArgs, w, prefix: str, kind: str, mlp):
+        self.kind = kind
         if self.kind == "linear_attention":
             self.mixer = GatedDeltaNet(args, w, prefix + "linear_attn.")
         else:
@@ -91,8 +93,8 @@ class Qwen3_5:
         self.owned = range(args.num_hidden_layers) if layers is None else layers
         if not (0 <= self.owned.start < self.owned.stop <= args.num_hidden_layers and self.owned.step == 1):
             raise ValueError(f"layers {self.owned} are not a run of the model's {args.num_hidden_layers} layers")
-        self.layers = [DecoderLayer(args, weights, i, self.make_mlp(weights, f"model.layers.{i}.mlp."))
-                       for i in self.owned]
+        self.layers = [DecoderLayer(args, weights, f"model.layers.{i}.", args.layer_types[i],
+                                    self.make_mlp(weights, f"model.layers.{i}.mlp.")) for i in self.owned]
         self.head = head
         # the norm after the last layer held: fused with its residual add (a stage that
         # ends early computes the next stage's first norm, which that stage does again)

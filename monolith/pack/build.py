@@ -122,6 +122,12 @@ def _conversion(ckpt: Checkpoint, plan: Plan, source_label: dict, sources: list)
     }
 
 
+def _check_role(ckpt: Checkpoint, role: str | None) -> None:
+    if role is not None and role != ckpt.role:
+        raise PackError(f"{ckpt.path}/config.json: --role {role} requested but the checkpoint is a {ckpt.role} "
+                        f"({ckpt.architecture})")
+
+
 def build_pack(
     source,
     out,
@@ -132,8 +138,10 @@ def build_pack(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     force: bool = False,
     extra_manifest: dict | None = None,
+    with_mtp: bool = False,
 ) -> Path:
-    """Build a pack at `out` from a checkpoint (local dir or hub id). Returns `out`."""
+    """Build a pack at `out` from a checkpoint (local dir or hub id), keeping a target's MTP head
+    with `with_mtp` (pack/target_recipe.py). Returns `out`."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out)):
@@ -141,12 +149,8 @@ def build_pack(
         if out.exists() and not force:
             raise PackError(f"{out}: already exists (use --force to replace it)")
         ckpt = open_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
-        if role is not None and role != ckpt.role:
-            raise PackError(
-                f"{ckpt.path}/config.json: --role {role} requested but the checkpoint is a {ckpt.role} "
-                f"({ckpt.architecture})"
-            )
-        plan = plan_pack(ckpt, quantization)
+        _check_role(ckpt, role)
+        plan = plan_pack(ckpt, quantization, with_mtp=with_mtp)
         tmp = mf.temporary_path(out)
         tmp.mkdir()
         try:

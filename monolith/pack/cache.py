@@ -31,10 +31,11 @@ from .verify import ensure_verified
 log = logging.getLogger("monolith.pack")
 
 
-def source_key(path: Path, role: str | None, quantization: str) -> str:
+def source_key(path: Path, role: str | None, quantization: str, with_mtp: bool = False) -> str:
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".txt"))
     stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    material = repr((str(path.resolve()), stats, role, quantization, RECIPE_VERSION, mf.PACK_FORMAT_VERSION))
+    options = (role, quantization) + (("with_mtp",) if with_mtp else ())  # keys without it as before
+    material = repr((str(path.resolve()), stats, *options, RECIPE_VERSION, mf.PACK_FORMAT_VERSION))
     return hashlib.sha256(material.encode()).hexdigest()
 
 
@@ -46,17 +47,19 @@ def resolve_pack(
     local_files_only: bool = False,
     cache_dir: Path | None = None,
     verify: str = "first",
+    with_mtp: bool = False,
 ) -> Path:
     """A pack directory for `source`: the source itself if it is a pack (verified as
     `verify` says, see verify.ensure_verified; PackError on a mismatch), else a cached
-    pack built (once) from the checkpoint and verified, rebuilt when it fails."""
+    pack built (once) from the checkpoint and verified, rebuilt when it fails. `with_mtp`:
+    the target pack keeps its MTP head (its own cache entry, `...-mtp`)."""
     if Path(str(source)).is_dir() and mf.is_pack(Path(str(source))):
         ensure_verified(Path(str(source)), verify)
         return Path(str(source))
     path = resolve_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
-    key = source_key(path, role, quantization)
+    key = source_key(path, role, quantization, with_mtp)
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(source)).strip("_")[-80:] or "model"
-    out = Path(cache_dir or cache_root()) / f"{slug}-{role or 'auto'}-{quantization}"
+    out = Path(cache_dir or cache_root()) / f"{slug}-{role or 'auto'}-{quantization}{'-mtp' if with_mtp else ''}"
     stamp = out.parent / f".{out.name}.cache_key"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out, "cache")):  # check, build and stamp as one step
@@ -67,6 +70,6 @@ def resolve_pack(
             except PackError as e:
                 log.warning("the cached pack %s failed verification: %s; rebuilding it from %s", out, e, source)
         stamp.unlink(missing_ok=True)
-        build_pack(path, out, role=role, quantization=quantization, force=True)
+        build_pack(path, out, role=role, quantization=quantization, force=True, with_mtp=with_mtp)
         stamp.write_text(key)
     return out

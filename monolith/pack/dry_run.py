@@ -8,7 +8,8 @@ Every source tensor gets one action:
   convert    values computed exactly from the source: a norm stored as 1 + w in F32,
              a parameter widened to F32, FP8 dequantized to BF16
   quantize   a float matrix quantized to NVFP4 at pack time
-  drop       not in the pack (vision tower, MTP head, activation / KV-cache scales)
+  drop       not in the pack (vision tower, MTP head unless --with-mtp, activation /
+             KV-cache scales)
 with the reason the plan gives, plus the pack's size and every problem found (every
 failing module is listed; a draft's config problem stops its plan).
 """
@@ -86,7 +87,8 @@ def shard_bytes_of(plan: Plan, shard_bytes: int) -> tuple[int, int, int]:
 
 
 def dry_run(source, out=None, role: str | None = None, quantization: str = "auto", revision: str | None = None,
-            local_files_only: bool = False, shard_bytes: int | None = None, force: bool = False) -> DryRun:
+            local_files_only: bool = False, shard_bytes: int | None = None, force: bool = False,
+            with_mtp: bool = False) -> DryRun:
     """What build_pack(source, out, ...) would do; problems are collected, not raised."""
     report = DryRun(str(source), quantization=quantization)
     try:
@@ -101,7 +103,7 @@ def dry_run(source, out=None, role: str | None = None, quantization: str = "auto
     if out is not None and Path(out).exists() and not force:
         report.problems.append(f"{Path(out).absolute()}: already exists (use --force to replace it)")
     try:
-        plan = plan_pack(ckpt, quantization, report.problems)
+        plan = plan_pack(ckpt, quantization, report.problems, with_mtp)
     except (CheckpointError, FormatError) as e:
         report.problems.append(str(e))
         return report

@@ -9,6 +9,15 @@ Canonical names drop the `model.language_model.` wrapper: `model.embed_tokens`,
 Members of different precisions split into `<name>.0`, `<name>.1`, ... (see Entry.parts).
 Zero-centred norms are stored as 1 + w in F32; A_log, dt_bias and the gated-norm
 weight as F32.
+
+With `with_mtp` the checkpoint's multi-token-prediction head is kept (docs/formats.md 5):
+its decoder layer `mtp.layers.{j}.` is planned exactly as a target full-attention layer
+`model.layers.{i}.` is, `mtp.fc` as a linear, `mtp.pre_fc_norm_embedding`,
+`mtp.pre_fc_norm_hidden` and `mtp.norm` as zero-centred norms. Its linears follow a
+draft's quantization rules (under auto, float matrices become NVFP4: it drafts), and its
+modules may be stored unquantized whatever the quantization rules say
+(checkpoint/precision.py PLAIN_ALLOWED_PREFIXES: unsloth's 27B stores them BF16 although
+its NVFP4 and FP8 rules match their names). Without it, the head is dropped.
 """
 
 from __future__ import annotations
@@ -18,11 +27,12 @@ from ..checkpoint.config import QWEN3_5_MOE
 from .recipe import PackError, Plan, Planner
 
 ZERO_CENTRED = "zero-centred RMSNorm weight stored as 1 + w in F32"
-SKIP = (
+VISION_SKIP = (
     ("model.visual.", "vision tower: the runtime is text-only"),
     ("model.language_model.visual.", "vision tower: the runtime is text-only"),
-    ("mtp.", "MTP head: not used by the runtime (DSpark drafts instead)"),
 )
+SKIP = VISION_SKIP + (("mtp.", "MTP head: not used by the runtime (DSpark drafts instead)"),)  # without --with-mtp
+MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
 
 
 def source_prefix(ckpt: Checkpoint) -> str:
@@ -38,26 +48,15 @@ def config_field(ckpt: Checkpoint, name: str):
     return ckpt.text_config[name]
 
 
-def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None = None) -> Plan:
+def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None = None,
+                with_mtp: bool = False) -> Plan:
     p = Planner(ckpt, "target", quantization, problems)
     plan = Plan("qwen3_5-hybrid", "target", ckpt.architecture, quantization)
     src = source_prefix(ckpt)
-    moe = ckpt.architecture == QWEN3_5_MOE
 
     p.linear("model.embed_tokens", [src + "embed_tokens"], plan)
     for i, kind in enumerate(_layer_types(ckpt)):
-        s, d = f"{src}layers.{i}.", f"model.layers.{i}."
-        p.tensor(d + "input_layernorm", s + "input_layernorm.weight", plan, "one_plus_f32", ZERO_CENTRED)
-        p.tensor(d + "post_attention_layernorm", s + "post_attention_layernorm.weight", plan, "one_plus_f32", ZERO_CENTRED)
-        if kind == "linear_attention":
-            _plan_linear_attention(p, plan, s + "linear_attn.", d + "linear_attn.")
-        else:
-            _plan_full_attention(p, plan, s + "self_attn.", d + "self_attn.")
-        if moe:
-            _plan_moe(p, plan, ckpt, s + "mlp.", d + "mlp.")
-        else:
-            p.linear(d + "mlp.gate_up", [s + "mlp.gate_proj", s + "mlp.up_proj"], plan)
-            p.linear(d + "mlp.down_proj", [s + "mlp.down_proj"], plan)
+        _plan_layer(p, plan, ckpt, f"{src}layers.{i}.", f"model.layers.{i}.", kind)
     p.tensor("model.norm", src + "norm.weight", plan, "one_plus_f32", ZERO_CENTRED)
     if ckpt.has("lm_head.weight") or ckpt.has("lm_head.weight_packed"):
         p.linear("lm_head", ["lm_head"], plan)
@@ -73,7 +72,43 @@ def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None 
         "norms": "zero-centred stored as 1 + w (F32)",
         "tied_embeddings": not (ckpt.has("lm_head.weight") or ckpt.has("lm_head.weight_packed")),
     }
+    if with_mtp:
+        plan.layout["mtp"] = _plan_mtp(p, plan, ckpt, quantization, problems)
+        return p.finish(plan, VISION_SKIP)
     return p.finish(plan, SKIP)
+
+
+def _plan_layer(p: Planner, plan: Plan, ckpt: Checkpoint, s: str, d: str, kind: str) -> None:
+    """One decoder layer: source names under `s`, pack names under `d`."""
+    p.tensor(d + "input_layernorm", s + "input_layernorm.weight", plan, "one_plus_f32", ZERO_CENTRED)
+    p.tensor(d + "post_attention_layernorm", s + "post_attention_layernorm.weight", plan, "one_plus_f32", ZERO_CENTRED)
+    if kind == "linear_attention":
+        _plan_linear_attention(p, plan, s + "linear_attn.", d + "linear_attn.")
+    else:
+        _plan_full_attention(p, plan, s + "self_attn.", d + "self_attn.")
+    if ckpt.architecture == QWEN3_5_MOE:
+        _plan_moe(p, plan, ckpt, s + "mlp.", d + "mlp.")
+    else:
+        p.linear(d + "mlp.gate_up", [s + "mlp.gate_proj", s + "mlp.up_proj"], plan)
+        p.linear(d + "mlp.down_proj", [s + "mlp.down_proj"], plan)
+
+
+def _plan_mtp(p: Planner, plan: Plan, ckpt: Checkpoint, quantization: str, problems: list[str] | None) -> dict:
+    """The MTP head's entries (module docstring), planned by a draft-rules planner that
+    shares `p`'s record of used and failed sources; returns the manifest's layout.mtp."""
+    if not ckpt.has("mtp.fc.weight"):
+        raise PackError(f"{ckpt.path}: --with-mtp, but the checkpoint has no MTP head (no mtp.fc.weight)")
+    layers = config_field(ckpt, "mtp_num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise PackError(f"{ckpt.path / 'config.json'}: mtp_num_hidden_layers {layers!r} is not a positive integer")
+    m = Planner(ckpt, "draft", quantization, problems)
+    m.used, m.failed = p.used, p.failed
+    m.linear("mtp.fc", ["mtp.fc"], plan)
+    for norm in MTP_NORMS:
+        m.tensor(f"mtp.{norm}", f"mtp.{norm}.weight", plan, "one_plus_f32", ZERO_CENTRED)
+    for j in range(layers):
+        _plan_layer(m, plan, ckpt, f"mtp.layers.{j}.", f"mtp.layers.{j}.", "full_attention")
+    return {"num_layers": layers, "concat": ["pre_fc_norm_embedding", "pre_fc_norm_hidden"]}
 
 
 def _layer_types(ckpt: Checkpoint) -> list[str]:
