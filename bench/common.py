@@ -1,11 +1,13 @@
-"""What several bench scripts share: the machine description and the report writer,
-the synthetic target presets and a pack's byte counts, the synthetic pair loader,
-prompt sources, and the `monolith.serve` command line.
+"""What several bench scripts share: the machine description, installed package
+versions and the report writer, the synthetic target presets and a pack's byte counts,
+the synthetic pair loader, prompt sources, and the `monolith.serve` command line.
 
 Scripts import each other's helpers only from here (or from the library modules
 bench/http_replay.py, bench/agent_workload.py, bench/acceptance_report.py,
 bench/mlx_lm_checkpoint.py; the archived grammar studies from
-bench/archive/vocabulary.py), and run from the repository root as `python -m bench.NAME`.
+bench/archive/vocabulary.py; a script split in parts imports its own: bench/prompt_cache_runs.py
+and _report.py, bench/concurrency_clients.py, bench/real_size_model.py and bench/step_bytes.py),
+and run from the repository root as `python -m bench.NAME`.
 """
 
 from __future__ import annotations
@@ -65,19 +67,21 @@ def server_command(args, mode: str, max_batch: int | None, max_queue: int | None
     return cmd + args.server_arg
 
 
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution, None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def machine() -> dict:
-    def version(name):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                             check=False).stdout
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "mlx": version("mlx"),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "mlx": package_version("mlx"),
             "commit": commit.strip(), "blas": os.environ.get("LD_PRELOAD") or "bundled",
             "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS")}
 

@@ -102,7 +102,7 @@ def ring_bytes(traffic: dict, hidden: int, dtype_bytes: int) -> float:
     return traffic["frames"] * traffic["frame_bytes"] * (r - 1) + traffic["rows"] * hidden * dtype_bytes * r
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -112,40 +112,41 @@ def main() -> int:
     ap.add_argument("--model", default=str(ROOT / "packs/demo/target"))
     ap.add_argument("--draft", default=str(ROOT / "packs/demo/draft"))
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results")
-    args = ap.parse_args()
-    launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    base = [sys.executable, "-m", "monolith.generate", "--model", args.model, "--prompt", PROMPT,
-            "--max-tokens", str(args.max_tokens), "--json"]
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    config = config.get("text_config", config)
-    hidden = config["hidden_size"]
-    rows = []
-    for mode in ("plain", "speculative"):
-        extra = ["--no-draft"] if mode == "plain" else ["--draft", args.draft]
-        one, many, equal, traffic = [], [], True, None
-        for _ in range(args.repeats):
-            alone = run(base + extra, env)
-            split = run_ranks([*base, *extra, "--distributed"], env, args.ranks, launch, args.launcher)
-            one.append(per_unit(alone, mode == "speculative"))
-            many.append(per_unit(split, mode == "speculative"))
-            equal &= alone["token_ids"] == split["token_ids"]
-            traffic = split["pipeline"]
-        dtype_bytes = 4 if platform.system() == "Linux" else 2  # MLX's CPU computes in float32 here
-        forwards = traffic["forwards"]
-        rows.append({
-            "mode": mode, "ranks": args.ranks, "layers": traffic["layers"],
-            "one_ms": statistics.median(one) * 1e3, "ranks_ms": statistics.median(many) * 1e3,
-            "ratio": statistics.median(many) / statistics.median(one), "equal": equal,
-            "rank0_bytes_per_forward": traffic["sent_bytes"] / forwards,
-            "rank0_received_per_forward": traffic["received_bytes"] / forwards,
-            "ring_bytes_per_forward": ring_bytes(traffic, hidden, dtype_bytes) / forwards,
-            "frames_per_forward": traffic["frames"] / forwards,
-            "commands_per_forward": traffic["commands"] / forwards,
-            "rows_per_forward": traffic["rows"] / forwards,
-        })
+    return ap.parse_args()
+
+
+def measure_mode(args, mode: str, base: list[str], env: dict, launch: str, hidden: int) -> tuple[dict, dict]:
+    """(the table row of one mode, the last R-rank run's pipeline traffic): --repeats
+    pairs of runs, one process and R ranks back to back."""
+    extra = ["--no-draft"] if mode == "plain" else ["--draft", args.draft]
+    one, many, equal, traffic = [], [], True, None
+    for _ in range(args.repeats):
+        alone = run(base + extra, env)
+        split = run_ranks([*base, *extra, "--distributed"], env, args.ranks, launch, args.launcher)
+        one.append(per_unit(alone, mode == "speculative"))
+        many.append(per_unit(split, mode == "speculative"))
+        equal &= alone["token_ids"] == split["token_ids"]
+        traffic = split["pipeline"]
+    dtype_bytes = 4 if platform.system() == "Linux" else 2  # MLX's CPU computes in float32 here
+    forwards = traffic["forwards"]
+    row = {
+        "mode": mode, "ranks": args.ranks, "layers": traffic["layers"],
+        "one_ms": statistics.median(one) * 1e3, "ranks_ms": statistics.median(many) * 1e3,
+        "ratio": statistics.median(many) / statistics.median(one), "equal": equal,
+        "rank0_bytes_per_forward": traffic["sent_bytes"] / forwards,
+        "rank0_received_per_forward": traffic["received_bytes"] / forwards,
+        "ring_bytes_per_forward": ring_bytes(traffic, hidden, dtype_bytes) / forwards,
+        "frames_per_forward": traffic["frames"] / forwards,
+        "commands_per_forward": traffic["commands"] / forwards,
+        "rows_per_forward": traffic["rows"] / forwards,
+    }
+    return row, traffic
+
+
+def tb5_projection(frame: int) -> dict:
+    """The 35B-A3B's decode step and verify round at 2 ranks over Thunderbolt 5, with the
+    pipeline's control frame of `frame` bytes."""
     h, b = QWEN36_35B["hidden"], QWEN36_35B["dtype_bytes"]
-    frame = traffic["frame_bytes"]
     projection = {}
     for name, n_rows in (("decode step", 1), ("verify round", 8)):
         stream = 2 * n_rows * h * b  # rank 0 -> 1 -> 0
@@ -153,31 +154,50 @@ def main() -> int:
         projection[name] = {"stream_bytes": stream, "control_bytes": frame,
                             "goal_bytes": 2 * n_rows * h * 2,
                             "seconds": messages * TB5_MESSAGE_S + (stream + frame) / TB5_BYTES_PER_S}
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus", "blas": os.environ.get("LD_PRELOAD", "bundled"),
-              "launcher": args.launcher,
-              "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
-              "tb5_assumed": {"bytes_per_s": TB5_BYTES_PER_S, "seconds_per_message": TB5_MESSAGE_S,
-                              "model": QWEN36_35B},
-              "tb5_projection_35b_2_ranks": projection}
+    return projection
+
+
+def markdown(args, result: dict) -> str:
     lines = ["# distributed", "", f"- machine: {result['machine']}, BLAS {result['blas']}",
              f"- model: {args.model}; {args.max_tokens} tokens; medians of {args.repeats}; ranks started "
              + ("by mlx.launch" if args.launcher == "mlx" else "directly with mlx.launch's environment"), "",
              ("| mode | ranks | layers | 1 process ms | ranks ms | ratio | equal | rank 0 sent B/forward | "
               "rank 0 received B/forward | ring B/forward (taps aside) | "
               "frames/forward | commands/forward | rows/forward |"), "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in result["rows"]:
         lines.append(f"| {r['mode']} | {r['ranks']} | {r['layers']} | {r['one_ms']:.2f} | {r['ranks_ms']:.2f} | "
                      f"{r['ratio']:.2f} | {r['equal']} | {r['rank0_bytes_per_forward']:.0f} | "
                      f"{r['rank0_received_per_forward']:.0f} | "
                      f"{r['ring_bytes_per_forward']:.0f} | {r['frames_per_forward']:.2f} | "
                      f"{r['commands_per_forward']:.2f} | "
                      f"{r['rows_per_forward']:.2f} |")
-    lines += ["", (f"Thunderbolt 5 projection, Qwen3.6-35B-A3B at 2 ranks (hidden {h}, BF16; assumed "
-                   f"{TB5_BYTES_PER_S * 8 / 1e9:.0f} Gb/s and {TB5_MESSAGE_S * 1e6:.0f} us a message):"), ""]
-    for name, p in projection.items():
+    lines += ["", (f"Thunderbolt 5 projection, Qwen3.6-35B-A3B at 2 ranks (hidden {QWEN36_35B['hidden']}, BF16; "
+                   f"assumed {TB5_BYTES_PER_S * 8 / 1e9:.0f} Gb/s and {TB5_MESSAGE_S * 1e6:.0f} us a message):"), ""]
+    for name, p in result["tb5_projection_35b_2_ranks"].items():
         lines.append(f"- {name}: stream {p['stream_bytes']} B (goal {p['goal_bytes']} B) + control "
                      f"{p['control_bytes']} B -> {p['seconds'] * 1e6:.0f} us")
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    args = parse_args()
+    launch = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base = [sys.executable, "-m", "monolith.generate", "--model", args.model, "--prompt", PROMPT,
+            "--max-tokens", str(args.max_tokens), "--json"]
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    config = config.get("text_config", config)
+    rows = []
+    for mode in ("plain", "speculative"):
+        row, traffic = measure_mode(args, mode, base, env, launch, config["hidden_size"])
+        rows.append(row)
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cpus", "blas": os.environ.get("LD_PRELOAD", "bundled"),
+              "launcher": args.launcher,
+              "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
+              "tb5_assumed": {"bytes_per_s": TB5_BYTES_PER_S, "seconds_per_message": TB5_MESSAGE_S,
+                              "model": QWEN36_35B},
+              "tb5_projection_35b_2_ranks": tb5_projection(traffic["frame_bytes"])}
+    text = markdown(args, result)
     print(text)
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -211,7 +211,7 @@ def rss_waves(url: str, pid: int, waves: int, per_wave: int, seed: int) -> list[
     return out
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--clients", type=int, default=8)
@@ -227,91 +227,95 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
     args.port = args.port or free_port()
+    return args
+
+
+def start_server(args) -> subprocess.Popen:
+    """The demo server, plain decoding, on --port with --server-arg and --env."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **dict(e.split("=", 1) for e in args.env)}
-    server = subprocess.Popen([sys.executable, "-m", "monolith.serve", "--no-draft", "--port", str(args.port),
-                               "--max-context", "4096", "--max-queue", "256", "--log-level", "error", *args.server_arg],
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise SystemExit("the server did not start")
-        rss_ready = rss(server.pid)
-        rng = random.Random(args.seed)
-        work = [request_for(rng) for _ in range(args.requests)]
-        statuses: collections.Counter = collections.Counter()
-        out_of_shape, failures, lock = [], [], threading.Lock()
-        peak = [rss_ready]
-        done = threading.Event()
+    return subprocess.Popen([sys.executable, "-m", "monolith.serve", "--no-draft", "--port", str(args.port),
+                             "--max-context", "4096", "--max-queue", "256", "--log-level", "error", *args.server_arg],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-        def sample():
-            while not done.wait(0.5):
-                peak[0] = max(peak[0], rss(server.pid))
 
-        def client(part):
-            with httpx.Client(base_url=url, timeout=120) as http:
-                for method, path, body, headers in part:
-                    try:
-                        response = http.request(method, path, content=body, headers=headers)
-                        status = response.status_code
-                        bad = 400 <= status < 500 and not in_shape(response)
-                    except httpx.HTTPError as e:
-                        status, bad = f"client error: {type(e).__name__}", False
-                        with lock:
-                            failures.append((path, str(e)[:200]))
+def wait_ready(url: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not start")
+
+
+def hostile_run(url: str, pid: int, work: list, clients: int, rss_ready: int) -> dict:
+    """Send `work` from `clients` threads at once, sampling the server's RSS every 0.5 s:
+    the status histogram, the 4xx replies out of shape, the client-side failures, the
+    peak RSS (from `rss_ready` on) and the seconds it took."""
+    statuses: collections.Counter = collections.Counter()
+    out_of_shape, failures, lock = [], [], threading.Lock()
+    peak = [rss_ready]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.5):
+            peak[0] = max(peak[0], rss(pid))
+
+    def client(part):
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for method, path, body, headers in part:
+                try:
+                    response = http.request(method, path, content=body, headers=headers)
+                    status = response.status_code
+                    bad = 400 <= status < 500 and not in_shape(response)
+                except httpx.HTTPError as e:
+                    status, bad = f"client error: {type(e).__name__}", False
                     with lock:
-                        statuses[status] += 1
-                        if bad:
-                            out_of_shape.append((status, path, response.text[:200]))
+                        failures.append((path, str(e)[:200]))
+                with lock:
+                    statuses[status] += 1
+                    if bad:
+                        out_of_shape.append((status, path, response.text[:200]))
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        started = time.monotonic()
-        threads = [threading.Thread(target=client, args=(work[i::args.clients],)) for i in range(args.clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - started
-        done.set()
-        time.sleep(2)
-        rss_after = rss(server.pid)
-        waves = rss_waves(url, server.pid, args.waves, args.wave_requests, args.seed)
-        final = httpx.post(url + "/v1/completions", json={"prompt": "def f(", "max_tokens": 2}, timeout=60)
-    finally:
-        server.terminate()
-        server.wait(30)
-    server_errors = sum(n for s, n in statuses.items() if isinstance(s, int) and s >= 500)
-    grammar = {}
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.monotonic()
+    threads = [threading.Thread(target=client, args=(work[i::clients],)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - started
+    done.set()
+    return {"statuses": statuses, "out_of_shape": out_of_shape, "failures": failures, "peak": peak[0],
+            "seconds": elapsed}
+
+
+def grammar_findings() -> dict:
+    """Per grammar engine, the control tokens it lets into a JSON string
+    (bench/archive/results/grammar_engines.json; empty without it)."""
     engines = ROOT / "bench/archive/results/grammar_engines.json"
-    if engines.exists():
-        found = json.loads(engines.read_text()).get("engines", {})
-        grammar = {name: e.get("special_tokens_allowed_inside_a_string") for name, e in found.items()}
-    result = {"requests": args.requests, "clients": args.clients, "seed": args.seed, "seconds": elapsed,
-              "requests_per_s": args.requests / max(elapsed, 1e-9),
-              "server_args": args.server_arg, "server_env": args.env, "statuses": {str(k): v for k, v in sorted(
-                  statuses.items(), key=lambda kv: str(kv[0]))}, "server_errors": server_errors,
-              "client_errors": failures[:20], "out_of_shape_4xx": out_of_shape[:20],
-              "rss_bytes": {"ready": rss_ready, "peak_during": peak[0], "after": rss_after},
-              "rss_waves": waves,
-              "still_serving": final.status_code == 200,
-              "control_tokens_allowed_inside_a_json_string": grammar}
-    lines = ["# fuzz", "", (f"- {args.requests} requests from {args.clients} clients in {elapsed:.0f} s "
+    if not engines.exists():
+        return {}
+    found = json.loads(engines.read_text()).get("engines", {})
+    return {name: e.get("special_tokens_allowed_inside_a_string") for name, e in found.items()}
+
+
+def markdown(args, result: dict, out_of_shape: int, failures: int) -> str:
+    """The report: the status histogram, the 5xx and out-of-shape counts, RSS, the waves."""
+    rss_bytes, waves, grammar = result["rss_bytes"], result["rss_waves"], result[
+        "control_tokens_allowed_inside_a_json_string"]
+    lines = ["# fuzz", "", (f"- {args.requests} requests from {args.clients} clients in {result['seconds']:.0f} s "
                             f"({result['requests_per_s']:.0f}/s), seed {args.seed}; the demo server, plain decoding"
                             + (f", with {' '.join(args.server_arg + args.env)}" if args.server_arg or args.env else "")),
              "",
              "| status | requests |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in result["statuses"].items()]
-    lines += ["", (f"- 5xx: {server_errors}; 4xx not in the API's error shape: {len(out_of_shape)}; "
-                   f"client-side failures: {len(failures)}"),
-              (f"- RSS: {rss_ready / 2**20:.0f} MiB ready, {peak[0] / 2**20:.0f} MiB peak, "
-               f"{rss_after / 2**20:.0f} MiB after"),
+    lines += ["", (f"- 5xx: {result['server_errors']}; 4xx not in the API's error shape: "
+                   f"{out_of_shape}; client-side failures: {failures}"),
+              (f"- RSS: {rss_bytes['ready'] / 2**20:.0f} MiB ready, {rss_bytes['peak_during'] / 2**20:.0f} MiB peak, "
+               f"{rss_bytes['after'] / 2**20:.0f} MiB after"),
               f"- still serving a plain request afterwards: {result['still_serving']}",
               "- then valid requests, RSS after each wave: " + ", ".join(
                   f"{w['requests']}: {w['rss'] / 2**20:.0f} MiB (prompt cache {w['prompt_cache_bytes'] / 2**20:.0f}, "
@@ -322,12 +326,43 @@ def main() -> int:
         lines.append("- control tokens a grammar lets into a JSON string (bench/archive/grammar_engines.py): "
                      + "; ".join(f"{n}: {', '.join(t for t, ok in v.items() if ok) or 'none'}"
                                  for n, v in grammar.items()))
-    text = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    args = parse_args()
+    server = start_server(args)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_ready(url)
+        rss_ready = rss(server.pid)
+        rng = random.Random(args.seed)
+        work = [request_for(rng) for _ in range(args.requests)]
+        run = hostile_run(url, server.pid, work, args.clients, rss_ready)
+        time.sleep(2)
+        rss_after = rss(server.pid)
+        waves = rss_waves(url, server.pid, args.waves, args.wave_requests, args.seed)
+        final = httpx.post(url + "/v1/completions", json={"prompt": "def f(", "max_tokens": 2}, timeout=60)
+    finally:
+        server.terminate()
+        server.wait(30)
+    statuses, elapsed = run["statuses"], run["seconds"]
+    server_errors = sum(n for s, n in statuses.items() if isinstance(s, int) and s >= 500)
+    result = {"requests": args.requests, "clients": args.clients, "seed": args.seed, "seconds": elapsed,
+              "requests_per_s": args.requests / max(elapsed, 1e-9),
+              "server_args": args.server_arg, "server_env": args.env, "statuses": {str(k): v for k, v in sorted(
+                  statuses.items(), key=lambda kv: str(kv[0]))}, "server_errors": server_errors,
+              "client_errors": run["failures"][:20], "out_of_shape_4xx": run["out_of_shape"][:20],
+              "rss_bytes": {"ready": rss_ready, "peak_during": run["peak"], "after": rss_after},
+              "rss_waves": waves,
+              "still_serving": final.status_code == 200,
+              "control_tokens_allowed_inside_a_json_string": grammar_findings()}
+    text = markdown(args, result, len(run["out_of_shape"]), len(run["failures"]))
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / f"{args.out}.md").write_text(text)
-    return 1 if server_errors or out_of_shape or not result["still_serving"] else 0
+    return 1 if server_errors or run["out_of_shape"] or not result["still_serving"] else 0
 
 
 if __name__ == "__main__":

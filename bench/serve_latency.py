@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import free_port
+from bench.common import free_port, package_version
 from monolith.models import load_model
 from monolith.pack import build_pack
 from monolith.runtime.decoder import PlainDecoder
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         "benchmark": "serve_latency",
         "description": "streamed /v1/completions vs in-process runtime.engine.run_decoder, same pack, greedy; medians",
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "mlx": _version("mlx"), "processor": platform.processor() or platform.machine()},
+                    "mlx": package_version("mlx"), "processor": platform.processor() or platform.machine()},
         "settings": {"preset": args.preset, "dtype": args.dtype, "max_tokens": args.max_tokens,
                      "repeats": args.repeats, "max_context": args.max_context},
         "rows": rows,
@@ -171,15 +171,6 @@ def summarize(length: int, http: list[dict], local: list[dict]) -> dict:
         "wall_http_ms": 1000 * med(r["wall"] for r in http),
         "http_overhead_ratio": overhead,
     }
-
-
-def _version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

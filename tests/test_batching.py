@@ -1,90 +1,27 @@
 """Continuous batching (runtime/batch.py, the engine's batch): every greedy request served
 in a batch gives, token for token, what it gives served alone, plain and speculative,
 whatever joins, leaves, stops or is cancelled around it; the prompt cache serves every
-sequence; the queue limits hold with several running."""
+sequence; the queue limits hold with several running. (One batch from inside:
+tests/test_batch_step.py; the shared helpers: tests/batch_rig.py.)"""
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import pytest
+from batch_rig import MAX_CONTEXT, Collect, alone, decoder, prompts, together
 
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
 from monolith.runtime.engine import Engine
-from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
+from monolith.runtime.events import GenerationRequest
 from monolith.runtime.jobs import QueueFull
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams
 
-MAX_CONTEXT = 512
-TEXTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time, in a land far away, there lived a king who had three daughters. The youngest",
-    "1, 2, 3, 4,",
-    "A long prompt: " + "the rain in Spain falls mainly on the plain; " * 12,
-    "Q: What is the capital of France?\nA:",
-]
-
 
 @pytest.fixture(scope="module")
 def demo(demo_f32):
     return demo_f32
-
-
-def decoder(kind, model, drafter):
-    if kind == "plain":
-        return PlainDecoder(model, MAX_CONTEXT, prefill_chunk_size=32)
-    return SpeculativeDecoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32)
-
-
-def prompts(tok):
-    return [tuple(tok.encode(t)) for t in TEXTS]
-
-
-class Collect:
-    """A request's sink: its tokens' text and its Finished (and the order it started in)."""
-
-    started = itertools.count()
-
-    def __init__(self, on_delta=None):
-        self.text, self.finished, self.deltas, self.order = [], None, 0, None
-        self.on_delta = on_delta
-
-    def __call__(self, event):
-        if isinstance(event, Started):
-            self.order = next(self.started)
-        elif isinstance(event, Delta):
-            self.text.append(event.text)
-            self.deltas += 1
-            if self.on_delta is not None:
-                self.on_delta(self)
-        elif isinstance(event, Finished):
-            self.finished = event
-
-
-GREEDY = SamplingParams()
-
-
-def alone(model, tok, dec, prompt, max_tokens, params=GREEDY):
-    """The request served by an engine that runs one at a time, on a fresh session."""
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=1)
-    try:
-        _, finished = engine.run_request(GenerationRequest(prompt, max_tokens=max_tokens, params=params), Session())
-        return finished.token_ids, finished
-    finally:
-        engine.close()
-
-
-def together(engine, requests, sinks=None):
-    """Submit every request at once; wait for all; their Finished events."""
-    sinks = sinks or [Collect() for _ in requests]
-    jobs = [engine.submit(r, s) for r, s in zip(requests, sinks)]
-    for job in jobs:
-        assert job.done.wait(300)
-    return [s.finished for s in sinks]
 
 
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
@@ -277,70 +214,6 @@ def test_queue_limits_with_a_full_batch(demo):
         engine.close()
 
 
-def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo, monkeypatch):
-    """One sequence's cache is what the config says (KV rows of every attention layer for
-    max_context plus the verify block's spare rows, the recurrent and conv states, the
-    draft's context); max_batch of them that do not fit the free memory are refused at
-    start, naming both flags."""
-    from monolith import engine_setup
-    from monolith.models.cache import SPARE_ROWS
-
-    model, drafter, _ = demo
-    a, d = model.args, drafter.draft.args
-    size = 4  # float32
-    kv = sum(t == "full_attention" for t in a.layer_types) * 2 * a.num_key_value_heads * (1000 + SPARE_ROWS) \
-        * a.head_dim * size
-    conv = 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
-    gdn = sum(t == "linear_attention" for t in a.layer_types) * 4 * (
-        (a.linear_conv_kernel_dim - 1) * conv
-        + a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim)
-    draft = d.num_layers * 2 * d.num_kv_heads * (1000 + d.block_size) * d.head_dim * size
-    each = engine_setup.sequence_bytes(model, drafter, 1000)
-    assert each == kv + gdn + draft
-    logs = []
-    monkeypatch.setattr(engine_setup, "available_memory", lambda: 4 * each + 1)
-    assert engine_setup.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
-    with pytest.raises(engine_setup.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
-        engine_setup.batch_memory(model, drafter, 1000, 5, logs.append)
-
-
-def test_a_batch_answers_peers_and_keeps_a_failure_to_its_sequence(demo):
-    """Batch.step: a Peers question gets (the other sequences, their rows in the latest
-    forward); a forward that fails (its cache is full) fails only its own sequence, the
-    others get their rows."""
-    import mlx.core as mx
-
-    from monolith.runtime.batch import Batch, Forward, Peers
-
-    model = demo[0]
-    seen = {}
-
-    def steps(name, rows, context):
-        cache = model.make_cache(context)
-        logits, _ = yield Forward(model, mx.zeros((rows,), mx.int32), cache)
-        seen[name] = ("peers", (yield Peers()))
-        logits, _ = yield Forward(model, mx.zeros((rows,), mx.int32), cache)
-        seen[name] += ("rows", logits.shape[0])
-
-    def failing():
-        cache = model.make_cache(4)
-        try:
-            yield Forward(model, mx.zeros((20,), mx.int32), cache)  # 20 rows do not fit 4 (+ 8 spare)
-        except ValueError as e:
-            seen["failing"] = type(e).__name__
-
-    batch = Batch()
-    for name, rows in (("a", 1), ("b", 3), ("c", 8)):
-        batch.add(steps(name, rows, 64))
-    batch.add(failing())
-    ended = []
-    while len(batch):
-        ended += batch.step()
-    assert seen == {"a": ("peers", (2, 11), "rows", 1), "b": ("peers", (2, 9), "rows", 3),
-                    "c": ("peers", (2, 4), "rows", 8), "failing": "CacheError"}
-    assert len(ended) == 4 and all(s.error is None for s in ended)
-
-
 @pytest.mark.parametrize("kind", ["plain", "speculative"])
 def test_concurrent_streaming_chat_clients_over_http(demo, kind):
     """Four streaming chat completions at once through the openai client: each reply
@@ -421,57 +294,3 @@ def test_grammar_requests_in_a_batch_equal_alone(demo):
     assert [f.token_ids for f in got] == [f.token_ids for f in want]
     assert got[0].finish_reason == got[2].finish_reason == "stop"
     assert all(0 <= json.loads(tok.decode(list(got[i].token_ids)))["age"] <= 120 for i in (0, 2))
-
-
-def test_a_batch_packs_the_target_forward_the_draft_blocks_and_the_context_appends(demo, monkeypatch):
-    """Three speculative sequences in one batch: target forwards, draft blocks, their
-    proposal chains and draft context appends each ran with all three sequences packed
-    into one call."""
-    model, drafter, tok = demo
-    sizes = {"target": [], "draft": [], "chain": [], "append": []}
-    draft = drafter.draft
-    for name, obj, method in (("target", type(model), "forward_batch"), ("draft", type(draft), "forward_batch"),
-                              ("chain", type(draft), "propose_batch"), ("append", type(draft), "append_batch")):
-        real = getattr(obj, method)
-
-        def counted(self, items, *args, real=real, name=name):
-            sizes[name].append(len(items))
-            return real(self, items, *args)
-
-        monkeypatch.setattr(obj, method, counted)
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder("speculative", model, drafter), max_batch=3)
-    try:
-        together(engine, [GenerationRequest(p, max_tokens=24) for p in prompts(tok)[:3]])
-    finally:
-        engine.close()
-    assert {name: max(n) for name, n in sizes.items()} == {"target": 3, "draft": 3, "chain": 3, "append": 3}
-
-
-def test_the_fallback_sees_the_batch_around_it(demo, monkeypatch):
-    """In a batch, each sequence's Fallback decides with its peers (the other sequences
-    and their rows in the latest forward); alone it sees none. Greedy outputs stay those
-    served alone whatever it decides."""
-    from monolith.runtime.scheduler import Fallback, StepCosts
-
-    model, drafter, tok = demo
-    seen = []
-    real = Fallback.speculate
-
-    def speculate(self, peers=(0, 0)):
-        seen.append(peers)
-        return real(self, peers)
-
-    monkeypatch.setattr(Fallback, "speculate", speculate)
-    costs = StepCosts(one_row=1.0, per_row=0.4, per_sequence=0.2)
-    dec = SpeculativeDecoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32, break_even=2.5, step_costs=costs)
-    ps = prompts(tok)[:3]
-    want = [alone(model, tok, dec, p, 30)[0] for p in ps]
-    assert seen and set(seen) == {(0, 0)}
-    seen.clear()
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
-    try:
-        got = together(engine, [GenerationRequest(p, max_tokens=30) for p in ps])
-    finally:
-        engine.close()
-    assert [f.token_ids for f in got] == want
-    assert max(others for others, _ in seen) == 2 and max(rows for _, rows in seen) >= 2

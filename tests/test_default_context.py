@@ -3,7 +3,9 @@ config's in a nested VLM config), capped so that --max-batch sequences' caches a
 context take at most half the memory free after loading, and logged in one line saying
 the number and why. An explicit --max-context is honoured; past the model's own it is
 honoured with a warning. The demo pair declares Qwen3.6's 262,144, so a coding agent's
-33,000-token prompt fits the embedded default."""
+33,000-token prompt fits the embedded default. One sequence's cache is what the config
+says, and --max-batch sequences whose caches do not fit the free memory are refused at
+start."""
 
 from __future__ import annotations
 
@@ -123,3 +125,29 @@ def test_a_33000_token_prompt_fits_the_demo_servers_default_context(demo_f32, fr
         assert httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"] == 262_144
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as reply:
             assert reply.status_code == 200, reply.read()
+
+
+def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo_f32, monkeypatch):
+    """One sequence's cache is what the config says (KV rows of every attention layer for
+    max_context plus the verify block's spare rows, the recurrent and conv states, the
+    draft's context); max_batch of them that do not fit the free memory are refused at
+    start, naming both flags."""
+    from monolith.models.cache import SPARE_ROWS
+
+    model, drafter, _ = demo_f32
+    a, d = model.args, drafter.draft.args
+    size = 4  # float32
+    kv = sum(t == "full_attention" for t in a.layer_types) * 2 * a.num_key_value_heads * (1000 + SPARE_ROWS) \
+        * a.head_dim * size
+    conv = 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * a.linear_value_head_dim
+    gdn = sum(t == "linear_attention" for t in a.layer_types) * 4 * (
+        (a.linear_conv_kernel_dim - 1) * conv
+        + a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim)
+    draft = d.num_layers * 2 * d.num_kv_heads * (1000 + d.block_size) * d.head_dim * size
+    each = engine_setup.sequence_bytes(model, drafter, 1000)
+    assert each == kv + gdn + draft
+    logs = []
+    monkeypatch.setattr(engine_setup, "available_memory", lambda: 4 * each + 1)
+    assert engine_setup.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
+    with pytest.raises(engine_setup.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
+        engine_setup.batch_memory(model, drafter, 1000, 5, logs.append)

@@ -12,14 +12,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_speculative import PROMPT, assert_same_greedy
 from synth_helpers import assert_modelopt_mirror
+from test_speculative import PROMPT, assert_same_greedy
 
 from monolith.formats import SafetensorsFile, bf16_bits_to_f32, dequantize_fp8
 from monolith.synth.presets import PRESETS
@@ -368,31 +366,6 @@ def test_same_seed_same_bytes(tiny, tmp_path):
     assert (other / mtp).read_bytes() != (tiny["unsloth-27b"] / mtp).read_bytes()
 
 
-def test_cli_writes_layouts_and_refuses_mixed_options(tmp_path, capsys):
-    from monolith.synth.__main__ import main
-
-    ok = subprocess.run(
-        [sys.executable, "-m", "monolith.synth", "target", "--layout", "nvidia-35b", "--preset", "tiny",
-         "--layers", "8", "--out", str(tmp_path / "t")], capture_output=True, text=True, check=False)
-    assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "t"), ok.stderr
-    assert config(tmp_path / "t")["text_config"]["num_hidden_layers"] == 8
-    assert main(["draft", "--layout", "redhat-dspark", "--target", str(tmp_path / "t"), 
-                 "--out", str(tmp_path / "d")]) == 0
-    aux = config(tmp_path / "d")["aux_hidden_state_layer_ids"]  # the taps + 1, spread over 8 layers
-    assert len(aux) == 5 and aux == sorted(set(aux)) and 1 <= aux[0] and aux[-1] <= 8
-    assert main(["pair", "--layout", "speculators-27b", "--skeleton", "--out", str(tmp_path / "p")]) == 0
-    assert capsys.readouterr().out.split()[-2:] == [str(tmp_path / "p" / "target"), str(tmp_path / "p" / "draft")]
-    for args, message in (
-        (("target", "--layout", "nvidia-35b", "--format", "bf16"), "--format"),
-        (("target", "--layout", "koopah-dspark"), "nvidia-35b | unsloth-27b"),
-        (("target", "--skeleton"), "need --layout"),
-        (("draft", "--layout", "zlab-dflash", "--target", str(tmp_path / "t"), "--layers", "4"), "--layers"),
-    ):
-        assert main([*args, "--out", str(tmp_path / "x")]) == 1
-        err = capsys.readouterr().err
-        assert message in err and err.startswith("monolith.synth: error: "), err
-
-
 def test_bad_layout_arguments_are_refused_by_name(tiny, tmp_path):
     from monolith.synth import Preset
 
@@ -428,8 +401,9 @@ def packs(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(TARGET_LAYOUTS))
 def test_each_target_layout_packs_loads_and_generates(packs, layout):
-    from monolith.models import load_model
     from decoding import plain as run
+
+    from monolith.models import load_model
     from monolith.sampling import SamplingParams
 
     model = load_model(packs(layout), dtype="float32")
@@ -439,11 +413,12 @@ def test_each_target_layout_packs_loads_and_generates(packs, layout):
 
 @pytest.mark.parametrize("layout", list(DRAFT_LAYOUTS))
 def test_each_draft_layout_speculative_equals_plain(tiny, packs, layout, monkeypatch, tmp_path):
-    from monolith.models import load_model
     from decoding import plain as run
-    from monolith.engine_setup import load_drafter
-    from monolith.sampling import SamplingParams
     from decoding import speculate
+
+    from monolith.engine_setup import load_drafter
+    from monolith.models import load_model
+    from monolith.sampling import SamplingParams
 
     monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
     model = load_model(packs(DRAFT_LAYOUTS[layout].target), dtype="float32")

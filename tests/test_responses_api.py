@@ -2,27 +2,18 @@
 plain and a speculative server: the reply equals the chat endpoint's for the same
 conversation, streaming events rebuild the same response, function calls round-trip,
 text.format's JSON validates with `jsonschema`, previous_response_id equals sending the
-conversation whole, and hostile input gets 4xx bodies naming the field, never a 5xx."""
+conversation whole, and hostile input gets 4xx bodies naming the field, never a 5xx.
+(The reply format fed scripted deltas, no model: tests/test_responses_reply.py.)"""
 
 from __future__ import annotations
 
 import json
-import typing
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from openresponses_spec import check_event, check_response
 from serving_rig import assert_error, demo_servers
-
-from monolith.runtime.events import Delta, Finished, Usage
-from monolith.serving.errors import APIError
-from monolith.serving.responses_api import parse_request
-from monolith.serving.responses_items import items_to_messages
-from monolith.serving.responses_reply import ResponseFormat
-from monolith.serving.responses_store import ResponseStore
-from monolith.serving.schemas import SamplingDefaults
 
 MAX_CONTEXT = 1024
 NAME = "demo"
@@ -297,124 +288,6 @@ def test_hostile_bodies_never_get_a_5xx(servers):
     assert_error(httpx.put(url, content=b"{}"), 405)
 
 
-def scripted_reply(body: dict, deltas: list[str], reason: str, token_ids: tuple, stream: bool,
-                   think_end_id: int = 7, reasoning_open: bool = False):
-    """The format fed scripted deltas (no model): (events or None, the response body)."""
-    store = ResponseStore()
-    call = parse_request({"input": "x", **body}, SamplingDefaults(), store)
-    fmt = ResponseFormat(NAME, call, reasoning_open, store, think_end_id)
-    finished = Finished(reason, Usage(5, len(token_ids), 2), token_ids)
-    if not stream:
-        for text in deltas:
-            fmt.collect(Delta(text))
-        return None, fmt.response(finished)
-    events = fmt.stream_start(False)
-    for text in deltas:
-        events += fmt.stream_delta(Delta(text), False)
-    events += fmt.stream_finish(finished, False)
-    frames = [fmt.event(e) for e in events]
-    return [json.loads(f.split("\ndata: ", 1)[1]) for f in frames], events[-1]["response"]
-
-
-DELTAS = ["<think>", "ponder", "ing</think>\n\n", "Hello", " world", "\n\n<tool_",
-          'call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', "\n"]
-
-
-def validate_event(event: dict, spec: bool = True) -> None:
-    """Validate an event strictly with the SDK's pydantic class for its type, and against
-    the Open Responses schema (`spec`: not for OpenAI's extensions the specification lacks,
-    such as custom and namespace tools). The two disagree on one name: raw reasoning
-    streams as the specification's `response.reasoning.delta` / `.done`, which the SDK (and
-    OpenAI's own API) call `response.reasoning_text.*`; the server follows the
-    specification, and the SDK passes the events it does not know through untouched."""
-    from openai.types.responses import ResponseStreamEvent
-
-    if spec:
-        check_event(event)
-    union = typing.get_args(typing.get_args(ResponseStreamEvent)[0])  # Annotated[Union[...], discriminator]
-    by_type = {typing.get_args(c.model_fields["type"].annotation)[0]: c for c in union}
-    if event["type"] not in ("response.reasoning.delta", "response.reasoning.done"):
-        by_type[event["type"]].model_validate(with_cache_writes(event))
-
-
-def with_cache_writes(value):
-    """`value` with usage.input_tokens_details.cache_write_tokens, which the server leaves
-    out (the engine does not report how many prompt tokens the prompt cache stored) and
-    this SDK's type requires: the only field added before validating."""
-    value = json.loads(json.dumps(value))
-    for body in (value, value.get("response")):
-        if isinstance(body, dict) and body.get("usage"):
-            assert "cache_write_tokens" not in body["usage"]["input_tokens_details"]
-            body["usage"]["input_tokens_details"]["cache_write_tokens"] = 0
-    return value
-
-
-def test_the_split_into_items_and_events_validates_against_the_sdk_types():
-    """Reasoning, text and a call in one reply: the items in order, the whitespace before
-    the call in neither, reasoning tokens counted to </think>; every event and the
-    response validate against the SDK's own pydantic types (strictly, not constructed)."""
-    from openai.types.responses import Response
-
-    tokens = (1, 2, 3, 7, 4, 5, 6, 8, 9)  # 7 stands for </think>
-    _, whole = scripted_reply({"tools": TOOLS}, DELTAS, "stop", tokens, stream=False)
-    events, streamed = scripted_reply({"tools": TOOLS}, DELTAS, "stop", tokens, stream=True)
-    for body in (whole, streamed):
-        kinds = [(i["type"], i["status"]) for i in body["output"]]
-        assert kinds == [("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
-        assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "pondering"}]
-        assert body["output"][1]["content"][0]["text"] == "Hello world"
-        assert (body["output"][2]["name"], json.loads(body["output"][2]["arguments"])) == ("add", {"a": 1, "b": 2})
-        assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
-        assert body["usage"]["input_tokens_details"]["cached_tokens"] == 2
-    assert [i["type"] for i in whole["output"]] == [i["type"] for i in streamed["output"]]
-    for event in events:
-        validate_event(event)
-    Response.model_validate(with_cache_writes(whole))
-    check_response(whole)
-    assert [e["type"] for e in events if e["type"].endswith(".delta")] == [
-        "response.reasoning.delta"] * 2 + ["response.output_text.delta"] * 2 + [
-        "response.function_call_arguments.delta"]
-    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning.delta") == "pondering"
-
-    _, cut = scripted_reply({}, ["<think>", "still thinking"], "length", (1, 2, 3), stream=False)
-    assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert [(i["type"], i["status"]) for i in cut["output"]] == [("reasoning", "incomplete")]
-    assert cut["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
-    events, cut = scripted_reply({}, ["Hi", " there"], "length", (1, 2), stream=True)
-    assert events[-1]["type"] == "response.incomplete" and cut["output"][0]["status"] == "incomplete"
-    Response.model_validate(with_cache_writes(cut))
-    check_response(cut)
-
-
-def test_output_items_come_back_as_the_same_chat_turn():
-    """A reply's items, sent back as input, give the assistant message the chat API takes."""
-    _, body = scripted_reply({"tools": TOOLS}, DELTAS, "stop", (1, 7), stream=False)
-    call_id = body["output"][2]["call_id"]
-    messages = items_to_messages(body["output"], "input")
-    assert messages == [{"role": "assistant", "reasoning_content": "pondering", "content": "Hello world",
-                         "tool_calls": [{"type": "function", "id": call_id,
-                                         "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}]
-
-
-def test_a_failure_mid_stream_is_a_response_failed_event():
-    store = ResponseStore()
-    fmt = ResponseFormat(NAME, parse_request({"input": "x"}, SamplingDefaults(), store), False, store, None)
-    for event in fmt.stream_start(False) + fmt.stream_delta(Delta("Hel"), False):
-        fmt.event(event)
-    frames = fmt.failure(APIError(503, "the server is shutting down", code="shutting_down"))
-    error, event = (json.loads(f.split("\ndata: ", 1)[1]) for f in frames.split("\n\n")[:2])
-    assert frames.startswith("event: error\n") and (error["sequence_number"], event["sequence_number"]) == (5, 6)
-    assert error["error"] == {"type": "server_error", "code": "shutting_down",
-                              "message": "the server is shutting down", "param": None}
-    assert (error["code"], error["message"]) == ("shutting_down", "the server is shutting down")
-    assert event["response"]["status"] == "failed" and event["response"]["error"] == {
-        "code": "server_error", "message": "the server is shutting down"}
-    assert event["response"]["output"][0]["content"][0]["text"] == "Hel"
-    validate_event(error)
-    validate_event(event)
-    assert fmt.end() == "data: [DONE]\n\n"
-
-
 def test_reasoning_effort_switches_qwens_thinking(servers, demo_f32):
     """reasoning.effort none / minimal renders the prompt with enable_thinking false, low
     and up with it true: the prompt the chat endpoint renders with the same switch
@@ -430,22 +303,3 @@ def test_reasoning_effort_switches_qwens_thinking(servers, demo_f32):
     off = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=False)
     on = tok.encode_chat([{"role": "user", "content": "Hi"}], enable_thinking=True)
     assert off != on  # the demo template tells the two apart
-
-
-def test_the_sdks_stream_helper_rebuilds_a_reply_with_reasoning():
-    """The SDK does not know the specification's `response.reasoning.*` events: it hands
-    them on (typed as its first event class, their `type` kept) and its accumulator, the
-    one `client.responses.stream()` runs, still rebuilds the whole reply from the rest."""
-    from openai import NOT_GIVEN
-    from openai._models import construct_type
-    from openai.lib.streaming.responses._responses import ResponseStreamState
-    from openai.types.responses import ResponseStreamEvent
-
-    events, body = scripted_reply({"tools": TOOLS}, DELTAS, "stop", (1, 2, 3, 7, 4), stream=True)
-    state = ResponseStreamState(input_tools=NOT_GIVEN, text_format=NOT_GIVEN)
-    handed = [out for e in events for out in state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))]
-    assert [e.type for e in handed if e.type.startswith("response.reasoning")] == [
-        "response.reasoning.delta", "response.reasoning.delta", "response.reasoning.done"]
-    final = handed[-1].response.model_dump(exclude_none=True)
-    assert [i["type"] for i in final["output"]] == [i["type"] for i in body["output"]]
-    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "pondering"}]

@@ -1,7 +1,7 @@
 """The Responses API against the Open Responses specification's own published schemas
 (tests/openresponses_spec.py): every response object and every streaming event the
 server sends for text, function calls, JSON output and a cut reply (reasoning and a
-failure mid-stream, scripted: tests/test_responses_api.py), and the SSE framing (`event:` equals the body's type; the stream ends with `[DONE]`); the
+failure mid-stream, scripted: tests/test_responses_reply.py), and the SSE framing (`event:` equals the body's type; the stream ends with `[DONE]`); the
 assistant `phase`; and POST /v1/responses/input_tokens against the count the chat
 endpoint reports for the same conversation."""
 

@@ -1,5 +1,5 @@
 """monolith.synth's tokenizer and chat template, presets and shards, write_pair and the
-command line."""
+command line (the published layouts' options too: --layout, --skeleton)."""
 
 from __future__ import annotations
 
@@ -140,6 +140,31 @@ def test_cli_pair_and_errors(tmp_path):
     assert nodir.returncode == 1 and "no config.json" in nodir.stderr
     target = run("target", "--out", str(tmp_path / "t"), "--dense", "--format", "compressed-tensors", "--seed", "2")
     assert target.returncode == 0 and target.stdout.strip() == str(tmp_path / "t")
+
+
+def test_cli_writes_published_layouts_and_refuses_mixed_options(tmp_path, capsys):
+    from monolith.synth.__main__ import main
+
+    ok = subprocess.run(
+        [sys.executable, "-m", "monolith.synth", "target", "--layout", "nvidia-35b", "--preset", "tiny",
+         "--layers", "8", "--out", str(tmp_path / "t")], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path / "t"), ok.stderr
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["text_config"]["num_hidden_layers"] == 8
+    assert main(["draft", "--layout", "redhat-dspark", "--target", str(tmp_path / "t"), 
+                 "--out", str(tmp_path / "d")]) == 0
+    aux = json.loads((tmp_path / "d" / "config.json").read_text())["aux_hidden_state_layer_ids"]  # the taps + 1, spread over 8 layers
+    assert len(aux) == 5 and aux == sorted(set(aux)) and 1 <= aux[0] and aux[-1] <= 8
+    assert main(["pair", "--layout", "speculators-27b", "--skeleton", "--out", str(tmp_path / "p")]) == 0
+    assert capsys.readouterr().out.split()[-2:] == [str(tmp_path / "p" / "target"), str(tmp_path / "p" / "draft")]
+    for args, message in (
+        (("target", "--layout", "nvidia-35b", "--format", "bf16"), "--format"),
+        (("target", "--layout", "koopah-dspark"), "nvidia-35b | unsloth-27b"),
+        (("target", "--skeleton"), "need --layout"),
+        (("draft", "--layout", "zlab-dflash", "--target", str(tmp_path / "t"), "--layers", "4"), "--layers"),
+    ):
+        assert main([*args, "--out", str(tmp_path / "x")]) == 1
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("monolith.synth: error: "), err
 
 
 def test_write_pair_returns_both_dirs(tmp_path):
