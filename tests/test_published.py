@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracles import PROMPT, assert_same_greedy
 from synth_helpers import assert_modelopt_mirror
-from test_speculative import PROMPT, assert_same_greedy
 
 from monolith.formats import SafetensorsFile, bf16_bits_to_f32, dequantize_fp8
 from monolith.synth.presets import PRESETS
