@@ -1,7 +1,7 @@
 """What the Responses tests share: the reply format fed scripted deltas with no model
 (`scripted_reply`), a reply's worth of such deltas (reasoning, text, a call), and the
 strict validation of a streamed event against the openai SDK's types and the Open
-Responses schema."""
+Responses schema; two function tools (weather, add) with strict parameter schemas."""
 
 from __future__ import annotations
 
@@ -17,10 +17,14 @@ from monolith.serving.responses_store import ResponseStore
 from monolith.serving.schemas import SamplingDefaults
 
 NAME = "demo"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
                                         "b": {"type": "integer", "minimum": -99, "maximum": 99}},
        "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [{"type": "function", "name": "add", "description": "Add two numbers", "parameters": ADD}]
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+         {"type": "function", "name": "add", "description": "Add two numbers", "parameters": ADD}]
 
 
 def scripted_reply(body: dict, deltas: list[str], reason: str, token_ids: tuple, stream: bool,

@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import numpy as np
 import pytest
+from anthropic_rig import OPENS_THINKING, TOOLS, client
 from serving_rig import Scripted, Server, demo_servers
 
 from monolith.runtime.decoder import SpeculativeDecoder
@@ -30,16 +31,6 @@ MAX_CONTEXT = 1024
 NAME = "demo"
 GREEDY = {"extra_body": {"temperature": 0}}  # the SDK has no sampling arguments any more
 HELLO = [{"role": "user", "content": "Tell me about the weather."}]
-TOOLS = [
-    {"name": "get_weather", "description": "Weather in a city", "input_schema": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"], "additionalProperties": False}},
-    {"name": "add", "description": "Add two numbers", "input_schema": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
-                                         "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}},
-]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                                   "parameters": t["input_schema"]}} for t in TOOLS]
@@ -49,11 +40,6 @@ OPENAI_TOOLS = [{"type": "function", "function": {"name": t["name"], "descriptio
 def servers(demo_f32):
     with demo_servers(demo_f32, NAME, MAX_CONTEXT) as running:
         yield running
-
-
-def client(server, **kw) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key=kw.pop("api_key", "x"), max_retries=0, timeout=60,
-                               **kw)
 
 
 def test_create_equals_the_chat_endpoints_greedy_answer(servers):
@@ -181,9 +167,6 @@ def test_thinking_blocks_from_the_reasoning(demo_f32):
             final = stream.get_final_message()
         assert deltas == {"thinking_delta", "text_delta"}
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in reply.content]
-
-
-OPENS_THINKING = "{%- if add_generation_prompt and enable_thinking is defined and enable_thinking %}<think>\n{%- endif %}"
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from anthropic_rig import OPENS_THINKING, TOOLS, client
 from serving_rig import Server, demo_servers
-from test_anthropic import OPENS_THINKING, TOOLS, client
 
 from monolith.runtime.engine import Engine
 from monolith.serving.context_edits import CLEARED_RESULT

@@ -3,7 +3,7 @@ runtime <- engine_setup <- serving, distributed <- the command-line faces, and t
 launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves (over
 data_files, where the files shipped beside the code are found). No
 module imports from a higher layer, not even late inside a function, and module imports
-form no loop."""
+form no loop. In tests/, no test module imports another."""
 
 from __future__ import annotations
 
@@ -110,3 +110,17 @@ def test_module_imports_form_no_loop():
         if m not in state:
             loop = visit(m, [m])
             assert loop is None, " -> ".join(loop)
+
+
+def test_tests_share_code_through_helper_modules_not_test_modules():
+    """A test module imports no other test module (a split or rename of one broke another's
+    collection): what tests share lives in helper modules (serving_rig.py, oracles.py,
+    responses_rig.py, ...) or conftest.py."""
+    tests = Path(__file__).parent
+    found = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not found, "\n".join(found)

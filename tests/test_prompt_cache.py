@@ -12,9 +12,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from cache_rig import held_bytes
 from oracles import GREEDY, assert_same_greedy
 from serving_rig import Server
-from test_prompt_cache_tree import held_bytes
 
 from monolith.models.cache import HybridCache, KVCache
 from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder

@@ -10,6 +10,7 @@ import tracemalloc
 import mlx.core as mx
 import numpy as np
 import pytest
+from cache_rig import held_bytes, nodes
 
 from monolith.models.cache import GDNState, HybridCache, KVCache
 from monolith.runtime.prompt_cache import HANDLE_BYTES, NODE_BYTES, PromptCache
@@ -44,24 +45,6 @@ def row_value(prefix) -> np.ndarray:
 def insert(pc: PromptCache, tokens):
     cache = fake_cache(tokens)
     return pc.insert(list(tokens), cache, cache.snapshot(), None)
-
-
-def nodes(pc: PromptCache):
-    found, stack = [], list(pc.root.children.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        found.append(node)
-    return found
-
-
-def held_bytes(pc: PromptCache) -> int:
-    total = 0
-    for node in nodes(pc):
-        arrays = [a for pair in node.rows + list(node.state.states if node.state else ()) for a in pair]
-        total += sum(a.nbytes for a in arrays)
-        total += 4 * len(node.tokens) + NODE_BYTES + HANDLE_BYTES * len(arrays)  # the host's part
-    return total
 
 
 def assert_exact(pc: PromptCache, node, tokens):

@@ -13,19 +13,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from responses_rig import ADD, TOOLS
 from serving_rig import assert_error, demo_servers
 
 MAX_CONTEXT = 1024
 NAME = "demo"
 INSTRUCTIONS = "You are terse."
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
-                                        "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
-         {"type": "function", "name": "add", "description": "Add two numbers", "parameters": ADD}]
 CHAT_TOOLS = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
               for t in TOOLS]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},

@@ -20,9 +20,8 @@ import jsonschema
 import llguidance
 import pytest
 from cryptography.fernet import Fernet
-from responses_rig import DELTAS, scripted_reply, validate_event, with_cache_writes
+from responses_rig import DELTAS, TOOLS, scripted_reply, validate_event, with_cache_writes
 from serving_rig import Server, assert_error
-from test_responses_api import TOOLS
 
 from monolith.runtime.engine import Engine
 from monolith.serving.responses_items import items_to_messages
