@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .kernel import cast
+from .kernel import cast, on_gpu
 
 TINY = float(np.finfo(np.float32).tiny)  # gamma floor: log stays finite, exp(L) of it is ~0
 
@@ -69,16 +69,11 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, gamma: mx.array, beta: mx
         S = gamma_t S;  S = S + beta_t (v_t - S k_t) k_t^T;  o_t = S q_t
     (o after the update; q is not scaled: callers fold in Dk^-0.5). Returns o [B, T, Hv, Dv]
     in the dtype of q and k (result_type(q, k), as the fast op) and the final state in F32.
-    The fast op where it is a kernel (Metal) or for one row (its CPU step is ~30
+    The fast op on a GPU (Metal or CUDA) or for one row (its CPU step is ~30
     primitives, a chunk ~60), else chunked()."""
     if q.shape[1] == 1 or on_gpu():
         return mx.fast.gated_delta_update(q, k, v, gamma, beta, initial_state=state)
     return chunked(q, k, v, gamma, beta, state, chunk)
-
-
-def on_gpu() -> bool:
-    """Does MLX run on the GPU (where the fast op is a real kernel)?"""
-    return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
 def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64, rows: bool = False):
