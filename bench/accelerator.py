@@ -17,7 +17,8 @@ spread over the experts as with real weights and every step reads the bytes a re
 reads. Every logit is 0, so the draft's greedy proposals are always accepted: the
 speculative rows are the all-accepted ceiling; the round costs are what counts.
 
-Measures, in the compute dtype of the device (bfloat16 on a GPU): plain decode tok/s
+Measures, in the compute dtype of the device (bfloat16 on a GPU): the gated delta rule
+over 8 and 512 rows, chunked against MLX's fast op (`recurrence_probe`); plain decode tok/s
 (bench/target_forward.py's loop); at each of --contexts the decode step ms and the
 speculative round's draft / verify / commit / round ms (bench/round_latency.py's Rig)
 and the round-to-step cost ratio; aggregate tok/s of B = --batches sequences stepped as
@@ -97,6 +98,45 @@ def step_ms(rig: Rig, model, repeats: int) -> float:
 
     once()
     return statistics.median(once() for _ in range(repeats)) * 1e3
+
+
+def timed_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def recurrence_probe(model, repeats: int) -> dict:
+    """ms of the gated delta rule over 8 and 512 rows at the model's widths: the chunked
+    form (what runs off Metal: matmuls, and a 64 x 64 triangular inverse on the CPU
+    stream) against MLX's fast op (unrolled over rows where it has no kernel). If the
+    chunked form fails on this device, the fast op serves the rest of the run (recorded
+    as "serving")."""
+    from monolith.kernels import recurrence
+
+    a, out = model.args, {}
+    hk, hv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    for rows in (8, 512):
+        keys = mx.random.split(mx.random.key(rows), 4)
+        q, k = (mx.random.normal((1, rows, hk, dk), key=kk).astype(model.dtype) * dk ** -0.5 for kk in keys[:2])
+        v = mx.random.normal((1, rows, hv, dv), key=keys[2]).astype(model.dtype)
+        gamma = mx.random.uniform(0.9, 1.0, (1, rows, hv), key=keys[3])
+        beta, state = mx.full((1, rows, hv), 0.5), mx.zeros((1, hv, dv, dk))
+        for name, run in (("chunked", lambda: recurrence.chunked(q, k, v, gamma, beta, state)),
+                          ("fast", lambda: mx.fast.gated_delta_update(q, k, v, gamma, beta, initial_state=state))):
+            try:
+                out[f"{name}_{rows}_rows_ms"] = timed_ms(lambda run=run: mx.eval(*run()), repeats)
+            except Exception as e:  # a backend without an op
+                out[f"{name}_{rows}_rows_ms"], out[f"{name}_error"] = None, f"{type(e).__name__}: {e}"
+    out["serving"] = "fast op" if recurrence.fast_recurrence() else "chunked"
+    if "chunked_error" in out and "fast_error" not in out and not recurrence.fast_recurrence():
+        recurrence.fast_recurrence = lambda: True
+        out["serving"] = "fast op (the chunked form failed here)"
+    return out
 
 
 def rounds(model, manifests, drafter, contexts, gamma: int, repeats: int) -> list[dict]:
@@ -197,6 +237,11 @@ def markdown(report: dict) -> str:
     lines += [f"| {r['mode']} | {r['sequences']} | {r['tok_s']:.1f} |" for r in report["batched"]]
     lines += ["", "| prefill tokens | tok/s |", "|---|---|"]
     lines += [f"| {r['tokens']} | {r['tok_s']:.0f} |" for r in report["prefill"]]
+    rec = report["recurrence"]
+    if rec != []:
+        ms = lambda key: "failed" if rec[key] is None else f"{rec[key]:.2f}"  # noqa: E731
+        lines += ["", f"gated delta rule, 8 / 512 rows: chunked {ms('chunked_8_rows_ms')} / {ms('chunked_512_rows_ms')}"
+                  f" ms, fast op {ms('fast_8_rows_ms')} / {ms('fast_512_rows_ms')} ms; serving: {rec['serving']}"]
     lm, ours = report["mlx_lm"], report["plain_tok_s"]
     lines += ["", f"plain decode: ours {f'{ours:.1f} tok/s' if ours != [] else 'failed'}; mlx-lm "
               + (f"{lm['tok_s']:.1f} tok/s" if "tok_s" in lm else lm.get("skipped") or "failed")]
@@ -241,6 +286,7 @@ def main(argv=None) -> None:
     spread_routing(model)
     report["load_seconds"], report["dtype"] = time.perf_counter() - start, str(model.dtype)
     gamma = min(args.block_size, drafter.max_proposals)
+    guarded(report, "recurrence", lambda: recurrence_probe(model, args.repeats))
     guarded(report, "plain_tok_s", lambda: ours_decode(model, prompt(model, 128, 0), args.decode_tokens))
     manifests = (read_manifest(args.work / "target-pack"), read_manifest(args.work / "draft-pack"))
     guarded(report, "rounds", lambda: rounds(model, manifests, drafter, ints(args.contexts), gamma, args.repeats))

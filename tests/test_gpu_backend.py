@@ -1,6 +1,6 @@
 """Decisions that depend on where MLX computes (the CPU, Metal, or MLX's CUDA backend),
 driven by stand-in backend probes: on CUDA the references run in place of the Metal
-kernels, the GPU choices hold (compute dtype, no dense copies, the fast recurrence), and
+kernels, the GPU choices hold (compute dtype, no dense copies, one graph per forward), and
 free memory is bounded by the GPU's own."""
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ def test_gpu_choices_hold_on_either_backend(monkeypatch, backend):
     assert not layers.fast_exp()
     calls = []
     monkeypatch.setattr(mx.fast, "gated_delta_update", lambda *a, **kw: calls.append(a[0].shape) or ("o", "s"))
-    q = mx.zeros((1, 5, 2, 4))
-    recurrence.gated_delta(q, q, q, mx.ones((1, 5, 2)), mx.ones((1, 5, 2)))
-    assert calls == [(1, 5, 2, 4)]  # several rows: the fast op, as on Metal
+    for rows in (1, 5):
+        q = mx.zeros((1, rows, 2, 4))
+        recurrence.gated_delta(q, q, q, mx.ones((1, rows, 2)), mx.ones((1, rows, 2)))
+    # one row: the fast op; several: the fast op where it is a kernel (Metal), else the chunked form
+    assert calls == ([(1, 1, 2, 4), (1, 5, 2, 4)] if backend == "metal" else [(1, 1, 2, 4)])
 
 
 def test_cuda_runs_the_references_and_says_so(monkeypatch, caplog):
