@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 import traceback
@@ -50,7 +51,8 @@ TARGET, DRAFT = "nvidia-35b", "lithos-dspark"
 
 
 def build(preset: str, layers: int, work: Path) -> dict:
-    """Skeleton target and draft written and packed under `work`; seconds of each stage."""
+    """Skeleton target and draft written and packed under `work` (the sources removed
+    after, the target's config.json kept); seconds of each stage."""
     from monolith.synth import published
 
     out, start = {}, time.perf_counter()
@@ -63,6 +65,9 @@ def build(preset: str, layers: int, work: Path) -> dict:
     for role, source in (("target", src), ("draft", draft_src)):
         packed = pack_stage(str(source), str(work / f"{role}-pack"), role)
         out[f"{role}_pack_seconds"], out[f"{role}_pack_bytes"] = packed["seconds"], packed["bytes"]
+    shutil.copy2(src / "config.json", work / "target-config.json")  # mlx-lm's model is built from it
+    for source in (src, draft_src):  # the device's disk holds the packs, not the sources too
+        shutil.rmtree(source)
     return out
 
 
@@ -296,7 +301,7 @@ def main(argv=None) -> None:
     del model, drafter
     mx.clear_cache()
     guarded(report, "mlx_lm", lambda: {"skipped": "--no-mlx-lm"} if args.no_mlx_lm else
-            mlx_lm_plain(args.work / "target-src" / "config.json", list(range(128)), args.decode_tokens))
+            mlx_lm_plain(args.work / "target-config.json", list(range(128)), args.decode_tokens))
     report["seconds"] = time.perf_counter() - began
     report["notes"] = [machine_note(report["machine"]),
                        f"device: {report['device'].get('device_name')}, MLX backend {gpu_backend() or 'cpu'}, "
