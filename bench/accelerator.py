@@ -220,20 +220,34 @@ def mlx_lm_plain(config_path: Path, prompt_ids: list[int], steps: int) -> dict:
     return {"tok_s": steps / sum(times[WARMUP_STEPS:]), "weights": "mlx-lm's own random values, NVFP4 in memory"}
 
 
-def guarded(report: dict, key: str, measure_it) -> None:
-    """report[key] = measure_it(), or {"failed": the error} (a device run keeps what it got)."""
+def guarded(report: dict, key: str, measure_it, out_dir: Path, deadline: float) -> None:
+    """report[key] = measure_it(), or {"failed": the error} (a device run keeps what it
+    got), or {"skipped": ...} once time.perf_counter() is past `deadline`; the report so
+    far is written after each stage, so a run stopped at its limit still leaves it."""
     start = time.perf_counter()
+    if start > deadline:
+        report[key] = {"skipped": "out of time (--deadline)"}
+        return
     try:
         report[key] = measure_it()
     except Exception as e:  # a backend without an op, memory: recorded, the run goes on
         traceback.print_exc()
         report[key] = {"failed": f"{type(e).__name__}: {e}"}
     print(f"{key}: {time.perf_counter() - start:.1f} s", flush=True)
+    save(report, out_dir)
+
+
+def save(report: dict, out_dir: Path) -> None:
+    """The report so far, as accelerator.json (write() replaces it at the end)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "accelerator.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def markdown(report: dict) -> str:
-    failed = [f"{k}: {v['failed']}" for k, v in report.items() if isinstance(v, dict) and "failed" in v]
-    report = {k: ([] if isinstance(v, dict) and "failed" in v and k != "mlx_lm" else v) for k, v in report.items()}
+    failed = [f"{k}: {v.get('failed') or v['skipped']}" for k, v in report.items()
+              if isinstance(v, dict) and ("failed" in v or "skipped" in v) and k != "mlx_lm"]
+    report = {k: ([] if isinstance(v, dict) and ("failed" in v or "skipped" in v) and k != "mlx_lm" else v)
+              for k, v in report.items()}
     lines = ["| context | step ms | draft ms | verify ms | commit ms | round ms | round / step |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['context']} | {r['step_ms']:.2f} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | "
@@ -248,9 +262,9 @@ def markdown(report: dict) -> str:
         lines += ["", f"gated delta rule, 8 / 512 rows: chunked {ms('chunked_8_rows_ms')} / {ms('chunked_512_rows_ms')}"
                   f" ms, fast op {ms('fast_8_rows_ms')} / {ms('fast_512_rows_ms')} ms; serving: {rec['serving']}"]
     lm, ours = report["mlx_lm"], report["plain_tok_s"]
-    lines += ["", f"plain decode: ours {f'{ours:.1f} tok/s' if ours != [] else 'failed'}; mlx-lm "
-              + (f"{lm['tok_s']:.1f} tok/s" if "tok_s" in lm else lm.get("skipped") or "failed")]
-    return "\n".join(lines + [""] + [f"failed: {f}" for f in failed])
+    lines += ["", f"plain decode: ours {f'{ours:.1f} tok/s' if ours != [] else 'not measured'}; mlx-lm "
+              + (f"{lm['tok_s']:.1f} tok/s" if "tok_s" in lm else lm.get("skipped") or f"failed ({lm['failed']})")]
+    return "\n".join(lines + [""] + [f"not measured: {f}" for f in failed])
 
 
 def parse_args(argv=None):
@@ -268,6 +282,8 @@ def parse_args(argv=None):
     ap.add_argument("--work", type=Path, default=Path("/tmp/monolith-accelerator"))
     ap.add_argument("--out-dir", type=Path, default=Path("/tmp/monolith-accelerator/out"))
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--deadline", type=float, default=540,
+                    help="seconds after the start past which no further stage begins (a device call's limit is 600)")
     return ap.parse_args(argv)
 
 
@@ -285,23 +301,29 @@ def main(argv=None) -> None:
               "kernels": backend(), "preset": args.preset, "layers": args.layers, "notes": []}
     report["build"] = build(args.preset, args.layers, args.work)
     print(f"built in {time.perf_counter() - began:.0f} s: {report['build']}", flush=True)
+    save(report, args.out_dir)
     start = time.perf_counter()
     model = load_model(args.work / "target-pack")
     drafter = load_drafter(args.work / "draft-pack", model)
     spread_routing(model)
     report["load_seconds"], report["dtype"] = time.perf_counter() - start, str(model.dtype)
+    print(f"loaded in {report['load_seconds']:.0f} s", flush=True)
     gamma = min(args.block_size, drafter.max_proposals)
-    guarded(report, "recurrence", lambda: recurrence_probe(model, args.repeats))
-    guarded(report, "plain_tok_s", lambda: ours_decode(model, prompt(model, 128, 0), args.decode_tokens))
     manifests = (read_manifest(args.work / "target-pack"), read_manifest(args.work / "draft-pack"))
-    guarded(report, "rounds", lambda: rounds(model, manifests, drafter, ints(args.contexts), gamma, args.repeats))
-    guarded(report, "batched", lambda: batched(model, drafter, ints(args.batches), args.batch_prompt,
-                                               args.batch_tokens, gamma))
-    guarded(report, "prefill", lambda: prefill_rates(model, ints(args.prefill), args.repeats))
-    del model, drafter
+    stages = {
+        "recurrence": lambda: recurrence_probe(model, args.repeats),
+        "plain_tok_s": lambda: ours_decode(model, prompt(model, 128, 0), args.decode_tokens),
+        "rounds": lambda: rounds(model, manifests, drafter, ints(args.contexts), gamma, args.repeats),
+        "batched": lambda: batched(model, drafter, ints(args.batches), args.batch_prompt, args.batch_tokens, gamma),
+        "prefill": lambda: prefill_rates(model, ints(args.prefill), args.repeats),
+    }
+    for key, stage in stages.items():
+        guarded(report, key, stage, args.out_dir, began + args.deadline)
+    del model, drafter, stages
     mx.clear_cache()
     guarded(report, "mlx_lm", lambda: {"skipped": "--no-mlx-lm"} if args.no_mlx_lm else
-            mlx_lm_plain(args.work / "target-config.json", list(range(128)), args.decode_tokens))
+            mlx_lm_plain(args.work / "target-config.json", list(range(128)), args.decode_tokens),
+            args.out_dir, began + args.deadline)
     report["seconds"] = time.perf_counter() - began
     report["notes"] = [machine_note(report["machine"]),
                        f"device: {report['device'].get('device_name')}, MLX backend {gpu_backend() or 'cpu'}, "
