@@ -35,9 +35,9 @@ prepare() {
 }
 
 install() {
-    local a=.whl-a
-    [ -d "$a" ] || a=$KEEP
-    ls "$a"/*.part00 > /dev/null 2>&1 || { echo "the first half is gone (the machine went cold): make both calls again" >&2; exit 3; }
+    local a
+    for a in .whl-a "$KEEP" ""; do ls "$a"/*.part00 > /dev/null 2>&1 && break; done
+    [ -n "$a" ] || { echo "the first half is gone (the machine went cold): make both calls again" >&2; exit 3; }
     local tmp
     tmp=$(mktemp -d)
     local cuda
