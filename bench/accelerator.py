@@ -11,11 +11,11 @@ decoder layers at --preset widths (full: the published ones) and a LithosAI-layo
 (lithos-dspark, its taps folded onto that depth as bench/real_widths.py does), both as
 skeletons (every file at its real size, all values zero: writing random values at full
 size takes an hour, docs/performance.md), and packs them (the draft becomes NVFP4). All
-zeros would route every row to the same experts, so after loading, the target's embedding
-rows and router weights are drawn at random (in memory, `spread_routing`): rows then
-spread over the experts as with real weights and every step reads the bytes a real one
-reads. Every logit is 0, so the draft's greedy proposals are always accepted: the
-speculative rows are the all-accepted ceiling; the round costs are what counts.
+zeros would route every row to the same experts, so after loading each router adds random
+noise to its logits (in memory, `RandomRouter`): rows spread over the experts at random,
+and a step, a verify and a batch read the experts real routing would. Every logit is 0,
+so every greedy proposal is accepted (8 tokens a round at --block-size 7): the
+speculative rows are that ceiling; the round costs are what carries over.
 
 Measures, in the compute dtype of the device (bfloat16 on a GPU): the gated delta rule
 over 8 and 512 rows, chunked against MLX's fast op (`recurrence_probe`); plain decode tok/s
@@ -71,21 +71,26 @@ def build(preset: str, layers: int, work: Path) -> dict:
     return out
 
 
-def spread_routing(model, seed: int = 0) -> None:
-    """Random embedding rows and router weights in place of a skeleton's zeros (in memory)."""
-    from monolith.models.layers import Embedding, Linear
+class RandomRouter:
+    """A MoE router whose logits are its own (zeros in a skeleton) plus fresh normal noise
+    per row and call: rows spread over the experts at random, the expected spread of real
+    routing (bench/real_widths.py's projection assumes the same), and the router's
+    weights are still read."""
 
-    key = mx.random.key(seed)
-    table = model.embed_tokens.table
-    rows = mx.random.normal(table.shape, dtype=mx.bfloat16, key=key)
-    model.embed_tokens = Embedding(Linear(rows, "bf16", shape=table.shape), model.dtype)
-    for i, layer in enumerate(model.layers):
-        router = getattr(layer.mlp, "router", None)
-        if router is not None:
-            weight = mx.random.normal(router.shape, key=mx.random.key(seed + 1 + i)) * router.shape[1] ** -0.5
-            layer.mlp.router = Linear(weight, "bf16", shape=router.shape)
-    mx.eval(model.embed_tokens.table.weight, *[layer.mlp.router.weight for layer in model.layers
-                                               if getattr(layer.mlp, "router", None) is not None])
+    def __init__(self, router, experts: int):
+        self.router, self.experts = router, experts
+
+    def __call__(self, x: mx.array) -> mx.array:
+        logits = self.router(x)
+        return logits + mx.random.normal((*logits.shape[:-1], self.experts))
+
+
+def random_routing(model) -> int:
+    """Every MoE layer of `model` routed by a RandomRouter (in memory); how many."""
+    layers = [layer for layer in model.layers if hasattr(layer.mlp, "router")]
+    for layer in layers:
+        layer.mlp.router = RandomRouter(layer.mlp.router, model.args.num_experts)
+    return len(layers)
 
 
 def prompt(model, length: int, seed: int) -> list[int]:
@@ -305,7 +310,7 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     model = load_model(args.work / "target-pack")
     drafter = load_drafter(args.work / "draft-pack", model)
-    spread_routing(model)
+    report["random_routers"] = random_routing(model)
     report["load_seconds"], report["dtype"] = time.perf_counter() - start, str(model.dtype)
     print(f"loaded in {report['load_seconds']:.0f} s", flush=True)
     gamma = min(args.block_size, drafter.max_proposals)
@@ -329,7 +334,7 @@ def main(argv=None) -> None:
                        f"device: {report['device'].get('device_name')}, MLX backend {gpu_backend() or 'cpu'}, "
                        f"kernels {report['kernels']}, dtype {report['dtype']}",
                        f"target {TARGET} ({args.preset} widths, {args.layers} layers) + draft {DRAFT}, skeleton "
-                       "values with random embedding and router (every proposal is accepted: speculative rows "
+                       "values (zeros), routers with random noise (every proposal is accepted: speculative rows "
                        "are the all-accepted ceiling)",
                        f"run {report['seconds']:.0f} s (build {sum(v for k, v in report['build'].items() if 'seconds' in k):.0f} s)"]
     table = markdown(report)
