@@ -327,6 +327,7 @@ def main(argv=None) -> None:
     for key, stage in stages.items():
         guarded(report, key, stage, args.out_dir, began + args.deadline)
     report["peak_memory_bytes"] = mx.get_peak_memory()
+    save(report, args.out_dir)
     del model, drafter, stages
     mx.clear_cache()
     guarded(report, "mlx_lm", lambda: {"skipped": "--no-mlx-lm"} if args.no_mlx_lm else
