@@ -4,10 +4,12 @@ the synthetic pair loader, prompt sources, and the `monolith.serve` command line
 
 Scripts import each other's helpers only from here (or from the library modules
 bench/http_replay.py, bench/agent_workload.py, bench/acceptance_report.py,
-bench/mlx_lm_checkpoint.py; the archived grammar studies from
-bench/archive/vocabulary.py; a script split in parts imports its own: bench/prompt_cache_runs.py
-and _report.py, bench/concurrency_clients.py, bench/real_size_model.py and bench/step_bytes.py),
-and run from the repository root as `python -m bench.NAME`.
+bench/mlx_lm_checkpoint.py; bench/accelerator.py also reuses the stages of
+bench/real_widths.py, bench/round_latency.py and bench/target_forward.py; the archived
+grammar studies from bench/archive/vocabulary.py; a script split in parts imports its own:
+bench/prompt_cache_runs.py and _report.py, bench/concurrency_clients.py,
+bench/real_size_model.py and bench/step_bytes.py), and run from the repository root as
+`python -m bench.NAME`.
 """
 
 from __future__ import annotations
@@ -169,6 +171,30 @@ def corpus_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     ids = tokenizer.encode(text)
     stride = max(1, (len(ids) - length) // max(count, 1))
     return [ids[i * stride:i * stride + length] for i in range(count)]
+
+
+def batch_decode(decoder, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """(decode tok/s, each sequence's tokens) of greedy `prompts` stepped as one batch
+    (runtime/batch.py, as the engine steps them): the tokens after every sequence's first
+    one over the time after the batch's first step (its prefills)."""
+    import time
+
+    from monolith.runtime.batch import Batch
+    from monolith.runtime.session import Session
+    from monolith.sampling import SamplingParams
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    batch = Batch()
+    for out, prompt in zip(outputs, prompts):
+        batch.add(decoder.steps(Session(), prompt, max_tokens, SamplingParams(), frozenset(),
+                                lambda token, logprob, out=out: out.append(token) or True))
+    batch.step()  # the prefills and every first token
+    mx.synchronize()
+    start, first = time.perf_counter(), sum(len(o) for o in outputs)
+    while len(batch):
+        batch.step()
+    mx.synchronize()
+    return (sum(len(o) for o in outputs) - first) / (time.perf_counter() - start), outputs
 
 
 def free_port() -> int:

@@ -27,6 +27,9 @@ RESULTS = BENCH / "results"
 # run: (arguments, the files it writes under OUT); OUT is the test's output directory. A
 # run is its script's name, or the name and the flag of another mode of the script.
 RUNS = {
+    "accelerator": (["--preset", "tiny", "--layers", "4", "--contexts", "16", "--prefill", "16", "--batches", "1,2",
+                     "--batch-prompt", "8", "--decode-tokens", "2", "--batch-tokens", "2", "--repeats", "1",
+                     "--no-mlx-lm", "--work", "OUT/work", "--out-dir", "OUT"], ["accelerator.json", "accelerator.md"]),
     "acceptance": (["--prompts", "1", "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "batch_forward": (["--batches", "2", "--context", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
     "concurrency": (["--modes", "plain", "--clients", "1", "--requests", "1", "--max-tokens", "2", "--repeat", "1",

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from bench.common import corpus_prompts, machine, machine_note, write
+from bench.common import batch_decode, corpus_prompts, machine, machine_note, write
 
 MODES = ("plain", "speculative")
 
@@ -48,26 +47,10 @@ def decoders(max_context: int) -> dict:
 
 def run(decoder, prompts: list[list[int]], max_tokens: int, pipelined: bool) -> tuple[float, list[list[int]]]:
     """(decode tok/s, each sequence's tokens) of the prompts stepped as one batch."""
-    import mlx.core as mx
-
     from monolith.models import layers
-    from monolith.runtime.batch import Batch
-    from monolith.runtime.session import Session
-    from monolith.sampling import SamplingParams
 
     with nullcontext() if pipelined else layers.whole_graphs():
-        outputs: list[list[int]] = [[] for _ in prompts]
-        batch = Batch()
-        for out, prompt in zip(outputs, prompts):
-            batch.add(decoder.steps(Session(), prompt, max_tokens, SamplingParams(), frozenset(),
-                                    lambda token, logprob, out=out: out.append(token) or True))
-        batch.step()  # the prefills and every first token
-        mx.synchronize()
-        start, first = time.perf_counter(), sum(len(o) for o in outputs)
-        while len(batch):
-            batch.step()
-        mx.synchronize()
-        return (sum(len(o) for o in outputs) - first) / (time.perf_counter() - start), outputs
+        return batch_decode(decoder, prompts, max_tokens)
 
 
 def measure(args) -> list[dict]:

@@ -1,6 +1,7 @@
 """Fused ops for the decode and verify paths (docs/kernels.md). Each op has a plain MLX
 reference and a Metal kernel (body in metal/) with the same inputs and outputs; the
-public functions pick the kernel when Metal is available, else the reference.
+public functions pick the kernel when Metal is available, else the reference (the CPU,
+and MLX's CUDA backend).
 MONOLITH_KERNELS=reference|metal forces one (metal without Metal raises)."""
 
 from .add_norm import add_rms_norm
@@ -9,14 +10,14 @@ from .check import check_kernels
 from .combine import moe_combine
 from .embedding import nvfp4_embedding
 from .gated_norm import gated_rms_norm
-from .kernel import ENV, KernelBackendError, Launch, MetalKernel, backend, use_metal
+from .kernel import ENV, KernelBackendError, Launch, MetalKernel, backend, gpu_backend, on_gpu, use_metal
 from .premix import Premix, gdn_premix
-from .recurrence import gated_delta, gated_delta_rows, on_gpu
+from .recurrence import gated_delta, gated_delta_rows
 from .replay import gdn_replay
 from .router import moe_route
 
 __all__ = [
     "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue", "backend",
-    "check_kernels", "gated_delta", "gated_delta_rows", "gated_rms_norm", "gdn_premix", "gdn_replay",
+    "check_kernels", "gated_delta", "gated_delta_rows", "gated_rms_norm", "gdn_premix", "gdn_replay", "gpu_backend",
     "moe_combine", "moe_route", "nvfp4_embedding", "on_gpu", "use_metal",
 ]

@@ -1,6 +1,8 @@
 """A safety net for Macs: before serving, run one short forward through the fused
 kernels and the same forward through the references; if the kernels fail to build or
-disagree, warn and use the references for the rest of the process (slower, correct)."""
+disagree, warn and use the references for the rest of the process (slower, correct).
+On MLX's CUDA backend the kernels (Metal bodies) never run: the check says so and the
+references serve."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from .kernel import ENV, backend
+from .kernel import ENV, backend, gpu_backend
 
 log = logging.getLogger("monolith.kernels")
 TOLERANCE = 2e-2  # relative to the largest reference logit: a few BF16 roundings
@@ -18,8 +20,12 @@ TOLERANCE = 2e-2  # relative to the largest reference logit: a few BF16 rounding
 
 def check_kernels(forward: Callable[[], mx.array]) -> bool:
     """True when the kernels are in use and agree with the references on `forward()`
-    (a function that runs a fresh forward and returns its logits). Does nothing off Metal."""
+    (a function that runs a fresh forward and returns its logits). Off Metal it runs
+    nothing; on a CUDA GPU it logs that the references stand in for the kernels."""
     if backend() != "metal":
+        if gpu_backend() == "cuda":
+            log.info("MLX computes on CUDA: the fused kernels are Metal, so their MLX references run "
+                     "(docs/kernels.md)")
         return False
     failure = None
     try:

@@ -26,7 +26,8 @@ class KernelBackendError(RuntimeError):
 
 def backend() -> str:
     """"metal" or "reference": MONOLITH_KERNELS=reference|metal forces one; unset (or
-    "auto") picks Metal when MLX has it."""
+    "auto") picks Metal when MLX has it. MLX's CUDA backend runs the references: the
+    kernel bodies are Metal (docs/kernels.md)."""
     choice = os.environ.get(ENV, "").strip().lower() or "auto"
     if choice not in BACKENDS:
         raise KernelBackendError(f"{ENV} must be one of {', '.join(BACKENDS)}, got {choice!r}")
@@ -42,6 +43,21 @@ def backend() -> str:
 
 def use_metal() -> bool:
     return backend() == "metal"
+
+
+def on_gpu() -> bool:
+    """Does MLX compute on a GPU: Metal on a Mac, CUDA on Linux with NVIDIA? (The default
+    device's type, whichever backend; the fused kernels need Metal itself: use_metal.)"""
+    return mx.default_device() == mx.gpu
+
+
+def gpu_backend() -> str | None:
+    """"metal" or "cuda": the MLX backend the default device computes on; None on the CPU."""
+    if not on_gpu():
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda" if mx.cuda.is_available() else None
 
 
 def cast(x: mx.array, dtype) -> mx.array:

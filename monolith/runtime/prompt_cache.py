@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..kernels import gpu_backend
 from ..models.cache import DraftContext, GDNState, HybridCache, KVCache, Snapshot
 
 DEFAULT_MEMORY_SHARE = 0.25  # default budget: this share of the memory free after loading
@@ -346,6 +347,16 @@ def default_budget(reserved: int = 0) -> int:
 
 
 def available_memory() -> int:
+    """Bytes free for states and caches: the host's (host_memory); on a GPU with memory of
+    its own (MLX's CUDA backend), no more than MLX's limit there less what MLX holds now.
+    Metal shares the host's memory."""
+    host = host_memory()
+    if gpu_backend() != "cuda":
+        return host
+    return min(host, max(mx.get_memory_limit() - mx.get_active_memory(), 0))
+
+
+def host_memory() -> int:
     """Bytes the system can give without swapping: Linux's MemAvailable; on macOS the
     free, inactive, speculative and purgeable pages (vm_stat); else half the physical
     memory."""
