@@ -33,6 +33,7 @@ from monolith.runtime.events import Finished, GenerationRequest
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.mtp_drafter import MTPDrafter
 from monolith.runtime.prompt_cache import PromptCache
+from monolith.runtime.scheduler import CostScheduler
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams, filtered_probs, mask_logits
 from monolith.serve import build_parser as serve_parser
@@ -65,6 +66,9 @@ class Recording(MTPDrafter):
         super().__init__(head)
         self.rounds = []
 
+    def fork(self):
+        return self  # one sequence at a time: the decoder's fork records here too
+
     def propose(self, anchor, gamma, params, key):
         rows = self.committed + sum(f.shape[0] for f in self.pending)  # the anchor's position
         p = super().propose(anchor, gamma, params, key)
@@ -92,7 +96,7 @@ def test_greedy_equals_plain_and_proposals_come_from_the_committed_rows(mtp, gam
         drafter = Recording(head)
         got = speculate(model, drafter, prompt, 24, block_size=gamma, prefill_chunk_size=4,
                         break_even=break_even).token_ids
-        assert got == want
+        assert got == want and drafter.rounds
         tokens = prompt + want
         for at, anchor, proposed in drafter.rounds:
             assert tokens[at] == anchor
@@ -240,3 +244,20 @@ def test_draft_mtp_errors(mtp, tmp_path, capsys):
         assert needle in err and "Traceback" not in err, err
     with pytest.raises(SetupError, match="--draft mtp needs a target with an MTP head"):  # serve's demo pair
         plan_model(serve_parser().parse_args(["--draft", "mtp"]))
+
+
+def test_the_cost_model_counts_one_head_forward_per_proposal(mtp):
+    """k MTP proposals cost k head forwards (a DSpark block costs one): the cost
+    scheduler, calibrated on the MTP drafter, prices each proposal, and a round drafts
+    only the proposals it verifies; the output stays plain's."""
+    model, head, _ = mtp
+    block, sequential = CostScheduler(max_positions=8), CostScheduler(max_positions=8)
+    block.set_costs(8.0, [1.0] * 9)
+    sequential.set_costs(8.0, [1.0] * 9, proposals=4)  # 2 s a proposal
+    assert block.choose(4, None) == 4 and sequential.choose(4, None) == 1
+    calibrated = SpeculativeDecoder(model, MTPDrafter(head), 128, gamma=4, scheduler=CostScheduler(max_positions=8))
+    assert calibrated.scheduler.draft_seconds == 0 and calibrated.scheduler.draft_step_seconds > 0
+    drafter = Recording(head)
+    got = speculate(model, drafter, PROMPTS[0], 16, block_size=4, scheduler=sequential).token_ids
+    assert got == plain(model, PROMPTS[0], 16).token_ids
+    assert drafter.rounds and all(len(proposed) == 1 for _, _, proposed in drafter.rounds)

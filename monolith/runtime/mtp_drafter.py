@@ -41,6 +41,7 @@ class MTPDrafter:
     def __init__(self, head, max_proposals: int = MAX_PROPOSALS):
         self.head = head
         self.taps = [EMBEDDING_TAP, HIDDEN_TAP]
+        self.sequential = True  # each proposal is one more head forward (scheduler.py's cost model)
         self.max_proposals = max_proposals
         self.cache = None
         self.pending: list[mx.array] = []  # features observed since the last proposal
