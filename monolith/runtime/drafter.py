@@ -1,8 +1,9 @@
 """The drafter interface the speculative round talks to (rounds.py, decoder.py, batch.py).
 
 A drafter proposes the next tokens of one sequence from the target's tap features of
-every committed row. The product has one: `draft_model.DraftModelDrafter`, over a DSpark /
-DFlash draft model (monolith.models.dspark); the tests' oracles (tests/oracles.py) and
+every committed row. The product has two: `draft_model.DraftModelDrafter`, over a DSpark /
+DFlash draft model (monolith.models.dspark), and `mtp_drafter.MTPDrafter`, over the
+target's own MTP head (models/mtp.py, `--draft mtp`); the tests' oracles (tests/oracles.py) and
 bench's replay drafter implement the same interface. A drafter owns its context. Its
 life over one sequence:
 
