@@ -322,7 +322,7 @@ def sequence_bytes(model, drafter, max_context: int) -> int:
     if draft is not None:
         layers += draft.make_context(max_context).layers
     if isinstance(drafter, MTPDrafter):
-        layers += drafter.head.make_cache(max_context).layers
+        layers += drafter.make_context(max_context).layers
     return sum(layer.max_nbytes for layer in layers)
 
 

@@ -56,7 +56,8 @@ def mtp(tmp_path_factory):
 def test_the_mtp_drafter_is_a_forking_guided_drafter(mtp):
     drafter = MTPDrafter(mtp[1])
     assert isinstance(drafter, Forking) and isinstance(drafter, Guided)
-    assert drafter.snapshot() is None and not drafter.restore(None, 3)  # it cannot resume
+    drafter.start(8)
+    assert drafter.snapshot() is drafter.context and not drafter.restore(None, 3)
 
 
 class Recording(MTPDrafter):
@@ -70,7 +71,7 @@ class Recording(MTPDrafter):
         return self  # one sequence at a time: the decoder's fork records here too
 
     def propose(self, anchor, gamma, params, key):
-        rows = self.committed + sum(f.shape[0] for f in self.pending)  # the anchor's position
+        rows = self.context.offset  # the anchor's position
         p = super().propose(anchor, gamma, params, key)
         self.rounds.append((rows, anchor, np.array(p.tokens).tolist()))
         return p
@@ -165,12 +166,11 @@ def test_batched_equals_alone(mtp):
 
 
 def test_prompt_cache_warm_equals_cold(mtp):
-    """A conversation's second turn on a session whose engine keeps a prompt cache (the
-    MTP drafter cannot resume, so the prompt is prefilled again) gives what a cold
-    engine gives."""
+    """The MTP drafter's context resumes from the prompt cache: a conversation's second
+    turn on its session, and another session sharing a prefix (loaded from the cache's
+    saved rows), give what a cold engine gives, having resumed cached tokens."""
     model, head, pack = mtp
     tok = load_tokenizer(pack)
-    first = GenerationRequest(tuple(PROMPTS[0]), max_tokens=10)
 
     def engine(cache):
         dec = SpeculativeDecoder(model, MTPDrafter(head), 256, prefill_chunk_size=4, gamma=3)
@@ -178,18 +178,20 @@ def test_prompt_cache_warm_equals_cold(mtp):
 
     warm = engine(PromptCache(64 << 20, 4))
     try:
-        session = Session()
-        reply = warm.run_request(first, session)[1].token_ids
-        second = GenerationRequest(tuple(PROMPTS[0] + list(reply) + [7, 8, 9]), max_tokens=12)
-        got = warm.run_request(second, session)[1].token_ids
+        session = warm.new_session()
+        reply = warm.run_request(GenerationRequest(tuple(PROMPTS[2]), max_tokens=10), session)[1].token_ids
+        requests = [GenerationRequest(tuple(PROMPTS[2] + list(reply) + [7, 8, 9]), max_tokens=12),
+                    GenerationRequest(tuple(PROMPTS[2][:17] + [40, 41]), max_tokens=12)]
+        got = [warm.run_request(requests[0], session)[1], warm.run_request(requests[1], warm.new_session())[1]]
     finally:
         warm.close()
+    assert all(f.usage.cached_tokens > 0 for f in got)
     cold = engine(None)
     try:
-        want = cold.run_request(second, Session())[1].token_ids
+        want = [cold.run_request(r, Session())[1].token_ids for r in requests]
     finally:
         cold.close()
-    assert got == want
+    assert [f.token_ids for f in got] == want
 
 
 def test_greedy_under_a_grammar_equals_the_masked_reference(mtp):

@@ -4,26 +4,28 @@ docs/drafts.md 6).
 The head's row t pairs the target's hidden state h_t with the embedding of the token
 x_{t+1} that follows it, at position t, over the head's own KV cache. The drafter taps
 two rows of every committed target row r: the embedding of its token x_r
-(EMBEDDING_TAP) and its hidden state (HIDDEN_TAP). At a proposal with anchor x_n (n
-rows observed), the rows observed since the last proposal go through the head in one
-step, each paired with the next row's token embedding and the last one with the
-anchor's; so the head's cache then holds exactly the n committed rows. The last row's
-output gives proposal 1, and each later proposal is one more one-row step over the
-previous step's output and proposal. Those speculative rows are dropped at the next
-proposal (the cache rewinds to the committed rows), whatever the round kept: the kept
-rows come back as target rows.
+(EMBEDDING_TAP) and its hidden state (HIDDEN_TAP). Observing rows stores their hidden
+states and runs the head over every row whose next token is now known, so after n
+observed rows the head's cache holds exactly the committed head rows 0..n-2 (row n-1
+waits for its next token). A proposal with anchor x_n runs row n-1 paired with the
+anchor; its output gives proposal 1, and each later proposal is one more one-row step
+over the previous step's output and proposal. Those rows are dropped when the next rows
+are observed or proposed from (the cache goes back to the committed rows), whatever the
+round kept: the kept rows come back as target rows.
 
 Proposals are drawn from the head's logits filtered by the request's sampling params
 (q = that filtered distribution; one-hot under greedy params), so rejection sampling
 keeps the target's distribution. It forks (one context per sequence of a batch; each
-drafts alone) and proposes under a grammar. It cannot resume (snapshot() is None): a
-prompt-cache hit is not taken, every prompt is prefilled whole.
+drafts alone) and proposes under a grammar. Its context is a `DraftContext` whose rows
+are the head's K/V and the target's hidden states, so the prompt cache saves and
+resumes it as it does a DSpark draft's.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from ..models.cache import DraftContext, HybridCache, KVCache
 from ..models.dspark import Proposal
 from ..models.qwen3_5 import EMBEDDING_TAP, FINAL_NORM_TAP
 from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
@@ -43,10 +45,8 @@ class MTPDrafter:
         self.taps = [EMBEDDING_TAP, HIDDEN_TAP]
         self.sequential = True  # each proposal is one more head forward (scheduler.py's cost model)
         self.max_proposals = max_proposals
-        self.cache = None
-        self.pending: list[mx.array] = []  # features observed since the last proposal
-        self.last: mx.array | None = None  # the latest committed row's features
-        self.committed = 0
+        self.context: DraftContext | None = None
+        self.cache: HybridCache | None = None  # the head's KV (the context's first layer), to step the head
 
     def __repr__(self) -> str:
         return f"MTPDrafter(max_proposals={self.max_proposals})"
@@ -54,43 +54,76 @@ class MTPDrafter:
     def fork(self) -> MTPDrafter:
         return MTPDrafter(self.head, self.max_proposals)
 
+    def make_context(self, max_context: int) -> DraftContext:
+        """The context of one sequence: per committed row, the head's K/V (rows [0, offset
+        - 1): the last row waits for its next token) and the target's hidden state (its two
+        halves as keys and values, so that the prompt cache copies it as any row)."""
+        a = self.head.args
+        if a.hidden_size % 2:
+            raise ValueError(f"the MTP drafter needs an even hidden size, got {a.hidden_size}")
+        head = self.head.make_cache(max_context, self.max_proposals + 1).layers[0]
+        return DraftContext([head, KVCache(1, a.hidden_size // 2, max_context + 1, self.head.dtype)], max_context)
+
     def start(self, max_context: int) -> None:
-        self.cache = self.head.make_cache(max_context, self.max_proposals + 1)
-        self.pending, self.last = [], None
-        self.committed = 0  # the head's cache rows that pair committed rows (the rest: the last proposal's)
+        self._use(self.make_context(max_context))
+
+    def _use(self, context: DraftContext) -> None:
+        self.context = context
+        self.cache = HybridCache(context.layers[:1], context.max_context, self.max_proposals + 1)
 
     def observe(self, features: mx.array) -> None:
-        if self.cache is None:
-            raise RuntimeError("call drafter.start(max_context) before observe/propose")
-        self.pending.append(features)
+        """Store the rows' hidden states and run the head over every row whose next token
+        is now known (all but the new last one, from the row before them on)."""
+        ctx = self._context()
+        n, h, start = features.shape[0], self.head.args.hidden_size, ctx.offset
+        hidden = features[:, h:]
+        half = hidden.reshape(1, 1, n, h).astype(self.head.dtype)
+        ctx.layers[1].write(start, half[..., :h // 2], half[..., h // 2:])
+        ctx.offset = start + n
+        if start:  # the previous last row meets its next token
+            hidden = mx.concatenate([self._hidden(start - 1), hidden])
+        embedded = features[:, :h] if start else features[1:, :h]  # each head row's next token
+        if embedded.shape[0]:
+            self._at(max(start - 1, 0))
+            self.head.step(hidden[:-1], embedded, self.cache)
 
     def arrays(self) -> list[mx.array]:
-        return ([] if self.cache is None else self.cache.arrays()) + self.pending
+        return [] if self.context is None else self.context.arrays()
 
     def snapshot(self):
-        return None  # cannot resume
+        return self.context
 
     def restore(self, snapshot, rows: int) -> bool:
-        return False
+        if snapshot is None or snapshot.offset < rows or rows < 1:
+            return False
+        snapshot.restore(rows)
+        self._use(snapshot)
+        return True
+
+    def _context(self) -> DraftContext:
+        if self.context is None:
+            raise RuntimeError("call drafter.start(max_context) before observe/propose")
+        return self.context
+
+    def _hidden(self, row: int) -> mx.array:
+        """The target's hidden state of committed row `row`, [1, H]."""
+        keys, values = self.context.layers[1].rows(row, row + 1)
+        return mx.concatenate([keys, values], axis=-1).reshape(1, -1)
+
+    def _at(self, rows: int) -> None:
+        """Point the head's cache after its first `rows` rows (dropping any past them)."""
+        self.cache.offset = self.cache.state_offset = self.cache.written = rows
 
     def _first_step(self, anchor) -> tuple[mx.array, mx.array]:
-        """The rows observed since the last proposal through the head (the latest committed
-        row again when there are none), the last one paired with `anchor`: (its output
-        [1, H], its logits F32 [V])."""
-        if self.cache is None:
-            raise RuntimeError("call drafter.start(max_context) before observe/propose")
-        if self.pending:
-            rows, start = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending), self.committed
-        elif self.last is not None:  # proposing again from the same rows
-            rows, start = self.last, self.committed - 1
-        else:
+        """The last committed row through the head, paired with `anchor`: (its output
+        [1, H], its logits F32 [V]); the last proposal's rows are dropped."""
+        ctx = self._context()
+        if not ctx.offset:
             raise RuntimeError("the drafter has observed no rows to propose from")
-        self.cache.rewind(start)  # drop the last proposal's rows
-        h = self.head.args.hidden_size
-        embedded = mx.concatenate([rows[1:, :h], self.head.target.embed_tokens(_ids([anchor]))])
-        out, logits = self.head.step(rows[:, h:], embedded, self.cache)
-        self.pending, self.last, self.committed = [], rows[-1:], self.cache.offset
-        return out[-1:], logits[-1]
+        self._at(ctx.offset - 1)
+        out, logits = self.head.step(self._hidden(ctx.offset - 1), self.head.target.embed_tokens(_ids([anchor])),
+                                     self.cache)
+        return out, logits[-1]
 
     def _next_step(self, out: mx.array, token) -> tuple[mx.array, mx.array]:
         out, logits = self.head(out, _ids([token]), self.cache)
