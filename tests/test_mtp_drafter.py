@@ -21,7 +21,7 @@ from decoding import plain, speculate
 from numeric import chi_square_ok
 from oracles import NEAR_TIE
 
-from monolith.engine_setup import SetupError, plan_model
+from monolith.engine_setup import SetupError, load_engine, plan_model
 from monolith.generate import main
 from monolith.models import load_model, load_mtp
 from monolith.models.qwen3_5 import FINAL_NORM_TAP
@@ -263,3 +263,19 @@ def test_the_cost_model_counts_one_head_forward_per_proposal(mtp):
     got = speculate(model, drafter, PROMPTS[0], 16, block_size=4, scheduler=sequential).token_ids
     assert got == plain(model, PROMPTS[0], 16).token_ids
     assert drafter.rounds and all(len(proposed) == 1 for _, _, proposed in drafter.rounds)
+
+
+def test_serve_loads_draft_mtp_with_its_break_even(mtp):
+    """serve's flags with --draft mtp: the break-even is measured on MTP rounds (and the
+    batch's costs), and a request gives plain's output."""
+    model, _, pack = mtp
+    args = serve_parser().parse_args(["--model", str(pack), "--draft", "mtp", "--dtype", "float32",
+                                      "--max-context", "256", "--max-batch", "2", "--no-warmup"])
+    logged = []
+    engine = load_engine(args, plan_model(args), logged.append, max_batch=2)
+    try:
+        finished = engine.run_request(GenerationRequest(tuple(PROMPTS[0]), max_tokens=12), engine.new_session())[1]
+    finally:
+        engine.close()
+    assert any("a drafted round costs" in line for line in logged)
+    assert list(finished.token_ids) == plain(model, PROMPTS[0], 12).token_ids
