@@ -34,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .engine_setup import SetupError, Sources, resolve_sources
+from .engine_setup import MTP_DRAFT, SetupError, Sources, resolve_sources
 from .models import load_model
 from .pack import read_manifest, resolve_pack
 from .pack.split import split_layers, target_costs
@@ -228,8 +228,9 @@ def _median(setup) -> float:
 
 
 def draft_reads(args, sources: Sources) -> float:
-    """The bytes of rank 0's draft (it runs there): its pack's tensors."""
-    if sources.draft is None:
+    """The bytes of rank 0's draft (it runs there): its pack's tensors (an MTP head's are
+    the target pack's `mtp.*`, which target_costs counts with rank 0's head already)."""
+    if sources.draft is None or sources.draft == MTP_DRAFT:
         return 0.0
     pack = resolve_pack(sources.draft, role="draft", quantization=args.draft_quantization or "auto",
                         revision=args.draft_revision, local_files_only=args.local_files_only,

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import byte_size
-from .models import load_draft, load_model
-from .pack import VERIFY_MODES, build_pack, ensure_verified, is_pack, resolve_pack
+from .models import load_draft, load_model, load_mtp
+from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import BreakEven, measure_break_even, measure_step_costs, round_can_pay, round_pay_limit
 from .runtime.decoder import SpeculativeDecoder
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
+from .runtime.mtp_drafter import MTPDrafter
 from .runtime.pipeline import PipelineError
 from .runtime.prompt_cache import DEFAULT_MEMORY_SHARE, PromptCache, available_memory, default_budget, save_interval
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
@@ -32,6 +33,8 @@ from .runtime.state_file import identity
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
 
+MTP_DRAFT = "mtp"  # --draft mtp: the target checkpoint's own MTP head (runtime/mtp_drafter.py)
+MTP_NOT_APPLICABLE = ("draft_quantization", "draft_revision", "draft_pack")  # the head comes with the target's pack
 CONTEXT_MEMORY_SHARE = 0.5  # a default context's --max-batch caches take at most this share of the free memory
 CONTEXT_STEP = 1024  # a default context capped by memory is a multiple of this
 SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "spec_threshold", "draft_revision",
@@ -51,7 +54,8 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
                     help="target: hub id, checkpoint directory or pack directory"
                          + ("" if model_required else " (default: the bundled demo pair)"))
     draft = ap.add_mutually_exclusive_group()
-    draft.add_argument("--draft", help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack")
+    draft.add_argument("--draft", help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack; `mtp`: "
+                                        "the target checkpoint's own MTP head (its pack is built --with-mtp)")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding (also for the demo pair)")
     ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"),
                     help="with a draft: how the draft's pack is built (default auto, the same as nvfp4 for a "
@@ -125,6 +129,14 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
         given = [f"--{n.replace('_', '-')}" for n in SPECULATIVE_FLAGS if getattr(args, n) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with a draft (--draft)")
+    if args.draft == MTP_DRAFT:
+        given = [f"--{n.replace('_', '-')}" for n in MTP_NOT_APPLICABLE if getattr(args, n) is not None]
+        if given:
+            raise SetupError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --draft mtp "
+                             "(the MTP head is packed with the target, as the target's pack says)")
+        if args.model is None and args.pack is None:
+            raise SetupError("--draft mtp needs a target with an MTP head (--model or --pack): the demo target "
+                             "has none")
     if args.prompt_cache_dir is not None and args.prompt_cache_size == 0:
         raise SetupError("--prompt-cache-dir needs a prompt cache: drop --prompt-cache-size 0")
     if args.prompt_cache_dir is not None and Path(args.prompt_cache_dir).exists() \
@@ -174,6 +186,7 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
     draft's source, building packs where the flags ask for them; every pack named here
     is verified (--verify-pack) before anything reads it."""
     target, draft = plan.target, plan.draft
+    with_mtp = draft == MTP_DRAFT
     if target is None and args.pack is None:
         target, demo_draft = demo_pair(log, verify=args.verify_pack)
         if draft is None and not args.no_draft:
@@ -185,11 +198,11 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
             raise SetupError(f"--pack {args.pack} holds no pack; give --model to build it there")
         log(f"building the target pack of {target} into {args.pack}")
         pack = build_pack(target, args.pack, role="target", revision=args.revision,
-                          local_files_only=args.local_files_only)
+                          local_files_only=args.local_files_only, with_mtp=with_mtp)
     else:
         log(f"resolving the target {target}")
         pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only,
-                            verify=args.verify_pack)
+                            verify=args.verify_pack, with_mtp=with_mtp)
     ensure_verified(pack, args.verify_pack)
     if args.draft_pack is not None:
         if not is_pack(Path(args.draft_pack)):
@@ -220,7 +233,10 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
     tokenizer = load_tokenizer(sources.target_pack)
-    drafter = None if sources.draft is None else speculative_drafter(args, model, sources.draft, log, load_draft)
+    if sources.draft == MTP_DRAFT:
+        drafter = mtp_drafter(sources.target_pack, model, args.verify_pack, log)
+    else:
+        drafter = None if sources.draft is None else speculative_drafter(args, model, sources.draft, log, load_draft)
     context = choose_context(args.max_context, model, drafter, max_batch, log)
     args = argparse.Namespace(**vars(args) | {"max_context": context})  # the flags, with the context chosen
     decoder, draft_name, not_drafting = None, None, None
@@ -305,6 +321,8 @@ def sequence_bytes(model, drafter, max_context: int) -> int:
     draft = getattr(drafter, "draft", None)
     if draft is not None:
         layers += draft.make_context(max_context).layers
+    if isinstance(drafter, MTPDrafter):
+        layers += drafter.make_context(max_context).layers
     return sum(layer.max_nbytes for layer in layers)
 
 
@@ -356,6 +374,17 @@ def speculative_drafter(args, model, draft: str, log, load_draft=load_drafter) -
     log(f"loading the draft {draft} (quantization {quantization})")
     return load_draft(draft, model, dtype=args.dtype, quantization=quantization, revision=args.draft_revision,
                       local_files_only=args.local_files_only, verify=args.verify_pack)
+
+
+def mtp_drafter(target_pack, model, verify: str, log) -> MTPDrafter:
+    """The drafter over the MTP head of the target's own pack (--draft mtp)."""
+    try:
+        head = load_mtp(target_pack, model, verify=verify)
+    except PackError as e:
+        raise SetupError(f"--draft mtp: {e}") from None
+    drafter = MTPDrafter(head)
+    log(f"drafting with the target's MTP head: up to {drafter.max_proposals} proposals a round, one head step each")
+    return drafter
 
 
 def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: bool = False,

@@ -82,6 +82,7 @@ def dense(env, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MONOLITH_CACHE", env["MONOLITH_CACHE"])
         resolve_pack(target, role="target")
+        resolve_pack(target, role="target", with_mtp=True)  # for --draft mtp
         resolve_pack(draft, role="draft", quantization="auto")
     return ["--model", str(target), "--draft", str(draft)]
 
@@ -128,6 +129,16 @@ def test_pipeline_output_equals_one_process(env, request, one_process, target, m
     if mode == "speculative":  # the same rounds: the draft saw the same tap features
         assert split["stats"]["accepted_per_round"] == alone["stats"]["accepted_per_round"]
         assert split["stats"]["rounds"] == alone["stats"]["rounds"] > 0
+
+
+def test_draft_mtp_on_a_pipeline_equals_one_process(env, dense):
+    """--draft mtp on 2 ranks: the MTP head runs on rank 0 from the final-norm and embedding
+    taps that come back with the stream; the same tokens and rounds as one process."""
+    model = dense[:2] + ["--draft", "mtp"]
+    alone, split = one_answer(generate(env, model, [])), one_answer(generate(env, model, [], 2))
+    assert split["token_ids"] == alone["token_ids"]
+    assert split["stats"]["accepted_per_round"] == alone["stats"]["accepted_per_round"]
+    assert split["stats"]["rounds"] == alone["stats"]["rounds"] > 0
 
 
 def test_taps_all_on_rank_0_reach_the_drafter_between_prefill_chunks(env, dense, tmp_path):

@@ -109,7 +109,8 @@ def load_mtp(pack_dir, target_model, dense: bool | None = None, verify: str = "f
     unused = [n for n in weights.arrays if n.startswith("mtp.") and n not in weights.used]
     if unused:
         raise PackError(f"{pack_dir}: MTP tensors the head does not use: {_listed(unused)}")
-    mx.eval(model_arrays(head.fc), model_arrays(head.layer), head.norm)
+    mx.eval(model_arrays(head.fc), model_arrays(head.layer), head.norm, head.pre_fc_norm_embedding,
+            head.pre_fc_norm_hidden)  # evaluated here: lazy arrays belong to this thread's stream
     return head
 
 

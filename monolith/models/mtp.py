@@ -62,18 +62,23 @@ class MTPHead:
         """One step over T rows at cache.offset: hidden [T, H] (the target's, or the
         previous step's), tokens [T] (each row's next token) -> (hidden' [T, H] in the
         compute dtype, logits F32 [T, vocab]); the cache advances by T."""
-        ids = self.target._tokens(tokens)
-        if hidden.ndim != 2 or hidden.shape != (ids.shape[0], self.args.hidden_size):
-            raise ValueError(f"hidden must be [{ids.shape[0]}, {self.args.hidden_size}] (one row per token), "
+        return self.step(hidden, self.target.embed_tokens(self.target._tokens(tokens)), cache)
+
+    def step(self, hidden: mx.array, embedded: mx.array, cache: HybridCache) -> tuple[mx.array, mx.array]:
+        """`head(hidden, tokens, cache)` with the tokens' embeddings `embedded` [T, H] (the
+        target's embed_tokens rows, as its EMBEDDING_TAP gives them) in place of the ids."""
+        rows = embedded.shape[0]
+        if hidden.ndim != 2 or hidden.shape != (rows, self.args.hidden_size) or embedded.shape != hidden.shape:
+            raise ValueError(f"hidden must be [{rows}, {self.args.hidden_size}] (one row per token), "
                              f"got {list(hidden.shape)}")
         eps = self.args.rms_norm_eps
-        e = rms_norm(self.target.embed_tokens(ids), self.pre_fc_norm_embedding, eps)
+        e = rms_norm(cast(embedded, self.dtype), self.pre_fc_norm_embedding, eps)
         h = rms_norm(cast(hidden, self.dtype), self.pre_fc_norm_hidden, eps)
         x = self.fc(mx.concatenate([e, h], axis=-1))[None]
-        spans = _spans([cache], [ids.shape[0]])
+        spans = _spans([cache], [rows])
         _, out = self.layer(x, rms_norm(x, self.layer.input_layernorm, eps), [cache.layers[0]], spans, self.norm)
         run_now(out)
-        cache.advance(ids.shape[0])
+        cache.advance(rows)
         return out[0], cast(self.target.lm_head(out[0]), mx.float32)
 
     def chain(self, hidden: mx.array, tokens, cache: HybridCache, steps: int,

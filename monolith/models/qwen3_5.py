@@ -24,12 +24,19 @@ from .mixers import Attention, GatedDeltaNet, Span
 from .mlp import MLP, SparseMoeBlock
 from .target_args import ConfigError, ModelArgs
 
+# Named taps, beside the decoder layer ids (each [T, hidden] in the compute dtype): what a
+# drafter other than a layer-tapping one reads (runtime/mtp_drafter.py). Computed only
+# when a segment asks for them.
+EMBEDDING_TAP = "embedding"  # the row's token embedding: the first layer's input
+FINAL_NORM_TAP = "final_norm"  # the last layer's output after the final norm: what lm_head scores
+NAMED_TAPS = (EMBEDDING_TAP, FINAL_NORM_TAP)
+
 
 @dataclass(frozen=True)
 class Segment:
     """One sequence's part of a batched forward: `tokens` (int32 mx.array [T] or a list
     of ids) continuing at `cache.offset`, the decoder layers whose outputs to return
-    (`taps`), and which rows' logits: "all", the "last" row only, or "none"."""
+    (`taps`: layer ids or NAMED_TAPS), and which rows' logits: "all", the "last" row only, or "none"."""
 
     tokens: mx.array | list[int]
     cache: HybridCache
@@ -146,7 +153,10 @@ class Qwen3_5:
         cache took `snapshot(record=True)` records its tapes, the others do not."""
         tokens, taps, spans = self.layout(segments)
         x = self.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
-        x, normed, tapped = self.run_layers(x, segments, spans, {i for t in taps for i in t})
+        wanted = {i for t in taps for i in t}
+        embedded = x[0]
+        x, normed, tapped = self.run_layers(x, segments, spans, wanted)
+        add_named_taps(tapped, wanted, embedded, normed)
         for s, span in zip(segments, spans):
             s.cache.advance(span.stop - span.start)
         return [(logits, self._hidden(tapped, t, span)) for logits, t, span in
@@ -230,10 +240,19 @@ class Qwen3_5:
         if not taps:
             return []
         n = self.args.num_hidden_layers
-        bad = [i for i in taps if not isinstance(i, int) or not 0 <= i < n]
+        bad = [i for i in taps if i not in NAMED_TAPS and (not isinstance(i, int) or not 0 <= i < n)]
         if bad:
-            raise ValueError(f"taps must be decoder layer ids in [0, {n}), got {bad}")
+            raise ValueError(f"taps must be decoder layer ids in [0, {n}) or one of {NAMED_TAPS}, got {bad}")
         return list(taps)
+
+
+def add_named_taps(tapped: dict, wanted: set, embedded: mx.array, normed: mx.array) -> None:
+    """Put the NAMED_TAPS a forward was asked for into `tapped`: the token embeddings
+    `embedded` [N, H] and the final-normed last layer outputs `normed` [1, N, H]."""
+    if EMBEDDING_TAP in wanted:
+        tapped[EMBEDDING_TAP] = embedded
+    if FINAL_NORM_TAP in wanted:
+        tapped[FINAL_NORM_TAP] = normed[0]
 
 
 class Qwen3_5Moe(Qwen3_5):

@@ -64,7 +64,8 @@ class SpeculativeDecoder:
         self.gamma = 0 if drafter is None else check_gamma(gamma, drafter.max_proposals)
         self.scheduler = scheduler
         if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:
-            scheduler.set_costs(*measure_costs(model, drafter, self.gamma, SamplingParams()))
+            scheduler.set_costs(*measure_costs(model, drafter, self.gamma, SamplingParams()),
+                                proposals=self.gamma if getattr(drafter, "sequential", False) else None)
         self.break_even = break_even
         self.step_costs = step_costs  # a batch's forward costs: the fallback's break-even follows the batch
         self.profile = profile

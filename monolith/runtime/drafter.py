@@ -1,8 +1,9 @@
 """The drafter interface the speculative round talks to (rounds.py, decoder.py, batch.py).
 
 A drafter proposes the next tokens of one sequence from the target's tap features of
-every committed row. The product has one: `draft_model.DraftModelDrafter`, over a DSpark /
-DFlash draft model (monolith.models.dspark); the tests' oracles (tests/oracles.py) and
+every committed row. The product has two: `draft_model.DraftModelDrafter`, over a DSpark /
+DFlash draft model (monolith.models.dspark), and `mtp_drafter.MTPDrafter`, over the
+target's own MTP head (models/mtp.py, `--draft mtp`); the tests' oracles (tests/oracles.py) and
 bench's replay drafter implement the same interface. A drafter owns its context. Its
 life over one sequence:
 
@@ -30,8 +31,11 @@ Two abilities are optional, each its own Protocol below (the caller checks with 
 
 A drafter may hold observed rows back until its context is next used (the draft model's
 drafter does, so a batch appends every sequence's rows in one packed call).
-`taps` are the target decoder layers whose outputs the drafter reads; `max_proposals`
-bounds gamma; `arrays()` gives the context state to evaluate between prefill chunks (so
+`taps` are the target decoder layers whose outputs the drafter reads (or the target's
+named taps, models/qwen3_5.py NAMED_TAPS); `max_proposals` bounds gamma; a drafter whose
+`sequential` attribute is true pays one draft forward per proposal (the MTP head), where
+a block drafter pays one for the block: the cost scheduler counts that, and a round
+asks the scheduler for its block length before drafting (scheduler.py); `arrays()` gives the context state to evaluate between prefill chunks (so
 a long prompt's features are not all held until the first proposal). A drafter whose
 `snapshot()` is None cannot resume: every prompt is then prefilled whole. A snapshot
 that is a `models.cache.DraftContext` (the draft model's) also lets the prompt cache

@@ -43,7 +43,7 @@ import numpy as np
 from ..models.cache import CacheError, HybridCache, Snapshot
 from ..models.layers import rms_norm
 from ..models.mixers import Span
-from ..models.qwen3_5 import Segment
+from ..models.qwen3_5 import FINAL_NORM_TAP, Segment, add_named_taps
 
 FRAME = 512  # bytes of a command frame: a 4-byte length, then JSON (longer commands take a second message)
 
@@ -202,9 +202,10 @@ class Pipeline:
         tokens, taps, spans = local.layout(segments)
         wanted = {i for t in taps for i in t}
         x = local.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
+        embedded = x[0]
         x, _, tapped = local.run_layers(x, segments, spans, wanted & set(local.owned))
         remote = sorted(wanted & self.remote_taps)
-        reply = any(s.logits != "none" for s in segments) or bool(remote)
+        reply = any(s.logits != "none" for s in segments) or bool(remote) or FINAL_NORM_TAP in wanted
         rows = [span.stop - span.start for span in spans]
         self._check()
         try:
@@ -218,11 +219,13 @@ class Pipeline:
         self.forwards += 1
         self.rows += sum(rows)
         if not reply:  # no logits, and every wanted tap is on this rank
+            add_named_taps(tapped, wanted, embedded, None)
             return [(None, local._hidden(tapped, t, span)) for t, span in zip(taps, spans)]
         final = back[..., :h]
         for j, layer in enumerate(remote):
             tapped[layer] = back[0, :, h * (j + 1):h * (j + 2)]
         normed = rms_norm(final, local.norm, self.args.rms_norm_eps)
+        add_named_taps(tapped, wanted, embedded, normed)
         return [(logits, local._hidden(tapped, t, span)) for logits, t, span in
                 zip(local._logits(normed[0], segments, spans), taps, spans)]
 

@@ -290,7 +290,9 @@ class Rounds:
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         self.sync_drafter()  # drops a queued plain step
         guide = self.guide
-        if gamma == 0:  # one row left: a plain decode step
+        if gamma and guide is None and getattr(self.drafter, "sequential", False):
+            gamma = min(gamma, self.scheduler.choose(gamma, None, peers))  # each proposal costs a forward: draft l
+        if gamma == 0:  # one row left (or none chosen): a plain decode step
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key,
                          masks=None if guide is None else guide.masks(0))
         if guide is None:

@@ -4,10 +4,14 @@
 - `threshold`: cut before the first position whose survival a_j = prod_{i<=j} c_i
   falls below a threshold (default 0.1).
 - `cost`: the l maximizing the expected tokens per second
-  (1 + sum_{j<=l} a_j) / (T_draft + T_verify(1 + l)), scanning l = 0, 1, ... and
+  (1 + sum_{j<=l} a_j) / (T_draft(l) + T_verify(1 + l)), scanning l = 0, 1, ... and
   stopping at the first l that does not improve on the one before. T_draft and the
   T_verify table (rows 1..gamma+1) are measured at warm-up by calibrate.measure_costs:
   medians of timed stages on a scratch sequence at a short context, kept for the whole run.
+  A block drafter (DSpark) pays one forward for any l: T_draft(l) = T_draft. A sequential
+  one (the MTP head: one head forward per proposal; drafter.py `sequential`) pays per
+  proposal: T_draft(l) = l * T_draft(gamma) / gamma, and its round drafts only the l
+  chosen (rounds.py asks before drafting).
 
 Whatever l is chosen, it is chosen from the draft's side alone (confidences, past
 rounds), never from the target's verdict on this round, so the output distribution is
@@ -161,19 +165,30 @@ class CostScheduler(SurvivalScheduler):
     name = "cost"
     uses_peers = True
 
-    def __init__(self, draft_seconds: float | None = None, verify_seconds=None, **kw):
-        """verify_seconds[r - 1] = T_verify(r rows); both measured by
-        calibrate.measure_costs when not given."""
+    def __init__(self, draft_seconds: float | None = None, verify_seconds=None, draft_step_seconds: float = 0.0,
+                 **kw):
+        """verify_seconds[r - 1] = T_verify(r rows); T_draft(l) = draft_seconds + l *
+        draft_step_seconds; measured by calibrate.measure_costs when not given."""
         super().__init__(**kw)
         self.draft_seconds = draft_seconds
+        self.draft_step_seconds = float(draft_step_seconds)
         self.verify_seconds = None if verify_seconds is None else [float(t) for t in verify_seconds]
 
     @property
     def calibrated(self) -> bool:
         return self.draft_seconds is not None and self.verify_seconds is not None
 
-    def set_costs(self, draft_seconds: float, verify_seconds) -> None:
-        self.draft_seconds, self.verify_seconds = float(draft_seconds), [float(t) for t in verify_seconds]
+    def set_costs(self, draft_seconds: float, verify_seconds, proposals: int | None = None) -> None:
+        """`draft_seconds`: a draft's cost; with `proposals`, a sequential drafter's for
+        that many proposals (each costs a share of it)."""
+        self.verify_seconds = [float(t) for t in verify_seconds]
+        if proposals is None:
+            self.draft_seconds, self.draft_step_seconds = float(draft_seconds), 0.0
+        else:
+            self.draft_seconds, self.draft_step_seconds = 0.0, float(draft_seconds) / proposals
+
+    def draft_time(self, proposals: int) -> float:
+        return self.draft_seconds + self.draft_step_seconds * proposals
 
     def verify_time(self, rows: int) -> float:
         """T_verify(rows), extrapolated linearly past the table."""
@@ -188,11 +203,11 @@ class CostScheduler(SurvivalScheduler):
             raise RuntimeError("the cost scheduler has no timings: call set_costs (see measure_costs)")
         survival = self.survival(gamma, confidence)
         others, rows = peers
-        best_l, best = 0, (others + 1.0) / (self.draft_seconds + self.verify_time(rows + 1))
+        best_l, best = 0, (others + 1.0) / (self.draft_time(0) + self.verify_time(rows + 1))
         expected = others + 1.0
         for l in range(1, gamma + 1):
             expected += survival[l - 1]
-            value = expected / (self.draft_seconds + self.verify_time(rows + 1 + l))
+            value = expected / (self.draft_time(l) + self.verify_time(rows + 1 + l))
             if value <= best:
                 break  # the first non-improvement ends the scan
             best_l, best = l, value
