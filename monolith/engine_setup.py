@@ -25,9 +25,10 @@ from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.mtp_drafter import MTPDrafter
 from .runtime.pipeline import PipelineError
-from .runtime.prompt_cache import DEFAULT_MEMORY_SHARE, PromptCache, available_memory, default_budget, save_interval
+from .runtime.prompt_cache import DEFAULT_MEMORY_SHARE, PromptCache, default_budget, save_interval
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
 from .runtime.rounds import check_gamma
+from .runtime.sizing import CONTEXT_MEMORY_SHARE, SizingError, batch_memory, choose_context
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
 from .runtime.state_file import identity
 from .sampling import SamplingParams
@@ -35,8 +36,6 @@ from .tokenizer import load_tokenizer
 
 MTP_DRAFT = "mtp"  # --draft mtp: the target checkpoint's own MTP head (runtime/mtp_drafter.py)
 MTP_NOT_APPLICABLE = ("draft_quantization", "draft_revision", "draft_pack")  # the head comes with the target's pack
-CONTEXT_MEMORY_SHARE = 0.5  # a default context's --max-batch caches take at most this share of the free memory
-CONTEXT_STEP = 1024  # a default context capped by memory is a multiple of this
 SPECULATIVE_FLAGS = ("draft_block_size", "draft_quantization", "spec_sched", "spec_threshold", "draft_revision",
                      "draft_pack")
 
@@ -237,14 +236,20 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
         drafter = mtp_drafter(sources.target_pack, model, args.verify_pack, log)
     else:
         drafter = None if sources.draft is None else speculative_drafter(args, model, sources.draft, log, load_draft)
-    context = choose_context(args.max_context, model, drafter, max_batch, log)
+    try:
+        context = choose_context(args.max_context, model, drafter, max_batch, log)
+    except SizingError as e:
+        raise SetupError(str(e)) from None
     args = argparse.Namespace(**vars(args) | {"max_context": context})  # the flags, with the context chosen
     decoder, draft_name, not_drafting = None, None, None
     if drafter is not None:
         decoder, draft_name, not_drafting = _drafting(args, plan, str(plan.draft or sources.draft), model, drafter,
                                                       log, fallback, profile, max_batch)
     drafter = getattr(decoder, "drafter", None)
-    reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
+    try:
+        reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
+    except SizingError as e:
+        raise SetupError(str(e)) from None
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
                     not_drafting=not_drafting,
@@ -274,71 +279,6 @@ def _drafting(args, plan: ModelPlan, name: str, model, drafter, log, fallback: b
         return None, None, (f"draft {name} loaded, not drafting: a drafted round costs {measured.describe()} here, "
                             "too many to pay (--spec-sched fixed drafts anyway)")
     return decoder, name, None
-
-
-def choose_context(asked: int | None, model, drafter, max_batch: int, log) -> int:
-    """The context the engine serves, logged in one line with why: --max-context as given
-    (`asked`; past the model's own context with a warning: those positions are untrained),
-    else the model's own (its config's max_position_embeddings), capped so that
-    `max_batch` sequences' caches at it (the target's and the draft's) take at most
-    CONTEXT_MEMORY_SHARE of the memory free after loading: the rest is for the prompt
-    cache's default budget (a share of what the sequences leave) and the forwards'
-    working memory. Caches grow as they fill, so the cap bounds what they may reach."""
-    own = model.args.max_position_embeddings
-    if asked is not None:
-        past = own is not None and asked > own
-        log(f"context: {asked} tokens (--max-context)" + (
-            f"; warning: past the model's own context of {own} tokens (max_position_embeddings), where it was "
-            "never trained: expect worse output there" if past else ""))
-        return asked
-    if own is None:
-        raise SetupError("the model's config states no max_position_embeddings (its own context): give --max-context")
-    one = sequence_bytes(model, drafter, 1)
-    per_token = sequence_bytes(model, drafter, 2) - one
-    free = available_memory()
-    room = CONTEXT_MEMORY_SHARE * free / max_batch - (one - per_token)  # bytes for the rows of one sequence
-    fits = int(room // per_token) if per_token else own
-    batch = f"{max_batch} sequence{'s' if max_batch > 1 else ''}"
-    if fits >= own:
-        log(f"context: {own} tokens, the model's own (max_position_embeddings); the caches of {batch} at it take "
-            f"{max_batch * sequence_bytes(model, drafter, own) / 2**30:.2f} GiB of the {free / 2**30:.2f} GiB free")
-        return own
-    context = fits - fits % CONTEXT_STEP if fits >= CONTEXT_STEP else fits
-    if context < 2:
-        raise SetupError(f"{free / 2**30:.2f} GiB is free after loading the model: too little for the caches of "
-                         f"{batch} of even 2 tokens; free memory, lower --max-batch or give --max-context")
-    log(f"context: {context} tokens, capped by memory: the model's own {own} would take "
-        f"{max_batch * sequence_bytes(model, drafter, own) / 2**30:.2f} GiB of cache for {batch}, more than "
-        f"{CONTEXT_MEMORY_SHARE:.0%} of the {free / 2**30:.2f} GiB free after loading (--max-context sets it)")
-    return context
-
-
-def sequence_bytes(model, drafter, max_context: int) -> int:
-    """The memory one running sequence's caches take once they hold `max_context` rows:
-    the target's cache and the draft's context (KV rows are allocated as they are written:
-    nothing is allocated to count them)."""
-    layers = list(model.make_cache(max_context).layers)
-    draft = getattr(drafter, "draft", None)
-    if draft is not None:
-        layers += draft.make_context(max_context).layers
-    if isinstance(drafter, MTPDrafter):
-        layers += drafter.make_context(max_context).layers
-    return sum(layer.max_nbytes for layer in layers)
-
-
-def batch_memory(model, drafter, max_context: int, max_batch: int, log) -> int:
-    """The bytes `max_batch` sequences' caches take; SetupError if they do not fit the
-    memory free now (after loading the model)."""
-    each = sequence_bytes(model, drafter, max_context)
-    need, free = each * max_batch, available_memory()
-    if need > free:
-        raise SetupError(f"--max-batch {max_batch} sequences of --max-context {max_context} tokens need "
-                         f"{need / 2**30:.2f} GiB of cache ({each / 2**30:.2f} GiB each), but "
-                         f"{free / 2**30:.2f} GiB is free after loading the model: lower --max-batch or --max-context")
-    if max_batch > 1:
-        log(f"batch: up to {max_batch} sequences at once, {need / 2**30:.2f} GiB of cache at "
-            f"--max-context {max_context}")
-    return need
 
 
 def prompt_cache(args, model, drafter, log, by_default: bool = True, reserved: int = 0) -> PromptCache | None:

@@ -17,6 +17,7 @@ from serving_rig import Server
 
 from monolith import engine_setup
 from monolith.pack.demo import bundle_dir
+from monolith.runtime import sizing
 from monolith.serve import build_parser
 
 GIB = 2**30
@@ -53,7 +54,7 @@ def start(demo, *argv, draft: bool = True):
 @pytest.fixture()
 def free_memory(monkeypatch):
     def set_free(nbytes: int) -> None:
-        monkeypatch.setattr(engine_setup, "available_memory", lambda: nbytes)
+        monkeypatch.setattr(sizing, "available_memory", lambda: nbytes)
     return set_free
 
 
@@ -88,8 +89,8 @@ def test_short_of_memory_the_default_is_capped_so_the_batch_takes_half_the_free_
         context = engine.max_context
         assert 48_000 <= context <= 50_000 and context % 1024 == 0, context
         # `batch` sequences at that context (plus the fixed recurrent states) fit half the free memory
-        assert batch * engine_setup.sequence_bytes(model, drafter, context) <= free / 2
-        assert batch * engine_setup.sequence_bytes(model, drafter, context + 1024) > free / 2
+        assert batch * sizing.sequence_bytes(model, drafter, context) <= free / 2
+        assert batch * sizing.sequence_bytes(model, drafter, context + 1024) > free / 2
         [line] = context_lines(logs)
         assert f"{context} tokens" in line and "capped by memory" in line and "262144" in line, line
     finally:
@@ -144,10 +145,10 @@ def test_the_caches_of_max_batch_sequences_must_fit_at_start(demo_f32, monkeypat
         (a.linear_conv_kernel_dim - 1) * conv
         + a.linear_num_value_heads * a.linear_value_head_dim * a.linear_key_head_dim)
     draft = d.num_layers * 2 * d.num_kv_heads * (1000 + d.block_size) * d.head_dim * size
-    each = engine_setup.sequence_bytes(model, drafter, 1000)
+    each = sizing.sequence_bytes(model, drafter, 1000)
     assert each == kv + gdn + draft
     logs = []
-    monkeypatch.setattr(engine_setup, "available_memory", lambda: 4 * each + 1)
-    assert engine_setup.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
-    with pytest.raises(engine_setup.SetupError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
-        engine_setup.batch_memory(model, drafter, 1000, 5, logs.append)
+    monkeypatch.setattr(sizing, "available_memory", lambda: 4 * each + 1)
+    assert sizing.batch_memory(model, drafter, 1000, 4, logs.append) == 4 * each
+    with pytest.raises(sizing.SizingError, match=r"--max-batch 5 sequences of --max-context 1000 tokens need"):
+        sizing.batch_memory(model, drafter, 1000, 5, logs.append)
