@@ -19,8 +19,14 @@ models' graphs (the CPU graph here). The Mac projection scales the bytes one dec
 step and one round touch to the published depth and divides by an M5 Max-class
 bandwidth (614 GB/s); the dispatch term uses bench/primitives.py's counts of the Metal
 path at 40 layers (bench/results/primitives.json) times a per-primitive cost, given as a
-range because it cannot be measured here.
-Writes bench/results/real_widths.json (and prints the tables).
+range because it cannot be measured here (bench/projection.py).
+
+Target packs keep the checkpoint's MTP head (`--with-mtp`), and the serve stage counts
+one MTP proposal's primitives with the real MTPHead; the MTP section projects a round of
+k = 1-4 MTP proposals per target layout at a sweep of per-position acceptance, beside
+its DSpark pairs at their cards' acceptance lengths, and finds the acceptance from which
+MTP wins (bench/projection.py, docs/performance.md).
+Writes bench/results/real_widths.json and .md (the tables, also printed).
 """
 
 from __future__ import annotations
