@@ -201,7 +201,11 @@ def mtp_section(target_manifest: dict, config: dict, depth: int, context: int, c
 
 def mtp_lines(report: dict) -> list[str]:
     """The markdown tables of the MTP sections."""
-    lines = []
+    lines = [("\n## The MTP head's round beside DSpark's\n\nPer round, at the published depth: bytes over "
+             f"{BANDWIDTH / 1e9:.0f} GB/s plus {MTP_DISPATCH_US} us per primitive (the target round's Metal-path "
+             "count, the draft's CPU-graph count: k MTP steps, one DSpark block); an MTP round verifies k + 1 rows "
+             "and yields 1 + a + ... + a^k tokens at per-position acceptance a; DSpark at its card's tau "
+             "(docs/performance.md).")] if report.get("mtp") else []
     for layout, s in report.get("mtp", {}).items():
         b = s["step_bytes"]
         lines += [(f"\n### MTP head of {layout}: one step reads {b['total'] / 1e6:.0f} MB (head "
