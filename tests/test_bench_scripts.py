@@ -71,13 +71,6 @@ SECTIONS = {
     "prompt_cache": {"cold", "restart", "memory", "sweep", "mlx_lm"},  # the other --runs (minutes: a server each)
 }
 
-# top-level keys the run here writes that its committed result predates: a section added
-# since, its committed result not regenerated because that takes hours here (say so in
-# the docs); the run here still writes and checks it
-PREDATES = {
-    "real_widths": {"mtp"},  # the MTP projection (issue 35); docs/performance.md gives its numbers
-}
-
 
 def modules() -> dict[str, Path]:
     """bench's modules by dotted name (bench.common, bench.archive.call_graph, ...)."""
@@ -109,8 +102,8 @@ def test_every_committed_result_belongs_to_a_live_run():
         run = RESULT_RUNS.get(path.stem, path.stem)
         assert run in RUNS, (f"{path.relative_to(REPO)}: no live script writes it (a finished study's result "
                              "belongs in bench/archive/results; a variant's run is named in RESULT_RUNS)")
-    for run in (*SECTIONS, *PREDATES):
-        assert committed(run), f"SECTIONS or PREDATES names {run}, which has no committed result"
+    for run in SECTIONS:
+        assert committed(run), f"SECTIONS names {run}, which has no committed result"
 
 
 def structure(report: dict) -> dict[str, list[str] | None]:
@@ -123,12 +116,10 @@ def structure(report: dict) -> dict[str, list[str] | None]:
 
 def same_structure(path: Path, run: str, fresh: dict) -> None:
     """A committed result has the structure of what the run wrote now, but for the
-    sections only a larger setting writes (SECTIONS) and those it predates (PREDATES)."""
+    sections only a larger setting writes (SECTIONS)."""
     old, new = structure(json.loads(path.read_text())), structure(fresh)
     name = path.relative_to(REPO)
-    predates = PREDATES.get(run, set())
-    assert predates <= set(new), f"PREDATES names {sorted(predates - set(new))}, which the run does not write"
-    missing, unknown = sorted(set(new) - set(old) - predates), sorted(set(old) - set(new) - SECTIONS.get(run, set()))
+    missing, unknown = sorted(set(new) - set(old)), sorted(set(old) - set(new) - SECTIONS.get(run, set()))
     assert not missing and not unknown, (f"{name} is not what `python -m bench.{run}` writes now: "
                                          + "; ".join(([f"it lacks {missing}"] if missing else [])
                                                      + ([f"the script writes no {unknown}"] if unknown else []))
