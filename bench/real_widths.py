@@ -19,8 +19,14 @@ models' graphs (the CPU graph here). The Mac projection scales the bytes one dec
 step and one round touch to the published depth and divides by an M5 Max-class
 bandwidth (614 GB/s); the dispatch term uses bench/primitives.py's counts of the Metal
 path at 40 layers (bench/results/primitives.json) times a per-primitive cost, given as a
-range because it cannot be measured here.
-Writes bench/results/real_widths.json (and prints the tables).
+range because it cannot be measured here (bench/projection.py).
+
+Target packs keep the checkpoint's MTP head (`--with-mtp`), and the serve stage counts
+one MTP proposal's primitives with the real MTPHead; the MTP section projects a round of
+k = 1-4 MTP proposals per target layout at a sweep of per-position acceptance, beside
+its DSpark pairs at their cards' acceptance lengths, and finds the acceptance from which
+MTP wins (bench/projection.py, docs/performance.md).
+Writes bench/results/real_widths.json and .md (the tables, also printed).
 """
 
 from __future__ import annotations
@@ -34,14 +40,24 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from bench.projection import (
+    BANDWIDTH,
+    DISPATCH_US,
+    GAMMA,
+    count_mtp_step,
+    dispatch_terms,
+    mtp_lines,
+    mtp_section,
+    projection,
+)
+
 RESULTS = Path(__file__).parent / "results"
-BANDWIDTH = 614e9  # M5 Max 40-core, bytes/s
-DISPATCH_US = (1.0, 2.0, 4.0)  # assumed cost of one dispatched primitive on an Apple GPU, microseconds
 PUBLISHED_DEPTH = {"nvidia-35b": 40, "unsloth-27b": 64}
 ANCHORS = {"lithos-metal round at 128 context (ms)": 25.2, "dflash-mlx 35B-A3B 4-bit DFlash (tok/s)": 300.0,
            "mlx-lm plain decode 35B-A3B 4-bit (tok/s)": 138.0}
 TAUS = (3.0, 3.96)  # acceptance lengths to project with: the demo pair's ~3, Koopah DSPARK v2's card (Spec-Bench)
-GAMMA = 7
+# each DSpark draft's published acceptance lengths, to set the MTP head against (docs/drafts.md 5)
+CARD_TAUS = {"lithos-dspark": TAUS, "koopah-dspark": TAUS, "speculators-27b": (1.51,)}
 
 
 def peak_rss() -> int:
@@ -86,7 +102,7 @@ def pack_stage(source: str, out: str, role: str) -> dict:
     from monolith.pack import build_pack, read_manifest
 
     start = time.perf_counter()
-    build_pack(source, out, role=role, force=True)
+    build_pack(source, out, role=role, force=True, with_mtp=role == "target")  # the MTP head: docs/drafts.md 6
     seconds = time.perf_counter() - start
     manifest = read_manifest(out)
     return {"seconds": seconds, "peak_rss": peak_rss(), "bytes": sum(s["bytes"] for s in manifest["shards"].values())}
@@ -130,6 +146,7 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
         gamma=gamma,
     )
     out.update(graph_counts(model, drafter, prompt, gamma))
+    out["primitives"]["mtp_step"] = count_mtp_step(model, target_pack, prompt_tokens)
     out["peak_rss"] = peak_rss()
     return out
 
@@ -172,69 +189,6 @@ def _graph_counts(model, drafter, prompt, gamma: int) -> dict:
                            "round": round_primitives + draft}}
 
 
-# ------------------------------------------------------------------ bytes and the projection
-
-
-def period_bytes(manifest: dict, rows: int, top_k: int) -> tuple[int, int]:
-    """(bytes of the non-layer entries, bytes of the decoder layers) that `rows` rows
-    read: the embedding's rows, every other matrix whole, experts by the expected number
-    of distinct experts among rows * top_k draws."""
-    from bench.common import weight_bytes
-
-    fixed = layers = 0
-    for name, size in weight_bytes(manifest).items():
-        entry = manifest["entries"].get(name, {})
-        if name.endswith(("embed_tokens", "markov_w1")):  # row gathers
-            size = size * rows // entry["shape"][0]
-        elif entry.get("kind") == "experts":
-            experts = entry["shape"][0]
-            distinct = experts * (1 - (1 - 1 / experts) ** (rows * top_k))
-            size = int(size * distinct / experts)
-        if ".layers." in name:
-            layers += size
-        else:
-            fixed += size
-    return fixed, layers
-
-
-def projection(target_manifest: dict, draft_manifest: dict, config: dict, depth: int, context: int) -> dict:
-    """Bytes (and their time floor at BANDWIDTH) of one decode step and one round at the
-    published depth: weights read, gated-DeltaNet state read + written, KV read."""
-    tc = config.get("text_config", config)
-    layers = tc["num_hidden_layers"]
-    top_k = tc.get("num_experts_per_tok", 1)
-    types = tc["layer_types"]
-    gdn_share = sum(t == "linear_attention" for t in types) / layers
-    state = int(depth * gdn_share) * tc["linear_num_value_heads"] * tc["linear_value_head_dim"] * \
-        tc["linear_key_head_dim"] * 4 * 2
-    kv_per_row = int(depth * (1 - gdn_share)) * tc["num_key_value_heads"] * tc["head_dim"] * 2 * 2
-    out = {}
-    for label, rows in (("decode_step", 1), ("verify", GAMMA + 1)):
-        fixed, per_layers = period_bytes(target_manifest, rows, top_k)
-        weights = fixed + per_layers * depth // layers
-        total = weights + state + kv_per_row * (context + rows)
-        out[label] = {"weights": weights, "state": state, "kv": kv_per_row * (context + rows), "total": total}
-    draft_fixed, draft_layers = period_bytes(draft_manifest, GAMMA + 1, 1)
-    draft_total = draft_fixed + draft_layers
-    out["draft"] = {"weights": draft_total, "total": draft_total}
-    out["round"] = {"total": out["verify"]["total"] + draft_total + state}  # + the commit's state write
-    for value in out.values():
-        value["floor_ms"] = value["total"] / BANDWIDTH * 1e3
-    return out
-
-
-def dispatch_terms() -> dict:
-    """Metal-path primitives per decode step and per round at 40 layers (bench/primitives.py)."""
-    path = RESULTS / "primitives.json"
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
-    step, rnd = data["decode"]["kernels"]["total"], data["round"]["kernels"]["total"]
-    return {"decode_step": step, "round": rnd,
-            "decode_step_ms": {f"{us} us": step * us / 1e3 for us in DISPATCH_US},
-            "round_ms": {f"{us} us": rnd * us / 1e3 for us in DISPATCH_US}}
-
-
 # ------------------------------------------------------------------ the run
 
 
@@ -267,7 +221,7 @@ def main() -> None:
     report = {"machine": platform.platform(), "python": platform.python_version(), "layers": args.layers,
               "preset": args.preset,
               "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "bandwidth": BANDWIDTH,
-              "targets": {}, "pairs": [], "dispatch_40_layers": dispatch_terms(), "anchors": ANCHORS}
+              "targets": {}, "pairs": [], "dispatch_40_layers": dispatch_terms(RESULTS), "anchors": ANCHORS}
     for target_layout in dict.fromkeys(t for t, _ in pairs):
         src, pack = args.work / f"{target_layout}-src", args.work / f"{target_layout}-pack"
         row = {"write": stage(args, src, write_stage, "target", target_layout, str(src), args.layers, None,
@@ -299,44 +253,62 @@ def main() -> None:
               f"{s['first_token_seconds']:.2f} s; plain {s['plain_tok_s']:.2f} tok/s, speculative "
               f"{s['speculative_tok_s']:.2f} tok/s (tau {s['tau']:.2f}), equal {s['equal']}; peak RSS "
               f"{s['peak_rss'] / 1e9:.2f} GB = {row['rss_over_packs']:.2f}x the packs", flush=True)
-    print_tables(report)
+    report["mtp"] = {t: mtp_projection(report, args.work, t) for t in report["targets"]}
+    text = "\n".join(tables(report))
+    print(text)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {args.json}")
+    args.json.with_suffix(".md").write_text(f"# real_widths\n\n`python -m bench.real_widths` ({report['preset']} "
+                                            f"widths, {report['layers']} layers; docs/performance.md)\n{text}\n")
+    print(f"wrote {args.json} and .md")
 
 
-def print_tables(report: dict) -> None:
-    print("\n| target + draft | packs GB | peak RSS / packs | load s | first token s | plain tok/s | spec tok/s "
-          "| tau | equal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+def mtp_projection(report: dict, work: Path, target_layout: str) -> dict:
+    """The target's MTP head (its pack is built --with-mtp) projected beside its DSpark
+    pairs (bench/projection.py)."""
+    from monolith.pack import read_manifest
+
+    tpack = work / f"{target_layout}-pack"
+    pairs = [row for row in report["pairs"] if row["target"] == target_layout]
+    config = json.loads((tpack / "config.json").read_text())
+    counts = {"mtp_step": pairs[0]["serve"]["primitives"]["mtp_step"]}
+    return mtp_section(read_manifest(tpack), config, PUBLISHED_DEPTH[target_layout], 128, counts,
+                       report["dispatch_40_layers"], pairs, CARD_TAUS)
+
+
+def tables(report: dict) -> list[str]:
+    lines = [("\n| target + draft | packs GB | peak RSS / packs | load s | first token s | plain tok/s "
+             "| spec tok/s | tau | equal |"), "|---|---|---|---|---|---|---|---|---|"]
     for row in report["pairs"]:
         s = row["serve"]
-        print(f"| {row['target']} + {row['draft']} | {row['packs_bytes'] / 1e9:.2f} | {row['rss_over_packs']:.2f} "
-              f"| {s['target_load_seconds'] + s['draft_load_seconds']:.1f} | {s['first_token_seconds']:.2f} "
-              f"| {s['plain_tok_s']:.2f} | {s['speculative_tok_s']:.2f} | {s['tau']:.2f} | {s['equal']} |")
-    print("\n| target + draft | primitives: step / draft / verify+commit | published depth: step MB / ms "
-          "| round MB / ms (draft MB) |")
-    print("|---|---|---|---|")
+        lines.append(f"| {row['target']} + {row['draft']} | {row['packs_bytes'] / 1e9:.2f} "
+                     f"| {row['rss_over_packs']:.2f} | {s['target_load_seconds'] + s['draft_load_seconds']:.1f} "
+                     f"| {s['first_token_seconds']:.2f} | {s['plain_tok_s']:.2f} | {s['speculative_tok_s']:.2f} "
+                     f"| {s['tau']:.2f} | {s['equal']} |")
+    lines += [("\n| target + draft | primitives: step / draft / verify+commit | published depth: step MB / ms "
+              "| round MB / ms (draft MB) |"), "|---|---|---|---|"]
     for row in report["pairs"]:
         p, j = row["serve"]["primitives"], row["projection"]
-        print(f"| {row['target']} + {row['draft']} | {p['decode_step']} / {p['draft_proposal']} / "
-              f"{p['verify_commit']} | {j['decode_step']['total'] / 1e6:.0f} / {j['decode_step']['floor_ms']:.2f} "
-              f"| {j['round']['total'] / 1e6:.0f} / {j['round']['floor_ms']:.2f} ({j['draft']['total'] / 1e6:.0f}) |")
+        lines.append(f"| {row['target']} + {row['draft']} | {p['decode_step']} / {p['draft_proposal']} / "
+                     f"{p['verify_commit']} | {j['decode_step']['total'] / 1e6:.0f} / "
+                     f"{j['decode_step']['floor_ms']:.2f} | {j['round']['total'] / 1e6:.0f} / "
+                     f"{j['round']['floor_ms']:.2f} ({j['draft']['total'] / 1e6:.0f}) |")
     d = report["dispatch_40_layers"]
     if d:
-        print("\nprojected at the published depth, bytes floor + dispatch (2 us per Metal-path primitive; the count is "
-              "the 35B-A3B's at 40 layers, a rough stand-in for the dense 27B at 64):")
+        lines.append("\nprojected at the published depth, bytes floor + dispatch (2 us per Metal-path primitive; "
+                     "the count is the 35B-A3B's at 40 layers, a rough stand-in for the dense 27B at 64):\n")
         for row in report["pairs"]:
             j = row["projection"]
             step = j["decode_step"]["floor_ms"] + d["decode_step_ms"]["2.0 us"]
             rnd = j["round"]["floor_ms"] + d["round_ms"]["2.0 us"]
             rates = ", ".join(f"tau {t}: {t * 1e3 / rnd:.0f} tok/s" for t in TAUS)
-            print(f"  {row['target']} + {row['draft']}: step {step:.1f} ms ({1e3 / step:.0f} tok/s plain), round "
-                  f"{rnd:.1f} ms ({rates})")
-        print(f"\nMetal path, 40 layers: {d['decode_step']} primitives per decode step, {d['round']} per round; "
-              f"at {', '.join(DISPATCH_US.__str__().strip('()').split(', '))} us each: step "
-              f"{', '.join(f'{v:.1f}' for v in d['decode_step_ms'].values())} ms, round "
-              f"{', '.join(f'{v:.1f}' for v in d['round_ms'].values())} ms")
+            lines.append(f"- {row['target']} + {row['draft']}: step {step:.1f} ms ({1e3 / step:.0f} tok/s plain), "
+                         f"round {rnd:.1f} ms ({rates})")
+        lines.append(f"\nMetal path, 40 layers: {d['decode_step']} primitives per decode step, {d['round']} per "
+                     f"round; at {', '.join(str(us) for us in DISPATCH_US)} us each: step "
+                     f"{', '.join(f'{v:.1f}' for v in d['decode_step_ms'].values())} ms, round "
+                     f"{', '.join(f'{v:.1f}' for v in d['round_ms'].values())} ms")
+    return lines + mtp_lines(report)
 
 
 if __name__ == "__main__":
