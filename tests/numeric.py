@@ -12,6 +12,24 @@ def rel(ours, ref) -> float:
     return float(np.abs(np.asarray(ours, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
+def sequence_distribution(next_probs, n_tokens: int) -> dict[tuple, float]:
+    """Every continuation of n_tokens tokens with its exact probability, the product of
+    `next_probs(prefix)` (a probability array over the vocabulary after the continuation's
+    tokens so far) along it; only tokens of nonzero probability branch."""
+    cells: dict[tuple, float] = {}
+
+    def expand(seq, prob):
+        if len(seq) == n_tokens:
+            cells[tuple(seq)] = prob
+            return
+        p = next_probs(seq)
+        for t in np.flatnonzero(p):
+            expand(seq + [int(t)], prob * p[t])
+
+    expand([], 1.0)
+    return cells
+
+
 def chi_square_ok(counts, probs, alpha=1e-3) -> float:
     """p-value of counts against probs, merging cells expected below 5 (must exceed alpha)."""
     probs = np.asarray(probs, np.float64)

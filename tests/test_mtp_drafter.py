@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decoding import plain, speculate
-from numeric import chi_square_ok
+from numeric import chi_square_ok, sequence_distribution
 from oracles import NEAR_TIE
 
 from monolith.engine_setup import SetupError, load_engine, plan_model
@@ -121,17 +121,7 @@ def test_sampled_output_follows_the_target_distribution(mtp):
     here (the residual draws); test_speculative.py's oracles run the accepting branch."""
     model, head, _ = mtp
     params, prompt, n_tokens, draws = SamplingParams(temperature=1.0, top_k=2), PROMPTS[0][:5], 4, 300
-    cells: dict[tuple, float] = {}
-
-    def expand(seq, prob):
-        if len(seq) == n_tokens:
-            cells[tuple(seq)] = prob
-            return
-        p = _target_probs(model, tuple(prompt + seq), params)
-        for t in np.flatnonzero(p):
-            expand(seq + [int(t)], prob * p[t])
-
-    expand([], 1.0)
+    cells = sequence_distribution(lambda seq: _target_probs(model, tuple(prompt + seq), params), n_tokens)
     index = {seq: i for i, seq in enumerate(cells)}
     counts, proposed = np.zeros(len(cells)), 0
     drafter = MTPDrafter(head)

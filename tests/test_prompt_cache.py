@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from cache_rig import held_bytes
+from cache_rig import held_bytes, nodes
 from oracles import GREEDY, assert_same_greedy
 from serving_rig import Server
 
@@ -287,13 +287,7 @@ def test_a_cancelled_speculative_prefill_stops_between_chunks(loaded):
 
 
 def saved_nodes(cache: PromptCache):
-    found, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        stack.extend(node.children.values())
-        if node.state is not None:
-            found.append(node)
-    return found
+    return [node for node in nodes(cache) if node.state is not None]
 
 
 def assert_holds_a_cold_prefill(model, cache: PromptCache, node, chunk: int):

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from decoding import plain, speculate
-from numeric import chi_square_ok, rel
+from numeric import chi_square_ok, rel, sequence_distribution
 from oracles import (
     CHUNK,
     GAMMA,
@@ -288,17 +288,7 @@ def test_sampled_output_follows_the_target_distribution(model):
     def probs(prefix):
         return np.array(filtered_probs(mx.array(_last_logits(model, tuple(prefix))), params), np.float64)
 
-    cells: dict[tuple, float] = {}
-
-    def expand(seq, prob):
-        if len(seq) == n_tokens:
-            cells[tuple(seq)] = prob
-            return
-        p = probs(prompt + seq)
-        for t in np.flatnonzero(p):
-            expand(seq + [int(t)], prob * p[t])
-
-    expand([], 1.0)
+    cells = sequence_distribution(lambda seq: probs(prompt + seq), n_tokens)
     assert len(cells) == 2 ** n_tokens and abs(sum(cells.values()) - 1) < 1e-5
     index = {seq: i for i, seq in enumerate(cells)}
     expected = np.array(list(cells.values()))
