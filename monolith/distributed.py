@@ -228,14 +228,18 @@ def _median(setup) -> float:
 
 
 def draft_reads(args, sources: Sources) -> float:
-    """The bytes of rank 0's draft (it runs there): its pack's tensors (an MTP head's are
-    the target pack's `mtp.*`, which target_costs counts with rank 0's head already)."""
-    if sources.draft is None or sources.draft == MTP_DRAFT:
-        return 0.0
-    pack = resolve_pack(sources.draft, role="draft", quantization=args.draft_quantization or "auto",
-                        revision=args.draft_revision, local_files_only=args.local_files_only,
-                        verify=args.verify_pack)
-    return float(sum(s["bytes"] for s in read_manifest(Path(pack))["shards"].values()))
+    """The bytes of rank 0's drafts (they run there; a start loads every candidate): their
+    packs' tensors (an MTP head's are the target pack's `mtp.*`, which target_costs counts
+    with rank 0's head already)."""
+    total = 0.0
+    for draft in sources.drafts:
+        if draft == MTP_DRAFT:
+            continue
+        pack = resolve_pack(draft, role="draft", quantization=args.draft_quantization or "auto",
+                            revision=args.draft_revision, local_files_only=args.local_files_only,
+                            verify=args.verify_pack)
+        total += sum(s["bytes"] for s in read_manifest(Path(pack))["shards"].values())
+    return float(total)
 
 
 def describe(split: list[range]) -> str:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli import byte_size
+from .drafter_choice import Candidate, Choice, choose_drafter
 from .models import load_draft, load_model, load_mtp
-from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, resolve_pack
+from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import BreakEven, measure_break_even, measure_step_costs, round_can_pay, round_pay_limit
 from .runtime.decoder import SpeculativeDecoder
@@ -28,8 +29,8 @@ from .runtime.pipeline import PipelineError
 from .runtime.prompt_cache import DEFAULT_MEMORY_SHARE, PromptCache, default_budget, save_interval
 from .runtime.prompt_store import DEFAULT_DIR_BYTES, PromptStore
 from .runtime.rounds import check_gamma
-from .runtime.sizing import CONTEXT_MEMORY_SHARE, SizingError, batch_memory, choose_context
 from .runtime.scheduler import DEFAULT_THRESHOLD, SCHEDULERS, make_scheduler
+from .runtime.sizing import CONTEXT_MEMORY_SHARE, SizingError, batch_memory, choose_context
 from .runtime.state_file import identity
 from .sampling import SamplingParams
 from .tokenizer import load_tokenizer
@@ -53,8 +54,11 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
                     help="target: hub id, checkpoint directory or pack directory"
                          + ("" if model_required else " (default: the bundled demo pair)"))
     draft = ap.add_mutually_exclusive_group()
-    draft.add_argument("--draft", help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack; `mtp`: "
-                                        "the target checkpoint's own MTP head (its pack is built --with-mtp)")
+    draft.add_argument("--draft", action="append",
+                       help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack; `mtp`: the "
+                            "target checkpoint's own MTP head (its pack is built --with-mtp). One --draft forces "
+                            "that drafter; given more than once, serve and chat measure each at start and use the "
+                            "one with the best expected tokens per second, or none (docs/drafts.md 7)")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding (also for the demo pair)")
     ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"),
                     help="with a draft: how the draft's pack is built (default auto, the same as nvfp4 for a "
@@ -108,9 +112,14 @@ class ModelPlan:
     """What the flags ask for, checked before anything is loaded."""
 
     target: str | None  # --model (None: the demo pair or --pack)
-    draft: str | None  # --draft, or the demo draft
+    drafts: tuple[str, ...]  # --draft's values, or --draft-pack's (the demo's are added by resolve_sources)
     draft_explicit: bool
     name: str  # the default served model name
+
+    @property
+    def forced(self) -> bool:
+        """One drafter named: it is used (no choice by measurement)."""
+        return self.draft_explicit and len(self.drafts) == 1
 
 
 def plan_model(args: argparse.Namespace) -> ModelPlan:
@@ -128,14 +137,16 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
         given = [f"--{n.replace('_', '-')}" for n in SPECULATIVE_FLAGS if getattr(args, n) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} with a draft (--draft)")
-    if args.draft == MTP_DRAFT:
+    named = tuple(args.draft or ())
+    if len(set(named)) < len(named):
+        raise SetupError(f"--draft names the same drafter twice: {', '.join(named)}")
+    if named == (MTP_DRAFT,):
         given = [f"--{n.replace('_', '-')}" for n in MTP_NOT_APPLICABLE if getattr(args, n) is not None]
         if given:
             raise SetupError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply to --draft mtp "
                              "(the MTP head is packed with the target, as the target's pack says)")
-        if args.model is None and args.pack is None:
-            raise SetupError("--draft mtp needs a target with an MTP head (--model or --pack): the demo target "
-                             "has none")
+    if args.draft_pack is not None and len([d for d in named if d != MTP_DRAFT]) > 1:
+        raise SetupError("--draft-pack is one draft's pack: give it with one DSpark --draft")
     if args.prompt_cache_dir is not None and args.prompt_cache_size == 0:
         raise SetupError("--prompt-cache-dir needs a prompt cache: drop --prompt-cache-size 0")
     if args.prompt_cache_dir is not None and Path(args.prompt_cache_dir).exists() \
@@ -151,10 +162,8 @@ def plan_model(args: argparse.Namespace) -> ModelPlan:
         name = Path(args.pack).resolve().name
     else:
         name = DEMO_NAME
-    draft = args.draft if not args.no_draft else None
-    if draft is None and args.draft_pack is not None:
-        draft = args.draft_pack
-    return ModelPlan(args.model, draft, explicit, name)
+    drafts = named or ((args.draft_pack,) if args.draft_pack is not None else ())
+    return ModelPlan(args.model, drafts, explicit, name)
 
 
 def load_target(source, dtype=None, dense: bool | None = None, verify: str = "first", **resolve_options):
@@ -177,19 +186,23 @@ def load_drafter(source, target, dtype=None, quantization: str = "auto", dense: 
 @dataclass(frozen=True)
 class Sources:
     target_pack: Path
-    draft: str | None  # what to load the drafter from (a pack directory or any source), or None
+    drafts: tuple[str, ...] = ()  # the drafters to load: pack directories or any source, MTP_DRAFT the target's head
 
 
 def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
     """The target's pack (the demo pair's, --pack's, or --model's resolved) and the
-    draft's source, building packs where the flags ask for them; every pack named here
-    is verified (--verify-pack) before anything reads it."""
-    target, draft = plan.target, plan.draft
-    with_mtp = draft == MTP_DRAFT
+    drafters' sources, building packs where the flags ask for them; every pack named
+    here is verified (--verify-pack) before anything reads it. Without --draft the
+    target's MTP head is a drafter where its pack carries one (the demo's does), beside
+    the demo's DSpark draft."""
+    target, drafts = plan.target, plan.drafts
+    auto = not args.no_draft and not plan.draft_explicit
+    with_mtp = MTP_DRAFT in drafts
     if target is None and args.pack is None:
-        target, demo_draft = demo_pair(log, verify=args.verify_pack)
-        if draft is None and not args.no_draft:
-            draft = str(demo_draft)
+        with_mtp = with_mtp or auto
+        target, demo_draft = demo_pair(log, verify=args.verify_pack, with_mtp=with_mtp)
+        if auto:
+            drafts = (str(demo_draft),)
     if args.pack is not None and is_pack(Path(args.pack)):
         pack = Path(args.pack)
     elif args.pack is not None:
@@ -203,16 +216,24 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
         pack = resolve_pack(target, role="target", revision=args.revision, local_files_only=args.local_files_only,
                             verify=args.verify_pack, with_mtp=with_mtp)
     ensure_verified(pack, args.verify_pack)
+    if auto and (read_manifest(pack).get("layout") or {}).get("mtp"):
+        drafts += (MTP_DRAFT,)
     if args.draft_pack is not None:
-        if not is_pack(Path(args.draft_pack)):
-            if args.draft is None:
-                raise SetupError(f"--draft-pack {args.draft_pack} holds no pack; give --draft to build it there")
-            log(f"building the draft pack of {args.draft} into {args.draft_pack}")
-            build_pack(args.draft, args.draft_pack, role="draft", quantization=args.draft_quantization or "auto",
-                       revision=args.draft_revision, local_files_only=args.local_files_only)
-        ensure_verified(args.draft_pack, args.verify_pack)
-        draft = args.draft_pack
-    return Sources(pack, draft)
+        drafts = tuple(d for d in drafts if d == MTP_DRAFT) + (_draft_pack(args, log),)
+    return Sources(pack, drafts)
+
+
+def _draft_pack(args, log) -> str:
+    """--draft-pack, built from the DSpark --draft first when it holds no pack, verified."""
+    named = [d for d in args.draft or () if d != MTP_DRAFT]
+    if not is_pack(Path(args.draft_pack)):
+        if not named:
+            raise SetupError(f"--draft-pack {args.draft_pack} holds no pack; give --draft to build it there")
+        log(f"building the draft pack of {named[0]} into {args.draft_pack}")
+        build_pack(named[0], args.draft_pack, role="draft", quantization=args.draft_quantization or "auto",
+                   revision=args.draft_revision, local_files_only=args.local_files_only)
+    ensure_verified(args.draft_pack, args.verify_pack)
+    return args.draft_pack
 
 
 def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int = 64, queue_timeout: float = 300.0,
@@ -232,19 +253,18 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
     tokenizer = load_tokenizer(sources.target_pack)
-    if sources.draft == MTP_DRAFT:
-        drafter = mtp_drafter(sources.target_pack, model, args.verify_pack, log)
-    else:
-        drafter = None if sources.draft is None else speculative_drafter(args, model, sources.draft, log, load_draft)
+    candidates = [Candidate(name, mtp_drafter(sources.target_pack, model, args.verify_pack, log) if name == MTP_DRAFT
+                            else speculative_drafter(args, model, name, log, load_draft)) for name in sources.drafts]
+    choice = choose_drafter(args, plan, model, tokenizer, candidates, log, fallback)
+    drafter = choice.candidate.drafter if choice.candidate is not None else None
     try:
         context = choose_context(args.max_context, model, drafter, max_batch, log)
     except SizingError as e:
         raise SetupError(str(e)) from None
     args = argparse.Namespace(**vars(args) | {"max_context": context})  # the flags, with the context chosen
-    decoder, draft_name, not_drafting = None, None, None
+    decoder, draft_name, not_drafting = None, None, choice.not_drafting
     if drafter is not None:
-        decoder, draft_name, not_drafting = _drafting(args, plan, str(plan.draft or sources.draft), model, drafter,
-                                                      log, fallback, profile, max_batch)
+        decoder, draft_name, not_drafting = _drafting(args, plan, choice, model, log, fallback, profile, max_batch)
     drafter = getattr(decoder, "drafter", None)
     try:
         reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
@@ -263,13 +283,15 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     return engine
 
 
-def _drafting(args, plan: ModelPlan, name: str, model, drafter, log, fallback: bool, profile: bool,
+def _drafting(args, plan: ModelPlan, choice: Choice, model, log, fallback: bool, profile: bool,
               max_batch: int) -> tuple[SpeculativeDecoder | None, str | None, str | None]:
     """(the decoder that drafts or None, the draft's name when it drafts, why the loaded
     draft does not draft otherwise): the break-even says drafting cannot pay here, or
     the demo draft does not suit the flags."""
+    name, drafter = choice.candidate.name, choice.candidate.drafter
     try:
-        decoder, measured = drafting_decoder(args, model, drafter, log, fallback, profile, max_batch)
+        decoder, measured = drafting_decoder(args, model, drafter, log, fallback, profile, max_batch, choice.gamma,
+                                             choice.cost)
     except SetupError as e:
         if plan.draft_explicit:
             raise
@@ -328,20 +350,22 @@ def mtp_drafter(target_pack, model, verify: str, log) -> MTPDrafter:
 
 
 def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: bool = False,
-                     max_batch: int = 1) -> tuple[SpeculativeDecoder | None, BreakEven | None]:
+                     max_batch: int = 1, gamma: int | None = None,
+                     measured: BreakEven | None = None) -> tuple[SpeculativeDecoder | None, BreakEven | None]:
     """(the speculative decoder the flags ask for, the break-even measured for its
     fallback or None). The decoder is None when that break-even says a drafted round
     costs about as many plain steps as the tokens it can emit or more (drafting can never
     pay on this machine: e.g. MLX's Linux CPU wheel, where an 8-row verify costs ~10
-    one-row steps). With `max_batch` > 1 the batch's forward costs are measured too, so
-    the fallback's break-even follows the batch (scheduler.py)."""
+    one-row steps). `gamma` and `measured`: the proposals a round and the break-even
+    choose_drafter measured (it found that drafting pays). With `max_batch` > 1 the
+    batch's forward costs are measured too, so the fallback's break-even follows the
+    batch (scheduler.py)."""
     if args.draft_block_size is not None and args.draft_block_size > drafter.max_proposals:
         raise SetupError(f"--draft-block-size must be at most {drafter.max_proposals} "
                          f"(the draft's proposals per block), got {args.draft_block_size}")
-    gamma = check_gamma(args.draft_block_size, drafter.max_proposals)
+    gamma = gamma or check_gamma(args.draft_block_size, drafter.max_proposals)
     scheduler = make_scheduler(args.spec_sched or "fixed", drafter.max_proposals, args.spec_threshold)
-    measured = None
-    if fallback and args.spec_sched is None:
+    if measured is None and fallback and args.spec_sched is None:
         measured = measure_break_even(model, drafter, gamma, SamplingParams())
         cut = f"drafting pays below {round_pay_limit(gamma):.1f} (a round emits at most {gamma + 1} tokens)"
         if not round_can_pay(measured.steps, gamma):

@@ -44,7 +44,7 @@ def start(demo, *argv, draft: bool = True):
     args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--prompt-cache-size", "0",
                                       *argv, *([] if draft else ["--no-draft"])])
     logs = []
-    sources = engine_setup.Sources(bundle_dir() / "target", "the loaded draft" if draft else None)
+    sources = engine_setup.Sources(bundle_dir() / "target", ("the loaded draft",) if draft else ())
     engine = engine_setup.load_engine(args, engine_setup.plan_model(args), logs.append, sources=sources,
                                       load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter,
                                       max_batch=args.max_batch)

@@ -33,8 +33,8 @@ def serve_engine(loaded, *argv, target_dir=None, **kw):
     the tokenizer is read from `target_dir`."""
     model, drafter, _ = loaded
     args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--max-context", "1024", *argv])
-    draft = None if "--no-draft" in argv else "the loaded draft"
-    sources = engine_setup.Sources(target_dir or bundle_dir() / "target", draft)
+    drafts = () if "--no-draft" in argv else ("the loaded draft",)
+    sources = engine_setup.Sources(target_dir or bundle_dir() / "target", drafts)
     return engine_setup.load_engine(args, engine_setup.plan_model(args), lambda line: None, sources=sources,
                               load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter, **kw)
 

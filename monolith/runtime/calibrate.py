@@ -10,7 +10,10 @@ served round runs):
   against chained runs of pipelined plain steps. One start gives one answer only if
   the decision has a margin: `round_can_pay` drafts only when the break-even sits
   clearly (PAY_MARGIN) below the tokens a round can emit, because a break-even near
-  the cut swings across it from start to start on a loaded machine.
+  the cut swings across it from start to start on a loaded machine;
+- `measure_acceptance`: the proposals a drafter gets accepted per round, greedy, on the
+  prompts it is given (the start's calibration prompts: drafting_choice.py weighs it
+  against the break-even to pick the drafter that pays).
 """
 
 from __future__ import annotations
@@ -146,6 +149,47 @@ def measure_break_even(model, drafter: Drafter, gamma: int, params: SamplingPara
         rounds.sync_drafter()
         ratios.append(round_seconds / step_seconds)
     return BreakEven(statistics.median(ratios), tuple(ratios))
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The proposals accepted in each greedy round of `gamma` proposals that verified
+    all of them (rounds cut short by the token budget are not counted)."""
+
+    gamma: int
+    accepted: tuple[int, ...]
+
+    def tokens(self, gamma: int | None = None) -> float:
+        """The tokens a round of `gamma` (at most self.gamma) proposals emits on average:
+        accepted + 1, each round's accepted count capped at `gamma` (for a sequential
+        drafter exact round by round: its first proposals do not depend on how many
+        follow). 1.0 when no round was measured."""
+        g = self.gamma if gamma is None else gamma
+        if not 1 <= g <= self.gamma:
+            raise ValueError(f"gamma must be in [1, {self.gamma}], got {g}")
+        if not self.accepted:
+            return 1.0
+        return 1 + sum(min(a, g) for a in self.accepted) / len(self.accepted)
+
+
+def measure_acceptance(model, drafter: Drafter, gamma: int, prompts, max_new: int = 48,
+                       stops=frozenset()) -> Acceptance:
+    """Greedy speculative decoding of up to `max_new` tokens after each prompt (token
+    ids), each round verifying all `gamma` proposals; a prompt's run ends at a token of
+    `stops`. Restarts the drafter (as scratch_rounds does)."""
+    accepted = []
+    for prompt in prompts:
+        rounds = Rounds(model, drafter, SamplingParams(), len(prompt) + max_new + gamma + 2, gamma,
+                        FixedScheduler())
+        emitted = [rounds.prefill(prompt)]
+        while len(emitted) < max_new and emitted[-1] not in stops:
+            result = rounds.round(gamma + 1)
+            if result.proposed == gamma:
+                accepted.append(result.accepted)
+            emitted += result.tokens
+            if stops.intersection(result.tokens):
+                break
+    return Acceptance(gamma, tuple(accepted))
 
 
 def round_pay_limit(gamma: int) -> float:

@@ -1,0 +1,151 @@
+"""Which drafter a start uses when it has more than one (docs/drafts.md 7).
+
+The candidates are the drafters a start has loaded: the DSpark drafts named by --draft
+(given more than once) or the demo's, and the target's own MTP head (`--draft mtp`, or a
+target pack that carries one). Plain decoding is always one more. serve and chat measure
+each candidate on this machine at start, with the decoder's own rounds:
+
+- `cost`: what a round costs in plain steps (calibrate.measure_break_even, the figure
+  the decoder's fallback then reads);
+- `tokens`: the tokens a round emits on average, greedy, after CALIBRATION_PROMPTS
+  rendered by the target's chat template (calibrate.measure_acceptance).
+
+A candidate's expected speed is tokens / cost times plain decoding's. It pays when a
+round costs at most (1 - PAY_MARGIN) x the tokens it emits, the margin the break-even
+check keeps (calibrate.py): a figure near the cut would swing across it from start to
+start. The fastest candidate that pays is used; none paying, plain decoding. A
+sequential drafter (MTP: one head step per proposal) also gets its proposals per round
+chosen: its cost is measured at 1 and at the most proposals, the best count is picked
+with the cost linear between them, then measured itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .runtime.calibrate import PAY_MARGIN, BreakEven, measure_acceptance, measure_break_even
+from .runtime.rounds import check_gamma
+from .sampling import SamplingParams
+from .tokenizer import TokenizerError
+
+# What a coding assistant's user asks: code, an explanation, an API question. Greedy
+# acceptance on them is the same at every start (the measurement's noise is the cost's).
+CALIBRATION_PROMPTS = (
+    "Write a Python function that reads a CSV file and returns its rows as a list of dicts.",
+    "What does the function `json.dumps` do?",
+    "Explain the difference between a list and a tuple in Python, with a short example.",
+)
+CALIBRATION_TOKENS = 48  # generated after each prompt
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str  # as the logs and /stats name it: the draft's source, or "mtp"
+    drafter: object  # a runtime.drafter.Drafter
+
+
+@dataclass(frozen=True)
+class Measured:
+    candidate: Candidate
+    gamma: int  # proposals per round
+    cost: BreakEven  # a round's cost in plain steps
+    tokens: float  # tokens a round emits on the calibration prompts
+
+    @property
+    def speed(self) -> float:
+        """Expected decode speed relative to plain decoding's."""
+        return self.tokens / self.cost.steps
+
+    @property
+    def pays(self) -> bool:
+        return self.cost.steps <= (1 - PAY_MARGIN) * self.tokens
+
+    def describe(self) -> str:
+        return (f"{self.candidate.name}: {self.tokens:.2f} tokens a round of {self.gamma} proposals, a round costs "
+                f"{self.cost.describe()}: {self.speed:.2f}x plain" + ("" if self.pays else ", does not pay"))
+
+
+def calibration_prompts(tokenizer) -> list[list[int]]:
+    """CALIBRATION_PROMPTS as the target's chat template renders them (the plain text
+    where the tokenizer has no template)."""
+    try:
+        return [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CALIBRATION_PROMPTS]
+    except TokenizerError:
+        return [tokenizer.encode(text) for text in CALIBRATION_PROMPTS]
+
+
+def measure(model, candidate: Candidate, gamma: int, prompts, stops=frozenset(), fixed_gamma: bool = True) -> Measured:
+    """`candidate` measured at `gamma` proposals a round, or (a sequential drafter,
+    without `fixed_gamma`) at the count in 1..gamma with the best expected speed."""
+    drafter, params = candidate.drafter, SamplingParams()
+    acceptance = measure_acceptance(model, drafter, gamma, prompts, CALIBRATION_TOKENS, stops)
+    top = measure_break_even(model, drafter, gamma, params)
+    if fixed_gamma or gamma == 1 or not getattr(drafter, "sequential", False):
+        return Measured(candidate, gamma, top, acceptance.tokens())
+    one = measure_break_even(model, drafter, 1, params)
+
+    def cost(g: int) -> float:
+        return one.steps + (top.steps - one.steps) * (g - 1) / (gamma - 1)
+
+    best = max(range(1, gamma + 1), key=lambda g: acceptance.tokens(g) / max(cost(g), 1e-9))
+    measured = one if best == 1 else top if best == gamma else measure_break_even(model, drafter, best, params)
+    return Measured(candidate, best, measured, acceptance.tokens(best))
+
+
+def choose(measured: list[Measured]) -> Measured | None:
+    """The fastest candidate that pays; None: plain decoding."""
+    return max((m for m in measured if m.pays), key=lambda m: m.speed, default=None)
+
+
+def report(measured: list[Measured], chosen: Measured | None) -> str:
+    """The log line: every candidate's figures and the choice."""
+    figures = "; ".join(m.describe() for m in measured)
+    verdict = (f"drafting with {chosen.candidate.name} ({chosen.gamma} proposals a round)" if chosen
+               else "plain decoding (no drafter pays here)")
+    return (f"drafters measured on {len(CALIBRATION_PROMPTS)} calibration prompts: {figures}; plain decoding: 1.00x. "
+            f"Using {verdict}; --draft forces one")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The drafter a start uses (None: plain decoding) and, where it was measured against
+    the others, its proposals a round and its round's cost; or why none drafts."""
+
+    candidate: Candidate | None
+    gamma: int | None = None
+    cost: BreakEven | None = None
+    not_drafting: str | None = None
+
+
+def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], log,
+                   fallback: bool = True) -> Choice:
+    """The drafter a start uses among `candidates`, as the flags (`args`, `plan`: an
+    engine_setup.ModelPlan) say: the one --draft forces; the first where nothing is
+    measured (generate, a named --spec-sched); else the one with the best expected
+    tokens per second, or none (the module doc). Candidates that cannot run as the
+    flags ask (a --draft-block-size past their proposals) are left out with a note."""
+    if not candidates:
+        return Choice(None)
+    if plan.forced or not fallback or args.spec_sched is not None:
+        if len(candidates) > 1:
+            log(f"drafting with {candidates[0].name}, the first of {len(candidates)} drafters "
+                "(serve and chat measure which pays)")
+        return Choice(candidates[0])
+    block = args.draft_block_size
+    usable = [c for c in candidates if block is None or block <= c.drafter.max_proposals]
+    for c in candidates:
+        if c not in usable:
+            log(f"{c.name} is not used: --draft-block-size {args.draft_block_size} is past its "
+                f"{c.drafter.max_proposals} proposals a round")
+    if not usable:
+        return Choice(None, not_drafting=f"drafts loaded, not drafting: --draft-block-size {args.draft_block_size} "
+                                         "is past every draft's proposals a round")
+    prompts, stops = calibration_prompts(tokenizer), frozenset(tokenizer.eos_token_ids)
+    measured = [measure(model, c, check_gamma(args.draft_block_size, c.drafter.max_proposals), prompts, stops,
+                        fixed_gamma=args.draft_block_size is not None) for c in usable]
+    chosen = choose(measured)
+    log(report(measured, chosen))
+    if chosen is None:
+        figures = ", ".join(f"{m.candidate.name} {m.speed:.2f}x plain" for m in measured)
+        return Choice(None, not_drafting=f"drafts loaded, not drafting: none pays here ({figures})")
+    return Choice(chosen.candidate, chosen.gamma, chosen.cost)
