@@ -13,7 +13,9 @@ the bundle. A pack that does not match is removed from the cache and the start f
 naming the pack and both hashes. Later starts find the cached packs (resolve_pack's
 stamp: no rebuild) and re-check only what their manifests record; a cached pack that
 fails verification (a byte changed in the cache) is rebuilt from the bundle by
-resolve_pack, then checked against expected.json again.
+resolve_pack, then checked against expected.json again. The target also has a trained
+MTP head (model_mtp.safetensors, packs/demo/mtp.py): asked `with_mtp`, the target's pack
+is the one built --with-mtp, checked against its own record (MTP_RECORD).
 
 There is no fallback pair: a missing bundle (a broken install) is an error, not a
 server of random weights.

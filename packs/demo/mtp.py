@@ -45,7 +45,7 @@ from mtp_mirror import MTP, init_mtp, mtp_forward, mtp_loss  # noqa: E402
 
 WINDOW = 256  # tokens per training window (the target's training length)
 BATCH_SEQS = 4
-STEP_WEIGHTS = (1.0, 1.0)  # loss weight of chained step 1, step 2
+STEP_WEIGHTS = (1.0, 1.0)  # loss weight of chained step 1, step 2 (--chained-steps 1: step 1 alone)
 AUX_COEF = 0.01
 SEPARATE = "model_mtp.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -116,7 +116,7 @@ def batch(rows, idx):
     return tuple(mx.array(rows[k][idx]) for k in ("hidden", "seqs", "soft_ids", "soft_p", "greedy"))
 
 
-def stage_head(out: Path, rows, seed: int, steps: int, force: bool):
+def stage_head(out: Path, rows, seed: int, steps: int, force: bool, chained: int = 2):
     path = out / "mtp_train.npz"
     if path.exists() and not force:
         z = np.load(path)
@@ -124,8 +124,8 @@ def stage_head(out: Path, rows, seed: int, steps: int, force: bool):
     p, frozen = T.PRESET, frozen_target(out / "target")
     P = init_mtp(p, seed)
     log(f"head: {sum(v.size for v in P.values()) / 1e6:.2f} M parameters, {len(rows['seqs'])} windows")
-    weights = mx.array(STEP_WEIGHTS)
-    lf = lambda P, *b: mtp_loss(P, frozen, *b, p, len(STEP_WEIGHTS), weights, AUX_COEF)  # noqa: E731
+    weights = mx.array(STEP_WEIGHTS[:chained])
+    lf = lambda P, *b: mtp_loss(P, frozen, *b, p, chained, weights, AUX_COEF)  # noqa: E731
     vg = mx.compile(mx.value_and_grad(lf))
     opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.01, betas=[0.9, 0.95])
     rng = np.random.default_rng(seed + 8)
@@ -149,6 +149,7 @@ def stage_head(out: Path, rows, seed: int, steps: int, force: bool):
             log(json.dumps(entry))
     final = {k: curve[-1][k] for k in ("step", "seconds", "val_ce", "val_acc")}
     (out / "mtp_log.json").write_text(json.dumps({"windows": len(rows["seqs"]), "validation_windows": n_val,
+                                                  "chained_steps": chained, "batch": BATCH_SEQS,
                                                   "final": final, "curve": curve}, indent=1) + "\n")
     np.savez(path, **{k: np.array(v) for k, v in P.items()})
     return P
@@ -210,6 +211,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--windows", type=int, default=1600, help="training-corpus windows of 256 tokens")
     ap.add_argument("--steps", type=int, default=3000, help="head training steps")
+    ap.add_argument("--chained-steps", type=int, choices=(1, 2), default=2,
+                    help="train step 1 alone, or step 1 and the chained step 2 (the recipe)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     if not (args.out / "target" / "config.json").is_file():
@@ -220,7 +223,7 @@ def main():
             if f.is_file() and f.name not in (SEPARATE, INDEX):
                 shutil.copyfile(f, args.out / "target" / f.name)
     rows = stage_rows(args.out, args.windows, args.seed, args.force)
-    P = stage_head(args.out, rows, args.seed, args.steps, args.force)
+    P = stage_head(args.out, rows, args.seed, args.steps, args.force, args.chained_steps)
     export_head(P, args.out / "target")
     log(f"exported {args.out / 'target' / SEPARATE} ({(args.out / 'target' / SEPARATE).stat().st_size / 1e6:.2f} MB)")
     check_runtime(args.out, P, rows)
