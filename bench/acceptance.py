@@ -1,7 +1,10 @@
 """Acceptance of a trained target + DSpark draft pair on held-out prompts (issue 7):
 tau, per-position acceptance and decode tok/s of plain vs speculative decoding, greedy
-and sampled (temperature 0.7), for the BF16 and the NVFP4 draft; the matched-prefix
-acceptance of both drafts against the target's greedy continuations; the goals.
+and sampled (temperature 0.7), for the BF16 and the NVFP4 draft and, beside them, the
+target's own MTP head (`--draft mtp`, when the target has its trained head,
+model_mtp.safetensors: the target then loads from its --with-mtp pack, the head served
+as serve serves it); the matched-prefix acceptance of every drafter against the target's
+greedy continuations; the goals.
 
     python -m bench.acceptance [--pair DIR] [--target target] [--prompts 96] [--prompt-tokens 64]
                                [--max-tokens 128] [--block-size 7] [--repeats 1] [--temperature 0.7]
@@ -45,7 +48,7 @@ Goals (issue 7), judged on the NVFP4 draft (the one the bundle ships): tau >= 3.
 gamma 7 greedy; NVFP4 matched prefix >= 97% of the BF16 draft's; greedy speculative
 >= 1.5x plain tok/s. Prints per-prompt rows, a summary table and the goals; writes the
 JSON (default bench/results/acceptance.json): settings, "rows" (per prompt) and
-"summary" (keys "<mode>/<draft>", mode greedy or t<T>, draft plain / bf16 / nvfp4).
+"summary" (keys "<mode>/<draft>", mode greedy or t<T>, draft plain / bf16 / nvfp4 / mtp).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from bench.acceptance_report import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+TRAINED_HEAD = "model_mtp.safetensors"  # the demo target's trained MTP head (packs/demo/mtp.py)
 NO_BF16 = ("no BF16 draft checkpoint ({path} missing): the bundled draft is NVFP4, and loading it with "
            'quantization "none" repacks the same NVFP4 weights, so there is no BF16 baseline; the BF16 rows '
            "and the NVFP4/BF16 comparison need --draft-bf16 DIR (e.g. OUT/draft-bf16 of the recipe) or "
@@ -153,15 +157,23 @@ def held_out_stream(info: dict) -> tuple[np.ndarray, str]:
 
 
 def load_pair(info: dict, dtype):
+    """The target (from its --with-mtp pack when it has a trained MTP head) and the drafters
+    by label: "bf16" (when there is a BF16 draft), "nvfp4", "mtp" (the MTP head)."""
     from monolith.engine_setup import load_drafter, load_target
+    from monolith.models import load_mtp
     from monolith.pack import read_manifest, resolve_pack
+    from monolith.runtime.mtp_drafter import MTPDrafter
 
+    with_mtp = (info["target"] / TRAINED_HEAD).is_file()
+    if not with_mtp:
+        log(f"note: {info['target']} has no {TRAINED_HEAD} (packs/demo/mtp.py): no MTP rows")
     if info["kind"] == "bundle" and info["cache"] is None:
         from monolith.pack.demo import demo_pair
 
-        demo_pair(log, bundle=info["pair"])  # builds (first use) and checks both packs against expected.json
+        demo_pair(log, bundle=info["pair"], with_mtp=with_mtp)  # builds (first use) and checks the packs
     cache = {"cache_dir": info["cache"]}
-    model = load_target(info["target"], dtype=dtype, **cache)
+    target_pack = resolve_pack(info["target"], role="target", with_mtp=with_mtp, **cache)
+    model = load_target(target_pack, dtype=dtype)
     drafters = {}
     if info["draft_bf16"] is not None:
         pack = resolve_pack(info["draft_bf16"], role="draft", quantization="none", **cache)
@@ -171,6 +183,8 @@ def load_pair(info: dict, dtype):
                      f"({', '.join(quantized[:3])}, ...)")
         drafters["bf16"] = load_drafter(pack, model, dtype=dtype)
     drafters["nvfp4"] = load_drafter(info["draft"], model, dtype=dtype, quantization="auto", **cache)
+    if with_mtp:
+        drafters["mtp"] = MTPDrafter(load_mtp(target_pack, model))
     return model, drafters
 
 
@@ -364,7 +378,8 @@ def main() -> None:
     report = {"machine": platform.platform(), "mlx": mx.__version__, "dtype": str(model.dtype),
               "pair": str(info["pair"]), "pair_kind": info["kind"], "target": args.target,
               "drafts": {"nvfp4": str(info["draft"]),
-                         "bf16": None if info["draft_bf16"] is None else str(info["draft_bf16"])},
+                         "bf16": None if info["draft_bf16"] is None else str(info["draft_bf16"]),
+                         "mtp": f"{info['target']}/{TRAINED_HEAD}" if "mtp" in drafters else None},
               "bf16_note": info["bf16_note"], "prompts_source": held_source, "gamma": gamma,
               "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "modes": {m: (0.0 if t is None else t) for m, t in modes.items()},

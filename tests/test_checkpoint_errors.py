@@ -197,6 +197,21 @@ def test_error_tensor_in_two_files(tmp_path):
     assert_error(tmp_path, "lm_head.weight", "extra.safetensors", "model.safetensors")
 
 
+def test_a_tensor_in_two_files_is_read_where_the_index_puts_it(tmp_path):
+    write_checkpoint(tmp_path, lambda n, s: "bf16", shards=2)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = sorted(index["weight_map"])[0]
+    stored = Checkpoint(tmp_path).read(name)
+    other = (stored ^ 0x7F).astype(np.uint16)
+    write_safetensors(tmp_path / "model_extra.safetensors", {name: ("BF16", other)})
+    assert np.array_equal(Checkpoint(tmp_path).read(name), stored)  # the index names the first copy
+    index["weight_map"][name] = "model_extra.safetensors"
+    index_path.write_text(json.dumps(index))
+    ckpt = Checkpoint(tmp_path)
+    assert np.array_equal(ckpt.read(name), other) and ckpt.file_of(name).name == "model_extra.safetensors"
+
+
 def test_error_quantized_without_config(tmp_path):
     write_checkpoint(tmp_path, lambda n, s: "nvfp4", shapes={Q: (64, H)})
     assert_error(tmp_path, f"module {Q}", "nvfp4", "quantization config")

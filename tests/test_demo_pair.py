@@ -18,7 +18,9 @@ from monolith.sampling import SamplingParams
 from monolith.runtime.scheduler import make_scheduler
 from decoding import speculate
 from monolith.pack import demo
-from monolith.pack.demo import DEMO_PACKS, DemoError, bundle_dir, demo_pair
+from monolith.pack.demo import DEMO_PACKS, MTP_RECORD, DemoError, bundle_dir, demo_pair
+from monolith.models import load_model, load_mtp
+from monolith.runtime.mtp_drafter import MTPDrafter
 
 BUNDLE = bundle_dir()
 EXPECTED = json.loads((BUNDLE / demo.EXPECTED).read_text())
@@ -60,10 +62,10 @@ def test_the_bundle_is_what_expected_json_records():
     assert sum(f["bytes"] for f in EXPECTED["files"].values()) < 25 * 2**20  # well under the 50 MB budget
 
 
-@pytest.mark.parametrize("role", list(DEMO_PACKS))
-def test_the_bundled_packs_rebuild_to_the_recorded_hashes(role, tmp_path):
-    pack = build_pack(BUNDLE / role, tmp_path / role, role=role, quantization=DEMO_PACKS[role])
-    assert verify_pack(pack)["pack_sha256"] == EXPECTED["packs"][role]["pack_sha256"]
+@pytest.mark.parametrize("record, role, with_mtp", [*((r, r, False) for r in DEMO_PACKS), (MTP_RECORD, "target", True)])
+def test_the_bundled_packs_rebuild_to_the_recorded_hashes(record, role, with_mtp, tmp_path):
+    pack = build_pack(BUNDLE / role, tmp_path / role, role=role, quantization=DEMO_PACKS[role], with_mtp=with_mtp)
+    assert verify_pack(pack)["pack_sha256"] == EXPECTED["packs"][record]["pack_sha256"]
 
 
 def test_the_default_pair_is_built_checked_and_reused(tmp_path, monkeypatch):
@@ -131,6 +133,17 @@ def test_a_tampered_bundled_file_is_refused(role, file, tmp_path, monkeypatch):
     assert not [name for name in cached_packs(tmp_path) if name.endswith(f"_{role}-{role}-auto")]
 
 
+def test_an_unrecorded_mtp_pack_is_refused_before_any_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONOLITH_CACHE", str(tmp_path / "cache"))
+    bundle = copy_bundle(tmp_path)
+    record = json.loads((bundle / demo.EXPECTED).read_text())
+    del record["packs"][MTP_RECORD]
+    (bundle / demo.EXPECTED).write_text(json.dumps(record))
+    with pytest.raises(DemoError, match="no target pack with its MTP head recorded"):
+        demo_pair(bundle=bundle, with_mtp=True)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_a_missing_bundle_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "search_paths", lambda: [tmp_path / "nowhere"])
     with pytest.raises(DemoError, match="the bundled demo pair is missing .*reinstall monolith or give --model"):
@@ -146,8 +159,23 @@ def loaded(demo_f32):
     return demo_f32
 
 
-def test_greedy_speculative_equals_plain_with_tau_above_the_floor(loaded):
-    model, drafter, tokenizer = loaded
+@pytest.fixture(scope="module")
+def demo_mtp(tmp_path_factory):
+    """The demo target from its --with-mtp pack, float32, and the drafter over its trained
+    MTP head, as demo_pair(with_mtp=True) builds and checks them: (model, drafter)."""
+    cache = tmp_path_factory.mktemp("demo-mtp-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(cache))
+        logs: list[str] = []
+        target, _ = demo_pair(logs.append, with_mtp=True)
+        assert logs[0].startswith("built the demo target pack with its MTP head")
+        pack = resolve_pack(target, role="target", with_mtp=True)
+    model = load_model(pack, dtype="float32")
+    return model, MTPDrafter(load_mtp(pack, model))
+
+
+def greedy_tau(model, drafter, tokenizer) -> float:
+    """Pooled greedy tau of `drafter` on PROMPTS at GAMMA; every output equals plain greedy."""
     greedy = SamplingParams(temperature=0.0)
     accepted = rounds = 0
     for text in PROMPTS:
@@ -159,6 +187,15 @@ def test_greedy_speculative_equals_plain_with_tau_above_the_floor(loaded):
         assert spec.token_ids == plain_out.token_ids and len(plain_out.token_ids) == NEW_TOKENS
         accepted += sum(spec.speculative.accepted_per_round)
         rounds += spec.speculative.rounds
-    tau = (accepted + rounds) / rounds
+    return (accepted + rounds) / rounds
+
+
+def test_greedy_speculative_equals_plain_with_tau_above_the_floor(loaded):
+    tau = greedy_tau(*loaded)
     assert tau > TAU_FLOOR, f"tau {tau:.2f} on the demo prompts: is the draft bound to its target?"
+
+
+def test_the_mtp_head_speculates_losslessly_with_tau_above_its_floor(demo_mtp, loaded):
+    tau = greedy_tau(*demo_mtp, loaded[2])
+    assert tau > MTP_TAU_FLOOR, f"MTP tau {tau:.2f} on the demo prompts: is the head trained and fed as served?"
 

@@ -112,11 +112,19 @@ class Checkpoint:
                 raise CheckpointError(str(e)) from None
             except OSError as e:
                 raise CheckpointError(f"{path}: cannot read ({e})") from None
+            relative = path.relative_to(self.path).as_posix()
             for name in st.names():
                 if name in where:
-                    raise CheckpointError(f"tensor {name} is in both {where[name].path} and {path}")
+                    # in two files: the index says which one the checkpoint means (an
+                    # other copy is not read), else it is an error
+                    listed = self._index.get(name)
+                    listed = Path(listed).as_posix() if isinstance(listed, str) else None
+                    if listed not in (relative, where[name].path.relative_to(self.path).as_posix()):
+                        raise CheckpointError(f"tensor {name} is in both {where[name].path} and {path}")
+                    if listed != relative:
+                        continue
                 where[name] = st
-            by_name[path.relative_to(self.path).as_posix()] = st
+            by_name[relative] = st
             if path in self.unlisted_files:
                 self._unlisted.add(st)
         for tensor, name in self._index.items():

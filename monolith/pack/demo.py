@@ -13,7 +13,9 @@ the bundle. A pack that does not match is removed from the cache and the start f
 naming the pack and both hashes. Later starts find the cached packs (resolve_pack's
 stamp: no rebuild) and re-check only what their manifests record; a cached pack that
 fails verification (a byte changed in the cache) is rebuilt from the bundle by
-resolve_pack, then checked against expected.json again.
+resolve_pack, then checked against expected.json again. The target also has a trained
+MTP head (model_mtp.safetensors, packs/demo/mtp.py): asked `with_mtp`, the target's pack
+is the one built --with-mtp, checked against its own record (MTP_RECORD).
 
 There is no fallback pair: a missing bundle (a broken install) is an error, not a
 server of random weights.
@@ -37,6 +39,9 @@ BUNDLE_FORMAT = "monolith-demo-bundle/1"
 EXPECTED = "expected.json"
 # role -> pack quantization: what serve and chat resolve the pair with by default
 DEMO_PACKS = {"target": "auto", "draft": "auto"}
+# expected.json's record of the target pack built --with-mtp (its trained MTP head,
+# model_mtp.safetensors; docs/drafts.md 6), with the target's quantization
+MTP_RECORD = "target_mtp"
 
 
 class DemoError(RuntimeError):
@@ -83,13 +88,15 @@ def _mismatches(manifest: dict, role: str, expected: dict) -> list[str]:
             if files.get(f"{role}/{name}", {}).get("sha256") != digest]
 
 
-def check_pack(bundle: Path, role: str, expected: dict, log, verify: str = "first") -> Path:
+def check_pack(bundle: Path, role: str, expected: dict, log, verify: str = "first", with_mtp: bool = False) -> Path:
     """The cached pack of the bundled `role`, built on first use (and rebuilt when it
-    fails verification, see cache.py), matching expected.json."""
+    fails verification, see cache.py), matching expected.json; `with_mtp`: the target
+    pack that keeps its MTP head, matching the MTP_RECORD."""
     started = time.time()
-    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role], verify=verify)
+    record = expected["packs"][MTP_RECORD if with_mtp else role]
+    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role], verify=verify, with_mtp=with_mtp)
     manifest = read_manifest(pack)
-    want, got = expected["packs"][role]["pack_sha256"], manifest.get("pack_sha256")
+    want, got = record["pack_sha256"], manifest.get("pack_sha256")
     changed = _mismatches(manifest, role, expected)
     if got != want or changed:
         with FileLock(lock_path(pack, "cache")):  # nothing left for a later start (or --model) to reuse
@@ -100,16 +107,22 @@ def check_pack(bundle: Path, role: str, expected: dict, log, verify: str = "firs
                         f"got {got} ({why}); the pack was removed. Reinstall monolith, or re-run "
                         "packs/demo/bundle.py in a checkout")
     if (pack / MANIFEST).stat().st_mtime >= started:
-        log(f"built the demo {role} pack {pack}: pack_sha256 {got[:16]}... as recorded")
+        log(f"built the demo {role} pack{' with its MTP head' if with_mtp else ''} {pack}: pack_sha256 "
+            f"{got[:16]}... as recorded")
     return pack
 
 
-def demo_pair(log=lambda message: None, bundle: Path | None = None, verify: str = "first") -> tuple[Path, Path]:
+def demo_pair(log=lambda message: None, bundle: Path | None = None, verify: str = "first",
+              with_mtp: bool = False) -> tuple[Path, Path]:
     """(target, draft) checkpoint directories of the bundled demo pair, their packs built
     into the pack cache and checked (the first start) or found there and verified as
-    `verify` (--verify-pack) says (later starts)."""
+    `verify` (--verify-pack) says (later starts). `with_mtp`: the target's pack is the
+    one that keeps its MTP head (resolve_pack(target, with_mtp=True) finds it), checked
+    against its own record, in place of the plain one."""
     bundle = Path(bundle).absolute() if bundle is not None else bundle_dir()
     expected = read_expected(bundle)
+    if with_mtp and "pack_sha256" not in expected["packs"].get(MTP_RECORD, {}):
+        raise DemoError(f"{bundle / EXPECTED}: no target pack with its MTP head recorded; re-run packs/demo/bundle.py")
     for role in DEMO_PACKS:
-        check_pack(bundle, role, expected, log, verify)
+        check_pack(bundle, role, expected, log, verify, with_mtp and role == "target")
     return bundle / "target", bundle / "draft"

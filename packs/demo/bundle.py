@@ -2,17 +2,22 @@
 
     python packs/demo/bundle.py OUT
     python packs/demo/bundle.py --rerecord
+    python packs/demo/bundle.py --head OUT
 
-OUT is the output of the recipe (train.py + draft.py): OUT/target (ModelOpt NVFP4) and
-OUT/draft (DeepSpec NVFP4, Markov W1 BF16). Their checkpoint files are copied into
+OUT is the output of the recipe (train.py + draft.py + mtp.py): OUT/target (ModelOpt
+NVFP4, with its trained MTP head in model_mtp.safetensors and the index that reads the
+head there) and OUT/draft (DeepSpec NVFP4, Markov W1 BF16). Their checkpoint files are copied into
 packs/demo/target and packs/demo/draft (replacing what was there), both packs are built
 from the copies in a scratch directory exactly as the first start of
 `python -m monolith.serve` builds them (same role and quantization, from
 monolith.pack.demo), verified, and packs/demo/expected.json records each pack's
 pack_sha256, every bundled file's SHA-256 and size, the versions that built them and
-where the pair came from. Re-run it after retraining; nothing else holds the hashes.
+where the pair came from; the target is also packed --with-mtp (MTP_RECORD: the pack
+`--draft mtp` serves). Re-run it after retraining; nothing else holds the hashes.
 `--rerecord` keeps the bundled files and their origin and records the packs again (after
-a change of the pack format or of what pack_sha256 covers).
+a change of the pack format or of what pack_sha256 covers). `--head OUT` copies only the
+MTP head of OUT/target (mtp.py's export; its model.safetensors must be the bundled one),
+keeps the rest of the bundle and its origin (adding the head's), and records the packs.
 """
 
 from __future__ import annotations
@@ -58,6 +63,27 @@ def copy_pair(out: Path) -> None:
         print(f"copied {len(files)} files of {src} into {dest}", file=sys.stderr)
 
 
+HEAD_FILES = ("model_mtp.safetensors", "model.safetensors.index.json")  # mtp.py's export
+
+
+def copy_head(out: Path) -> None:
+    """The MTP head of OUT/target (HEAD_FILES) into packs/demo/target, whose other files stay."""
+    src, dest = out / "target", HERE / "target"
+    if (src / "model.safetensors").read_bytes() != (dest / "model.safetensors").read_bytes():
+        sys.exit(f"error: {src}/model.safetensors is not the bundled target's: its head does not fit (bundle OUT)")
+    for name in HEAD_FILES:
+        if not (src / name).is_file():
+            sys.exit(f"error: {src / name}: missing (run packs/demo/mtp.py first)")
+        shutil.copyfile(src / name, dest / name)
+    print(f"copied the MTP head of {src} into {dest}", file=sys.stderr)
+
+
+def head_origin(out: Path) -> dict:
+    """The head's training record (mtp.py's OUT/mtp_log.json), as far as it exists."""
+    path = out / "mtp_log.json"
+    return {k: v for k, v in json.loads(path.read_text()).items() if k != "curve"} if path.is_file() else {}
+
+
 def origin(out: Path) -> dict:
     """Where the pair came from: the recipe's logs as far as they exist."""
     info: dict = {"out": str(out.resolve()), "recipe": "packs/demo (train.py, draft.py)"}
@@ -76,6 +102,7 @@ def origin(out: Path) -> dict:
         if path.is_file():
             data = json.loads(path.read_text())
             info[key] = data.get("final") or {k: v for k, v in data.items() if k != "curve"}
+    info["mtp"] = head_origin(out)
     path = out / "acceptance.json"
     if path.is_file():
         data = json.loads(path.read_text())
@@ -91,20 +118,26 @@ def main() -> None:
     ap.add_argument("out", type=Path, nargs="?", help="the recipe's output directory (holds target/ and draft/)")
     ap.add_argument("--rerecord", action="store_true",
                     help="keep the bundled files and their origin; record the packs built from them again")
+    ap.add_argument("--head", type=Path, default=None,
+                    help="copy only the MTP head of HEAD/target (mtp.py's output) and record the packs again")
     args = ap.parse_args()
-    if (args.out is None) != args.rerecord:
-        ap.error("give the recipe's OUT directory, or --rerecord")
+    if sum((args.out is not None, args.rerecord, args.head is not None)) != 1:
+        ap.error("give the recipe's OUT directory, --rerecord or --head OUT")
 
     import mlx.core as mx
 
     from monolith.pack import build_pack, verify_pack
     from monolith.pack import manifest as mf
     from monolith.pack.build import quantizer_sha256
-    from monolith.pack.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS
+    from monolith.pack.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS, MTP_RECORD
     from monolith.pack.recipe import RECIPE_VERSION
 
     if args.out is not None:
         copy_pair(args.out)
+    if args.head is not None:
+        copy_head(args.head)
+    if not (HERE / "target" / HEAD_FILES[0]).is_file():
+        sys.exit(f"error: {HERE / 'target'} has no trained MTP head ({HEAD_FILES[0]}): run packs/demo/mtp.py")
     files = {}
     for role in DEMO_PACKS:
         for path in sorted((HERE / role).iterdir()):
@@ -115,14 +148,16 @@ def main() -> None:
 
     packs = {}
     with tempfile.TemporaryDirectory(prefix="monolith-bundle-") as scratch:
-        for role, quantization in DEMO_PACKS.items():
-            pack = build_pack(HERE / role, Path(scratch) / role, role=role, quantization=quantization)
+        for record, role, with_mtp in (*((r, r, False) for r in DEMO_PACKS), (MTP_RECORD, "target", True)):
+            quantization = DEMO_PACKS[role]
+            pack = build_pack(HERE / role, Path(scratch) / record, role=role, quantization=quantization,
+                              with_mtp=with_mtp)
             summary = verify_pack(pack)
             manifest = mf.read_manifest(pack)
-            packs[role] = {"role": role, "quantization": quantization, "pack_sha256": summary["pack_sha256"],
-                           "architecture": manifest["architecture"], "tensors": summary["tensors"],
-                           "bytes": summary["bytes"]}
-            print(f"{role}: pack_sha256 {summary['pack_sha256']} ({summary['tensors']} tensors, "
+            packs[record] = {"role": role, "quantization": quantization, "pack_sha256": summary["pack_sha256"],
+                             "architecture": manifest["architecture"], "tensors": summary["tensors"],
+                             "bytes": summary["bytes"], **({"with_mtp": True} if with_mtp else {})}
+            print(f"{record}: pack_sha256 {summary['pack_sha256']} ({summary['tensors']} tensors, "
                   f"{summary['bytes'] / 2**20:.1f} MB)", file=sys.stderr)
 
     expected = {
@@ -136,6 +171,8 @@ def main() -> None:
         "origin": origin(args.out) if args.out is not None else
         json.loads((HERE / "expected.json").read_text())["origin"],
     }
+    if args.head is not None:
+        expected["origin"]["mtp"] = head_origin(args.head)
     tmp = HERE / ".expected.json.tmp"
     tmp.write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
     tmp.rename(HERE / "expected.json")

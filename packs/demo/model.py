@@ -108,18 +108,31 @@ def gdn(P, pre, x, p):
     return o.reshape(b_, t, -1) @ P[f"{pre}.out_proj.weight"].T
 
 
-def attention(P, pre, x, p):
+def rope_parts(t, p, offsets):
+    """Rotate t [B, heads, T, d]: its rows split into len(offsets) equal parts, part i at
+    positions offsets[i], offsets[i] + 1, ..."""
+    rope = lambda part, offset: mx.fast.rope(part, p.rotary_dim, traditional=False, base=p.rope_theta,  # noqa: E731
+                                             scale=1.0, offset=offset)
+    if len(offsets) == 1:
+        return rope(t, offsets[0])
+    return mx.concatenate([rope(part, o) for part, o in zip(mx.split(t, len(offsets), axis=2), offsets)], axis=2)
+
+
+def attention(P, pre, x, p, mask="causal", offsets=(0,), context=None):
+    """Gated attention of x [B, T, H] over itself, or over [context, x] when `context`
+    [B, T, H] gives rows that only serve as keys and values; `mask` "causal" or additive
+    [T, keys]; `offsets` the keys' positions (rope_parts), the queries' the last one."""
     b_, t, _ = x.shape
     n, kv, d = p.num_attention_heads, p.num_key_value_heads, p.head_dim
     qg = (x @ P[f"{pre}.q_proj.weight"].T).reshape(b_, t, n, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(b_, t, n * d)
-    k = (x @ P[f"{pre}.k_proj.weight"].T).reshape(b_, t, kv, d)
-    v = (x @ P[f"{pre}.v_proj.weight"].T).reshape(b_, t, kv, d)
+    kx = x if context is None else mx.concatenate([context, x], axis=1)
+    k = (kx @ P[f"{pre}.k_proj.weight"].T).reshape(b_, kx.shape[1], kv, d)
+    v = (kx @ P[f"{pre}.v_proj.weight"].T).reshape(b_, kx.shape[1], kv, d)
     q = rms(q, P[f"{pre}.q_norm.weight"], p.rms_norm_eps).transpose(0, 2, 1, 3)
     k = rms(k, P[f"{pre}.k_norm.weight"], p.rms_norm_eps).transpose(0, 2, 1, 3)
-    q = mx.fast.rope(q, p.rotary_dim, traditional=False, base=p.rope_theta, scale=1.0, offset=0)
-    k = mx.fast.rope(k, p.rotary_dim, traditional=False, base=p.rope_theta, scale=1.0, offset=0)
-    o = mx.fast.scaled_dot_product_attention(q, k, v.transpose(0, 2, 1, 3), scale=d ** -0.5, mask="causal")
+    q, k = rope_parts(q, p, offsets[-1:]), rope_parts(k, p, offsets)
+    o = mx.fast.scaled_dot_product_attention(q, k, v.transpose(0, 2, 1, 3), scale=d ** -0.5, mask=mask)
     return (o.transpose(0, 2, 1, 3).reshape(b_, t, n * d) * mx.sigmoid(gate)) @ P[f"{pre}.o_proj.weight"].T
 
 
