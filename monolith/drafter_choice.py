@@ -13,8 +13,10 @@ each candidate on this machine at start, with the decoder's own rounds:
 A candidate's expected speed is tokens / cost times plain decoding's. It pays when a
 round costs at most (1 - PAY_MARGIN) x the tokens it emits, the margin the break-even
 check keeps (calibrate.py): a figure near the cut would swing across it from start to
-start. The fastest candidate that pays is used; none paying, plain decoding. A
-sequential drafter (MTP: one head step per proposal) also gets its proposals per round
+start. The fastest candidate that pays is used; none paying, plain decoding. The
+costs are measured first: a candidate whose round could not pay even if every proposal
+were accepted is not run on the prompts (MLX's Linux CPU wheel, where a round of 8 rows
+costs 8-10 plain steps). A sequential drafter (MTP: one head step per proposal) also gets its proposals per round
 chosen: its cost is measured at 1 and at the most proposals, the best count is picked
 with the cost linear between them, then measured itself.
 """
@@ -49,20 +51,29 @@ class Measured:
     candidate: Candidate
     gamma: int  # proposals per round
     cost: BreakEven  # a round's cost in plain steps
-    tokens: float  # tokens a round emits on the calibration prompts
+    tokens: float | None  # tokens a round emits on the calibration prompts; None: not measured (cannot pay)
 
     @property
     def speed(self) -> float:
-        """Expected decode speed relative to plain decoding's."""
-        return self.tokens / self.cost.steps
+        """Expected decode speed relative to plain decoding's (the most a round could
+        emit where acceptance was not measured)."""
+        return (self.gamma + 1 if self.tokens is None else self.tokens) / self.cost.steps
 
     @property
     def pays(self) -> bool:
-        return self.cost.steps <= (1 - PAY_MARGIN) * self.tokens
+        return self.tokens is not None and _pays(self.cost.steps, self.tokens)
 
     def describe(self) -> str:
-        return (f"{self.candidate.name}: {self.tokens:.2f} tokens a round of {self.gamma} proposals, a round costs "
-                f"{self.cost.describe()}: {self.speed:.2f}x plain" + ("" if self.pays else ", does not pay"))
+        cost = f"a round of {self.gamma} proposals costs {self.cost.describe()}"
+        if self.tokens is None:
+            return (f"{self.candidate.name}: {cost}: cannot pay even if it emitted all {self.gamma + 1} tokens "
+                    "(acceptance not measured)")
+        return (f"{self.candidate.name}: {self.tokens:.2f} tokens a round, {cost}: {self.speed:.2f}x plain"
+                + ("" if self.pays else ", does not pay"))
+
+
+def _pays(cost: float, tokens: float) -> bool:
+    return cost <= (1 - PAY_MARGIN) * tokens
 
 
 def calibration_prompts(tokenizer) -> list[list[int]]:
@@ -76,19 +87,24 @@ def calibration_prompts(tokenizer) -> list[list[int]]:
 
 def measure(model, candidate: Candidate, gamma: int, prompts, stops=frozenset(), fixed_gamma: bool = True) -> Measured:
     """`candidate` measured at `gamma` proposals a round, or (a sequential drafter,
-    without `fixed_gamma`) at the count in 1..gamma with the best expected speed."""
+    without `fixed_gamma`) at the count in 1..gamma with the best expected speed. The
+    costs come first: a drafter that could not pay even if every proposal were accepted
+    is not run on the calibration prompts."""
     drafter, params = candidate.drafter, SamplingParams()
-    acceptance = measure_acceptance(model, drafter, gamma, prompts, CALIBRATION_TOKENS, stops)
     top = measure_break_even(model, drafter, gamma, params)
-    if fixed_gamma or gamma == 1 or not getattr(drafter, "sequential", False):
-        return Measured(candidate, gamma, top, acceptance.tokens())
-    one = measure_break_even(model, drafter, 1, params)
+    sequential = not fixed_gamma and gamma > 1 and getattr(drafter, "sequential", False)
+    one = measure_break_even(model, drafter, 1, params) if sequential else None
+    counts = range(1, gamma + 1) if sequential else [gamma]
 
     def cost(g: int) -> float:
-        return one.steps + (top.steps - one.steps) * (g - 1) / (gamma - 1)
+        return top.steps if one is None else one.steps + (top.steps - one.steps) * (g - 1) / (gamma - 1)
 
-    best = max(range(1, gamma + 1), key=lambda g: acceptance.tokens(g) / max(cost(g), 1e-9))
-    measured = one if best == 1 else top if best == gamma else measure_break_even(model, drafter, best, params)
+    if not any(_pays(cost(g), g + 1) for g in counts):
+        best = max(counts, key=lambda g: (g + 1) / cost(g))
+        return Measured(candidate, best, top if best == gamma else one, None)
+    acceptance = measure_acceptance(model, drafter, gamma, prompts, CALIBRATION_TOKENS, stops)
+    best = max(counts, key=lambda g: acceptance.tokens(g) / max(cost(g), 1e-9))
+    measured = top if best == gamma else one if best == 1 else measure_break_even(model, drafter, best, params)
     return Measured(candidate, best, measured, acceptance.tokens(best))
 
 

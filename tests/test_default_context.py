@@ -38,11 +38,12 @@ def bytes_per_token(model, drafter) -> int:
 
 
 def start(demo, *argv, draft: bool = True):
-    """The engine `python -m monolith.serve ARGV` makes on the loaded demo pair; (engine,
-    its log lines)."""
+    """The engine `python -m monolith.serve ARGV` makes on the loaded demo pair, drafting
+    with its DSpark draft (a named scheduler: nothing measured) unless `draft` is false;
+    (engine, its log lines)."""
     model, drafter, _ = demo
     args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--prompt-cache-size", "0",
-                                      *argv, *([] if draft else ["--no-draft"])])
+                                      *argv, *(["--spec-sched", "fixed"] if draft else ["--no-draft"])])
     logs = []
     sources = engine_setup.Sources(bundle_dir() / "target", ("the loaded draft",) if draft else ())
     engine = engine_setup.load_engine(args, engine_setup.plan_model(args), logs.append, sources=sources,

@@ -76,6 +76,16 @@ def test_a_sequential_drafters_proposals_a_round_are_chosen_by_expected_speed(mo
     assert (measured.gamma, measured.tokens, asked) == (GAMMA, 3.0, [7])
 
 
+def test_a_drafter_that_cannot_pay_even_accepting_everything_is_not_run(model, monkeypatch):
+    """A round of 7 proposals costing 7.5 plain steps could emit at most 8 tokens: no
+    acceptance would make it pay by the margin (7.2), so the prompts are not run."""
+    monkeypatch.setattr(drafter_choice, "measure_break_even", lambda *a: BreakEven(7.5, (7.5,)))
+    monkeypatch.setattr(drafter_choice, "measure_acceptance", lambda *a, **k: pytest.fail("acceptance measured"))
+    measured = drafter_choice.measure(model, Candidate("dspark", None), GAMMA, [PROMPT])
+    assert measured.tokens is None and not measured.pays and choose([measured]) is None
+    assert "cannot pay even if it emitted all 8 tokens" in measured.describe()
+
+
 # ------------------------------------------------------------------ serve's start
 
 
