@@ -201,7 +201,7 @@ def test_a_tensor_in_two_files_is_read_where_the_index_puts_it(tmp_path):
     write_checkpoint(tmp_path, lambda n, s: "bf16", shards=2)
     index_path = tmp_path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    name = sorted(index["weight_map"])[0]
+    name = min(index["weight_map"])
     stored = Checkpoint(tmp_path).read(name)
     other = (stored ^ 0x7F).astype(np.uint16)
     write_safetensors(tmp_path / "model_extra.safetensors", {name: ("BF16", other)})

@@ -50,6 +50,13 @@ NEW_TOKENS = 64
 # projection, features zeroed); tap ids shifted by one barely moved tau (tests/test_dspark.py
 # checks the id convention). The floor sits well below 3.45 and above the broken cases.
 TAU_FLOOR = 2.2
+# The same for the target's trained MTP head (--with-mtp pack, NVFP4 as served, fed the
+# post-final-norm hidden state): 2.57 measured on PROMPTS at gamma 7; fed the row's own
+# token embedding as its hidden state (a head not bound to the target) 1.78, fed layer
+# 2's output 2.38, the pre-norm last layer output 2.65 (the target's final norm scales
+# every dimension by 1.12-1.33, which the head's own norm nearly undoes). The floor sits
+# below 2.57 and above the unbound head.
+MTP_TAU_FLOOR = 2.2
 
 
 def test_the_bundle_is_what_expected_json_records():

@@ -19,23 +19,34 @@ from monolith.synth import write_target
 from monolith.synth.values import as_bf16
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
-RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer")
+RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer", "mtp", "mtp_mirror")
 
 
-@pytest.fixture(scope="module")
-def recipe():
-    """packs/demo/draft.py, imported as the recipe runs it (its directory on sys.path),
+def import_stage(stage: str):
+    """packs/demo/<stage>.py, imported as the recipe runs it (its directory on sys.path),
     then its top-level module names taken back out of sys.modules."""
     saved = {name: sys.modules.pop(name) for name in RECIPE_MODULES if name in sys.modules}
     sys.path.insert(0, str(DEMO))
     try:
-        module = importlib.import_module("draft")
+        return importlib.import_module(stage)
     finally:
         sys.path.remove(str(DEMO))
         for name in RECIPE_MODULES:
             sys.modules.pop(name, None)
         sys.modules.update(saved)
-    return module
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return import_stage("draft")
+
+
+def test_the_mtp_mirror_computes_what_load_mtp_serves(tmp_path):
+    """The bundled head, read back into mtp.py's training mirror, gives the logits of the
+    runtime head (models.load_mtp on a BF16 --with-mtp pack), both chained steps."""
+    mtp = import_stage("mtp")
+    seq = np.random.default_rng(0).integers(0, 2000, 42).astype(np.int32)
+    assert mtp.check_runtime(DEMO / "target", tmp_path / "packs", mtp.read_head(DEMO / "target"), seq, n=40) < 1e-4
 
 
 @pytest.mark.parametrize("magnitude", [0.02, 1.0, 30.0])

@@ -113,6 +113,27 @@ def origin(out: Path) -> dict:
     return info
 
 
+def record_packs() -> dict:
+    """Each pack of the bundle, built in a scratch directory as the first start of serve
+    builds it, verified: its record for expected.json (by role, and MTP_RECORD)."""
+    from monolith.pack import build_pack, read_manifest, verify_pack
+    from monolith.pack.demo import DEMO_PACKS, MTP_RECORD
+
+    packs = {}
+    with tempfile.TemporaryDirectory(prefix="monolith-bundle-") as scratch:
+        for record, role, with_mtp in (*((r, r, False) for r in DEMO_PACKS), (MTP_RECORD, "target", True)):
+            quantization = DEMO_PACKS[role]
+            pack = build_pack(HERE / role, Path(scratch) / record, role=role, quantization=quantization,
+                              with_mtp=with_mtp)
+            summary = verify_pack(pack)
+            packs[record] = {"role": role, "quantization": quantization, "pack_sha256": summary["pack_sha256"],
+                             "architecture": read_manifest(pack)["architecture"], "tensors": summary["tensors"],
+                             "bytes": summary["bytes"], **({"with_mtp": True} if with_mtp else {})}
+            print(f"{record}: pack_sha256 {summary['pack_sha256']} ({summary['tensors']} tensors, "
+                  f"{summary['bytes'] / 2**20:.1f} MB)", file=sys.stderr)
+    return packs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, nargs="?", help="the recipe's output directory (holds target/ and draft/)")
@@ -126,10 +147,9 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from monolith.pack import build_pack, verify_pack
     from monolith.pack import manifest as mf
     from monolith.pack.build import quantizer_sha256
-    from monolith.pack.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS, MTP_RECORD
+    from monolith.pack.demo import BUNDLE_FORMAT, DEMO_NAME, DEMO_PACKS
     from monolith.pack.recipe import RECIPE_VERSION
 
     if args.out is not None:
@@ -146,24 +166,10 @@ def main() -> None:
     if total > MAX_BYTES:
         sys.exit(f"error: the bundle is {total / 2**20:.1f} MB, over the {MAX_BYTES / 2**20:.0f} MB budget")
 
-    packs = {}
-    with tempfile.TemporaryDirectory(prefix="monolith-bundle-") as scratch:
-        for record, role, with_mtp in (*((r, r, False) for r in DEMO_PACKS), (MTP_RECORD, "target", True)):
-            quantization = DEMO_PACKS[role]
-            pack = build_pack(HERE / role, Path(scratch) / record, role=role, quantization=quantization,
-                              with_mtp=with_mtp)
-            summary = verify_pack(pack)
-            manifest = mf.read_manifest(pack)
-            packs[record] = {"role": role, "quantization": quantization, "pack_sha256": summary["pack_sha256"],
-                             "architecture": manifest["architecture"], "tensors": summary["tensors"],
-                             "bytes": summary["bytes"], **({"with_mtp": True} if with_mtp else {})}
-            print(f"{record}: pack_sha256 {summary['pack_sha256']} ({summary['tensors']} tensors, "
-                  f"{summary['bytes'] / 2**20:.1f} MB)", file=sys.stderr)
-
     expected = {
         "format": BUNDLE_FORMAT,
         "name": DEMO_NAME,
-        "packs": packs,
+        "packs": record_packs(),
         "files": files,
         "built_with": {"monolith": importlib.metadata.version("monolith"), "mlx": mx.__version__, "python": platform.python_version(),
                        "recipe_version": RECIPE_VERSION, "pack_format_version": mf.PACK_FORMAT_VERSION,

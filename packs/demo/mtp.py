@@ -178,24 +178,41 @@ def export_head(P, target: Path) -> None:
                                 "weight_map": dict(sorted(weight_map.items()))})
 
 
-def check_runtime(out: Path, P, rows, n: int = 96) -> float:
-    """The exported head, loaded by models.load_mtp from a --with-mtp pack (quantization
-    none: the BF16 head as exported) on the served target, vs the mirror on BF16-rounded
-    weights: step 1 over rows 0..n-1, then the chained step 2 of row n-1. Max |logit diff|."""
+def read_head(target: Path) -> dict[str, mx.array]:
+    """The head exported beside `target` (read through its index), as the mirror's F32
+    parameters (experts stacked again)."""
+    from monolith.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(target)
+    P, experts = {}, {}
+    for name in ckpt.tensor_names():
+        if name.startswith(f"{MTP}.") and ".mlp.experts." in name:
+            base, e, leaf, _ = name.rsplit(".", 3)
+            experts.setdefault(f"{base}.{leaf}", {})[int(e)] = ckpt.read_float(name)
+        elif name.startswith(f"{MTP}."):
+            P[name] = mx.array(ckpt.read_float(name))
+    P.update({k: mx.array(np.stack([v[e] for e in sorted(v)])) for k, v in experts.items()})
+    return P
+
+
+def check_runtime(target: Path, cache: Path, P, seq: np.ndarray, n: int = 96) -> float:
+    """The exported head, loaded by models.load_mtp from a --with-mtp pack of `target`
+    (quantization none: the BF16 head as exported) with that target, vs the mirror on
+    BF16-rounded weights, over seq (n + 2 tokens or more): step 1 over rows 0..n-1, then
+    the chained step 2 of row n-1. Max |logit diff|."""
     from monolith.models import load_model, load_mtp
     from monolith.models.qwen3_5 import FINAL_NORM_TAP
     from monolith.pack import resolve_pack
 
-    pack = resolve_pack(out / "target", role="target", quantization="none", cache_dir=out / "packs", with_mtp=True)
+    pack = resolve_pack(target, role="target", quantization="none", cache_dir=cache, with_mtp=True)
     model = load_model(pack, dtype="float32")
     head = load_mtp(pack, model)
-    seq = rows["seqs"][0]
     _, hidden = model.forward(mx.array(seq[:n]), model.make_cache(WINDOW), taps=[FINAL_NORM_TAP])
     cache = head.make_cache(WINDOW)
     out1, logits1 = head(hidden, mx.array(seq[1:n + 1]), cache)
     _, logits2 = head(out1[-1:], mx.array(seq[n + 1:n + 2]), cache)
     Pb = {k: v.astype(mx.bfloat16).astype(mx.float32) for k, v in P.items()}
-    (m1, m2), _ = mtp_forward(Pb, frozen_target(out / "target"), hidden[None], mx.array(seq[None, :n + 2]), T.PRESET)
+    (m1, m2), _ = mtp_forward(Pb, frozen_target(target), hidden[None], mx.array(seq[None, :n + 2]), T.PRESET)
     diff = max(float(mx.abs(m1[0] - logits1).max()), float(mx.abs(m2[0, -1] - logits2[-1]).max()))
     agree = float((mx.argmax(m1[0], -1) == mx.argmax(logits1, -1)).astype(mx.float32).mean())
     log(f"mtp check: max |logit diff| runtime vs mirror {diff:.4g} (|logits| max {float(mx.abs(logits1).max()):.3g}), "
@@ -226,7 +243,7 @@ def main():
     P = stage_head(args.out, rows, args.seed, args.steps, args.force, args.chained_steps)
     export_head(P, args.out / "target")
     log(f"exported {args.out / 'target' / SEPARATE} ({(args.out / 'target' / SEPARATE).stat().st_size / 1e6:.2f} MB)")
-    check_runtime(args.out, P, rows)
+    check_runtime(args.out / "target", args.out / "packs", P, rows["seqs"][0])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/bin/sh
-# The demo pair in one command (fixed seeds and step counts; about 96 min on 2 CPU cores, 9.5 of them the benchmark):
+# The demo pair in one command (fixed seeds and step counts; about 116 min on 2 CPU cores, 19 of them the MTP head, 9.5 the benchmark):
 #   sh packs/demo/recipe.sh OUT        then   python packs/demo/bundle.py OUT
 # tokenizer + target (train.py), the target's generations + DSpark draft (draft.py), the
 # target's MTP head (mtp.py), then
