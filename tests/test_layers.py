@@ -1,5 +1,5 @@
 """The dependency direction: formats <- checkpoint <- pack <- models <-
-runtime <- engine_setup <- serving, distributed <- the command-line faces, and the agent
+runtime <- drafter_choice <- engine_setup <- serving, distributed <- the command-line faces, and the agent
 launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves (over
 data_files, where the files shipped beside the code are found). No
 module imports from a higher layer, not even late inside a function, and module imports
@@ -21,10 +21,11 @@ LAYERS = {
     "pack": 3,
     "models": 4,
     "runtime": 5,
-    "engine_setup": 6,
-    "serving": 7, "distributed": 7,
-    "generate": 8, "serve": 8, "chat": 8,
-    "launch": 9,  # runs serve
+    "drafter_choice": 6,
+    "engine_setup": 7,
+    "serving": 8, "distributed": 8,
+    "generate": 9, "serve": 9, "chat": 9,
+    "launch": 10,  # runs serve
 }
 
 
