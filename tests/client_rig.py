@@ -152,19 +152,24 @@ def pin_arguments(api: str, tool: dict, arguments: dict) -> None:
         tool["parameters"] = schema
 
 
+def pin_tools(api: str, body: dict, pins: dict) -> None:
+    """Narrow each offered tool named in `pins` to its pinned arguments."""
+    for tool in body.get("tools") or []:
+        if tool_name(api, tool) in pins:
+            pin_arguments(api, tool, pins[tool_name(api, tool)])
+
+
 def force_tool(api: str, body: dict, pins: dict) -> str | None:
     """Set tool_choice on `body` for the first tool named in `pins` (or any tool when pins
-    is empty) and pin that tool's arguments; returns the tool forced."""
+    is empty); returns the tool forced. Its arguments are pinned already (pin_tools)."""
     tools = body.get("tools") or []
-    named = [t for t in tools if tool_name(api, t) in pins]
+    named = [tool_name(api, t) for t in tools if tool_name(api, t) in pins]
     if not tools or (pins and not named):
         return None
     if not named:
         body["tool_choice"] = {"type": "any"} if api == "messages" else "required"
         return "any"
-    tool = named[0]
-    name = tool_name(api, tool)
-    pin_arguments(api, tool, pins[name])
+    name = named[0]
     if api == "chat":
         body["tool_choice"] = {"type": "function", "function": {"name": name}}
     elif api == "messages":
@@ -179,9 +184,11 @@ API_OF_PATH = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1
 
 
 class ForcingProxy:
-    """A test-only HTTP proxy in front of the server. On a request whose last message is
-    the user's task (it holds `trigger`; never a tool result), it sets `tool_choice` to
-    the tool named in `pins` and narrows that tool's schema to the pinned arguments. With
+    """A test-only HTTP proxy in front of the server. On every request it narrows each tool
+    named in `pins` to the pinned arguments (so that consecutive requests share their
+    prefix, as the client's own do, for the server's prompt cache); on a request whose
+    last message is the user's task (it holds `trigger`; never a tool result), it sets
+    `tool_choice` to the first tool named in `pins`. With
     `stop`, it sets those stop sequences on every other Messages request, so that the weak
     model's reply ends as a stop, not at max_tokens (which Claude Code reports as an
     error). With `greedy`, every model request is sent with temperature 0, for a client
@@ -229,6 +236,8 @@ class ForcingProxy:
             body = json.loads(raw)
         except ValueError:
             return raw, record
+        if api:
+            pin_tools(api, body, self.pins)
         if api and self.trigger and is_users_task(api, body, self.trigger):
             record["forced"] = force_tool(api, body, self.pins)
         elif api == "messages" and self.stop:

@@ -4,12 +4,16 @@ plain turn, then a turn with a tool call, the tool's result and the answer after
 
 The demo model is too weak to choose a tool by itself, so the harness forces the call: a
 test-only proxy (tests/client_rig.py, not part of the product) sits between the client and
-the server and, on a request whose last message is the user's task (it names the "secret
-note"), sets `tool_choice` to the client's file-reading tool and narrows that tool's
-schema to the note's path. It never touches the turn after a tool result: that answer is
-the model's own. Each check asserts the client's exit status, that the reply text reached
-the client, that the client really ran the tool (the note's text, which only the file
-holds, appears in the request after the forced one), and that the server logged no 5xx.
+the server, narrows the client's file-reading tool's schema to the note's path on every
+request, and on the request whose last message is the user's task (it names the "secret
+note") sets `tool_choice` to that tool. It never forces the turn after a tool result: that
+answer is the model's own. (The schema is narrowed on every request, not only the forced
+one, so that each request's prompt begins with the one before, as the client's own
+requests do: the server's prompt cache then serves the tools and history, where a schema
+changed on the forced request alone made its ~10K-token prompt a cold prefill.) Each
+check asserts the client's exit status, that the reply text reached the client, that the
+client really ran the tool (the note's text, which only the file holds, appears in the
+request after the forced one), and that the server logged no 5xx.
 
 The Node clients come from tests/clients/package-lock.json (`npm ci`, README's test
 command), Aider from its own virtual environment (tests/clients/install.sh: its exact
