@@ -1,0 +1,277 @@
+"""The Qwen3.5/3.6 vision tower on MLX (docs/target.md, "Vision tower").
+
+Input: the flattened patches [N, C * T * ps * ps] and one (t, h, w) grid per image, in
+the order the Qwen image processor emits them (each frame's patches in 2 x 2
+merge-block order); output: the merged features [N / 4, text hidden size], one row per
+`<|image_pad|>` token. There are no deepstack features (Qwen3.5 has none; its text
+model consumes only the merged features).
+
+The host-side geometry (position-embedding taps, rotary positions, attention segments)
+is computed per grid in numpy; the tower's arithmetic runs in MLX in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..checkpoint import open_checkpoint
+from ..checkpoint.errors import CheckpointError
+
+VISUAL_PREFIXES = ("model.visual.", "model.language_model.visual.")
+LAYER_NORM_EPS = 1e-6
+BLOCK_TENSORS = tuple(
+    f"{module}.{leaf}"
+    for module in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    for leaf in ("weight", "bias")
+)
+TOP_TENSORS = (
+    "patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight",
+    "merger.norm.weight", "merger.norm.bias", "merger.linear_fc1.weight", "merger.linear_fc1.bias",
+    "merger.linear_fc2.weight", "merger.linear_fc2.bias",
+)
+
+
+@dataclass(frozen=True)
+class VisionArgs:
+    """The fields of a checkpoint's `vision_config` the tower reads."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    patch_size: int
+    in_channels: int = 3
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_config(cls, vision_config: dict, where: str = "vision_config") -> VisionArgs:
+        act = vision_config.get("hidden_act", "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise CheckpointError(f"{where}: hidden_act {act!r} is not supported (only gelu_pytorch_tanh)")
+        rope = vision_config.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise CheckpointError(f"{where}: rope_type {rope['rope_type']!r} is not supported (only axial)")
+        try:
+            args = cls(**{f: vision_config[f] for f in cls.__dataclass_fields__ if f in vision_config},
+                       rope_theta=float(rope.get("rope_theta", 10000.0)))
+        except TypeError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        if args.hidden_size % args.num_heads or (args.hidden_size // args.num_heads) % 4:
+            raise CheckpointError(f"{where}: head dim must be a multiple of 4 (hidden_size / num_heads)")
+        if math.isqrt(args.num_position_embeddings) ** 2 != args.num_position_embeddings:
+            raise CheckpointError(f"{where}: num_position_embeddings must be a square")
+        return args
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# ------------------------------------------------------------------ grid geometry (host)
+
+
+def check_grids(grid_thw, merge: int) -> np.ndarray:
+    grids = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    if (grids <= 0).any() or (grids[:, 1:] % merge).any():
+        raise ValueError(f"grid_thw: each (t, h, w) must be positive with h, w multiples of {merge}: {grids.tolist()}")
+    return grids
+
+
+def patch_rows_cols(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) of each patch of one h x w frame, in merge-block order."""
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    shape = (h // merge, merge, w // merge, merge)
+    return rows.reshape(shape).transpose(0, 2, 1, 3).ravel(), cols.reshape(shape).transpose(0, 2, 1, 3).ravel()
+
+
+def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear taps (align_corners) of `size` positions into a `side`-long table."""
+    src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    floor = np.floor(src)
+    taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
+    weights = np.clip(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)), 0, None)
+    return taps, weights.astype(np.float32)
+
+
+def position_taps(grids: np.ndarray, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices [N, 4] into the learned side x side position table and their bilinear
+    weights [N, 4]: the table resampled to each frame's grid, corners aligned."""
+    indices, weights = [], []
+    for t, h, w in grids.tolist():
+        rows, cols = patch_rows_cols(h, w, merge)
+        h_taps, h_weights = _axis_taps(rows, h, side)
+        w_taps, w_weights = _axis_taps(cols, w, side)
+        idx = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+        wgt = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+        indices += [idx] * t
+        weights += [wgt] * t
+    return np.concatenate(indices), np.concatenate(weights)
+
+
+def rotary_positions(grids: np.ndarray, merge: int) -> np.ndarray:
+    """(row, col) [N, 2] of every patch, each frame of an entry alike."""
+    out = []
+    for t, h, w in grids.tolist():
+        out += [np.stack(patch_rows_cols(h, w, merge), axis=-1)] * t
+    return np.concatenate(out)
+
+
+def segments(grids: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each frame's patches: attention stays within one frame."""
+    lengths = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])
+    ends = np.cumsum(lengths)
+    return list(zip((ends - lengths).tolist(), ends.tolist()))
+
+
+# ------------------------------------------------------------------------- the tower
+
+
+class VisionOutput(NamedTuple):
+    patch_embeds: mx.array  # [N, D] the patch projection, before the position embedding
+    hidden: mx.array  # [N, D] after the blocks
+    merged: mx.array  # [N / merge**2, out_hidden_size]
+
+
+def layer_norm(x: mx.array, w: dict, name: str) -> mx.array:
+    return mx.fast.layer_norm(x, w[f"{name}.weight"], w[f"{name}.bias"], LAYER_NORM_EPS)
+
+
+def linear(x: mx.array, w: dict, name: str) -> mx.array:
+    return mx.addmm(w[f"{name}.bias"], x, w[f"{name}.weight"].T)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def gelu_erf(x: mx.array) -> mx.array:
+    return 0.5 * x * (1 + mx.erf(x * (1 / math.sqrt(2))))
+
+
+def rotate_half(x: mx.array) -> mx.array:
+    a, b = mx.split(x, 2, axis=-1)
+    return mx.concatenate([-b, a], axis=-1)
+
+
+class VisionTower:
+    """The tower on weights named as under `model.visual.` (patch_embed.proj.weight
+    flattened to [D, patch_dim]; blocks as one dict each)."""
+
+    def __init__(self, args: VisionArgs, top: dict[str, mx.array], blocks: list[dict[str, mx.array]]):
+        self.args, self.top, self.blocks = args, top, blocks
+        self.side = math.isqrt(args.num_position_embeddings)
+        quarter = args.head_dim // 4
+        self.inv_freq = 1.0 / (args.rope_theta ** (mx.arange(0, 2 * quarter, 2, dtype=mx.float32) / (2 * quarter)))
+
+    @property
+    def dtype(self):
+        return self.top["pos_embed.weight"].dtype
+
+    def __call__(self, patches, grid_thw) -> mx.array:
+        return self.forward(patches, grid_thw).merged
+
+    def forward(self, patches, grid_thw) -> VisionOutput:
+        a = self.args
+        grids = check_grids(grid_thw, a.spatial_merge_size)
+        patches = mx.array(patches).astype(self.dtype)
+        n = int((grids[:, 0] * grids[:, 1] * grids[:, 2]).sum())
+        if patches.shape != (n, a.patch_dim):
+            raise ValueError(f"patches: shape {tuple(patches.shape)}, grid_thw needs ({n}, {a.patch_dim})")
+        embeds = linear(patches, self.top, "patch_embed.proj")
+        idx, wgt = position_taps(grids, self.side, a.spatial_merge_size)
+        table = self.top["pos_embed.weight"]
+        x = embeds + (table[mx.array(idx)] * mx.array(wgt)[:, :, None].astype(self.dtype)).sum(axis=1)
+        cos, sin = self.rotary(rotary_positions(grids, a.spatial_merge_size))
+        spans = segments(grids)
+        for w in self.blocks:
+            x = x + self.attention(layer_norm(x, w, "norm1"), w, cos, sin, spans)
+            x = x + linear(gelu_tanh(linear(layer_norm(x, w, "norm2"), w, "mlp.linear_fc1")), w, "mlp.linear_fc2")
+        merged = layer_norm(x, self.top, "merger.norm").reshape(n // a.spatial_merge_size ** 2, -1)
+        merged = linear(gelu_erf(linear(merged, self.top, "merger.linear_fc1")), self.top, "merger.linear_fc2")
+        return VisionOutput(embeds, x, merged)
+
+    def rotary(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+        """cos, sin [N, 1, head_dim]: a quarter of the head's frequencies on the row, a
+        quarter on the column, the half repeated (rotated as rotate_half pairs)."""
+        freqs = mx.array(positions, dtype=mx.float32)[:, :, None] * self.inv_freq  # [N, 2, hd/4]
+        half = freqs.reshape(freqs.shape[0], -1)
+        angles = mx.concatenate([half, half], axis=-1)[:, None, :]
+        return mx.cos(angles), mx.sin(angles)
+
+    def attention(self, x: mx.array, w: dict, cos: mx.array, sin: mx.array, spans) -> mx.array:
+        a = self.args
+        n = x.shape[0]
+        q, k, v = mx.split(linear(x, w, "attn.qkv").reshape(n, 3, a.num_heads, a.head_dim), 3, axis=1)
+        q, k, v = (t.squeeze(1) for t in (q, k, v))
+        q32, k32 = q.astype(mx.float32), k.astype(mx.float32)
+        q = (q32 * cos + rotate_half(q32) * sin).astype(x.dtype)
+        k = (k32 * cos + rotate_half(k32) * sin).astype(x.dtype)
+        out = []
+        for start, end in spans:
+            qs, ks, vs = (t[start:end].transpose(1, 0, 2)[None] for t in (q, k, v))
+            o = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=a.head_dim ** -0.5)
+            out.append(o[0].transpose(1, 0, 2))
+        return linear(mx.concatenate(out).reshape(n, -1), w, "attn.proj")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_vision_tower(checkpoint, dtype=mx.float32) -> VisionTower:
+    """The tower of a checkpoint (a directory or an open monolith.checkpoint Checkpoint)
+    from its `model.visual.*` tensors (BF16/F16/F32), cast to `dtype`."""
+    ckpt = open_checkpoint(checkpoint) if not hasattr(checkpoint, "read_float") else checkpoint
+    vision_config = ckpt.config.get("vision_config")
+    if not isinstance(vision_config, dict):
+        raise CheckpointError(f"{ckpt.path}: config.json has no vision_config")
+    args = VisionArgs.from_config(vision_config, where=f"{ckpt.path}/config.json: vision_config")
+    prefix = next((p for p in VISUAL_PREFIXES if ckpt.has(p + "pos_embed.weight")), None)
+    if prefix is None:
+        raise CheckpointError(f"{ckpt.path}: no vision tower ({VISUAL_PREFIXES[0]}pos_embed.weight)")
+    names = list(TOP_TENSORS) + [f"blocks.{b}.{t}" for b in range(args.depth) for t in BLOCK_TENSORS]
+    stored = {n[len(prefix):] for n in ckpt.tensor_names() if n.startswith(prefix)}
+    missing, extra = sorted(set(names) - stored), sorted(stored - set(names))
+    if missing or extra:
+        raise CheckpointError(f"{ckpt.path}: vision tower tensors under {prefix}: missing {missing[:5]}, "
+                              f"unexpected {extra[:5]}")
+    values = {n: mx.array(ckpt.read_float(prefix + n)).astype(dtype) for n in names}
+    values["patch_embed.proj.weight"] = values["patch_embed.proj.weight"].reshape(args.hidden_size, -1)
+    top = {n: values[n] for n in TOP_TENSORS}
+    blocks = [{t: values[f"blocks.{b}.{t}"] for t in BLOCK_TENSORS} for b in range(args.depth)]
+    _check_shapes(args, top, blocks, ckpt.path)
+    return VisionTower(args, top, blocks)
+
+
+def _check_shapes(args: VisionArgs, top: dict, blocks: list[dict], where) -> None:
+    d, i, m = args.hidden_size, args.intermediate_size, args.hidden_size * args.spatial_merge_size ** 2
+    want = {
+        "patch_embed.proj.weight": (d, args.patch_dim), "patch_embed.proj.bias": (d,),
+        "pos_embed.weight": (args.num_position_embeddings, d),
+        "merger.norm.weight": (d,), "merger.norm.bias": (d,), "merger.linear_fc1.weight": (m, m),
+        "merger.linear_fc1.bias": (m,), "merger.linear_fc2.weight": (args.out_hidden_size, m),
+        "merger.linear_fc2.bias": (args.out_hidden_size,),
+    }
+    block_want = {
+        "norm1.weight": (d,), "norm1.bias": (d,), "norm2.weight": (d,), "norm2.bias": (d,),
+        "attn.qkv.weight": (3 * d, d), "attn.qkv.bias": (3 * d,), "attn.proj.weight": (d, d), "attn.proj.bias": (d,),
+        "mlp.linear_fc1.weight": (i, d), "mlp.linear_fc1.bias": (i,), "mlp.linear_fc2.weight": (d, i),
+        "mlp.linear_fc2.bias": (d,),
+    }
+    checks = [(n, top[n], s) for n, s in want.items()]
+    checks += [(f"blocks.{b}.{n}", blk[n], s) for b, blk in enumerate(blocks) for n, s in block_want.items()]
+    for name, value, shape in checks:
+        if tuple(value.shape) != shape:
+            raise CheckpointError(f"{where}: vision tower {name}: shape {tuple(value.shape)}, config says {shape}")
