@@ -4,13 +4,15 @@ Qwen3_5VisionModel / Qwen3_5MoeVisionModel in float32, on the synthetic checkpoi
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 from numeric import rel
 
-from monolith.checkpoint import open_checkpoint
+from monolith.checkpoint import CheckpointError, open_checkpoint
 from monolith.models.vision import load_vision_tower
 
 # two images of different grids in one call (4 x 4 learned positions: one grid is
@@ -67,3 +69,27 @@ def test_vision_tower_matches_transformers(synth_dir, dense):
         MEASURED[f"vision {'dense' if dense else 'moe'} {name}"] = (
             f"rel {err:.2e}, max abs {np.abs(mine - theirs).max():.2e} (max |ref| {np.abs(theirs).max():.2f})")
         assert err < TOLERANCE, (name, err)
+
+
+def test_vision_tower_refuses_what_it_cannot_run(synth_dir, tmp_path):
+    source = synth_dir("target", "bf16", dense=True)
+    tower = load_vision_tower(source)
+    patch_dim = tower.args.patch_dim
+    with pytest.raises(ValueError, match="grid_thw"):
+        tower(np.zeros((6, patch_dim), np.float32), [(1, 3, 2)])  # h not a multiple of the merge size
+    with pytest.raises(ValueError, match=r"patches: shape \(7, "):
+        tower(np.zeros((7, patch_dim), np.float32), [(1, 2, 4)])
+
+    # a config the tensors do not match: the culprit tensor is named
+    for f in source.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    config["vision_config"]["depth"] += 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"missing \['blocks\.1\."):
+        load_vision_tower(tmp_path)
+    config["vision_config"].update(depth=config["vision_config"]["depth"] - 1, hidden_act="gelu")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu'"):
+        load_vision_tower(tmp_path)

@@ -24,16 +24,6 @@ from ..checkpoint.errors import CheckpointError
 
 VISUAL_PREFIXES = ("model.visual.", "model.language_model.visual.")
 LAYER_NORM_EPS = 1e-6
-BLOCK_TENSORS = tuple(
-    f"{module}.{leaf}"
-    for module in ("norm1", "norm2", "attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")
-    for leaf in ("weight", "bias")
-)
-TOP_TENSORS = (
-    "patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight",
-    "merger.norm.weight", "merger.norm.bias", "merger.linear_fc1.weight", "merger.linear_fc1.bias",
-    "merger.linear_fc2.weight", "merger.linear_fc2.bias",
-)
 
 
 @dataclass(frozen=True)
@@ -241,37 +231,42 @@ def load_vision_tower(checkpoint, dtype=mx.float32) -> VisionTower:
     prefix = next((p for p in VISUAL_PREFIXES if ckpt.has(p + "pos_embed.weight")), None)
     if prefix is None:
         raise CheckpointError(f"{ckpt.path}: no vision tower ({VISUAL_PREFIXES[0]}pos_embed.weight)")
-    names = list(TOP_TENSORS) + [f"blocks.{b}.{t}" for b in range(args.depth) for t in BLOCK_TENSORS]
+    shapes = expected_shapes(args)
     stored = {n[len(prefix):] for n in ckpt.tensor_names() if n.startswith(prefix)}
-    missing, extra = sorted(set(names) - stored), sorted(stored - set(names))
+    missing, extra = sorted(set(shapes) - stored), sorted(stored - set(shapes))
     if missing or extra:
         raise CheckpointError(f"{ckpt.path}: vision tower tensors under {prefix}: missing {missing[:5]}, "
                               f"unexpected {extra[:5]}")
-    values = {n: mx.array(ckpt.read_float(prefix + n)).astype(dtype) for n in names}
+    values = {}
+    for name, shape in shapes.items():
+        if tuple(ckpt.shape(prefix + name)) != shape:
+            raise CheckpointError(f"{ckpt.path}: {prefix}{name}: shape {tuple(ckpt.shape(prefix + name))}, "
+                                  f"the vision_config says {shape}")
+        values[name] = mx.array(ckpt.read_float(prefix + name)).astype(dtype)
     values["patch_embed.proj.weight"] = values["patch_embed.proj.weight"].reshape(args.hidden_size, -1)
-    top = {n: values[n] for n in TOP_TENSORS}
-    blocks = [{t: values[f"blocks.{b}.{t}"] for t in BLOCK_TENSORS} for b in range(args.depth)]
-    _check_shapes(args, top, blocks, ckpt.path)
+    top = {n: v for n, v in values.items() if not n.startswith("blocks.")}
+    blocks = [{n[len(f"blocks.{b}."):]: v for n, v in values.items() if n.startswith(f"blocks.{b}.")}
+              for b in range(args.depth)]
     return VisionTower(args, top, blocks)
 
 
-def _check_shapes(args: VisionArgs, top: dict, blocks: list[dict], where) -> None:
+def expected_shapes(args: VisionArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the tower (names after the `model.visual.` prefix) and its shape."""
     d, i, m = args.hidden_size, args.intermediate_size, args.hidden_size * args.spatial_merge_size ** 2
-    want = {
-        "patch_embed.proj.weight": (d, args.patch_dim), "patch_embed.proj.bias": (d,),
+    patch = (args.in_channels, args.temporal_patch_size, args.patch_size, args.patch_size)
+    shapes = {
+        "patch_embed.proj.weight": (d, *patch), "patch_embed.proj.bias": (d,),
         "pos_embed.weight": (args.num_position_embeddings, d),
         "merger.norm.weight": (d,), "merger.norm.bias": (d,), "merger.linear_fc1.weight": (m, m),
         "merger.linear_fc1.bias": (m,), "merger.linear_fc2.weight": (args.out_hidden_size, m),
         "merger.linear_fc2.bias": (args.out_hidden_size,),
     }
-    block_want = {
+    block = {
         "norm1.weight": (d,), "norm1.bias": (d,), "norm2.weight": (d,), "norm2.bias": (d,),
         "attn.qkv.weight": (3 * d, d), "attn.qkv.bias": (3 * d,), "attn.proj.weight": (d, d), "attn.proj.bias": (d,),
         "mlp.linear_fc1.weight": (i, d), "mlp.linear_fc1.bias": (i,), "mlp.linear_fc2.weight": (d, i),
         "mlp.linear_fc2.bias": (d,),
     }
-    checks = [(n, top[n], s) for n, s in want.items()]
-    checks += [(f"blocks.{b}.{n}", blk[n], s) for b, blk in enumerate(blocks) for n, s in block_want.items()]
-    for name, value, shape in checks:
-        if tuple(value.shape) != shape:
-            raise CheckpointError(f"{where}: vision tower {name}: shape {tuple(value.shape)}, config says {shape}")
+    for b in range(args.depth):
+        shapes.update({f"blocks.{b}.{n}": shape for n, shape in block.items()})
+    return shapes
