@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from monolith.models.image_inputs import (
-    ImageSettings, ImageSizeError, NotAnImageError, prepare_image, read_image_settings,
+    ImageSettings, ImageSizeError, NotAnImageError, decode_image, prepare_image, read_image_settings,
     settings_from_dict,
 )
 
@@ -23,6 +23,7 @@ SMALL_QWEN36 = {
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     "image_processor_type": "Qwen2VLImageProcessorFast",
 }
+QWEN36 = {**SMALL_QWEN36, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 PATCH14 = {
     "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 40, "patch_size": 14,
     "temporal_patch_size": 2, "merge_size": 2,
@@ -52,8 +53,11 @@ CASES = [  # width, height, mode, format
 ]
 
 
-@pytest.mark.parametrize("config", [SMALL_QWEN36, PATCH14], ids=["patch16", "patch14"])
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+@pytest.mark.parametrize("config, case", [
+    *[(SMALL_QWEN36, case) for case in CASES], *[(PATCH14, case) for case in CASES],
+    (QWEN36, CASES[1]),  # the published bounds: grows to 256x256 in area
+], ids=[*[f"patch16-{c[0]}x{c[1]}-{c[2]}-{c[3]}" for c in CASES],
+        *[f"patch14-{c[0]}x{c[1]}-{c[2]}-{c[3]}" for c in CASES], "published"])
 def test_matches_the_transformers_processor(config, case):
     data = picture(*case, seed=case[0])
     ours = prepare_image(data, settings_from_dict(config))
@@ -70,7 +74,7 @@ def test_matches_the_transformers_processor(config, case):
 
 
 def test_settings_come_from_the_checkpoint(tmp_path):
-    assert read_image_settings(tmp_path) == ImageSettings()  # no file: Qwen3.6's values
+    assert read_image_settings(tmp_path) == ImageSettings() == settings_from_dict(QWEN36)  # no file: Qwen3.6's
     (tmp_path / "processor_config.json").write_text(json.dumps({"image_processor": PATCH14}))
     nested = read_image_settings(tmp_path)
     assert (nested.factor, nested.min_pixels, nested.max_pixels) == (28, 56 * 56, 28 * 28 * 40)
@@ -88,6 +92,13 @@ def test_bad_bytes_are_named(data, error, words):
     with pytest.raises(error, match=words) as caught:
         prepare_image(data)
     assert "\n" not in str(caught.value)
+
+
+def test_too_many_source_pixels_is_refused():
+    data = picture(40, 30, "RGB", "PNG", seed=2)
+    assert decode_image(data, max_source_pixels=1200).size == (40, 30)
+    with pytest.raises(ImageSizeError, match="too large"):
+        decode_image(data, max_source_pixels=1199)
 
 
 def test_extreme_aspect_ratio_is_refused():
