@@ -1,4 +1,4 @@
-"""Images through the target's forward (docs/target.md, "Multimodal positions"): a prompt
+"""Images through the target's forward (docs/target.md, "Images in the forward"): a prompt
 with one image, its patches from image_inputs and its features from the vision tower,
 placed at the `<|image_pad|>` rows with the multimodal rotary positions, against
 transformers' Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration fed

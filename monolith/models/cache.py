@@ -165,7 +165,7 @@ class HybridCache:
         self.tape_offset: int | None = None  # where the recorded forward started
         self._gdn = [layer for layer in layers if isinstance(layer, GDNState)]
         self._recording = False  # the next forward keeps its tapes
-        # multimodal positions (docs/target.md, "Multimodal positions"): row i >= delta_from
+        # multimodal positions (docs/target.md, "Images in the forward"): row i >= delta_from
         # sits at rotary position i + position_delta; rows before plain_until at i
         self.position_delta = 0
         self.plain_until: int | None = None  # None: every row so far is plain text

@@ -40,7 +40,7 @@ class Segment:
     of ids) continuing at `cache.offset`, the decoder layers whose outputs to return
     (`taps`: layer ids or NAMED_TAPS), and which rows' logits: "all", the "last" row only, or "none".
 
-    A segment with images (docs/target.md, "Multimodal positions") brings `features`
+    A segment with images (docs/target.md, "Images in the forward") brings `features`
     (rows: int indices into its T rows, values [len(rows), hidden]: the vision tower's
     merged features, which replace those rows' token embeddings) and/or `positions`
     ([3, T] ints: the temporal, height, width rotary positions of its rows, as
