@@ -77,6 +77,7 @@ def test_image_prompt_matches_transformers(synth_dir, tmp_path, dense):
 
     # the prompt in two chunks, the first ending inside the image
     cache = model.make_cache(64)
+    empty = cache.snapshot()
     cut = int(rows[len(rows) // 2])
     chunks = []
     for start, stop in [(0, cut), (cut, len(tokens))]:
@@ -110,6 +111,12 @@ def test_image_prompt_matches_transformers(synth_dir, tmp_path, dense):
     # going back inside the image's rows is refused: its positions are not known there
     with pytest.raises(CacheError, match="multimodal positions"):
         cache.rewind(cut)
+    # back to before the image: plain positions again, as on a fresh cache
+    cache.rewind(0)
+    cache.restore(empty)
+    assert cache.position_delta == 0
+    fresh = model.make_cache(64)
+    assert mx.array_equal(model.forward(tokens[:5], cache)[0], model.forward(tokens[:5], fresh)[0])
 
 
 def test_image_segments_are_checked(synth_dir, tmp_path):
