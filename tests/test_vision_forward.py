@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -50,8 +52,8 @@ def reference_run(ckpt, tokens, image, pad):
 
     model = build_vlm_reference(ckpt)
     ids = torch.tensor([tokens])
-    inputs = dict(input_ids=ids, pixel_values=torch.from_numpy(image.patches),
-                  image_grid_thw=torch.tensor([image.grid_thw]), mm_token_type_ids=(ids == pad).int())
+    inputs = {"input_ids": ids, "pixel_values": torch.from_numpy(image.patches),
+              "image_grid_thw": torch.tensor([image.grid_thw]), "mm_token_type_ids": (ids == pad).int()}
     logits = model(**inputs, use_cache=False).logits[0].numpy()
     out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0)
@@ -59,32 +61,60 @@ def reference_run(ckpt, tokens, image, pad):
     return logits, out.sequences[0, len(tokens):].tolist(), steps
 
 
-@pytest.mark.parametrize("dense", [True, False], ids=["dense", "moe"])
-def test_image_prompt_matches_transformers(synth_dir, tmp_path, dense):
-    ckpt = synth_dir("target", "bf16", dense=dense)
-    model = load_model(build_pack(ckpt, tmp_path / "pack"), dtype="float32")
-    tower = load_vision_tower(ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    tower_config = config["vision_config"]
-    pad = config["image_token_id"]
-    tokens, image = image_prompt(config, tower_config["patch_size"])
-    ref_logits, ref_tokens, ref_steps = reference_run(ckpt, tokens, image, pad)
+class Vlm(NamedTuple):
+    ckpt: Path
+    model: object
+    tokens: list[int]
+    image: object
+    features: mx.array  # the tower's merged features of the image
+    positions: np.ndarray  # [3, T] of the prompt
+    delta: int
+    rows: np.ndarray  # the image-pad rows
 
-    features = tower(image.patches, [image.grid_thw])
-    positions, delta = rope_positions(tokens, [image.grid_thw], pad, tower_config["spatial_merge_size"])
+
+@pytest.fixture(scope="module")
+def vlms(synth_dir, tmp_path_factory):
+    """vlms(dense) -> Vlm: the synthetic VLM, its pack loaded, and a prompt with one image."""
+    made = {}
+
+    def make(dense: bool) -> Vlm:
+        if dense not in made:
+            ckpt = synth_dir("target", "bf16", dense=dense)
+            model = load_model(build_pack(ckpt, tmp_path_factory.mktemp("vlm") / "pack"), dtype="float32")
+            config = json.loads((ckpt / "config.json").read_text())
+            vision, pad = config["vision_config"], config["image_token_id"]
+            tokens, image = image_prompt(config, vision["patch_size"])
+            features = load_vision_tower(ckpt)(image.patches, [image.grid_thw])
+            positions, delta = rope_positions(tokens, [image.grid_thw], pad, vision["spatial_merge_size"])
+            rows = np.flatnonzero(np.asarray(tokens) == pad)
+            made[dense] = Vlm(ckpt, model, tokens, image, features, positions, delta, rows)
+        return made[dense]
+
+    return make
+
+
+def image_segment(vlm: Vlm, cache, start: int = 0, stop: int | None = None, **kw) -> Segment:
+    """The prompt's rows [start, stop) with their image features and positions."""
+    stop = len(vlm.tokens) if stop is None else stop
+    inside = vlm.rows[(vlm.rows >= start) & (vlm.rows < stop)]
+    return Segment(vlm.tokens[start:stop], cache, features=(inside - start, vlm.features[mx.array(inside - vlm.rows[0])]),
+                   positions=vlm.positions[:, start:stop], **kw)
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "moe"])
+def test_image_prompt_matches_transformers(vlms, dense):
+    vlm = vlms(dense)
+    model, tokens, delta, rows = vlm.model, vlm.tokens, vlm.delta, vlm.rows
+    config = json.loads((vlm.ckpt / "config.json").read_text())
+    ref_logits, ref_tokens, ref_steps = reference_run(vlm.ckpt, tokens, vlm.image, config["image_token_id"])
     assert delta < 0  # the image's rows take fewer positions than rows
-    rows = np.flatnonzero(np.asarray(tokens) == pad)
 
     # the prompt in two chunks, the first ending inside the image
     cache = model.make_cache(64)
     empty = cache.snapshot()
     cut = int(rows[len(rows) // 2])
-    chunks = []
-    for start, stop in [(0, cut), (cut, len(tokens))]:
-        inside = rows[(rows >= start) & (rows < stop)]
-        seg = Segment(tokens[start:stop], cache, features=(inside - start, features[mx.array(inside - rows[0])]),
-                      positions=positions[:, start:stop])
-        chunks.append(model.forward_batch([seg])[0][0])
+    chunks = [model.forward_batch([image_segment(vlm, cache, start, stop)])[0][0]
+              for start, stop in [(0, cut), (cut, len(tokens))]]
     logits = np.array(mx.concatenate(chunks))
     assert cache.position_delta == delta
     err = rel(logits, ref_logits)
@@ -119,9 +149,30 @@ def test_image_prompt_matches_transformers(synth_dir, tmp_path, dense):
     assert mx.array_equal(model.forward(tokens[:5], cache)[0], model.forward(tokens[:5], fresh)[0])
 
 
-def test_image_segments_are_checked(synth_dir, tmp_path):
-    ckpt = synth_dir("target", "bf16", dense=True)
-    model = load_model(build_pack(ckpt, tmp_path / "pack"), dtype="float32")
+def test_an_image_prompt_batched_with_text_is_as_alone(vlms):
+    """One forward of the image prompt beside two text segments of its length (those two
+    stack, the image one runs its rotary alone), then a decode step of all three."""
+    vlm = vlms(False)
+    model, n = vlm.model, len(vlm.tokens)
+    texts = [[int(t) for t in np.random.default_rng(seed).integers(0, 500, n)] for seed in (5, 6)]
+
+    def run(batched: bool):
+        caches = [model.make_cache(64) for _ in range(3)]
+        first = [image_segment(vlm, caches[0], taps=("embedding",))] + [Segment(t, c) for t, c in zip(texts, caches[1:])]
+        second = [Segment([7], c, logits="last") for c in caches]
+        if batched:
+            return model.forward_batch(first) + model.forward_batch(second)
+        return [model.forward_batch([s])[0] for s in first + second]
+
+    alone, together = run(False), run(True)
+    for (a, a_taps), (b, b_taps) in zip(alone, together):
+        assert rel(np.array(b), np.array(a)) < 1e-5
+    # the embedding tap is the features at the image rows, as transformers' hidden_states[0]
+    np.testing.assert_array_equal(np.array(together[0][1])[vlm.rows], np.array(vlm.features))
+
+
+def test_image_segments_are_checked(vlms):
+    model = vlms(True).model
     cache, h = model.make_cache(16), model.args.hidden_size
     with pytest.raises(ValueError, match=r"positions must be ints \[3, 3\]"):
         model.forward_batch([Segment([1, 2, 3], cache, positions=np.zeros((3, 2), np.int64))])

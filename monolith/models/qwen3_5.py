@@ -22,8 +22,8 @@ from ..kernels import add_rms_norm
 from .cache import SPARE_ROWS, GDNState, HybridCache, KVCache
 from .layers import Embedding, cast, rms_norm, run_now
 from .mixers import Attention, GatedDeltaNet, Span
-from .mrope import mrope_angles
 from .mlp import MLP, SparseMoeBlock
+from .mrope import mrope_angles
 from .target_args import ConfigError, ModelArgs
 
 # Named taps, beside the decoder layer ids (each [T, hidden] in the compute dtype): what a
