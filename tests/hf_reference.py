@@ -101,3 +101,37 @@ def reference_outputs(model, token_ids) -> tuple[np.ndarray, list[np.ndarray]]:
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
     return out.logits[0].float().numpy(), [h[0].float().numpy() for h in out.hidden_states]
+
+
+def build_vlm_reference(ckpt_dir):
+    """transformers' Qwen3_5ForConditionalGeneration (or the MoE class) in float32 with the
+    checkpoint's dequantized language-model weights and its `model.visual.*` tensors."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    ckpt = open_checkpoint(ckpt_dir)
+    moe = ckpt.architecture == "qwen3_5_moe"
+    fields = {k: v for k, v in ckpt.config.items() if k not in ("architectures", "model_type", "dtype")}
+    fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "quantization_config"}
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(**fields)
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = config.vision_config._attn_implementation = "eager"
+    config.text_config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model_class = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    model = model_class(config).to(torch.float32).eval()
+    state = {}
+    for name, value in _float_weights(ckpt).items():
+        name = "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+        state[name] = torch.from_numpy(np.array(value, dtype=np.float32))
+    for name in ckpt.tensor_names():
+        if name.startswith("model.visual."):
+            state[name] = torch.from_numpy(ckpt.read_float(name).copy())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise AssertionError(f"reference weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model

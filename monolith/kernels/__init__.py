@@ -5,7 +5,7 @@ and MLX's CUDA backend).
 MONOLITH_KERNELS=reference|metal forces one (metal without Metal raises)."""
 
 from .add_norm import add_rms_norm
-from .attention import attention_prologue
+from .attention import attention_prologue, attention_prologue_at
 from .check import check_kernels
 from .combine import moe_combine
 from .embedding import nvfp4_embedding
@@ -17,7 +17,8 @@ from .replay import gdn_replay
 from .router import moe_route
 
 __all__ = [
-    "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue", "backend",
+    "ENV", "KernelBackendError", "Launch", "MetalKernel", "Premix", "add_rms_norm", "attention_prologue",
+    "attention_prologue_at", "backend",
     "check_kernels", "gated_delta", "gated_delta_rows", "gated_rms_norm", "gdn_premix", "gdn_replay", "gpu_backend",
     "moe_combine", "moe_route", "nvfp4_embedding", "on_gpu", "use_metal",
 ]

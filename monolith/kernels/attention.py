@@ -28,8 +28,8 @@ def _check(qkv, heads, kv_heads, head_dim, rotary_dim):
                          f"{head_dim}")
 
 
-def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps):
-    _check(qkv, heads, kv_heads, head_dim, rotary_dim)
+def _split_norm(qkv, q_norm, k_norm, heads, kv_heads, head_dim, eps):
+    """(q [B, H, T, D], k [B, KVH, T, D] normed, not rotated; v [B, T, KVH, D]; gate [B, T, H*D])."""
     b, t, _ = qkv.shape
     n, d, kv = heads, head_dim, kv_heads
     q_gate = qkv[..., :2 * n * d].reshape(b, t, n, 2 * d)
@@ -38,9 +38,38 @@ def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim
     v = qkv[..., (2 * n + kv) * d:].reshape(b, t, kv, d)
     q = cast(mx.fast.rms_norm(q, q_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
     k = cast(mx.fast.rms_norm(k, k_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
+    return q, k, v, gate
+
+
+def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps):
+    _check(qkv, heads, kv_heads, head_dim, rotary_dim)
+    q, k, v, gate = _split_norm(qkv, q_norm, k_norm, heads, kv_heads, head_dim, eps)
     q = mx.fast.rope(q, rotary_dim, traditional=False, base=rope_theta, scale=1.0, offset=offset)
     k = mx.fast.rope(k, rotary_dim, traditional=False, base=rope_theta, scale=1.0, offset=offset)
     return q, k, v.transpose(0, 2, 1, 3), mx.sigmoid(gate)
+
+
+def rotate(x: mx.array, angles: mx.array) -> mx.array:
+    """Rotate-half RoPE of x [B, heads, T, D] by per-row angles [T, R / 2] on its first R
+    dims, in float32, back in x's dtype."""
+    half = angles.shape[-1]
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    x1, x2 = x[..., :half].astype(mx.float32), x[..., half:2 * half].astype(mx.float32)
+    turned = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return turned if 2 * half == x.shape[-1] else mx.concatenate([turned, x[..., 2 * half:]], axis=-1)
+
+
+def attention_prologue_at(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, angles: mx.array, heads: int,
+                          kv_heads: int, head_dim: int, eps: float):
+    """`attention_prologue` for one sequence (B = 1) whose rows turn by given rotary angles
+    [T, rotary_dim / 2] (the multimodal positions of models/mrope.py) instead of at
+    offset + t. MLX operations, not the fused kernel: it runs once per image prefill."""
+    _check(qkv, heads, kv_heads, head_dim, 2 * angles.shape[-1])
+    if qkv.shape[0] != 1 or angles.shape[0] != qkv.shape[1]:
+        raise ValueError(f"attention_prologue_at: one sequence with one angle row per row, got qkv {qkv.shape}, "
+                         f"angles {angles.shape}")
+    q, k, v, gate = _split_norm(qkv, q_norm, k_norm, heads, kv_heads, head_dim, eps)
+    return rotate(q, angles), rotate(k, angles), v.transpose(0, 2, 1, 3), mx.sigmoid(gate)
 
 
 def launch(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim, rope_theta, eps) -> Launch:

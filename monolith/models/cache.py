@@ -165,6 +165,11 @@ class HybridCache:
         self.tape_offset: int | None = None  # where the recorded forward started
         self._gdn = [layer for layer in layers if isinstance(layer, GDNState)]
         self._recording = False  # the next forward keeps its tapes
+        # multimodal positions (docs/target.md, "Images in the forward"): row i >= delta_from
+        # sits at rotary position i + position_delta; rows before plain_until at i
+        self.position_delta = 0
+        self.plain_until: int | None = None  # None: every row so far is plain text
+        self.delta_from = 0
 
     def _record(self, on: bool) -> None:
         if on or self._recording:
@@ -192,8 +197,14 @@ class HybridCache:
                 "after rewind(), restore() a snapshot taken at that offset"
             )
 
-    def advance(self, rows: int) -> None:
-        """Called by the model after laying out a forward of `rows` rows."""
+    def advance(self, rows: int, position_delta: int | None = None) -> None:
+        """Called by the model after laying out a forward of `rows` rows; `position_delta`
+        when they had explicit multimodal positions: the rows after them continue at
+        index + position_delta."""
+        if position_delta is not None:
+            if self.plain_until is None:
+                self.plain_until = self.offset
+            self.position_delta, self.delta_from = position_delta, self.offset + rows
         self.tape_offset = self.offset if self._recording else None
         if self._recording:  # only the forward after snapshot(record=True) keeps tapes
             for layer in self._gdn:
@@ -210,7 +221,18 @@ class HybridCache:
         touched: restore a snapshot for them)."""
         if not 0 <= offset <= self.offset:
             raise CacheError(f"cannot rewind to {offset}: the cache holds {self.offset} rows")
+        self._positions_at(offset)
         self.offset = offset
+
+    def _positions_at(self, offset: int) -> None:
+        """Going back to `offset` rows: the position delta stays past the last forward with
+        multimodal positions and is 0 before the first; in between it is not known."""
+        if self.plain_until is None or offset >= self.delta_from:
+            return
+        if offset > self.plain_until:
+            raise CacheError(f"cannot go back to {offset} rows: inside the rows [{self.plain_until}, "
+                             f"{self.delta_from}) laid out with multimodal positions")
+        self.position_delta, self.plain_until, self.delta_from = 0, None, 0
 
     def snapshot(self, record: bool = False) -> Snapshot:
         """The states after the committed rows; with `record`, the next forward keeps
@@ -226,6 +248,7 @@ class HybridCache:
             raise CacheError(f"snapshot has {len(snap.states)} GDN states, the cache has {len(self._gdn)}")
         if snap.offset > self.written:
             raise CacheError(f"snapshot at offset {snap.offset} is ahead of the KV rows written ({self.written})")
+        self._positions_at(snap.offset)
         for layer, (conv, recurrent) in zip(self._gdn, snap.states):
             layer.conv, layer.recurrent = conv, recurrent
         self.offset = self.state_offset = snap.offset

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..kernels import (
     attention_prologue,
+    attention_prologue_at,
     gated_delta,
     gated_delta_rows,
     gated_rms_norm,
@@ -26,11 +27,15 @@ from .target_args import ModelArgs
 
 class Span(NamedTuple):
     """Rows [start, stop) of the packed rows belong to one segment, whose first row is at
-    position `offset` of its sequence."""
+    index `offset` of its sequence (its KV row) and rotary position offset + `shift` (the
+    cache's position delta after an image), or turns by `angles` [T, rotary_dim / 2] when
+    the segment brings multimodal positions (models/mrope.py)."""
 
     start: int
     stop: int
     offset: int
+    shift: int = 0
+    angles: mx.array | None = None
 
     def of(self, x: mx.array) -> mx.array:
         """The span's rows of packed x [1, N, ...] (x itself when they are all of them)."""
@@ -104,6 +109,25 @@ def _same_length(spans: list[Span]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _rotary_groups(spans: list[Span]) -> list[list[int]]:
+    """The attention prologue's batches: each segment alone on Metal or when it brings its
+    own rotary angles, otherwise the segments of equal row count together."""
+    if use_metal():
+        return [[i] for i in range(len(spans))]
+    alone = [[i] for i, span in enumerate(spans) if span.angles is not None]
+    if not alone:
+        return _same_length(spans)
+    rest = [i for i, span in enumerate(spans) if span.angles is None]
+    return alone + [[rest[j] for j in g] for g in _same_length([spans[i] for i in rest])]
+
+
+def _positions(members: list[Span]):
+    """The rotary position of row 0: an int for one segment, int32 [G] for a stacked group."""
+    if len(members) == 1:
+        return members[0].offset + members[0].shift
+    return mx.array([m.offset + m.shift for m in members], mx.int32)
+
+
 def _in_order(spans: list[Span]) -> bool:
     return all(a.stop == b.start for a, b in itertools.pairwise(spans))
 
@@ -146,13 +170,17 @@ class Attention:
         runs stacked (each at its own offset); the cache update and SDPA are per segment."""
         qkv = self.qkv(x)
         outs: list = [None] * len(spans)
-        for group in [[i] for i in range(len(spans))] if use_metal() else _same_length(spans):
+        for group in _rotary_groups(spans):
             members = [spans[i] for i in group]
             t = members[0].stop - members[0].start
-            offset = members[0].offset if len(group) == 1 else mx.array([m.offset for m in members], mx.int32)
-            q, k, v, gate = attention_prologue(_stack_rows(qkv, members), self.q_norm, self.k_norm, offset,
-                                               self.heads, self.kv_heads, self.head_dim, self.rotary_dim,
-                                               self.rope_theta, self.eps)
+            if members[0].angles is not None:  # multimodal positions: the MLX reference rotary
+                q, k, v, gate = attention_prologue_at(members[0].of(qkv), self.q_norm, self.k_norm,
+                                                      members[0].angles, self.heads, self.kv_heads,
+                                                      self.head_dim, self.eps)
+            else:
+                q, k, v, gate = attention_prologue(_stack_rows(qkv, members), self.q_norm, self.k_norm,
+                                                   _positions(members), self.heads, self.kv_heads, self.head_dim,
+                                                   self.rotary_dim, self.rope_theta, self.eps)
             for j, i in enumerate(group):
                 one = member(j, len(group))
                 keys, values = caches[i].update(one(k), one(v), spans[i].offset)

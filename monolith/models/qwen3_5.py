@@ -4,7 +4,8 @@ the 35B-A3B). The math is docs/target.md; weights come from a pack (weights.py),
 arguments from config.json (target_args.py); the mixers are mixers.py, the MLPs mlp.py.
 
 A forward takes segments: T_i >= 1 new rows of each of several independent sequences,
-each continuing at its own cache's offset. The rows of all segments are packed [sum T_i, H]
+each continuing at its own cache's offset (its rotary position: the offset plus the
+cache's `position_delta`, or the multimodal positions a segment with images brings). The rows of all segments are packed [sum T_i, H]
 through every linear (embedding, projections, MLP / MoE, lm_head: the weight-bound part);
 only the mixers (attention over a sequence's own KV, the gated DeltaNet's own conv and
 recurrent state) run per segment on its slice of the rows. One sequence is one segment.
@@ -22,6 +23,7 @@ from .cache import SPARE_ROWS, GDNState, HybridCache, KVCache
 from .layers import Embedding, cast, rms_norm, run_now
 from .mixers import Attention, GatedDeltaNet, Span
 from .mlp import MLP, SparseMoeBlock
+from .mrope import mrope_angles
 from .target_args import ConfigError, ModelArgs
 
 # Named taps, beside the decoder layer ids (each [T, hidden] in the compute dtype): what a
@@ -36,12 +38,21 @@ NAMED_TAPS = (EMBEDDING_TAP, FINAL_NORM_TAP)
 class Segment:
     """One sequence's part of a batched forward: `tokens` (int32 mx.array [T] or a list
     of ids) continuing at `cache.offset`, the decoder layers whose outputs to return
-    (`taps`: layer ids or NAMED_TAPS), and which rows' logits: "all", the "last" row only, or "none"."""
+    (`taps`: layer ids or NAMED_TAPS), and which rows' logits: "all", the "last" row only, or "none".
+
+    A segment with images (docs/target.md, "Images in the forward") brings `features`
+    (rows: int indices into its T rows, values [len(rows), hidden]: the vision tower's
+    merged features, which replace those rows' token embeddings) and/or `positions`
+    ([3, T] ints: the temporal, height, width rotary positions of its rows, as
+    models/mrope.py's rope_positions gives them for the whole prompt). After a segment with
+    positions the cache's rows continue at index + (last position + 1 - rows so far)."""
 
     tokens: mx.array | list[int]
     cache: HybridCache
     taps: tuple[int, ...] = ()
     logits: str = "all"
+    features: tuple | None = None
+    positions: np.ndarray | None = None
 
 
 class DecoderLayer:
@@ -74,7 +85,7 @@ def _spans(caches: list, rows: list[int]) -> list[Span]:
         cache.check(n)
     spans, start = [], 0
     for cache, n in zip(caches, rows):
-        spans.append(Span(start, start + n, cache.offset))
+        spans.append(Span(start, start + n, cache.offset, cache.position_delta))
         start += n
     return spans
 
@@ -152,13 +163,16 @@ class Qwen3_5:
         None). Every segment is checked against its cache before any work; a segment whose
         cache took `snapshot(record=True)` records its tapes, the others do not."""
         tokens, taps, spans = self.layout(segments)
-        x = self.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))[None]
+        x = self.embed_tokens(tokens[0] if len(tokens) == 1 else mx.concatenate(tokens))
+        x = self._place_features(x, segments, spans)[None]
         wanted = {i for t in taps for i in t}
         embedded = x[0]
         x, normed, tapped = self.run_layers(x, segments, spans, wanted)
         add_named_taps(tapped, wanted, embedded, normed)
         for s, span in zip(segments, spans):
-            s.cache.advance(span.stop - span.start)
+            rows = span.stop - span.start
+            delta = None if s.positions is None else int(s.positions.max()) + 1 - span.offset - rows
+            s.cache.advance(rows, delta)
         return [(logits, self._hidden(tapped, t, span)) for logits, t, span in
                 zip(self._logits(normed[0], segments, spans), taps, spans)]
 
@@ -186,7 +200,42 @@ class Qwen3_5:
                 raise ValueError(f'logits must be "all", "last" or "none", got {s.logits!r}')
             tokens.append(self._tokens(s.tokens))
             taps.append(self._taps(s.taps))
-        return tokens, taps, _spans([s.cache for s in segments], [ids.shape[0] for ids in tokens])
+            self._check_images(s, tokens[-1].shape[0])
+        spans = _spans([s.cache for s in segments], [ids.shape[0] for ids in tokens])
+        return tokens, taps, [span if s.positions is None else span._replace(angles=mrope_angles(
+            s.positions, self.args.rotary_dim, self.args.rope_theta, self.args.mrope_section))
+            for s, span in zip(segments, spans)]
+
+    def _check_images(self, s: Segment, rows: int) -> None:
+        """A segment's features and positions fit its rows (ValueError before any work)."""
+        if s.features is None and s.positions is None:
+            return
+        if len(self.owned) != self.args.num_hidden_layers or not self.head:
+            raise ValueError("image features and multimodal positions need the whole model, not a pipeline stage")
+        if s.positions is not None:
+            positions = np.asarray(s.positions)
+            if positions.shape != (3, rows) or positions.dtype.kind not in "iu":
+                raise ValueError(f"positions must be ints [3, {rows}], got {positions.dtype} {positions.shape}")
+            if self.args.mrope_section is None:
+                raise ValueError("multimodal positions need mrope_interleaved true in rope_parameters")
+        if s.features is not None:
+            at, values = s.features
+            at = np.asarray(at)
+            if at.ndim != 1 or values.shape != (at.shape[0], self.args.hidden_size):
+                raise ValueError(f"features must be (rows [n], values [n, {self.args.hidden_size}]), got "
+                                 f"{at.shape} and {tuple(values.shape)}")
+            if at.size and (at.min() < 0 or at.max() >= rows or np.unique(at).size != at.size):
+                raise ValueError(f"feature rows must be distinct rows in [0, {rows})")
+
+    def _place_features(self, x: mx.array, segments: list[Segment], spans: list[Span]) -> mx.array:
+        """Packed token embeddings x [N, H] with the segments' image features in their rows."""
+        placed = [(span.start + np.asarray(s.features[0], np.int64), s.features[1])
+                  for s, span in zip(segments, spans) if s.features is not None and len(s.features[0])]
+        if not placed:
+            return x
+        rows = mx.array(np.concatenate([at for at, _ in placed]).astype(np.int32))
+        x[rows] = mx.concatenate([values.astype(x.dtype) for _, values in placed])
+        return x
 
     def run_layers(self, x: mx.array, segments: list, spans: list[Span], wanted: set[int]):
         """The layers this model holds over packed rows x [1, N, H]: (their output, it

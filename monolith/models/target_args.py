@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checkpoint.config import QWEN3_5_MOE
+from .mrope import DEFAULT_SECTION, mrope_section
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,8 @@ class ModelArgs:
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int | None = None
+    # the multimodal rotary's frequency counts (models/mrope.py); None: not interleaved
+    mrope_section: tuple[int, int, int] | None = DEFAULT_SECTION
 
     @property
     def rotary_dim(self) -> int:
@@ -103,7 +106,19 @@ class ModelArgs:
             num_experts_per_tok=need("num_experts_per_tok") if moe else None,
             moe_intermediate_size=need("moe_intermediate_size") if moe else None,
             shared_expert_intermediate_size=need("shared_expert_intermediate_size") if moe else None,
+            mrope_section=_section(rope, where),
         )
+
+
+def _section(rope: dict, where: str) -> tuple[int, int, int] | None:
+    """The interleaved multimodal rotary's section, None when the layout is not interleaved
+    (text still runs; multimodal positions are refused then)."""
+    if rope.get("mrope_interleaved", True) is not True:
+        return None
+    try:
+        return mrope_section(rope)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _eos_ids(*configs) -> tuple[int, ...]:
