@@ -183,13 +183,13 @@ class Chat:
         try:
             def export():
                 held, rows, snapshot = self.session.export(conversation.tokens, drafter is not None)
-                return held, *host_arrays(rows, snapshot.states)
+                return held, *host_arrays(rows, snapshot.states), snapshot.positions
 
-            held, host_rows, host_states = engine.call(export)
+            held, host_rows, host_states, positions = engine.call(export)
             about = {"system": conversation.system, "turns": conversation.turns, "tokens": conversation.tokens,
                      "template_kwargs": conversation.template_kwargs}
             size = write_state_file(path, identity(engine.model, drafter), conversation.tokens[:held], 0, host_rows,
-                                    host_states, {"conversation": json.dumps(about)})
+                                    host_states, {"conversation": json.dumps(about)}, positions)
         except (OSError, ValueError) as e:
             return f"(cannot save: {e})"
         return f"(saved {conversation.turns} turns, {held} tokens of state, {size / 2**20:.1f} MiB to {path})"

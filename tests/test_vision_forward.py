@@ -181,3 +181,36 @@ def test_image_segments_are_checked(vlms):
     with pytest.raises(ValueError, match="distinct rows"):
         model.forward_batch([Segment([1, 2, 3], cache, features=(np.array([3]), mx.zeros((1, h))))])
     assert cache.offset == 0
+
+
+def test_a_saved_state_after_an_image_decodes_as_the_live_cache(vlms, tmp_path):
+    """The prompt cache's saved state after an image prompt, restored into a fresh cache
+    (in memory, and through a state file), decodes at the image's position delta: the
+    same logits as continuing the original cache."""
+    from monolith.runtime.prompt_cache import PromptCache, layout_of, row_layers
+    from monolith.runtime.state_file import device_rows, device_snapshot, host_arrays, read_state_file, write_state_file
+
+    vlm = vlms(False)
+    model, n = vlm.model, len(vlm.tokens)
+    live = model.make_cache(64)
+    model.forward_batch([image_segment(vlm, live)])
+    assert live.position_delta == vlm.delta != 0
+    node = PromptCache(1 << 30).insert(vlm.tokens, live, live.snapshot(), None)
+    rows = [layer.rows(0, n) for layer in row_layers(live, None)]
+
+    def decode(cache):
+        steps = [model.forward_batch([Segment([t], cache, logits="last")])[0][0] for t in (7, 11)]
+        return np.array(mx.concatenate(steps))
+
+    memory = model.make_cache(64)
+    PromptCache(1 << 30).load(node, memory, None)
+    path = tmp_path / "image.safetensors"
+    write_state_file(path, {}, vlm.tokens, 0, *host_arrays(rows, node.state.states), positions=node.state.positions)
+    stored = read_state_file(path, {}, layout_of(model), vlm.tokens)
+    disk = model.make_cache(64)
+    for layer, (keys, values) in zip(row_layers(disk, None), device_rows(stored, layout_of(model))):
+        layer.write(0, keys, values)
+    disk.adopt(device_snapshot(stored))
+    expected = decode(live)
+    np.testing.assert_array_equal(decode(memory), expected)
+    np.testing.assert_array_equal(decode(disk), expected)

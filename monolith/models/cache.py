@@ -144,13 +144,18 @@ class GDNState:
         return self.conv.nbytes + self.recurrent.nbytes
 
 
+PLAIN = (0, None, 0)  # the positions of a cache that holds only text
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """GDN states (conv, recurrent) per linear-attention layer, in layer order, valid
-    after exactly `offset` rows."""
+    after exactly `offset` rows, and the cache's multimodal positions there
+    (position_delta, plain_until, delta_from; PLAIN for text only)."""
 
     offset: int
     states: tuple[tuple[mx.array, mx.array], ...]
+    positions: tuple[int, int | None, int] = PLAIN
 
 
 class HybridCache:
@@ -239,7 +244,12 @@ class HybridCache:
         the tapes `commit` replays (they cost ~0.5 ms a step on the CPU: only a
         speculative verify asks for them)."""
         self._record(record)
-        return Snapshot(self.state_offset, tuple((s.conv, s.recurrent) for s in self._gdn))
+        return Snapshot(self.state_offset, tuple((s.conv, s.recurrent) for s in self._gdn), self.positions)
+
+    @property
+    def positions(self) -> tuple[int, int | None, int]:
+        """(position_delta, plain_until, delta_from), as a snapshot keeps them."""
+        return self.position_delta, self.plain_until, self.delta_from
 
     def restore(self, snap: Snapshot) -> None:
         """Put back the GDN states of `snap` and set the offset to snap.offset, which may
@@ -248,7 +258,13 @@ class HybridCache:
             raise CacheError(f"snapshot has {len(snap.states)} GDN states, the cache has {len(self._gdn)}")
         if snap.offset > self.written:
             raise CacheError(f"snapshot at offset {snap.offset} is ahead of the KV rows written ({self.written})")
-        self._positions_at(snap.offset)
+        before = self.positions
+        self.position_delta, self.plain_until, self.delta_from = snap.positions
+        try:
+            self._positions_at(snap.offset)
+        except CacheError:
+            self.position_delta, self.plain_until, self.delta_from = before
+            raise
         for layer, (conv, recurrent) in zip(self._gdn, snap.states):
             layer.conv, layer.recurrent = conv, recurrent
         self.offset = self.state_offset = snap.offset
@@ -267,7 +283,7 @@ class HybridCache:
                              f"(recorded: {self.tape_offset}); take the snapshot with record=True")
         states = tuple(layer.tape.replay(conv.shape[1], recurrent, rows)
                        for layer, (conv, recurrent) in zip(self._gdn, snap.states))
-        self.restore(Snapshot(snap.offset + rows, states))
+        self.restore(Snapshot(snap.offset + rows, states, self.positions))
 
     def arrays(self) -> list[mx.array]:
         """Every state array (to mx.eval between prefill chunks)."""

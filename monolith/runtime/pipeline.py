@@ -125,7 +125,7 @@ class PipelineCache(HybridCache):
     def snapshot(self, record: bool = False) -> Snapshot:
         local = super().snapshot(record)
         sid = self.pipeline.command("snapshot", cid=self.cid, record=record)
-        snap = RemoteSnapshot(local.offset, local.states, sid)
+        snap = RemoteSnapshot(local.offset, local.states, local.positions, sid)
         weakref.finalize(snap, self.pipeline.forget, "snapshots", sid)
         return snap
 

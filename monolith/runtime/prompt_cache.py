@@ -180,7 +180,8 @@ class PromptCache:
             raise ValueError("a saved state's layers differ from the earlier saved states' (one prompt cache serves "
                              "one target and draft)")
         # copies: a conv state is a view of its forward's whole pre-conv window (K-1+T rows)
-        state = Snapshot(state.offset, tuple((mx.array(conv), mx.array(recurrent)) for conv, recurrent in state.states))
+        state = Snapshot(state.offset, tuple((mx.array(conv), mx.array(recurrent)) for conv, recurrent in state.states),
+                         state.positions)
         mx.eval([a for pair in state.states for a in pair])
         node = self._add(tokens, state, lambda start, end: [layer.rows(start, end) for layer in layers])
         if node is not None and self.store is not None:

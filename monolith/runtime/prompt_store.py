@@ -203,7 +203,7 @@ class PromptStore:
         path = self.directory / (file_key(self.ident, key) + SUFFIX)
         entry = _Entry(path, base, node.end, hashes[base] if base else "", 0, 0.0, pending=True)
         try:
-            self._queue.put_nowait((key, entry, tokens, host_rows, host_states))
+            self._queue.put_nowait((key, entry, tokens, host_rows, host_states, node.state.positions))
         except queue.Full:
             log.debug("prompt-cache writes are behind: the saved state of %d tokens is not persisted", node.end)
             return
@@ -216,9 +216,9 @@ class PromptStore:
             if item is None:
                 self._queue.task_done()
                 return
-            key, entry, tokens, rows, states = item
+            key, entry, tokens, rows, states, positions = item
             try:
-                size = write_state_file(entry.path, self.ident, tokens, entry.start, rows, states)
+                size = write_state_file(entry.path, self.ident, tokens, entry.start, rows, states, positions=positions)
             except OSError as e:
                 log.warning("cannot write prompt-cache file %s: %s", entry.path, e)
                 self._forget(key)

@@ -9,6 +9,9 @@ layers then the draft's) and the GDN states after `end` rows (`state.{j}.conv` /
 target's pack_sha256, the draft pack's, the compute dtype, the device and the MLX
 version), the SHA-256 of the token prefix [0, end) and of [0, start) (the file that
 holds the rows before it; "" when start is 0), and the SHA-256 of every tensor's bytes.
+After an image it also holds `positions`, the cache's multimodal positions at `end`
+(JSON [position_delta, plain_until, delta_from], docs/target.md "Images in the forward");
+a text-only file has no such key (its bytes are as before), which reads as text only.
 
 Reading checks all of it (the header, the identity, the tokens against the prompt, every
 tensor's hash, names, shapes and dtypes against the live caches): a corrupt, truncated or
@@ -32,7 +35,7 @@ import numpy as np
 
 from ..formats.nvfp4 import FormatError
 from ..formats.stfile import SafetensorsFile, write_safetensors
-from ..models.cache import Snapshot
+from ..models.cache import PLAIN, Snapshot
 
 FORMAT = "monolith-prompt-checkpoint"  # the on-disk format name, kept: files written before the rename still load
 VERSION = "1"
@@ -87,6 +90,11 @@ class Stored:
     def end(self) -> int:
         return self.start + len(self.tokens)
 
+    @property
+    def positions(self) -> tuple[int, int | None, int]:
+        """The multimodal positions after `end` (PLAIN when the file has none)."""
+        return _positions(self.metadata)
+
 
 def host_arrays(rows: list[tuple[mx.array, mx.array]], states) -> tuple[list, list]:
     """The rows and states on the host as (safetensors dtype, stored bits) pairs."""
@@ -100,8 +108,9 @@ def host_arrays(rows: list[tuple[mx.array, mx.array]], states) -> tuple[list, li
 
 
 def write_state_file(path: Path, ident: dict[str, str], tokens: Sequence[int], start: int, rows, states,
-                     extra: dict[str, str] | None = None) -> int:
-    """Write the state file of tokens[start:] (host_arrays) at `path`, atomically; its size."""
+                     extra: dict[str, str] | None = None, positions=PLAIN) -> int:
+    """Write the state file of tokens[start:] (host_arrays) at `path`, atomically; its size.
+    `positions`: the Snapshot's multimodal positions after the tokens."""
     tensors = {"tokens": ("I32", np.asarray(tokens[start:], dtype=np.int32))}
     for i, (keys, values) in enumerate(rows):
         tensors[f"rows.{i}.keys"], tensors[f"rows.{i}.values"] = keys, values
@@ -112,6 +121,8 @@ def write_state_file(path: Path, ident: dict[str, str], tokens: Sequence[int], s
                 "start": str(start), "end": str(len(tokens)), "prefix_sha256": prefix_hash(tokens),
                 "base_sha256": prefix_hash(tokens[:start]) if start else "",
                 "tensors_sha256": json.dumps(hashes, sort_keys=True), **(extra or {})}
+    if tuple(positions) != PLAIN:
+        metadata["positions"] = json.dumps(list(positions))
     return write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
@@ -190,6 +201,7 @@ def _check_header(f: SafetensorsFile, ident: dict[str, str], layout) -> tuple[in
         theirs = json.loads(meta["identity"])
         start, end = int(meta["start"]), int(meta["end"])
         hashes = json.loads(meta["tensors_sha256"])
+        _positions(meta)
     except (KeyError, ValueError, TypeError) as e:
         raise bad(f"malformed metadata ({e})") from None
     if theirs != ident:
@@ -204,6 +216,15 @@ def _check_header(f: SafetensorsFile, ident: dict[str, str], layout) -> tuple[in
     return start, end, hashes
 
 
+def _positions(meta: dict[str, str]) -> tuple[int, int | None, int]:
+    if "positions" not in meta:
+        return PLAIN
+    delta, plain_until, delta_from = json.loads(meta["positions"])
+    if not (isinstance(delta, int) and isinstance(delta_from, int) and isinstance(plain_until, int)):
+        raise ValueError(f"positions {meta['positions']} are not three ints")
+    return delta, plain_until, delta_from
+
+
 def device_rows(stored: Stored, layout) -> list[tuple[mx.array, mx.array]]:
     def device(a: np.ndarray, dtype) -> mx.array:
         return mx.array(a).view(mx.bfloat16) if dtype == mx.bfloat16 else mx.array(a)
@@ -212,4 +233,4 @@ def device_rows(stored: Stored, layout) -> list[tuple[mx.array, mx.array]]:
 
 
 def device_snapshot(stored: Stored) -> Snapshot:
-    return Snapshot(stored.end, tuple((mx.array(c), mx.array(r)) for c, r in stored.states))
+    return Snapshot(stored.end, tuple((mx.array(c), mx.array(r)) for c, r in stored.states), stored.positions)
