@@ -207,6 +207,10 @@ def test_a_saved_state_after_an_image_decodes_as_the_live_cache(vlms, tmp_path):
     path = tmp_path / "image.safetensors"
     write_state_file(path, {}, vlm.tokens, 0, *host_arrays(rows, node.state.states), positions=node.state.positions)
     stored = read_state_file(path, {}, layout_of(model), vlm.tokens)
+    assert json.loads(stored.metadata["positions"]) == list(live.positions)
+    text = tmp_path / "text.safetensors"  # a text-only state keeps the metadata it always had
+    write_state_file(text, {}, vlm.tokens, 0, *host_arrays(rows, node.state.states))
+    assert "positions" not in read_state_file(text, {}, layout_of(model)).metadata
     disk = model.make_cache(64)
     for layer, (keys, values) in zip(row_layers(disk, None), device_rows(stored, layout_of(model))):
         layer.write(0, keys, values)
