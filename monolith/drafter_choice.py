@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .runtime.calibrate import PAY_MARGIN, BreakEven, measure_acceptance, measure_break_even
+from .runtime.calibrate import BreakEven, measure_acceptance, measure_break_even, pays
 from .runtime.rounds import check_gamma
 from .sampling import SamplingParams
 from .tokenizer import TokenizerError
@@ -61,7 +61,7 @@ class Measured:
 
     @property
     def pays(self) -> bool:
-        return self.tokens is not None and _pays(self.cost.steps, self.tokens)
+        return self.tokens is not None and pays(self.cost.steps, self.tokens)
 
     def describe(self) -> str:
         cost = f"a round of {self.gamma} proposals costs {self.cost.describe()}"
@@ -70,10 +70,6 @@ class Measured:
                     "(acceptance not measured)")
         return (f"{self.candidate.name}: {self.tokens:.2f} tokens a round, {cost}: {self.speed:.2f}x plain"
                 + ("" if self.pays else ", does not pay"))
-
-
-def _pays(cost: float, tokens: float) -> bool:
-    return cost <= (1 - PAY_MARGIN) * tokens
 
 
 def calibration_prompts(tokenizer) -> list[list[int]]:
@@ -99,11 +95,11 @@ def measure(model, candidate: Candidate, gamma: int, prompts, stops=frozenset(),
     def cost(g: int) -> float:
         return top.steps if one is None else one.steps + (top.steps - one.steps) * (g - 1) / (gamma - 1)
 
-    if not any(_pays(cost(g), g + 1) for g in counts):
+    if not any(pays(cost(g), g + 1) for g in counts):
         best = max(counts, key=lambda g: (g + 1) / cost(g))
         return Measured(candidate, best, top if best == gamma else one, None)
     acceptance = measure_acceptance(model, drafter, gamma, prompts, CALIBRATION_TOKENS, stops)
-    best = max(counts, key=lambda g: acceptance.tokens(g) / max(cost(g), 1e-9))
+    best = max(counts, key=lambda g: acceptance.tokens(g) / cost(g))
     measured = top if best == gamma else one if best == 1 else measure_break_even(model, drafter, best, params)
     return Measured(candidate, best, measured, acceptance.tokens(best))
 
@@ -147,18 +143,19 @@ def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], lo
             log(f"drafting with {candidates[0].name}, the first of {len(candidates)} drafters "
                 "(serve and chat measure which pays)")
         return Choice(candidates[0])
-    block = args.draft_block_size
-    usable = [c for c in candidates if block is None or block <= c.drafter.max_proposals]
+    block, usable = args.draft_block_size, []
     for c in candidates:
-        if c not in usable:
-            log(f"{c.name} is not used: --draft-block-size {args.draft_block_size} is past its "
-                f"{c.drafter.max_proposals} proposals a round")
+        if block is None or block <= c.drafter.max_proposals:
+            usable.append(c)
+        else:
+            log(f"{c.name} is not used: --draft-block-size {block} is past its {c.drafter.max_proposals} "
+                "proposals a round")
     if not usable:
-        return Choice(None, not_drafting=f"drafts loaded, not drafting: --draft-block-size {args.draft_block_size} "
-                                         "is past every draft's proposals a round")
+        return Choice(None, not_drafting=f"drafts loaded, not drafting: --draft-block-size {block} is past every "
+                                         "draft's proposals a round")
     prompts, stops = calibration_prompts(tokenizer), frozenset(tokenizer.eos_token_ids)
-    measured = [measure(model, c, check_gamma(args.draft_block_size, c.drafter.max_proposals), prompts, stops,
-                        fixed_gamma=args.draft_block_size is not None) for c in usable]
+    measured = [measure(model, c, check_gamma(block, c.drafter.max_proposals), prompts, stops,
+                        fixed_gamma=block is not None) for c in usable]
     chosen = choose(measured)
     log(report(measured, chosen))
     if chosen is None:

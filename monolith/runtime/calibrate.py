@@ -12,7 +12,7 @@ served round runs):
   clearly (PAY_MARGIN) below the tokens a round can emit, because a break-even near
   the cut swings across it from start to start on a loaded machine;
 - `measure_acceptance`: the proposals a drafter gets accepted per round, greedy, on the
-  prompts it is given (the start's calibration prompts: drafting_choice.py weighs it
+  prompts it is given (the start's calibration prompts: drafter_choice.py weighs it
   against the break-even to pick the drafter that pays).
 """
 
@@ -181,15 +181,20 @@ def measure_acceptance(model, drafter: Drafter, gamma: int, prompts, max_new: in
     for prompt in prompts:
         rounds = Rounds(model, drafter, SamplingParams(), len(prompt) + max_new + gamma + 2, gamma,
                         FixedScheduler())
-        emitted = [rounds.prefill(prompt)]
-        while len(emitted) < max_new and emitted[-1] not in stops:
+        latest, emitted = [rounds.prefill(prompt)], 1
+        while emitted < max_new and not stops.intersection(latest):
             result = rounds.round(gamma + 1)
             if result.proposed == gamma:
                 accepted.append(result.accepted)
-            emitted += result.tokens
-            if stops.intersection(result.tokens):
-                break
+            latest = result.tokens
+            emitted += len(latest)
     return Acceptance(gamma, tuple(accepted))
+
+
+def pays(cost: float, tokens: float) -> bool:
+    """Does a round that costs `cost` plain steps and emits `tokens` pay? Only when it
+    costs at most (1 - PAY_MARGIN) x those tokens (the module doc says why the margin)."""
+    return cost <= (1 - PAY_MARGIN) * tokens
 
 
 def round_pay_limit(gamma: int) -> float:
@@ -201,4 +206,4 @@ def round_pay_limit(gamma: int) -> float:
 def round_can_pay(break_even: float, gamma: int) -> bool:
     """Can a drafted round of gamma proposals pay? Not when it costs about as many plain
     steps as the tokens it can emit, or more (then decode plainly)."""
-    return break_even <= round_pay_limit(gamma)
+    return pays(break_even, gamma + 1)
