@@ -52,8 +52,13 @@ def reference(qkv, q_norm, k_norm, offset, heads, kv_heads, head_dim, rotary_dim
 def rotate(x: mx.array, angles: mx.array) -> mx.array:
     """Rotate-half RoPE of x [B, heads, T, D] by per-row angles [T, R / 2] on its first R
     dims, in float32, back in x's dtype."""
-    half = angles.shape[-1]
-    cos, sin = mx.cos(angles), mx.sin(angles)
+    return turn(x, mx.cos(angles), mx.sin(angles))
+
+
+def turn(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """`rotate` by the cos and sin [T, R / 2] of the angles (computed once where several
+    tensors turn by the same angles)."""
+    half = cos.shape[-1]
     x1, x2 = x[..., :half].astype(mx.float32), x[..., half:2 * half].astype(mx.float32)
     turned = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return turned if 2 * half == x.shape[-1] else mx.concatenate([turned, x[..., 2 * half:]], axis=-1)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..checkpoint import open_checkpoint
 from ..checkpoint.errors import CheckpointError
+from ..kernels.attention import turn
 
 VISUAL_PREFIXES = ("model.visual.", "model.language_model.visual.")
 LAYER_NORM_EPS = 1e-6
@@ -151,11 +152,6 @@ def gelu_erf(x: mx.array) -> mx.array:
     return 0.5 * x * (1 + mx.erf(x * (1 / math.sqrt(2))))
 
 
-def rotate_half(x: mx.array) -> mx.array:
-    a, b = mx.split(x, 2, axis=-1)
-    return mx.concatenate([-b, a], axis=-1)
-
-
 class VisionTower:
     """The tower on weights named as under `model.visual.` (patch_embed.proj.weight
     flattened to [D, patch_dim]; blocks as one dict each)."""
@@ -194,24 +190,20 @@ class VisionTower:
         return VisionOutput(embeds, x, merged)
 
     def rotary(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
-        """cos, sin [N, 1, head_dim]: a quarter of the head's frequencies on the row, a
-        quarter on the column, the half repeated (rotated as rotate_half pairs)."""
+        """cos, sin [N, head_dim / 2] of each patch's angles: a quarter of the head's
+        frequencies on its row, a quarter on its column (rotate-half pairs)."""
         freqs = mx.array(positions, dtype=mx.float32)[:, :, None] * self.inv_freq  # [N, 2, hd/4]
-        half = freqs.reshape(freqs.shape[0], -1)
-        angles = mx.concatenate([half, half], axis=-1)[:, None, :]
+        angles = freqs.reshape(freqs.shape[0], -1)
         return mx.cos(angles), mx.sin(angles)
 
     def attention(self, x: mx.array, w: dict, cos: mx.array, sin: mx.array, spans) -> mx.array:
         a = self.args
         n = x.shape[0]
-        q, k, v = mx.split(linear(x, w, "attn.qkv").reshape(n, 3, a.num_heads, a.head_dim), 3, axis=1)
-        q, k, v = (t.squeeze(1) for t in (q, k, v))
-        q32, k32 = q.astype(mx.float32), k.astype(mx.float32)
-        q = (q32 * cos + rotate_half(q32) * sin).astype(x.dtype)
-        k = (k32 * cos + rotate_half(k32) * sin).astype(x.dtype)
+        qkv = linear(x, w, "attn.qkv").reshape(n, 3, a.num_heads, a.head_dim).transpose(1, 2, 0, 3)
+        q, k, v = turn(qkv[0], cos, sin), turn(qkv[1], cos, sin), qkv[2]  # [heads, N, head_dim]
         out = []
         for start, end in spans:
-            qs, ks, vs = (t[start:end].transpose(1, 0, 2)[None] for t in (q, k, v))
+            qs, ks, vs = (t[None, :, start:end] for t in (q, k, v))
             o = mx.fast.scaled_dot_product_attention(qs, ks, vs, scale=a.head_dim ** -0.5)
             out.append(o[0].transpose(1, 0, 2))
         return linear(mx.concatenate(out).reshape(n, -1), w, "attn.proj")
