@@ -7,13 +7,17 @@ import json
 import numpy as np
 import pytest
 from PIL import Image
+from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_processor
 
 from monolith.models.image_inputs import (
-    ImageSettings, ImageSizeError, NotAnImageError, decode_image, prepare_image, read_image_settings,
+    ImageSettings,
+    ImageSizeError,
+    NotAnImageError,
+    decode_image,
+    prepare_image,
+    read_image_settings,
     settings_from_dict,
 )
-
-pil_processor = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
 # Qwen3.6's published preprocessor_config.json, with the pixel bounds made small so that
 # the images stay tiny; the second is a Qwen2-VL style one (patch 14, CLIP mean and std)

@@ -6,14 +6,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from monolith.models.mrope import (
-    frequency_streams, mrope_angles, mrope_section, rope_positions,
+    frequency_streams,
+    mrope_angles,
+    mrope_section,
+    rope_positions,
 )
-
-torch = pytest.importorskip("torch")
-qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig  # noqa: E402
 
 START, PAD, END = 900, 901, 902  # <|vision_start|>, <|image_pad|>, <|vision_end|>
 

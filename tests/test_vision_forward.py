@@ -15,6 +15,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 import pytest
+import torch
 from numeric import rel
 from PIL import Image
 
@@ -25,8 +26,6 @@ from monolith.models.mrope import rope_positions
 from monolith.models.qwen3_5 import Segment
 from monolith.models.vision import load_vision_tower
 from monolith.pack import build_pack
-
-torch = pytest.importorskip("torch")
 
 TOL = 1e-4  # max |ours - reference| / max |reference|, float32
 NEW_TOKENS = 4
@@ -97,8 +96,8 @@ def image_segment(vlm: Vlm, cache, start: int = 0, stop: int | None = None, **kw
     """The prompt's rows [start, stop) with their image features and positions."""
     stop = len(vlm.tokens) if stop is None else stop
     inside = vlm.rows[(vlm.rows >= start) & (vlm.rows < stop)]
-    return Segment(vlm.tokens[start:stop], cache, features=(inside - start, vlm.features[mx.array(inside - vlm.rows[0])]),
-                   positions=vlm.positions[:, start:stop], **kw)
+    features = (inside - start, vlm.features[mx.array(inside - vlm.rows[0])])
+    return Segment(vlm.tokens[start:stop], cache, features=features, positions=vlm.positions[:, start:stop], **kw)
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "moe"])
@@ -158,7 +157,8 @@ def test_an_image_prompt_batched_with_text_is_as_alone(vlms):
 
     def run(batched: bool):
         caches = [model.make_cache(64) for _ in range(3)]
-        first = [image_segment(vlm, caches[0], taps=("embedding",))] + [Segment(t, c) for t, c in zip(texts, caches[1:])]
+        first = [image_segment(vlm, caches[0], taps=("embedding",))]
+        first += [Segment(t, c) for t, c in zip(texts, caches[1:])]
         second = [Segment([7], c, logits="last") for c in caches]
         if batched:
             return model.forward_batch(first) + model.forward_batch(second)
