@@ -5,8 +5,9 @@ arguments from config.json (target_args.py); the mixers are mixers.py, the MLPs 
 
 A forward takes segments: T_i >= 1 new rows of each of several independent sequences,
 each continuing at its own cache's offset (its rotary position: the offset plus the
-cache's `position_delta`, or the multimodal positions a segment with images brings). The rows of all segments are packed [sum T_i, H]
-through every linear (embedding, projections, MLP / MoE, lm_head: the weight-bound part);
+cache's `position_delta`, or the multimodal positions a segment with images brings).
+The rows of all segments are packed [sum T_i, H] through every linear (embedding,
+projections, MLP / MoE, lm_head: the weight-bound part);
 only the mixers (attention over a sequence's own KV, the gated DeltaNet's own conv and
 recurrent state) run per segment on its slice of the rows. One sequence is one segment.
 """

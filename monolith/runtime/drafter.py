@@ -34,15 +34,16 @@ drafter does, so a batch appends every sequence's rows in one packed call).
 `taps` are the target decoder layers whose outputs the drafter reads (or the target's
 named taps, models/qwen3_5.py NAMED_TAPS); `max_proposals` bounds gamma; a drafter whose
 `sequential` attribute is true pays one draft forward per proposal (the MTP head), where
-a block drafter pays one for the block: the cost scheduler counts that, and a round
-asks the scheduler for its block length before drafting (scheduler.py); `arrays()` gives the context state to evaluate between prefill chunks (so
-a long prompt's features are not all held until the first proposal). A drafter whose
-`snapshot()` is None cannot resume: every prompt is then prefilled whole. A snapshot
-that is a `models.cache.DraftContext` (the draft model's) also lets the prompt cache
-copy the context's rows into its saved states and back (prompt_cache.py). A drafter with
-a `draft` attribute (a draft model) has its blocks run packed across a batch
-(batch.run_proposals: it reads `draft`, `context` and `waiting`, and passes the block's
-`hidden` states to propose / propose_guided).
+a block drafter pays one for the block: the cost scheduler counts that, and a round asks
+the scheduler for its block length before drafting (scheduler.py); `arrays()` gives the
+context state to evaluate between prefill chunks (so a long prompt's features are not
+all held until the first proposal). A drafter whose `snapshot()` is None cannot resume:
+every prompt is then prefilled whole. A snapshot that is a `models.cache.DraftContext`
+(the draft model's) also lets the prompt cache copy the context's rows into its saved
+states and back (prompt_cache.py). A drafter with a `draft` attribute (a draft model)
+has its blocks run packed across a batch (batch.run_proposals: it reads `draft`,
+`context` and `waiting`, and passes the block's `hidden` states to propose /
+propose_guided).
 
 A `Proposal` (monolith.models.dspark, the draft model's output) holds gamma
 target-vocabulary tokens, their filtered draft distributions q (one-hot under greedy
