@@ -15,6 +15,7 @@ Qwen3.5/3.6 checkpoints publish are used (`ImageSettings()`).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -68,6 +69,17 @@ class PreparedImage:
     grid_thw: tuple[int, int, int]  # (1, resized height / patch, resized width / patch)
     tokens: int                  # <|image_pad|> tokens: N / merge_size**2
     size: tuple[int, int]        # resized (height, width)
+    digest: str = ""             # SHA-256 of the grid and patches: the prompt cache's key for the image
+
+    @classmethod
+    def of(cls, patches: np.ndarray, grid_thw: tuple[int, int, int], merge_size: int,
+           size: tuple[int, int]) -> PreparedImage:
+        """The image with its token count and content digest computed."""
+        patches = np.ascontiguousarray(patches, dtype=np.float32)
+        h = hashlib.sha256(np.asarray(grid_thw, dtype="<i8").tobytes())
+        h.update(patches.astype("<f4").tobytes())
+        t, gh, gw = grid_thw
+        return cls(patches, tuple(grid_thw), t * gh * gw // merge_size ** 2, size, h.hexdigest())
 
 
 def read_image_settings(checkpoint_dir) -> ImageSettings:
@@ -185,8 +197,7 @@ def prepare_image(data: bytes, settings: ImageSettings | None = None) -> Prepare
         std = np.asarray(settings.image_std, dtype=np.float32)[:, None, None]
         pixels = (pixels - mean) / std
     patches, grid_h, grid_w = patchify(pixels, settings)
-    return PreparedImage(patches=patches, grid_thw=(1, grid_h, grid_w),
-                         tokens=grid_h * grid_w // settings.merge_size ** 2, size=(height, width))
+    return PreparedImage.of(patches, (1, grid_h, grid_w), settings.merge_size, (height, width))
 
 
 def patchify(pixels: np.ndarray, settings: ImageSettings) -> tuple[np.ndarray, int, int]:

@@ -13,6 +13,7 @@ is computed per grid in numpy; the tower's arithmetic runs in MLX in the weights
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ import numpy as np
 from ..checkpoint import open_checkpoint
 from ..checkpoint.errors import CheckpointError
 from ..kernels.attention import turn
+from .image_inputs import read_image_settings
 
 VISUAL_PREFIXES = ("model.visual.", "model.language_model.visual.")
 LAYER_NORM_EPS = 1e-6
@@ -209,6 +211,50 @@ class VisionTower:
         return linear(mx.concatenate(out).reshape(n, -1), w, "attn.proj")
 
 
+# --------------------------------------------------------------------------- the target's eyes
+
+
+class Vision:
+    """What taking images needs for one target: the image processor's settings, the
+    vision token ids of its config, and the tower, loaded by `load()` on the first image
+    (never for a text-only server). The runtime calls `features` on its worker thread."""
+
+    def __init__(self, config: dict, settings, load: Callable[[], VisionTower], where: str = "config.json"):
+        try:
+            self.image_token_id = int(config["image_token_id"])
+            self.vision_start_id = int(config["vision_start_token_id"])
+            self.vision_end_id = int(config["vision_end_token_id"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: a vision model needs image_token_id, vision_start_token_id and "
+                                  f"vision_end_token_id ({e})") from None
+        self.args = VisionArgs.from_config(config.get("vision_config") or {}, where=f"{where}: vision_config")
+        self.settings = settings
+        if (settings.patch_size, settings.merge_size, settings.temporal_patch_size) != (
+                self.args.patch_size, self.args.spatial_merge_size, self.args.temporal_patch_size):
+            raise CheckpointError(f"{where}: the image processor's patch/merge/temporal sizes "
+                                  f"{(settings.patch_size, settings.merge_size, settings.temporal_patch_size)} differ "
+                                  f"from the vision_config's")
+        self._load = load
+        self._tower: VisionTower | None = None
+
+    @property
+    def merge_size(self) -> int:
+        return self.args.spatial_merge_size
+
+    @property
+    def loaded(self) -> bool:
+        return self._tower is not None
+
+    def tower(self) -> VisionTower:
+        if self._tower is None:
+            self._tower = self._load()
+        return self._tower
+
+    def features(self, image) -> mx.array:
+        """The merged features [image.tokens, text hidden] of one image_inputs.PreparedImage."""
+        return self.tower()(image.patches, [image.grid_thw])
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -262,3 +308,16 @@ def expected_shapes(args: VisionArgs) -> dict[str, tuple[int, ...]]:
     for b in range(args.depth):
         shapes.update({f"blocks.{b}.{n}": shape for n, shape in block.items()})
     return shapes
+
+
+def vision_of(path, dtype=mx.float32) -> Vision | None:
+    """The `Vision` of a checkpoint directory whose config has a vision_config and
+    whose tensors hold the tower; None for a text-only one. The tower loads on first use."""
+    ckpt = open_checkpoint(path)
+    config = ckpt.config
+    if not isinstance(config.get("vision_config"), dict):
+        return None
+    if not any(ckpt.has(p + "pos_embed.weight") for p in VISUAL_PREFIXES):
+        return None
+    return Vision(config, read_image_settings(ckpt.path), lambda: load_vision_tower(ckpt, dtype),
+                  where=f"{ckpt.path}/config.json")

@@ -79,7 +79,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
                  max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None,
-                 not_drafting: str | None = None, prompt_cache: PromptCache | None = None, max_batch: int = 1):
+                 not_drafting: str | None = None, prompt_cache: PromptCache | None = None, max_batch: int = 1,
+                 vision=None):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
@@ -88,6 +89,7 @@ class Engine:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.model = model
         self.tokenizer = tokenizer
+        self.vision = vision  # models/vision.Vision: the target takes images (None: text only)
         self.max_context = max_context
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout

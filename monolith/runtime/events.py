@@ -74,6 +74,9 @@ class GenerationRequest:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the k most likely
     boundaries: tuple[int, ...] = ()  # where the prompt's chat messages end: prompt-cache saves
     grammar: Grammar | None = None  # constrains the output (runtime.grammar)
+    # the prompt's images in order (models/image_inputs.PreparedImage): image i is the i-th
+    # run of the vision's image_token_id in prompt_ids, image.tokens long (docs/serving.md)
+    images: tuple = ()
 
 
 @dataclass(frozen=True)
