@@ -60,20 +60,6 @@ def test_the_mtp_drafter_is_a_forking_guided_drafter(mtp):
     assert drafter.snapshot() is drafter.context and not drafter.restore(None, 3)
 
 
-def test_rows_with_multimodal_positions_are_refused(mtp):
-    """The head's KV cache lays its rows at plain positions: rows after an image are
-    refused, before any work, until it takes the target's delta (docs/drafts.md 6.1)."""
-    model, head, _ = mtp
-    drafter = MTPDrafter(head)
-    drafter.start(16)
-    _, features = model([3, 17, 5], model.make_cache(16), drafter.taps)
-    with pytest.raises(ValueError, match="--draft mtp does not take images yet"):
-        drafter.observe(features, positions=np.zeros((3, 3), np.int64))
-    assert drafter.context.offset == 0
-    drafter.observe(features)
-    assert drafter.context.offset == 3
-
-
 class Recording(MTPDrafter):
     """The MTP drafter, recording every round's anchor and greedy proposals."""
 

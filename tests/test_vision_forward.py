@@ -7,7 +7,6 @@ the same input_ids, pixel_values and image_grid_thw; then greedy decoding after 
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -15,49 +14,18 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from numeric import rel
-from PIL import Image
+from vision_rig import NEW_TOKENS, image_prompt, reference_run
 
 from monolith.models import load_model
 from monolith.models.cache import CacheError
-from monolith.models.image_inputs import ImageSettings, prepare_image
 from monolith.models.mrope import rope_positions
 from monolith.models.qwen3_5 import Segment
 from monolith.models.vision import load_vision_tower
 from monolith.pack import build_pack
 
 TOL = 1e-4  # max |ours - reference| / max |reference|, float32
-NEW_TOKENS = 4
 MEASURED: dict[str, str] = {}  # printed after the module (pytest -s)
-
-
-def image_prompt(config: dict, patch_size: int):
-    """(token ids, prepared image): text, <|vision_start|>, the image's pads, <|vision_end|>, text."""
-    pixels = np.random.default_rng(3).integers(0, 256, (20, 36, 3), dtype=np.uint8)  # resized to 24 x 40
-    png = io.BytesIO()
-    Image.fromarray(pixels).save(png, format="PNG")
-    image = prepare_image(png.getvalue(), ImageSettings(patch_size=patch_size, min_pixels=64, max_pixels=64 * 64))
-    text = [int(t) for t in np.random.default_rng(4).integers(0, config["vision_start_token_id"], 9)]
-    tokens = (text[:5] + [config["vision_start_token_id"]] + [config["image_token_id"]] * image.tokens
-              + [config["vision_end_token_id"]] + text[5:])
-    return tokens, image
-
-
-@torch.no_grad()
-def reference_run(ckpt, tokens, image, pad):
-    """(prompt logits [T, V], greedy tokens, their step logits [NEW_TOKENS, V]) of transformers."""
-    from hf_reference import build_vlm_reference
-
-    model = build_vlm_reference(ckpt)
-    ids = torch.tensor([tokens])
-    inputs = {"input_ids": ids, "pixel_values": torch.from_numpy(image.patches),
-              "image_grid_thw": torch.tensor([image.grid_thw]), "mm_token_type_ids": (ids == pad).int()}
-    logits = model(**inputs, use_cache=False).logits[0].numpy()
-    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
-    steps = np.stack([step[0].numpy() for step in out.logits])
-    return logits, out.sequences[0, len(tokens):].tolist(), steps
 
 
 class Vlm(NamedTuple):

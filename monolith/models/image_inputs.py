@@ -82,6 +82,9 @@ class PreparedImage:
         return cls(patches, tuple(grid_thw), t * gh * gw // merge_size ** 2, size, h.hexdigest())
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")  # where a checkpoint states them
+
+
 def read_image_settings(checkpoint_dir) -> ImageSettings:
     """The image processor settings a checkpoint directory states; defaults when it has none."""
     folder = Path(checkpoint_dir)

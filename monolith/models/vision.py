@@ -23,7 +23,7 @@ import numpy as np
 from ..checkpoint import open_checkpoint
 from ..checkpoint.errors import CheckpointError
 from ..kernels.attention import turn
-from .image_inputs import read_image_settings
+from .image_inputs import PROCESSOR_FILES, ImageSettings, read_image_settings
 
 VISUAL_PREFIXES = ("model.visual.", "model.language_model.visual.")
 LAYER_NORM_EPS = 1e-6
@@ -228,6 +228,9 @@ class Vision:
             raise CheckpointError(f"{where}: a vision model needs image_token_id, vision_start_token_id and "
                                   f"vision_end_token_id ({e})") from None
         self.args = VisionArgs.from_config(config.get("vision_config") or {}, where=f"{where}: vision_config")
+        if settings is None:  # no processor config: the tower's own sizes, the processor's defaults
+            settings = ImageSettings(patch_size=self.args.patch_size, merge_size=self.args.spatial_merge_size,
+                                     temporal_patch_size=self.args.temporal_patch_size)
         self.settings = settings
         if (settings.patch_size, settings.merge_size, settings.temporal_patch_size) != (
                 self.args.patch_size, self.args.spatial_merge_size, self.args.temporal_patch_size):
@@ -319,5 +322,6 @@ def vision_of(path, dtype=mx.float32) -> Vision | None:
         return None
     if not any(ckpt.has(p + "pos_embed.weight") for p in VISUAL_PREFIXES):
         return None
-    return Vision(config, read_image_settings(ckpt.path), lambda: load_vision_tower(ckpt, dtype),
+    stated = any((ckpt.path / name).is_file() for name in PROCESSOR_FILES)
+    return Vision(config, read_image_settings(ckpt.path) if stated else None, lambda: load_vision_tower(ckpt, dtype),
                   where=f"{ckpt.path}/config.json")

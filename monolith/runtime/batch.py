@@ -40,13 +40,20 @@ class Forward:
     cache: object
     taps: tuple = ()
     logits: str = "all"
+    features: tuple | None = None  # image rows' features and the rows' multimodal positions (a prefill
+    positions: object = None  # chunk with images: runtime/images.py), as models/qwen3_5.Segment takes them
 
     @property
     def rows(self) -> int:
         return int(self.tokens.shape[0])
 
+    def segment(self) -> Segment:
+        return Segment(self.tokens, self.cache, tuple(self.taps), self.logits, self.features, self.positions)
+
     def run(self):
-        return self.model.forward(self.tokens, self.cache, taps=list(self.taps), logits=self.logits)
+        if self.features is None and self.positions is None:
+            return self.model.forward(self.tokens, self.cache, taps=list(self.taps), logits=self.logits)
+        return self.model.forward_batch([self.segment()])[0]
 
 
 @dataclass
@@ -100,8 +107,7 @@ def run_forwards(items: list[Forward]) -> list:
             for i in members:
                 results[i] = items[i].run()
             continue
-        outs = batched([Segment(items[i].tokens, items[i].cache, tuple(items[i].taps), items[i].logits)
-                        for i in members])
+        outs = batched([items[i].segment() for i in members])
         for i, out in zip(members, outs):
             results[i] = out
     return results

@@ -74,17 +74,19 @@ class SpeculativeDecoder:
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
-                 guide=None, on_resume: Callable[[int], None] = lambda cached: None) -> Outcome:
+                 guide=None, on_resume: Callable[[int], None] = lambda cached: None, images=None) -> Outcome:
         return drive(self.steps(session, prompt, max_tokens, params, stop_ids, on_token, logprobs, cancelled,
-                                boundaries, guide, on_resume))
+                                boundaries, guide, on_resume, images))
 
     def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
               stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
               cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
-              guide=None, on_resume: Callable[[int], None] = lambda cached: None) -> Steps:
+              guide=None, on_resume: Callable[[int], None] = lambda cached: None, images=None) -> Steps:
         """The call as a generator of its draft blocks and forwards (batch.py), on a drafter
         of its own when the drafter forks; `on_resume(cached)` is told how many prompt
-        tokens it resumed with, before the prefill."""
+        tokens it resumed with, before the prefill. With `images` (images.PromptImages),
+        `prompt` is its key: the sessions and the prompt cache see the key, the target the
+        real ids and the images."""
         max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
@@ -103,8 +105,11 @@ class SpeculativeDecoder:
             if resumable:  # the drafter's context as of now (it appends the rows it observed)
                 session.save_state(prompt[:end], draft=None if drafter is None else drafter.snapshot())
 
-        first = yield from rounds.prefill_steps(prompt[cached:], self.prefill_chunk_size,
-                                                session.stops(cached, len(prompt), boundaries), save_state, cancelled)
+        stops = session.stops(cached, len(prompt), boundaries)
+        rows = prompt[cached:]
+        if images is not None:
+            stops, rows = [s for s in stops if not images.inside(s)], images.tokens[cached:]
+        first = yield from rounds.prefill_steps(rows, self.prefill_chunk_size, stops, save_state, cancelled, images)
         if first is None:  # cancelled between prefill chunks: keep what was prefilled
             self._keep(session, rounds, prompt[:rounds.cache.offset])
             return Outcome([], "abort", len(prompt), cached, time.perf_counter() - start, 0.0, 0)

@@ -52,6 +52,7 @@ from .events import (
     check_request,
 )
 from .grammar import GrammarTokenizer
+from .images import FeatureCache, PromptImages
 from .jobs import EngineClosed, Job, QueueFull, QueueTimeout
 from .prompt_cache import PromptCache, common_prefix
 from .session import Session
@@ -90,6 +91,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.vision = vision  # models/vision.Vision: the target takes images (None: text only)
+        self._features = None if vision is None else FeatureCache(vision)
         self.max_context = max_context
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
@@ -155,7 +157,9 @@ class Engine:
         prompt = check_request(request.prompt_ids, request.max_tokens, request.logprobs, self.vocab_size,
                                self.max_context, self.supports_logprobs)
         request = replace(request, prompt_ids=tuple(prompt))
+        images = self._images(request)
         job = Job(request, sink, session, self.queue_timeout if timeout is None else timeout, self._drop)
+        job.images = images
         with self._lock:
             if self._closed:
                 raise EngineClosed("the engine is closed")
@@ -164,6 +168,17 @@ class Engine:
             self._queue.append(job)
             self._lock.notify_all()
         return job
+
+    def _images(self, request: GenerationRequest) -> PromptImages | None:
+        """The request's images checked against its prompt (RequestError naming "images")."""
+        if not request.images:
+            return None
+        if self.vision is None:
+            raise RequestError("images", "this model takes no images (it has no vision tower, or the server "
+                                         "was started with --no-vision)")
+        if getattr(self.model, "on_broken", None) is not None:
+            raise RequestError("images", "images need the whole target on one machine, not a --distributed pipeline")
+        return PromptImages(request.prompt_ids, request.images, self.vision, self._features)
 
     def run_request(self, request: GenerationRequest, session: Session | None = None,
                     on_text: Callable[[str], None] | None = None) -> tuple[str, Finished]:
@@ -289,7 +304,7 @@ class Engine:
                 starts = room > 0 and (job.session is None or id(job.session) not in busy)
                 if starts:
                     if job.session is None:
-                        job.session = self._free_session(job.request.prompt_ids, busy)
+                        job.session = self._free_session(job.prompt, busy)
                     busy.add(id(job.session))
                     room -= 1
                 else:

@@ -67,6 +67,12 @@ class Job:
         self.task: Callable[[], object] | None = None  # Engine.call's work instead of a request
         self.result = self.error = None
         self.held: list[Delta] = []  # the worker's: this round's text, sent when the round is over
+        self.images = None  # images.PromptImages of a prompt with images (the engine's, at submit)
+
+    @property
+    def prompt(self) -> list[int] | tuple[int, ...]:
+        """The prompt as the caches see it: its ids, or with images their key (images.py)."""
+        return self.request.prompt_ids if self.images is None else self.images.key
 
     @property
     def cancelled(self) -> bool:
@@ -107,7 +113,9 @@ class Job:
 
         try:
             constrained = {} if request.grammar is None else {"guide": guide(request.grammar)}
-            args = (self.session, request.prompt_ids, request.max_tokens, request.params, stop_ids, on_token)
+            args = (self.session, self.prompt, request.max_tokens, request.params, stop_ids, on_token)
+            if self.images is not None:
+                constrained["images"] = self.images
             kwargs = dict(logprobs=request.logprobs, cancelled=lambda: self.cancelled, boundaries=request.boundaries,
                           **constrained)
             outcome = yield from decoder.steps(*args, **kwargs, on_resume=lambda cached: self.emit(Resumed(cached)))

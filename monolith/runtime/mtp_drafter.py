@@ -71,14 +71,10 @@ class MTPDrafter:
         self.context = context
         self.cache = HybridCache(context.layers[:1], context.max_context, self.max_proposals + 1)
 
-    def observe(self, features: mx.array, positions=None) -> None:
+    def observe(self, features: mx.array) -> None:
         """Store the rows' hidden states and run the head over every row whose next token
-        is now known (all but the new last one, from the row before them on). `positions`:
-        the rows' multimodal positions when they hold an image (docs/target.md, "Images in
-        the forward"), refused: the head's rows sit at plain positions (docs/drafts.md 6.1)."""
-        if positions is not None:
-            raise ValueError("--draft mtp does not take images yet: the MTP head's KV cache lays its rows at "
-                             "plain positions, not at the target's multimodal ones (issue 36)")
+        is now known (all but the new last one, from the row before them on). The head's
+        rows sit at plain positions, also after an image (docs/drafts.md 6.1)."""
         ctx = self._context()
         n, h, start = features.shape[0], self.head.args.hidden_size, ctx.offset
         hidden = features[:, h:]

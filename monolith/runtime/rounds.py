@@ -161,16 +161,16 @@ class Rounds:
 
     def prefill_steps(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
                       on_stop: Callable[[int], None] | None = None,
-                      cancelled: Callable[[], bool] = lambda: False) -> Steps:
-        """`prefill_rows` over `tokens` (the prompt past the cached rows), every row's
-        features handed to the drafter; return the first generated token (the first
-        anchor), or None when `cancelled()` turned true between chunks (the cache and the
-        drafter then hold the rows prefilled so far)."""
+                      cancelled: Callable[[], bool] = lambda: False, images=None) -> Steps:
+        """`prefill_rows` over `tokens` (the prompt past the cached rows; `images`: its
+        images.PromptImages), every row's features handed to the drafter; return the
+        first generated token (the first anchor), or None when `cancelled()` turned true
+        between chunks (the cache and the drafter then hold the rows prefilled so far)."""
         drafter = self.drafter
         observe = None if drafter is None else drafter.observe
         bound = None if drafter is None else (lambda: mx.eval(self.cache.arrays(), drafter.arrays()))
         row = yield from prefill_rows(self.model, tokens, self.cache, chunk_size, stops, self.taps, observe, bound,
-                                      on_stop, cancelled)
+                                      on_stop, cancelled, images)
         if row is None:
             return None
         token = sample(row if self.guide is None else mask_logits(row, self.guide.words()), self.params, self._key())
