@@ -18,6 +18,9 @@ draft's quantization rules (under auto, float matrices become NVFP4: it drafts),
 modules may be stored unquantized whatever the quantization rules say
 (checkpoint/precision.py PLAIN_ALLOWED_PREFIXES: unsloth's 27B stores them BF16 although
 its NVFP4 and FP8 rules match their names). Without it, the head is dropped.
+
+The vision tower is kept under `model.visual.` in its source precision, never quantized
+(`_plan_vision`, docs/formats.md 5); `with_vision=False` (--no-vision) drops it.
 """
 
 from __future__ import annotations
