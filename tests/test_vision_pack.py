@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +21,7 @@ from monolith.formats import SafetensorsFile
 from monolith.models import load_model
 from monolith.models.image_inputs import prepare_image, read_image_settings
 from monolith.models.vision import load_vision_tower, vision_of
-from monolith.pack import build_pack, read_manifest, unpack_pack, verify_pack
+from monolith.pack import PackError, build_pack, read_manifest, unpack_pack, verify_pack
 from monolith.pack.manifest import sha256_file
 
 # (synth format, dense): BF16 as published and nvidia's NVFP4 layout (its tower stays BF16)
@@ -29,7 +30,7 @@ SOURCES = [("bf16", False), ("bf16", True), ("modelopt-nvfp4", False), ("modelop
 
 @pytest.fixture(scope="module")
 def packs(synth_dir, tmp_path_factory):
-    """packs(format, dense, *flags) -> (checkpoint, pack), each built once."""
+    """packs(format, dense, no_vision=False) -> (checkpoint, pack), each built once."""
     root, made = tmp_path_factory.mktemp("vision-packs"), {}
 
     def make(format, dense, no_vision=False):
@@ -105,7 +106,7 @@ def test_the_tower_is_read_only_on_the_first_image(packs):
 
 
 def test_no_vision_leaves_the_tower_out(packs, tmp_path):
-    src, pack = packs("modelopt-nvfp4", False)
+    _, pack = packs("modelopt-nvfp4", False)
     _, bare = packs("modelopt-nvfp4", False, no_vision=True)
     manifest, without = read_manifest(pack), read_manifest(bare)
     assert manifest["layout"]["vision"]["packed"] and manifest["layout"]["vision"]["tensors"] == 21
@@ -143,6 +144,21 @@ def test_inspect_and_dry_run_state_the_tower(packs):
     assert "quantize" in {row[1] for row in (line.split() for line in dry.splitlines() if line.startswith("  "))}
     left_out = run_cli("build", src, "--dry-run", "--no-vision").stdout
     assert "vision      tower left out (--no-vision)" in left_out
+
+
+def test_verify_covers_the_tower(packs, tmp_path):
+    _, pack = packs("bf16", True)
+    copy = tmp_path / "copy"
+    shutil.copytree(pack, copy)
+    name = "model.visual.pos_embed.weight"
+    shard = copy / read_manifest(copy)["tensors"][name]["shard"]
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    start = json.loads(data[8:header])[name]["data_offsets"][0]
+    data[header + start] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PackError, match=f"tensor {name}: SHA-256 mismatch"):
+        verify_pack(copy)
 
 
 def test_the_pack_rebuilds_byte_identically_with_the_tower(packs, tmp_path):
