@@ -18,6 +18,7 @@ from pathlib import Path
 from .cli import byte_size
 from .drafter_choice import Candidate, Choice, choose_drafter
 from .models import load_draft, load_model, load_mtp
+from .models.vision import Vision, vision_of
 from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import BreakEven, measure_break_even, measure_step_costs, round_can_pay, round_pay_limit
@@ -91,6 +92,8 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
     ap.add_argument("--dtype", choices=("bfloat16", "float32"),
                     help="compute dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     ap.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation after loading")
+    ap.add_argument("--no-vision", action="store_true",
+                    help="text only: never load the target's vision tower (requests with images are refused)")
     cache = ap.add_argument_group("prompt cache (prefixes of earlier requests, reused exactly)")
     cache.add_argument("--prompt-cache-size", type=byte_size, metavar="BYTES",
                        help="memory for saved states, e.g. 4G; 0 turns the cache off (default "
@@ -274,13 +277,25 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
                     not_drafting=not_drafting,
                     prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default, reserved),
-                    max_batch=max_batch)
+                    max_batch=max_batch, vision=target_vision(args, sources.target_pack, model, log))
     if not args.no_warmup:
         log("warming up")
         engine.warmup()
     log(f"ready in {time.perf_counter() - started:.1f} s: {plan.name}"
         + (f" with draft {draft_name}" if draft_name else " (plain decoding)"))
     return engine
+
+
+def target_vision(args, target_pack: Path, model, log) -> Vision | None:
+    """The target's Vision (its tower loads on the first image) where its pack carries
+    one; None with --no-vision, for a pipeline (--distributed: no rank holds the tower)
+    and for a pack without a tower (built --no-vision, or a text-only checkpoint)."""
+    if args.no_vision or getattr(args, "distributed", False):
+        return None
+    vision = vision_of(target_pack, model.dtype)
+    if vision is not None:
+        log("the target takes images: its vision tower loads on the first image")
+    return vision
 
 
 def _drafting(args, plan: ModelPlan, choice: Choice, model, log, fallback: bool, profile: bool,

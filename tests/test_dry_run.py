@@ -150,6 +150,7 @@ H, V, E, I_MOE, LAYERS = 2048, 248_320, 256, 512, 40  # nvidia/Qwen3.6-35B-A3B-N
 Q_HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
 K_HEADS, V_HEADS, LINEAR_DIM = 16, 32, 128
 LM = "model.language_model"
+VISION_D, VISION_I, VISION_DEPTH, VISION_POSITIONS, PATCH = 1152, 4304, 27, 2304, 16  # its BF16 vision tower
 
 
 def layer_types() -> list[str]:
@@ -173,7 +174,17 @@ def expected_payload_35b() -> int:
     moe = (2 * E * H + 2 * H + nvfp4(2 * I_MOE, H) + nvfp4(H, I_MOE)
            + nvfp4(2 * I_MOE, H, E) + nvfp4(H, I_MOE, E))
     per_layer = [2 * 4 * H + moe + (gdn if kind == "linear_attention" else attention) for kind in layer_types()]
-    return 2 * V * H + 4 * H + nvfp4(V, H) + sum(per_layer)
+    return 2 * V * H + 4 * H + nvfp4(V, H) + sum(per_layer) + vision_payload_35b()
+
+
+def vision_payload_35b() -> int:
+    """The vision tower as published, BF16 (never quantized): patch embedding, position
+    table, the blocks (two LayerNorms, qkv, proj, a two-layer MLP, all with biases) and
+    the merger (LayerNorm, two linears over 2 x 2 merged patches)."""
+    d, i, merged = VISION_D, VISION_I, 4 * VISION_D
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (i * d + i) + (d * i + d)
+    top = (d * 3 * 2 * PATCH * PATCH + d) + VISION_POSITIONS * d + 2 * d + (merged * merged + merged) + (H * merged + H)
+    return 2 * (VISION_DEPTH * block + top)
 
 
 def test_dry_run_of_a_full_size_35b_skeleton(skeleton, headers_only):
@@ -190,7 +201,8 @@ def test_dry_run_of_a_full_size_35b_skeleton(skeleton, headers_only):
     actions = {}
     for row in report.rows:
         actions.setdefault(row.action, []).append(row.tensor)
-    assert sum(t.startswith("model.visual.") for t in actions["drop"]) == 333
+    assert sum(t.startswith("model.visual.") for t in actions["keep"]) == 333
+    assert not any(t.startswith("model.visual.") for t in actions["drop"])
     assert "mtp.layers.0.mlp.experts.gate_up_proj" in actions["drop"]
     assert f"{LM}.layers.0.mlp.experts.255.down_proj.weight" in actions["re-lay out"]
     assert "lm_head.input_scale" in actions["drop"] and "quantize" not in actions
@@ -227,5 +239,6 @@ def test_dry_run_of_every_published_layout_at_full_size(tmp_path, skeleton, head
     assert report.pack_bytes > report.payload_bytes > 0
     if layout in TARGET_LAYOUTS:
         dropped = {r.tensor for r in report.rows if r.action == "drop"}
-        assert sum(n.startswith("model.visual.") for n in dropped) == 333
+        kept = {r.tensor for r in report.rows if r.action == "keep"}
+        assert sum(n.startswith("model.visual.") for n in kept) == 333  # the BF16 tower, as it is
         assert any(n.startswith("mtp.") for n in dropped)

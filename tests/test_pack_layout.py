@@ -119,7 +119,9 @@ def test_nvfp4_quantization_of_a_bf16_target_follows_the_keep_policy(synth_dir, 
         assert entries[name]["reason"], name
     conversion = json.loads((pack / "conversion.json").read_text())
     assert "router" in conversion["policy"]["model.layers.0.mlp.gate"]["reason"]
-    assert any("vision" in why for why in conversion["skipped"].values())
+    tower = {n: e for n, e in entries.items() if n.startswith("model.visual.")}
+    assert len(tower) == 21 and all(e["precision"] == "bf16" and "never quantized" in e["reason"]
+                                    for e in tower.values())
 
 
 def test_quantized_fused_experts_match_per_expert_quantization(synth_dir, tmp_path):

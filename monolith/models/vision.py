@@ -12,9 +12,11 @@ is computed per grid in numpy; the tower's arithmetic runs in MLX in the weights
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -23,9 +25,10 @@ import numpy as np
 from ..checkpoint import open_checkpoint
 from ..checkpoint.errors import CheckpointError
 from ..kernels.attention import turn
+from ..pack import PackError, is_pack, read_manifest
+from ..pack.target_recipe import VISION_PREFIX, VISION_SOURCES
 from .image_inputs import PROCESSOR_FILES, ImageSettings, read_image_settings
 
-VISUAL_PREFIXES = ("model.visual.", "model.language_model.visual.")
 LAYER_NORM_EPS = 1e-6
 
 
@@ -269,9 +272,9 @@ def load_vision_tower(checkpoint, dtype=mx.float32) -> VisionTower:
     if not isinstance(vision_config, dict):
         raise CheckpointError(f"{ckpt.path}: config.json has no vision_config")
     args = VisionArgs.from_config(vision_config, where=f"{ckpt.path}/config.json: vision_config")
-    prefix = next((p for p in VISUAL_PREFIXES if ckpt.has(p + "pos_embed.weight")), None)
+    prefix = next((p for p in VISION_SOURCES if ckpt.has(p + "pos_embed.weight")), None)
     if prefix is None:
-        raise CheckpointError(f"{ckpt.path}: no vision tower ({VISUAL_PREFIXES[0]}pos_embed.weight)")
+        raise CheckpointError(f"{ckpt.path}: no vision tower ({VISION_SOURCES[0]}pos_embed.weight)")
     shapes = expected_shapes(args)
     stored = {n[len(prefix):] for n in ckpt.tensor_names() if n.startswith(prefix)}
     missing, extra = sorted(set(shapes) - stored), sorted(stored - set(shapes))
@@ -285,10 +288,45 @@ def load_vision_tower(checkpoint, dtype=mx.float32) -> VisionTower:
                                   f"the vision_config says {shape}")
         values[name] = mx.array(ckpt.read_float(prefix + name)).astype(dtype)
     values["patch_embed.proj.weight"] = values["patch_embed.proj.weight"].reshape(args.hidden_size, -1)
+    return tower_of(args, values)
+
+
+def tower_of(args: VisionArgs, values: dict[str, mx.array]) -> VisionTower:
+    """The tower of its tensors (names after `model.visual.`, the patch embedding flattened)."""
     top = {n: v for n, v in values.items() if not n.startswith("blocks.")}
     blocks = [{n[len(f"blocks.{b}."):]: v for n, v in values.items() if n.startswith(f"blocks.{b}.")}
               for b in range(args.depth)]
     return VisionTower(args, top, blocks)
+
+
+def load_pack_tower(pack_dir, dtype=mx.float32) -> VisionTower:
+    """The tower of a target pack built with it (docs/formats.md 5): its `model.visual.*`
+    tensors as stored (the patch embedding already flattened), cast to `dtype`; only the
+    shards that hold them are read. The pack is not verified here (engine_setup verifies
+    it before anything reads it)."""
+    pack_dir = Path(pack_dir)
+    manifest = read_manifest(pack_dir)
+    config = json.loads((pack_dir / "config.json").read_text())
+    args = VisionArgs.from_config(config.get("vision_config") or {}, where=f"{pack_dir}/config.json: vision_config")
+    shapes = expected_shapes(args) | {"patch_embed.proj.weight": (args.hidden_size, args.patch_dim)}
+    tensors = manifest["tensors"]
+    stored = {n[len(VISION_PREFIX):] for n in tensors if n.startswith(VISION_PREFIX)}
+    missing, extra = sorted(set(shapes) - stored), sorted(stored - set(shapes))
+    if missing or extra:
+        raise PackError(f"{pack_dir}: vision tower tensors under {VISION_PREFIX}: missing {missing[:5]}, "
+                        f"unexpected {extra[:5]}")
+    values = {}
+    for shard in sorted({tensors[VISION_PREFIX + n]["shard"] for n in shapes}):
+        for name, array in mx.load(str(pack_dir / shard)).items():  # lazy: only the tower's tensors are read
+            if name.startswith(VISION_PREFIX):
+                values[name[len(VISION_PREFIX):]] = array
+    for name, shape in shapes.items():
+        if tuple(values[name].shape) != shape:
+            raise PackError(f"{pack_dir}: {VISION_PREFIX}{name}: shape {list(values[name].shape)}, "
+                            f"the vision_config says {list(shape)}")
+        values[name] = values[name].astype(dtype)
+    mx.eval(list(values.values()))
+    return tower_of(args, values)
 
 
 def expected_shapes(args: VisionArgs) -> dict[str, tuple[int, ...]]:
@@ -314,14 +352,30 @@ def expected_shapes(args: VisionArgs) -> dict[str, tuple[int, ...]]:
 
 
 def vision_of(path, dtype=mx.float32) -> Vision | None:
-    """The `Vision` of a checkpoint directory whose config has a vision_config and
-    whose tensors hold the tower; None for a text-only one. The tower loads on first use."""
+    """The `Vision` of a target pack built with its tower, or of a checkpoint directory
+    whose config has a vision_config and whose tensors hold the tower; None for a pack
+    built --no-vision and for a text-only one. The tower loads on first use (`tower()`),
+    in `dtype`."""
+    if is_pack(Path(path)):
+        pack_dir = Path(path)
+        vision = (read_manifest(pack_dir).get("layout") or {}).get("vision")
+        if not isinstance(vision, dict) or not vision.get("packed"):
+            return None
+        config = json.loads((pack_dir / "config.json").read_text())
+        return Vision(config, stated_settings(pack_dir), lambda: load_pack_tower(pack_dir, dtype),
+                      where=f"{pack_dir}/config.json")
     ckpt = open_checkpoint(path)
     config = ckpt.config
     if not isinstance(config.get("vision_config"), dict):
         return None
-    if not any(ckpt.has(p + "pos_embed.weight") for p in VISUAL_PREFIXES):
+    if not any(ckpt.has(p + "pos_embed.weight") for p in VISION_SOURCES):
         return None
-    stated = any((ckpt.path / name).is_file() for name in PROCESSOR_FILES)
-    return Vision(config, read_image_settings(ckpt.path) if stated else None, lambda: load_vision_tower(ckpt, dtype),
+    return Vision(config, stated_settings(ckpt.path), lambda: load_vision_tower(ckpt, dtype),
                   where=f"{ckpt.path}/config.json")
+
+
+def stated_settings(folder) -> ImageSettings | None:
+    """The image processor settings a checkpoint or pack states; None when it has no
+    processor config (the Vision then takes the tower's own sizes)."""
+    folder = Path(folder)
+    return read_image_settings(folder) if any((folder / n).is_file() for n in PROCESSOR_FILES) else None

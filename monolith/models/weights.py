@@ -29,6 +29,7 @@ import numpy as np
 
 from ..formats.stfile import STORAGE_DTYPES
 from ..pack import PackError, ensure_verified, is_pack, read_manifest
+from ..pack.target_recipe import VISION_PREFIX
 from .layers import QUANT_MODES, Experts, FusedLinear, Linear
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -61,7 +62,10 @@ class PackWeights:
         self.arrays: dict[str, mx.array] = {}
         for shard in sorted(self.manifest["shards"]):
             try:
-                self.arrays.update(mx.load(str(self.path / shard)))
+                # lazily loaded: the vision tower (read by models/vision.py vision_of on the
+                # first image) is left unread here
+                self.arrays.update((n, a) for n, a in mx.load(str(self.path / shard)).items()
+                                   if not n.startswith(VISION_PREFIX))
             except RuntimeError as e:  # MLX's word for a truncated or corrupt file
                 raise PackError(f"{self.path / shard}: cannot be read ({e}); the pack is damaged: "
                                 "`python -m monolith.pack verify` it, or delete it to have it rebuilt") from None
@@ -158,7 +162,8 @@ def dense_entries(manifest: dict) -> set[str]:
             continue
         added = 4 * math.prod(e["shape"]) - nbytes(f"{name}.{t}" for t in MATRIX_TENSORS if f"{name}.{t}" in tensors)
         candidates.append((e["kind"] != "linear", added, name))
-    budget = min(max(DENSE_PACK_SHARE * nbytes(tensors), DENSE_FLOOR), DENSE_MEMORY_SHARE * physical_memory())
+    text = [n for n in tensors if not n.startswith(VISION_PREFIX)]  # the text model's tensors
+    budget = min(max(DENSE_PACK_SHARE * nbytes(text), DENSE_FLOOR), DENSE_MEMORY_SHARE * physical_memory())
     chosen, used = set(), 0
     for _, added, name in sorted(candidates):
         if used + added > budget:

@@ -34,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
                    help="auto: drafts to NVFP4, targets as stored; nvfp4: quantize float linears; none: never quantize")
     b.add_argument("--with-mtp", action="store_true",
                    help="a target pack keeps the checkpoint's multi-token-prediction head (docs/formats.md 5)")
+    b.add_argument("--no-vision", action="store_true",
+                   help="leave a target's vision tower out of the pack (text only; docs/formats.md 5)")
     b.add_argument("--revision")
     b.add_argument("--local-files-only", action="store_true")
     b.add_argument("--shard-size-mb", type=int, default=DEFAULT_SHARD_BYTES >> 20)
@@ -65,12 +67,14 @@ def main(argv=None) -> int:
             if args.dry_run:
                 report = dry_run(args.source, args.out, role=args.role, quantization=args.quantization,
                                  revision=args.revision, local_files_only=args.local_files_only,
-                                 shard_bytes=args.shard_size_mb << 20, force=args.force, with_mtp=args.with_mtp)
+                                 shard_bytes=args.shard_size_mb << 20, force=args.force, with_mtp=args.with_mtp,
+                                 with_vision=not args.no_vision)
                 print(format_dry_run(report))
                 return 1 if report.problems else 0
             out = build_pack(args.source, args.out, role=args.role, quantization=args.quantization,
                              revision=args.revision, local_files_only=args.local_files_only,
-                             shard_bytes=args.shard_size_mb << 20, force=args.force, with_mtp=args.with_mtp)
+                             shard_bytes=args.shard_size_mb << 20, force=args.force, with_mtp=args.with_mtp,
+                             with_vision=not args.no_vision)
             print(format_inspection(inspect_pack(out)))
         elif args.command == "verify":
             summary = verify_pack(args.pack)

@@ -139,9 +139,11 @@ def build_pack(
     force: bool = False,
     extra_manifest: dict | None = None,
     with_mtp: bool = False,
+    with_vision: bool = True,
 ) -> Path:
     """Build a pack at `out` from a checkpoint (local dir or hub id), keeping a target's MTP head
-    with `with_mtp` (pack/target_recipe.py). Returns `out`."""
+    with `with_mtp` and its vision tower unless `with_vision` is False (pack/target_recipe.py).
+    Returns `out`."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out)):
@@ -150,7 +152,7 @@ def build_pack(
             raise PackError(f"{out}: already exists (use --force to replace it)")
         ckpt = open_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
         _check_role(ckpt, role)
-        plan = plan_pack(ckpt, quantization, with_mtp=with_mtp)
+        plan = plan_pack(ckpt, quantization, with_mtp=with_mtp, with_vision=with_vision)
         tmp = mf.temporary_path(out)
         tmp.mkdir()
         try:

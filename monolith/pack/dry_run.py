@@ -8,9 +8,10 @@ Every source tensor gets one action:
   convert    values computed exactly from the source: a norm stored as 1 + w in F32,
              a parameter widened to F32, FP8 dequantized to BF16
   quantize   a float matrix quantized to NVFP4 at pack time
-  drop       not in the pack (vision tower, MTP head unless --with-mtp, activation /
-             KV-cache scales)
-with the reason the plan gives, plus the pack's size and every problem found (every
+  drop       not in the pack (vision tower with --no-vision, MTP head unless --with-mtp,
+             activation / KV-cache scales)
+with the reason the plan gives, the vision tower's policy (a line of its own), plus the
+pack's size and every problem found (every
 failing module is listed; a draft's config problem stops its plan).
 """
 
@@ -52,6 +53,7 @@ class DryRun:
     pack_bytes: int = 0  # shard files: headers + tensor data
     shards: int = 0
     problems: list[str] = field(default_factory=list)
+    vision: str = ""  # what happens to the vision tower, and its precision policy
 
 
 def entry_action(entry: Entry) -> str:
@@ -88,7 +90,7 @@ def shard_bytes_of(plan: Plan, shard_bytes: int) -> tuple[int, int, int]:
 
 def dry_run(source, out=None, role: str | None = None, quantization: str = "auto", revision: str | None = None,
             local_files_only: bool = False, shard_bytes: int | None = None, force: bool = False,
-            with_mtp: bool = False) -> DryRun:
+            with_mtp: bool = False, with_vision: bool = True) -> DryRun:
     """What build_pack(source, out, ...) would do; problems are collected, not raised."""
     report = DryRun(str(source), quantization=quantization)
     try:
@@ -103,7 +105,7 @@ def dry_run(source, out=None, role: str | None = None, quantization: str = "auto
     if out is not None and Path(out).exists() and not force:
         report.problems.append(f"{Path(out).absolute()}: already exists (use --force to replace it)")
     try:
-        plan = plan_pack(ckpt, quantization, report.problems, with_mtp)
+        plan = plan_pack(ckpt, quantization, report.problems, with_mtp, with_vision)
     except (CheckpointError, FormatError) as e:
         report.problems.append(str(e))
         return report
@@ -114,8 +116,19 @@ def dry_run(source, out=None, role: str | None = None, quantization: str = "auto
     for tensor, why in plan.skipped.items():
         report.rows.append(Row(tensor, "drop", "", why))
     report.rows.sort(key=lambda r: r.tensor)
+    report.vision = vision_line(plan.layout.get("vision"))
     report.payload_bytes, report.pack_bytes, report.shards = shard_bytes_of(plan, shard_bytes or DEFAULT_SHARD_BYTES)
     return report
+
+
+def vision_line(vision: dict | None) -> str:
+    """The tower's fate for people (layout.vision, target_recipe.py); "" without a tower."""
+    if not vision:
+        return ""
+    if not vision.get("packed"):
+        return f"tower {vision.get('reason', 'left out')}"
+    return (f"tower packed: {vision['tensors']} tensors, {vision['precision']}, {vision['policy']}; "
+            "--no-vision leaves it out")
 
 
 def format_dry_run(report: DryRun) -> str:
@@ -131,6 +144,8 @@ def format_dry_run(report: DryRun) -> str:
     for r in report.rows:
         counts[r.action] = counts.get(r.action, 0) + 1
     lines.append("tensors     " + (", ".join(f"{n} {a}" for a, n in sorted(counts.items())) or "none planned"))
+    if report.vision:
+        lines.append(f"vision      {report.vision}")
     incomplete = " (incomplete: the plan has problems)" if report.problems else ""
     lines.append(f"pack size   {report.pack_bytes} bytes in {report.shards} shard(s) "
                  f"({report.payload_bytes} bytes of tensor data){incomplete}")

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..checkpoint.errors import CheckpointError
 from . import manifest as mf
-from .split import split_layers, target_costs
+from .split import split_layers, target_costs, tensor_bytes
+from .target_recipe import VISION_PREFIX
 
 
 def inspect_pack(pack_dir, ranks: int | None = None) -> dict:
@@ -30,7 +31,19 @@ def inspect_pack(pack_dir, ranks: int | None = None) -> dict:
         "entries": len(entries),
         "entries_by_precision": dict(sorted(precisions.items())),
         "layout": manifest["layout"],
+        "vision": vision_summary(manifest),
     } | ({} if ranks is None else {"ranks": rank_split(Path(pack_dir), manifest, ranks)})
+
+
+def vision_summary(manifest: dict) -> dict | None:
+    """The vision tower's share of the pack: packed (tensors, bytes) or left out; None
+    when the source had no tower."""
+    vision = (manifest.get("layout") or {}).get("vision")
+    if vision is None:
+        return None
+    tensors = [t for name, t in manifest["tensors"].items() if name.startswith(VISION_PREFIX)]
+    return {"packed": bool(vision.get("packed")), "tensors": len(tensors),
+            "bytes": sum(tensor_bytes(t) for t in tensors)} | ({} if vision.get("packed") else {"reason": vision["reason"]})
 
 
 def rank_split(pack_dir: Path, manifest: dict, ranks: int) -> list[dict]:
@@ -59,8 +72,16 @@ def format_inspection(info: dict) -> str:
         f"pack_sha256   {info['pack_sha256']}",
         "entries       " + ", ".join(f"{n} {p}" for p, n in info["entries_by_precision"].items()),
     ]
+    vision = info.get("vision")
+    if vision and vision["packed"]:
+        lines.append(f"vision        {vision['bytes'] / 1e6:.1f} MB in {vision['tensors']} tensors "
+                     f"({vision['bytes']} bytes; loaded on the first image)")
+    elif vision:
+        lines.append(f"vision        none: {vision['reason']}")
     for r in info.get("ranks", ()):
         first, last = r["layers"]
         lines.append(f"rank {r['rank']:<8d}layers {first}-{last}{' + head' if r['rank'] == 0 else ''}: "
                      f"{r['bytes'] / 1e6:.1f} MB")
+    if info.get("ranks") and vision and vision["packed"]:
+        lines.append("vision        on no rank: a pipeline (--distributed) serves text only")
     return "\n".join(lines)

@@ -25,7 +25,8 @@ REPORTS = (CONVERSION, VALIDATION)
 # hash does not depend on the shard size; verify.py checks each shard's header is the
 # canonical one for its tensors, so the shards' bytes follow from what is covered)
 NOT_HASHED = ("pack_sha256", "shards")
-# Files copied from the source next to the shards (the runtime needs config and tokenizer).
+# Files copied from the source next to the shards (the runtime needs config and tokenizer,
+# and for images the processor's settings, models/image_inputs.py read_image_settings).
 AUX_FILES = (
     "config.json",
     "generation_config.json",
@@ -35,6 +36,9 @@ AUX_FILES = (
     "chat_template.jinja",
     "vocab.json",
     "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 CHUNK = 8 << 20
 TEMPORARY = re.compile(r"\.(.+)\.(?:tmp|old)-\d+")  # temporary_path's names
@@ -71,8 +75,8 @@ def pack_sha256(manifest: dict) -> str:
     """The pack's identity: the SHA-256 of the canonical manifest without NOT_HASHED,
     every tensor as its inventory entry. It covers everything the runtime reads: the
     architecture, role, quantization, layout, entries and tensors, and through
-    `aux_files` the bytes of config.json, generation_config.json, the tokenizer files
-    and the chat template."""
+    `aux_files` the bytes of config.json, generation_config.json, the tokenizer files,
+    the chat template and the image processor's configs."""
     covered = {k: v for k, v in manifest.items() if k not in NOT_HASHED}
     covered["tensors"] = tensor_inventory(manifest.get("tensors", {}))
     return sha256_bytes(canonical_json(covered))

@@ -8,6 +8,7 @@ tensor (norms, conv, gates' parameters). The recipe only plans; build.py convert
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from ..checkpoint.reader import INDEX_FILE
 from ..formats import BLOCK
 from ..formats.mlx_layout import MXFP8_GROUP
 
-RECIPE_VERSION = 2  # 2: per-layer block masks, input embedding scale and heads in layout.draft
+RECIPE_VERSION = 3  # 2: per-layer block masks, input embedding scale and heads in layout.draft; 3: the vision tower
 QUANTIZATION_CHOICES = ("auto", "none", "nvfp4")
 FLOAT_PRECISIONS = ("bf16", "f16", "f32")
 
@@ -47,6 +48,7 @@ class Entry:
     transform: str | None = None  # tensors: "one_plus_f32" (zero-centred norm) | "f32"
     reason: str = ""
     stacked_source: bool = False  # experts read from one stacked source tensor [E, N, K]
+    source_shape: tuple[int, ...] | None = None  # tensors stored re-shaped (same bytes): the source's shape
 
     def describe(self) -> dict:
         d = {
@@ -63,6 +65,8 @@ class Entry:
             d["transform"] = self.transform
         if self.stacked_source:
             d["stacked_source"] = True
+        if self.source_shape is not None:
+            d["source_shape"] = list(self.source_shape)
         if self.reason:
             d["reason"] = self.reason
         return d
@@ -280,16 +284,23 @@ class Planner:
         return self.spec(a).shape[-1] == self.spec(b).shape[-1]
 
     @collected
-    def tensor(self, name: str, source: str, plan: Plan, transform: str | None = None, reason: str = "") -> None:
+    def tensor(self, name: str, source: str, plan: Plan, transform: str | None = None, reason: str = "",
+               shape: tuple[int, ...] | None = None) -> None:
+        """A plain tensor; with `shape`, stored in that shape (the same bytes in the same
+        order, e.g. a conv kernel flattened to a matrix; the manifest keeps source_shape)."""
         if not self.ckpt.has(source):
             raise PackError(f"{self.ckpt.path}: missing tensor {source}")
         dtype = self.ckpt.dtype(source)
         precision = {"BF16": "bf16", "F16": "f16", "F32": "f32"}.get(dtype, dtype.lower())
         out = "f32" if transform else precision
-        shape = self.ckpt.shape(source)
+        stored = tuple(self.ckpt.shape(source))
+        if shape is not None and math.prod(shape) != math.prod(stored):
+            raise PackError(f"{self.ckpt.file_of(source)}: tensor {source} of shape {list(stored)} cannot be stored "
+                            f"as {list(shape)}")
         self._use(source)
-        plan.entries.append(Entry(name, "tensor", out, precision, tuple(shape), [Part(source, 0, shape[0] if shape else 1)],
-                                  transform=transform, reason=reason))
+        plan.entries.append(Entry(name, "tensor", out, precision, tuple(shape or stored),
+                                  [Part(source, 0, stored[0] if stored else 1)], transform=transform, reason=reason,
+                                  source_shape=None if shape is None or tuple(shape) == stored else stored))
 
     def finish(self, plan: Plan, skip: tuple[tuple[str, str], ...] = ()) -> Plan:
         """Every source tensor is either used or skipped for a stated reason."""

@@ -11,6 +11,9 @@ those times. Before anything is measured (and for `pack inspect --ranks N`) the 
 modelled from the pack: the bytes a decode step reads, since decoding on a GPU is bound
 by weight bandwidth. A MoE layer reads its router, its shared expert and top-k of its
 experts per token, not all of them; its memory is all of them.
+
+The vision tower is on no rank: a pipeline target serves text only (engine_setup gives
+it no Vision), so the tower's bytes are not counted.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats.stfile import ITEMSIZE
+from .target_recipe import VISION_PREFIX
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # a decoder layer's tensor name
 
@@ -42,7 +46,9 @@ def pack_costs(manifest: dict, layers: int, experts_read: float = 1.0) -> PackCo
     held, reads = [0] * layers, [0.0] * layers
     head_held, head_reads = 0, 0.0
     for name, t in manifest["tensors"].items():
-        size = _nbytes(t)
+        if name.startswith(VISION_PREFIX):
+            continue
+        size = tensor_bytes(t)
         # a step reads one row of the embedding: nothing worth counting
         read = size * experts_read if ".experts." in name or name.endswith(".experts") else size
         if name.startswith("model.embed_tokens"):
@@ -68,7 +74,7 @@ def target_costs(pack_dir: Path, manifest: dict) -> PackCosts:
     return pack_costs(manifest, config["num_hidden_layers"], experts)
 
 
-def _nbytes(tensor: dict) -> int:
+def tensor_bytes(tensor: dict) -> int:
     n = ITEMSIZE.get(tensor["dtype"], 1)
     for d in tensor["shape"]:
         n *= d

@@ -18,21 +18,25 @@ draft's quantization rules (under auto, float matrices become NVFP4: it drafts),
 modules may be stored unquantized whatever the quantization rules say
 (checkpoint/precision.py PLAIN_ALLOWED_PREFIXES: unsloth's 27B stores them BF16 although
 its NVFP4 and FP8 rules match their names). Without it, the head is dropped.
+
+The vision tower is kept under `model.visual.` in its source precision, never quantized
+(`_plan_vision`, docs/formats.md 5); `with_vision=False` (--no-vision) drops it.
 """
 
 from __future__ import annotations
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, CheckpointError
 from ..checkpoint.config import QWEN3_5_MOE
 from .recipe import PackError, Plan, Planner
 
 ZERO_CENTRED = "zero-centred RMSNorm weight stored as 1 + w in F32"
-VISION_SKIP = (
-    ("model.visual.", "vision tower: the runtime is text-only"),
-    ("model.language_model.visual.", "vision tower: the runtime is text-only"),
-)
-SKIP = VISION_SKIP + (("mtp.", "MTP head: not used by the runtime (DSpark drafts instead)"),)  # without --with-mtp
+MTP_SKIP = ("mtp.", "MTP head: not used by the runtime (DSpark drafts instead)")  # without --with-mtp
 MTP_NORMS = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+VISION_PREFIX = "model.visual."  # the tower's pack names, from either source prefix
+VISION_SOURCES = ("model.visual.", "model.language_model.visual.")  # where checkpoints keep the tower
+VISION_PRECISIONS = ("BF16", "F16", "F32")
+VISION_POLICY = "kept in source precision, never quantized (--quantization applies to the language model only)"
+PATCH_EMBED = "patch_embed.proj.weight"
 
 
 def source_prefix(ckpt: Checkpoint) -> str:
@@ -49,7 +53,9 @@ def config_field(ckpt: Checkpoint, name: str):
 
 
 def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None = None,
-                with_mtp: bool = False) -> Plan:
+                with_mtp: bool = False, with_vision: bool = True) -> Plan:
+    """The target's entries; the vision tower is kept unless `with_vision` is False
+    (--no-vision), the MTP head only `with_mtp`."""
     p = Planner(ckpt, "target", quantization, problems)
     plan = Plan("qwen3_5-hybrid", "target", ckpt.architecture, quantization)
     src = source_prefix(ckpt)
@@ -72,10 +78,73 @@ def plan_target(ckpt: Checkpoint, quantization: str, problems: list[str] | None 
         "norms": "zero-centred stored as 1 + w (F32)",
         "tied_embeddings": not (ckpt.has("lm_head.weight") or ckpt.has("lm_head.weight_packed")),
     }
+    skip = _plan_vision(p, plan, ckpt, with_vision)
     if with_mtp:
         plan.layout["mtp"] = _plan_mtp(p, plan, ckpt, quantization, problems)
-        return p.finish(plan, VISION_SKIP)
-    return p.finish(plan, SKIP)
+    else:
+        skip += (MTP_SKIP,)
+    return p.finish(plan, skip)
+
+
+def _plan_vision(p: Planner, plan: Plan, ckpt: Checkpoint, with_vision: bool) -> tuple[tuple[str, str], ...]:
+    """The vision tower's entries (docs/formats.md 5): every `model.visual.*` tensor
+    (or `model.language_model.visual.*`) as a plain tensor `model.visual.*` in its source
+    precision, never quantized; the patch embedding's Conv3d kernel [D, C, T, ps, ps]
+    stored flattened [D, C*T*ps*ps] (the same bytes; the tower multiplies by it).
+    Records layout.vision; returns the skip rules for the tensors not packed."""
+    source = next((s for s in VISION_SOURCES if any(t.startswith(s) for t in ckpt.tensor_names())), None)
+    if source is None:
+        return ()
+    if not with_vision:
+        plan.layout["vision"] = {"packed": False, "reason": "left out (--no-vision)"}
+        return ((source, "vision tower: left out (--no-vision)"),)
+    names = sorted(t for t in ckpt.tensor_names() if t.startswith(source))
+    try:
+        shapes = _vision_shapes(ckpt, source, names)
+    except CheckpointError as e:
+        if p.problems is None:
+            raise
+        p.problems.append(str(e))
+        p.failed.update(names)
+        return ()
+    for t in names:
+        rest = t[len(source):]
+        flat = rest == PATCH_EMBED
+        p.tensor(VISION_PREFIX + rest, t, plan, reason="vision tower: source precision, never quantized"
+                 + (", stored flattened [D, C*T*ps*ps]" if flat else ""), shape=shapes[rest] if flat else None)
+    plan.layout["vision"] = {"packed": True, "prefix": VISION_PREFIX, "tensors": len(names),
+                             "precision": "/".join(sorted({ckpt.dtype(t).lower() for t in names})), "policy": VISION_POLICY,
+                             "patch_embed": "flattened [D, C*T*ps*ps]"}
+    return ()
+
+
+def _vision_shapes(ckpt: Checkpoint, prefix: str, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """The shapes the tower's tensors (`names`, under `prefix`) are packed in
+    (models/vision.py expected_shapes, the patch embedding flattened), checked against
+    the checkpoint's names, shapes and dtypes."""
+    from ..models.vision import VisionArgs, expected_shapes
+
+    config = ckpt.config.get("vision_config")
+    where = f"{ckpt.path / 'config.json'}: vision_config"
+    if not isinstance(config, dict):
+        raise PackError(f"{ckpt.path / 'config.json'}: the checkpoint has vision tower tensors but no vision_config "
+                        "(build with --no-vision to leave them out)")
+    args = VisionArgs.from_config(config, where=where)
+    shapes = expected_shapes(args)
+    stored = [t[len(prefix):] for t in names]
+    missing, extra = sorted(set(shapes) - set(stored)), sorted(set(stored) - set(shapes))
+    if missing or extra:
+        raise PackError(f"{ckpt.path}: vision tower tensors: missing {missing[:5]}, unexpected {extra[:5]} "
+                        "(build with --no-vision to leave the tower out)")
+    for name, shape in shapes.items():
+        if ckpt.dtype(prefix + name) not in VISION_PRECISIONS:
+            raise PackError(f"{ckpt.file_of(prefix + name)}: vision tower tensor {prefix}{name} is "
+                            f"{ckpt.dtype(prefix + name)}; a tower is packed only from {'/'.join(VISION_PRECISIONS)} "
+                            "(build with --no-vision to leave it out)")
+        if tuple(ckpt.shape(prefix + name)) != shape:
+            raise PackError(f"{ckpt.file_of(prefix + name)}: {prefix}{name}: shape {list(ckpt.shape(prefix + name))}, "
+                            f"the vision_config says {list(shape)}")
+    return shapes | {PATCH_EMBED: (args.hidden_size, args.patch_dim)}
 
 
 def _plan_layer(p: Planner, plan: Plan, ckpt: Checkpoint, s: str, d: str, kind: str) -> None:

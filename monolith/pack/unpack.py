@@ -54,7 +54,8 @@ def _unpack_entry(reader: PackTensors, name: str, entry: dict, out: dict, quanti
             values = data - np.float32(1.0) if transform == "one_plus_f32" else data
             out[part["source"]] = _to_source_float(values, entry["source_precision"])
         else:
-            out[part["source"]] = (reader.tensors[name]["dtype"], np.asarray(data))
+            shape = entry.get("source_shape", data.shape)  # a tensor stored re-shaped goes back as it was
+            out[part["source"]] = (reader.tensors[name]["dtype"], np.asarray(data).reshape(shape))
         return
     stacked = entry.get("stacked_source", False)
     if precision in SOURCE_DTYPES:

@@ -106,22 +106,6 @@ def vision_config(p: Preset, dense: bool) -> dict:
     }
 
 
-def preprocessor_config(vision: dict) -> dict:
-    """The image processor's settings in the published layout, sized for tiny images:
-    at least one merge block, at most 64 x 64 pixels."""
-    side = vision["patch_size"] * vision["spatial_merge_size"]
-    return {
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "image_std": [0.5, 0.5, 0.5],
-        "merge_size": vision["spatial_merge_size"],
-        "patch_size": vision["patch_size"],
-        "processor_class": "Qwen3VLProcessor",
-        "size": {"longest_edge": 64 * 64, "shortest_edge": side * side},
-        "temporal_patch_size": vision["temporal_patch_size"],
-    }
-
-
 def target_config(p: Preset, dense: bool) -> dict:
     v = p.vocab_size
     return {
@@ -360,12 +344,23 @@ def check_vocab(p: Preset) -> None:
         )
 
 
+def preprocessor_config(vision: dict) -> dict:
+    """Qwen3.6's preprocessor_config.json for the tower's patch size, with pixel bounds
+    kept small (from 8 x 8 up to 32 x 32 merged patches)."""
+    factor = vision["patch_size"] * vision["spatial_merge_size"]
+    return {
+        "size": {"shortest_edge": (8 * factor) ** 2, "longest_edge": (32 * factor) ** 2},
+        "patch_size": vision["patch_size"], "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"], "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+    }
+
+
 def write_target_files(out: Path, config: dict, hf_quant: dict | None) -> None:
     """config.json, hf_quant_config.json (removed when None), generation_config.json,
     the image processor's preprocessor_config.json and the tokenizer."""
     write_json(out / "config.json", config)
-    if "vision_config" in config:
-        write_json(out / "preprocessor_config.json", preprocessor_config(config["vision_config"]))
+    write_json(out / "preprocessor_config.json", preprocessor_config(config["vision_config"]))
     stale = out / "hf_quant_config.json"
     if hf_quant:
         write_json(stale, hf_quant)

@@ -185,6 +185,7 @@ def export_target(P, out: Path, tj: str, fmt: str) -> Path:
 
     write_checkpoint(dest, units, values_of, shards=1)
     write_json(dest / "config.json", config)
+    write_json(dest / "preprocessor_config.json", st.preprocessor_config(config["vision_config"]))
     return dest
 
 
