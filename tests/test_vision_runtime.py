@@ -46,7 +46,7 @@ def vlm(synth_dir, tmp_path_factory):
     tokens, image = image_prompt(config, patch)
     other_tokens, other = image_prompt(config, patch, seed=5)
     assert other_tokens == tokens and other.digest != image.digest
-    return dict(ckpt=ckpt, model=model, head=load_mtp(pack, model), draft=draft, vision=vision_of(ckpt),
+    return dict(ckpt=ckpt, model=model, head=load_mtp(pack, model), draft=draft, vision=vision_of(pack),
                 tokenizer=load_tokenizer(pack), config=config, tokens=tokens, image=image, other=other)
 
 

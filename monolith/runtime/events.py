@@ -75,7 +75,7 @@ class GenerationRequest:
     boundaries: tuple[int, ...] = ()  # where the prompt's chat messages end: prompt-cache saves
     grammar: Grammar | None = None  # constrains the output (runtime.grammar)
     # the prompt's images in order (models/image_inputs.PreparedImage): image i is the i-th
-    # run of the vision's image_token_id in prompt_ids, image.tokens long (docs/serving.md)
+    # run of the vision's image_token_id in prompt_ids, image.tokens long (docs/target.md)
     images: tuple = ()
 
 

@@ -1,5 +1,5 @@
-"""A prompt's images through the runtime (docs/serving.md, "Images"): checked once at the
-engine's boundary, then
+"""A prompt's images through the runtime (docs/target.md, "Images through the runtime"):
+checked once at the engine's boundary, then
 
 - **keys:** the caches (the session's restore points, the prompt cache, the state files)
   match prompts by their token ids, and every `<|image_pad|>` row has the same id. So
