@@ -3,8 +3,9 @@
 Replies stream as they are generated, then one line of speed and acceptance. The
 conversation's cache is kept across turns, so each turn prefills only its new
 tokens. The model's reasoning (Qwen's <think> block) shows dimmed, or collapsed to one
-line with /think off. Commands: /reset, /system TEXT, /stats, /think on|off, /save FILE,
-/load FILE, /quit. /save
+line with /think off. Commands: /reset, /system TEXT, /stats, /think on|off, /image PATH,
+/save FILE, /load FILE, /quit. /image attaches an image file (PNG, JPEG, ...) to the next
+message, for a model with a vision tower. /save
 writes the conversation and its cached state to FILE (a state file: safetensors with
 SHA-256s, runtime/state_file.py) and /load reads one back, checked against this model and
 draft, so a long conversation goes on without prefilling it again. Ctrl-C stops the
@@ -47,10 +48,12 @@ from .runtime.state_file import (
     read_state_file,
     write_state_file,
 )
+from .models.image_inputs import ImageInputError, prepare_image
 from .sampling import SamplingParams, add_sampling_arguments
+from .serving.images import prompt_ids as image_prompt_ids
 from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
 
-HELP = ("commands: /reset  /system TEXT  /stats  /think on|off  /save FILE  /load FILE  /quit   "
+HELP = ("commands: /reset  /system TEXT  /stats  /think on|off  /image PATH  /save FILE  /load FILE  /quit   "
         "(Ctrl-C stops a reply, Ctrl-D leaves)")
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # how a terminal shows the model's reasoning
 
@@ -72,31 +75,38 @@ class Conversation:
     and the next generation prompt to the exact tokens so far, so every prompt extends
     the cached sequence and only the new turn is prefilled."""
 
-    def __init__(self, tokenizer, system: str | None = None, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, system: str | None = None, template_kwargs: dict | None = None, vision=None):
         self.tokenizer = tokenizer
         self.system = system
         self.template_kwargs = template_kwargs or {}
+        self.vision = vision  # the engine's models.vision.Vision, for messages with images
         self.tokens: list[int] = []
+        self.images: list = []  # the images in `tokens`, in order (image_inputs.PreparedImage)
         self.turns = 0
 
     def _head(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
 
-    def prompt(self, user_text: str) -> list[int]:
-        user = {"role": "user", "content": user_text}
+    def prompt(self, user_text: str, images=()) -> list[int]:
+        """The next prompt's ids: the user's text after `images` (which it then holds)."""
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": user_text}]
+        user = {"role": "user", "content": content if images else user_text}
         if not self.tokens:
-            return self.tokenizer.encode_chat(self._head() + [user], **self.template_kwargs)
+            text = self.tokenizer.apply_chat_template(self._head() + [user], **self.template_kwargs)
+            return image_prompt_ids(self.tokenizer, text, list(images), self.vision)
         sentinel = "\x00reply-" + secrets.token_hex(8)
         text = self.tokenizer.apply_chat_template(
             self._head() + [{"role": "user", "content": "."}, {"role": "assistant", "content": sentinel}, user],
             **self.template_kwargs)
         suffix = text[text.index(sentinel) + len(sentinel):]
-        return self.tokens + self.tokenizer.encode(suffix, add_special_tokens=False)
+        return self.tokens + image_prompt_ids(self.tokenizer, suffix, list(images), self.vision)
 
-    def commit(self, prompt: list[int], reply: list[int]) -> None:
+    def commit(self, prompt: list[int], reply: list[int], images=()) -> None:
         """After a reply (complete or stopped): the prompt and the reply's tokens, without
-        the end token (the template's text after a reply supplies it)."""
+        the end token (the template's text after a reply supplies it), and the prompt's
+        new `images`."""
         self.tokens = list(prompt) + list(reply)
+        self.images += list(images)
         self.turns += 1
 
 
@@ -109,7 +119,8 @@ class Chat:
         self.max_tokens = args.max_tokens
         self.template_kwargs = {"enable_thinking": False} if args.no_thinking else {}
         self.session = engine.new_session()
-        self.conversation = Conversation(engine.tokenizer, args.system, self.template_kwargs)
+        self.conversation = self.new_conversation(args.system)
+        self.attached: list = []  # /image: the images the next message takes
         self.totals = {"prompt": 0, "cached": 0, "generated": 0, "prefill_s": 0.0, "decode_s": 0.0, "steps": 0,
                        "drafts": 0, "accepted": 0}
         self.show_thinking = True  # /think on|off: the reasoning shown dimmed, or collapsed to a marker
@@ -161,6 +172,8 @@ class Chat:
             else:
                 self.show_thinking = rest.strip() == "on"
                 self.write("(reasoning " + ("shown, dimmed" if self.show_thinking else "collapsed") + ")\n")
+        elif name == "/image":
+            self.write(self.attach(Path(rest.strip()).expanduser()) + "\n" if rest.strip() else "usage: /image PATH\n")
         elif name in ("/save", "/load") and not rest.strip():
             self.write(f"usage: {name} FILE\n")
         elif name == "/save":
@@ -174,11 +187,27 @@ class Chat:
     def _drafter(self):
         return getattr(self.engine.decoder, "drafter", None)
 
+    def attach(self, path: Path) -> str:
+        """/image: an image file for the next message."""
+        vision = self.engine.vision
+        if vision is None:
+            return "(this model takes no images: it has no vision tower, or chat was started with --no-vision)"
+        try:
+            image = prepare_image(path.read_bytes(), vision.settings)
+        except (OSError, ImageInputError) as e:
+            return f"(cannot attach {path}: {e})"
+        self.attached.append(image)
+        height, width = image.size
+        return (f"(image {len(self.attached)} attached: {path.name}, {width}x{height} pixels, {image.tokens} "
+                "tokens; it goes with your next message)")
+
     def save(self, path: Path) -> str:
         """/save: the conversation and the state the session holds for it, in one state file."""
         conversation, engine = self.conversation, self.engine
         if not conversation.tokens:
             return "(nothing to save yet)"
+        if conversation.images:
+            return "(cannot save: a conversation with images is not saved yet; state files keep only token ids)"
         drafter = self._drafter()
         try:
             def export():
@@ -212,21 +241,28 @@ class Chat:
             about = engine.call(read)
         except (OSError, ValueError) as e:
             return f"(cannot load: {e})"
-        conversation = Conversation(engine.tokenizer, about.get("system"), about.get("template_kwargs") or {})
+        conversation = self.new_conversation(about.get("system"), about.get("template_kwargs") or {})
         conversation.tokens, conversation.turns = [int(t) for t in about["tokens"]], int(about.get("turns", 0))
         self.conversation = conversation
         return f"(loaded {conversation.turns} turns, {len(conversation.tokens)} tokens from {path})"
 
     def reset(self) -> None:
         self.session.reset()
-        self.conversation = Conversation(self.engine.tokenizer, self.conversation.system, self.template_kwargs)
+        self.conversation = self.new_conversation(self.conversation.system)
+        self.attached = []
+
+    def new_conversation(self, system: str | None, template_kwargs: dict | None = None) -> Conversation:
+        kwargs = self.template_kwargs if template_kwargs is None else template_kwargs
+        return Conversation(self.engine.tokenizer, system, kwargs, self.engine.vision)
 
     def reply(self, user_text: str) -> None:
         events: queue.Queue = queue.Queue()
         try:
-            prompt = self.conversation.prompt(user_text)
+            attached = list(self.attached)
+            prompt = self.conversation.prompt(user_text, attached)
             request = GenerationRequest(tuple(prompt), self.max_tokens, self.params,
-                                        boundaries=tuple(self.engine.tokenizer.message_ends(prompt)))
+                                        boundaries=tuple(self.engine.tokenizer.message_ends(prompt)),
+                                        images=tuple(self.conversation.images + attached))
             job = self.engine.submit(request, events.put, self.session)
         except ContextLengthError as e:
             self.write(f"(the conversation is {e.prompt_tokens} tokens and no longer fits the context of "
@@ -252,14 +288,15 @@ class Chat:
                     shown.finish()
                     self.write(f"\n(error: {event.error})\n")
                     self.session.reset()
-                    self.conversation = Conversation(self.engine.tokenizer, self.conversation.system,
-                                                     self.template_kwargs)
+                    self.conversation = self.new_conversation(self.conversation.system)
+                    self.attached = []
                     return
             except KeyboardInterrupt:
                 stopped = True
                 job.cancel()
         shown.finish()
-        self.conversation.commit(prompt, finished.token_ids)
+        self.conversation.commit(prompt, finished.token_ids, attached)
+        self.attached = []
         self.write("\n" + ("[stopped] " if stopped else "") + self.reply_line(finished) + "\n")
 
     def reply_line(self, f: Finished) -> str:
