@@ -43,7 +43,7 @@ NO_IMAGES = ("this model takes no images (its checkpoint has no vision tower, or
 @dataclass(frozen=True)
 class ImageLimits:
     """What a request's images may be (serve flags: --max-image-bytes, --max-images,
-    --allow-image-urls, --image-fetch-timeout)."""
+    --allow-image-urls)."""
 
     max_bytes: int = MAX_IMAGE_BYTES  # encoded bytes of one image
     max_images: int = MAX_IMAGES  # images in one request's conversation
@@ -97,6 +97,19 @@ def message_content(items: list) -> str | list[dict]:
         elif item:
             out.append({"type": "text", "text": item})
     return out
+
+
+def chat_image(part, role: str, where: str) -> dict:
+    """A chat message's content part that is not text: an `image_url` part, or an image
+    item another API's parser made (anthropic.py re-reads its request as a chat request)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(part, ImageItem):
+        return part
+    if kind in VIDEO_PARTS:
+        refuse_video(kind, where)
+    if kind != "image_url":
+        raise bad(f"{where}: only text and image_url content parts are supported, got {kind!r}", where)
+    return openai_image(part, role, where)
 
 
 def openai_image(part: dict, role: str, where: str) -> dict:

@@ -1,10 +1,12 @@
 """Responses API items -> chat messages: `input` (and a stored response's `output`)
-as the chat path's messages. Messages with text parts, `function_call`,
-`function_call_output`, `custom_tool_call`, `custom_tool_call_output` and `reasoning`
-items; the items of one assistant turn (reasoning, message, calls) become one assistant
-message. A call of a namespace's tool is named as the model saw it (`flat_name`); a
-custom tool's call has one argument, `input`; a reasoning item's `encrypted_content`
-(responses_seal.py) is opened and stands for its text."""
+as the chat path's messages. Messages with text parts (and, in user messages,
+`input_image` parts), `function_call`, `function_call_output` (its output a string, or
+input_text and input_image parts: images.py), `custom_tool_call`,
+`custom_tool_call_output` and `reasoning` items; the items of one assistant turn
+(reasoning, message, calls) become one assistant message. A call of a namespace's tool
+is named as the model saw it (`flat_name`); a custom tool's call has one argument,
+`input`; a reasoning item's `encrypted_content` (responses_seal.py) is opened and stands
+for its text."""
 
 from __future__ import annotations
 

@@ -338,18 +338,10 @@ def _content(value, role: str, where: str) -> str | list[dict] | None:
         raise bad(f"{where} must be a string or a list of content parts", where)
     items = []
     for i, part in enumerate(value):
-        at = f"{where}[{i}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(part, images.ImageItem):  # made by another API's parser (anthropic.py)
-            items.append(part)
-        elif kind == "image_url":
-            items.append(images.openai_image(part, role, at))
-        elif kind in images.VIDEO_PARTS:
-            images.refuse_video(kind, at)
-        elif kind != "text" or not isinstance(part.get("text"), str):
-            raise bad(f"{at}: only text and image_url content parts are supported, got {kind!r}", at)
-        else:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
             items.append(part["text"])
+        else:
+            items.append(images.chat_image(part, role, f"{where}[{i}]"))
     return images.message_content(items)
 
 
