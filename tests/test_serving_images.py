@@ -4,7 +4,7 @@ one `<|image_pad|>` run per image and the prepared images in prompt order; the r
 Qwen3.5 template's prompt ids match the ids its tokenizer would give (the vision tokens
 as added special tokens, each pad expanded); token counting counts image tokens; limits,
 URLs without --allow-image-urls, video parts and a text-only server are 400s naming the
-part."""
+part; a compaction keeps the images of the user messages it keeps."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from monolith.models.image_inputs import prepare_image
 from monolith.serving.images import IMAGE_MARK, ImageLimits, PromptImages, prompt_ids
+from monolith.serving.responses_compact import input_parts
+from monolith.serving.responses_items import items_to_messages
 from monolith.tokenizer import load_tokenizer
 
 QWEN_TEMPLATE = Path(__file__).parent / "data" / "qwen3.5" / "chat_template.jinja"
@@ -231,6 +233,15 @@ def test_responses_input_image(vision_server, vision):
     assert digests(sent) == digests(heart) + [prepare_image(BLUE, vision.settings).digest]
     counted = client.responses.input_tokens.count(model=NAME, input=more, previous_response_id=reply.id)
     assert counted.input_tokens == len(sent.prompt_ids)
+
+
+def test_a_compacted_window_keeps_its_images():
+    """The user messages a compaction keeps come back as input parts that read as the same content."""
+    sent = [{"role": "user", "content": [{"type": "input_text", "text": "see"},
+                                         {"type": "input_image", "image_url": data_url(RED)}]}]
+    content = items_to_messages(sent, "input")[0]["content"]
+    kept = [{"type": "message", "role": "user", "content": input_parts(content)}]
+    assert items_to_messages(kept, "input")[0]["content"] == content and len(content) == 2
 
 
 # ------------------------------------------------------------------ refusals and limits
