@@ -6,7 +6,8 @@ A request is checked here, field by field (an unknown field, block type or value
 server cannot honour is a 400 naming it), and turned into the OpenAI-shaped chat body
 the rest of the server reads (schemas.parse_chat_request): `system` becomes a system
 message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
-messages, `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
+messages, `image` blocks (in a user turn or a tool_result) image items (images.py),
+`thinking` blocks `reasoning_content`; `tools` with `input_schema` become
 functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
 any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
 call), tool -> the named function (both grammar-constrained, schemas.py /
