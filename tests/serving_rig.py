@@ -1,6 +1,6 @@
 """What the HTTP server tests share: a tiny synthetic target in float32, real uvicorn
-servers on 127.0.0.1 (`Server`), a scripted engine decoder, and the expected plain
-outputs."""
+servers on 127.0.0.1 (`Server`; `vision_server`, whose engine takes images and records
+the requests it is given), a scripted engine decoder, and the expected plain outputs."""
 
 from __future__ import annotations
 
