@@ -22,6 +22,7 @@ import base64
 import binascii
 import urllib.error
 import urllib.parse
+import time
 import urllib.request
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -34,6 +35,7 @@ IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGES = 32
 FETCH_TIMEOUT = 10.0
+FETCH_CHUNK = 2**16
 URL_SCHEMES = ("data", "http", "https")
 VIDEO_PARTS = ("video_url", "video", "input_video")  # parts some APIs or servers take: refused by name
 NO_IMAGES = ("this model takes no images (its checkpoint has no vision tower, or the server was started with "
@@ -221,9 +223,11 @@ def data_url_bytes(url: str, max_bytes: int, where: str) -> bytes:
     if media.startswith("video/"):  # other media types are left to the decoder: the bytes say what they are
         raise bad(f"{where}: the data: URL holds {media!r}: video input is not supported; send images", where)
     encoded = "base64" in (p.strip().lower() for p in params[1:])
+    if encoded:
+        payload = "".join(payload.split())  # line-wrapped base64 (some clients wrap it)
     size = len(payload) * 3 // 4 if encoded else len(payload)
     if size > max_bytes:
-        raise _too_large(size, max_bytes, where)
+        raise _too_large(size, max_bytes, where, "about")
     try:
         data = base64.b64decode(payload, validate=True) if encoded else urllib.parse.unquote_to_bytes(payload)
     except (binascii.Error, ValueError):
@@ -234,16 +238,22 @@ def data_url_bytes(url: str, max_bytes: int, where: str) -> bytes:
 
 
 def fetch(url: str, limits: ImageLimits, where: str) -> bytes:
-    """An http(s) image URL's body, within the time and byte limits."""
+    """An http(s) image URL's body, within the time (all of it, not each read) and byte limits."""
+    deadline = time.monotonic() + limits.fetch_timeout
+    chunks, size = [], 0
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "monolith"}),
                                     timeout=limits.fetch_timeout) as response:
-            data = response.read(limits.max_bytes + 1)
+            while chunk := response.read(FETCH_CHUNK):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limits.max_bytes:
+                    raise _too_large(size, limits.max_bytes, where, "over")
+                if time.monotonic() > deadline:
+                    raise bad(f"{where}: the image URL took over {limits.fetch_timeout:g} s to fetch", where)
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise bad(f"{where}: the image URL could not be fetched: {getattr(e, 'reason', e)}", where) from None
-    if len(data) > limits.max_bytes:
-        raise _too_large(len(data), limits.max_bytes, where, "over")
-    return data
+    return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int, where: str, about: str = "") -> Exception:
