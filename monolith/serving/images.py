@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 import urllib.error
 import urllib.parse
-import time
 import urllib.request
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..models.image_inputs import ImageInputError, decode_image, prepare_image, smart_resize
+from ..models.image_inputs import (
+    ImageInputError,
+    decode_image,
+    prepare_image,
+    smart_resize,
+)
 from .errors import bad
 from .fields import refuse_extra
 
