@@ -14,6 +14,7 @@ from pathlib import Path
 from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
+from .serving.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from .serving.responses_store import STORED_BYTES, STORED_RESPONSES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -54,6 +55,15 @@ def build_parser() -> ArgumentParser:
     store.add_argument("--response-store-bytes", type=byte_size, default=STORED_BYTES, metavar="BYTES",
                        help="the most bytes they take (a response's JSON with its conversation), e.g. 1G "
                             f"(default {STORED_BYTES >> 20}M)")
+    images = ap.add_argument_group("image parts (docs/serving.md, \"Images\")")
+    images.add_argument("--allow-image-urls", action="store_true",
+                        help="fetch http(s) image URLs (default: refused with a 400; a local server should not "
+                             "fetch for a web page); data: URLs are always taken")
+    images.add_argument("--max-image-bytes", type=byte_size, default=MAX_IMAGE_BYTES, metavar="BYTES",
+                        help=f"the most encoded bytes of one image (default {MAX_IMAGE_BYTES >> 20}M; a data: URL "
+                             "also counts against --max-request-bytes)")
+    images.add_argument("--max-images", type=int, default=MAX_IMAGES, metavar="N",
+                        help=f"the most images in one request's conversation (default {MAX_IMAGES})")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_distributed_arguments(ap)
     return ap
@@ -81,6 +91,7 @@ def check_server_options(args) -> None:
         raise SetupError(f"--port must be in [0, 65535], got {args.port}")
     for flag, value in (("--max-batch", args.max_batch), ("--max-queue", args.max_queue),
                         ("--max-request-bytes", args.max_request_bytes),
+                        ("--max-image-bytes", args.max_image_bytes), ("--max-images", args.max_images),
                         ("--response-store-size", args.response_store_size),
                         ("--response-store-bytes", args.response_store_bytes)):
         if value < 1:
@@ -100,6 +111,7 @@ def check_server_options(args) -> None:
 def server_config(args, plan):
     """The app's serving.app.ServerConfig from the flags (and $MONOLITH_API_KEY)."""
     from .serving.app import ServerConfig
+    from .serving.images import ImageLimits
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
     return ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
@@ -107,6 +119,7 @@ def server_config(args, plan):
                         allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout,
                         response_store_size=args.response_store_size,
                         response_store_bytes=args.response_store_bytes,
+                        images=ImageLimits(args.max_image_bytes, args.max_images, args.allow_image_urls),
                         response_store_dir=None if args.prompt_cache_dir is None
                         else str(Path(args.prompt_cache_dir) / "responses"))
 

@@ -4,6 +4,10 @@ what the row's field adds to it (SAMPLES; a callable takes the openai client).""
 
 from __future__ import annotations
 
+import base64
+import io
+
+from PIL import Image
 from serving_rig import NAME
 
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -42,6 +46,15 @@ def tool_round(result: dict) -> dict:
 
 
 TEXT = {"type": "text", "text": "hi"}
+
+
+def _png() -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 160, 30)).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+PNG = _png()  # base64 of a small PNG: the image rows' image
 SAMPLES = {
     "chat": {
         "model": {"model": NAME},
@@ -55,7 +68,7 @@ SAMPLES = {
         "messages[].content[].prompt_cache_breakpoint": chat_content({**TEXT, "prompt_cache_breakpoint":
                                                                      {"mode": "explicit"}}),
         "messages[].content[].image_url": chat_content({"type": "image_url",
-                                                        "image_url": {"url": "data:image/png;base64,AAAA"}}),
+                                                        "image_url": {"url": "data:image/png;base64," + PNG}}),
         "messages[].content[].input_audio": chat_content({"type": "input_audio",
                                                           "input_audio": {"data": "AAAA", "format": "wav"}}),
         "messages[].content[].file": chat_content({"type": "file", "file": {"file_id": "file-1"}}),
@@ -156,7 +169,7 @@ SAMPLES = {
         "messages[].content[].type: redacted_thinking": claude_blocks({"type": "redacted_thinking", "data": "x"},
                                                                        TEXT, role="assistant"),
         "messages[].content[].type: image": claude_blocks({"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": "AAAA"}}),
+            "type": "base64", "media_type": "image/png", "data": PNG}}),
         "messages[].content[].type: document": claude_blocks({"type": "document", "source": {
             "type": "text", "media_type": "text/plain", "data": "doc"}}),
         "messages[].content[].type: search_result": claude_blocks({"type": "search_result", "source": "s",
@@ -228,7 +241,7 @@ SAMPLES = {
             "type": "message", "role": "assistant", "phase": "final_answer", "content": "Hello."},
             {"role": "user", "content": "Again"}]},
         "input[].content[].type: input_image": {"input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+            {"type": "input_image", "image_url": "data:image/png;base64," + PNG}]}]},
         "input[].type: item_reference": {"input": [{"type": "item_reference", "id": "msg_1"}]},
         "instructions": {"instructions": "be brief"},
         "max_output_tokens": {"max_output_tokens": 1},

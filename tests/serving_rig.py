@@ -1,9 +1,10 @@
 """What the HTTP server tests share: a tiny synthetic target in float32, real uvicorn
-servers on 127.0.0.1 (`Server`), a scripted engine decoder, and the expected plain
-outputs."""
+servers on 127.0.0.1 (`Server`; `vision_server`, whose engine takes images and records
+the requests it is given), a scripted engine decoder, and the expected plain outputs."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -15,6 +16,8 @@ import pytest
 import uvicorn
 from decoding import plain
 
+from monolith.models.image_inputs import ImageSettings
+from monolith.models.vision import Vision, load_vision_tower
 from monolith.pack import build_pack
 from monolith.runtime.batch import Forward
 from monolith.runtime.decoder import SpeculativeDecoder
@@ -85,6 +88,37 @@ class Server:
 def server(model, tok):
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT)) as s:
         yield s.wait_ready()
+
+
+class Recording(Engine):
+    """An Engine that keeps the GenerationRequests submitted to it (`submitted`)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.submitted = []
+
+    def submit(self, request, sink, *args, **kw):
+        self.submitted.append(request)
+        return super().submit(request, sink, *args, **kw)
+
+
+@pytest.fixture(scope="module")
+def vision(synth_dir):
+    """The models.vision.Vision of the tiny target's synthetic checkpoint, with image
+    settings of its patch size that keep an image within 64 tokens."""
+    ckpt = synth_dir("target")
+    config = json.loads((ckpt / "config.json").read_text())
+    settings = ImageSettings(patch_size=config["vision_config"]["patch_size"], min_pixels=64, max_pixels=64 * 64)
+    return Vision(config, settings, lambda: load_vision_tower(ckpt))
+
+
+@pytest.fixture(scope="module")
+def vision_server(model, tok, vision):
+    """A server whose engine takes images (a Recording engine: `server.engine.submitted`)."""
+    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, vision=vision)) as s:
+        s.wait_ready()
+        s.engine = s.app.state.monolith.engine
+        yield s
 
 
 class Scripted:

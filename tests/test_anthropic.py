@@ -280,7 +280,7 @@ def test_errors_in_anthropics_shape_through_the_sdk(servers, demo_f32):
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model=NAME, max_tokens=5, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
-    assert "messages[0].content[0].type" in e.value.message
+    assert "messages[0].content[0]: this model takes no images" in e.value.message
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model=NAME, max_tokens=5, messages=HELLO, tools=TOOLS, tool_choice={"type": "tool",
                                                                                           "name": "nope"})

@@ -2,7 +2,8 @@
 types (openai chat, completions and responses; anthropic messages and count_tokens,
 beta included) has a row in its API's table, and each row's field, sent to a live
 server through the official client with the value in SAMPLES (tests/api_field_samples.py),
-is accepted or refused (a 400 naming it) as the row's mark says. Then what the newly
+is accepted or refused (a 400 naming it) as the row's mark says (on a server whose model
+takes images). Then what the newly
 honoured OpenAI fields do, against independent references (the chat template's own
 switch, the tools sent alone)."""
 
@@ -42,6 +43,12 @@ SDK_TYPES = {
                   response_create_params.ResponseCreateParamsNonStreaming],
 }
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+?) \|")
+
+
+@pytest.fixture(scope="module")
+def server(vision_server):
+    """The rows are sent to a server whose model takes images (serving_rig's vision_server)."""
+    return vision_server
 
 
 def table(api: str) -> dict[str, str]:

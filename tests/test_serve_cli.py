@@ -19,7 +19,8 @@ import pytest
 from serving_rig import MAX_CONTEXT
 
 from monolith.models import load_model
-from monolith.serve import build_parser
+from monolith.serve import build_parser, server_config
+from monolith.serving.images import ImageLimits
 
 # ------------------------------------------------------------------ the command line
 
@@ -142,6 +143,13 @@ def test_the_deprecated_prompt_cache_checkpoint_every_sets_what_prompt_cache_sav
     assert "--prompt-cache-save-every" in shown and "--prompt-cache-checkpoint-every" not in shown
 
 
+def test_image_flags_reach_the_server_config():
+    plan = argparse.Namespace(name="m")
+    args = build_parser().parse_args(["--allow-image-urls", "--max-image-bytes", "5M", "--max-images", "3"])
+    assert server_config(args, plan).images == ImageLimits(max_bytes=5 * 2**20, max_images=3, allow_urls=True)
+    assert server_config(build_parser().parse_args([]), plan).images == ImageLimits()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--no-draft", "--draft-block-size", "3"], "only appl"),
     (["--prompt-cache-save-every", "-1"], "--prompt-cache-save-every must be at least 0"),
@@ -155,6 +163,7 @@ def test_the_deprecated_prompt_cache_checkpoint_every_sets_what_prompt_cache_sav
     (["--max-tokens-limit", "0"], "--max-tokens-limit"),
     (["--response-store-size", "0"], "--response-store-size"),
     (["--response-store-bytes", "0"], "--response-store-bytes"),
+    (["--max-images", "0"], "--max-images"),
     (["--response-store-bytes", "lots"], "not a byte size"),
     (["--bogus"], "unrecognized"),
 ])

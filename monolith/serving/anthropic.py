@@ -6,7 +6,8 @@ A request is checked here, field by field (an unknown field, block type or value
 server cannot honour is a 400 naming it), and turned into the OpenAI-shaped chat body
 the rest of the server reads (schemas.parse_chat_request): `system` becomes a system
 message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
-messages, `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
+messages, `image` blocks (in a user turn or a tool_result) image items (images.py),
+`thinking` blocks `reasoning_content`; `tools` with `input_schema` become
 functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
 any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
 call), tool -> the named function (both grammar-constrained, schemas.py /
@@ -26,6 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from . import images
 from .anthropic_options import Thinking, output_format, parse_thinking
 from .context_edits import ContextEdits, parse_context_management
 from .errors import bad
@@ -231,30 +233,53 @@ def _messages(value) -> list[dict]:
 
 
 def _user_blocks(blocks: list, where: str) -> list[dict]:
-    """Text blocks -> user messages, tool_result blocks -> tool messages, in order."""
+    """Text and image blocks -> user messages, tool_result blocks -> tool messages, in order."""
     out: list[dict] = []
+    parts: list = []  # the text and images of the user message being assembled (images.py)
     for i, block in enumerate(blocks):
         at = f"{where}[{i}]"
-        if _block_type(block, at, ("text", "tool_result")) == "text":
-            text = _text_block(block, at)
-            if out and out[-1]["role"] == "user":
-                out[-1]["content"] += text
-            else:
-                out.append({"role": "user", "content": text})
+        kind = _media_block_type(block, at, ("text", "image", "tool_result"))
+        if kind != "tool_result":
+            if not parts:
+                out.append({"role": "user"})
+            parts.append(_part(block, kind, at))
+            out[-1]["content"] = images.message_content(parts)
             continue
+        parts = []
         refuse_unknown(block, {"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"},
                       f"{at}.")
         if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
             raise bad(f"{at}.tool_use_id must be a non-empty string", f"{at}.tool_use_id")
         content = block.get("content")
-        text = "" if content is None else _text(content, f"{at}.content")
+        if content is None or isinstance(content, str):
+            result = [content or ""]
+        elif isinstance(content, list):
+            result = [_part(b, _media_block_type(b, f"{at}.content[{j}]", ("text", "image")), f"{at}.content[{j}]")
+                      for j, b in enumerate(content)]
+        else:
+            raise bad(f"{at}.content must be a string or a list of text and image blocks", f"{at}.content")
         error = block.get("is_error")
         if error is not None and not isinstance(error, bool):
             raise bad(f"{at}.is_error must be true or false", f"{at}.is_error")
         if error:  # the template has no error flag: the model reads it in the text
-            text = "Error: " + text
-        out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            result.insert(0, "Error: ")
+        out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": images.message_content(result)})
     return out
+
+
+def _media_block_type(block, at: str, allowed: tuple[str, ...]) -> str:
+    """_block_type, with a video block refused as such."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind in images.VIDEO_PARTS:
+        images.refuse_video(kind, at)
+    return _block_type(block, at, allowed)
+
+
+def _part(block: dict, kind: str, at: str):
+    """A text block's text, or an image block's item (images.py)."""
+    if kind == "image":
+        return images.anthropic_image(block, at)
+    return _text_block(block, at)
 
 
 def _assistant_blocks(blocks: list, where: str) -> dict:

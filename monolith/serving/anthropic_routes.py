@@ -43,23 +43,27 @@ class AnthropicRoutes:
         started = time.monotonic()
         req = anthropic.parse_messages_request(await handlers.read_body(request), handlers.state.defaults)
         name = handlers.model_name(req.model)
-        chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False)
-        prompt_ids, reasoning_open, constraint = await handlers.encode_chat(engine, chat)
+        images = handlers.prompt_images(engine)  # loaded once for the context edits and the prompt
+        chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False, images)
+        prompt = await handlers.encode_chat(engine, chat, images)
+        constraint = prompt.constraint
         if req.thinking.budget is not None:  # a grammar ends the reasoning
-            constraint = anthropic_options.budget_grammar(req.thinking, reasoning_open, constraint,
+            constraint = anthropic_options.budget_grammar(req.thinking, prompt.reasoning_open, constraint,
                                                           engine.tokenizer, grammar_tokenizer(engine))
-        fmt = anthropic_reply.MessagesFormat(name, req, reasoning_open, len(prompt_ids), engine.tokenizer, applied)
-        return await handlers.generate(request, engine, prompt_ids, chat, fmt, "messages", started,
-                                       engine.tokenizer.message_ends(prompt_ids), constraint)
+        fmt = anthropic_reply.MessagesFormat(name, req, prompt.reasoning_open, len(prompt.ids), engine.tokenizer,
+                                             applied)
+        return await handlers.generate(request, engine, prompt.ids, chat, fmt, "messages", started,
+                                       engine.tokenizer.message_ends(prompt.ids), constraint, prompt.images)
 
     async def count_tokens(self, request: Request) -> Response:
         handlers = self.handlers
         engine = handlers.ready_engine()
         req = anthropic.parse_count_tokens_request(await handlers.read_body(request), handlers.state.defaults)
         handlers.model_name(req.model)
-        chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True)
-        prompt_ids, _, _ = await handlers.encode_chat(engine, chat)
-        body = {"input_tokens": len(prompt_ids)}
+        images = handlers.prompt_images(engine, count_only=True)  # an image's tokens follow from its size
+        chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True, images)
+        prompt = await handlers.encode_chat(engine, chat, images)
+        body = {"input_tokens": len(prompt.ids)}
         if req.edits is not None:
             body["context_management"] = {"original_input_tokens": original}
         return JSONResponse(body)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import anyio
 from starlette.applications import Starlette
@@ -48,6 +49,7 @@ from . import access, anthropic_routes, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
+from .images import ImageLimits, PromptImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses_socket import LIMIT_SECONDS
@@ -82,6 +84,16 @@ class ServerConfig:
     response_store_size: int = STORED_RESPONSES  # the Responses API's stored responses, at most
     response_store_bytes: int = STORED_BYTES  # ... and at most this many bytes of them
     response_store_dir: str | None = None  # where they survive a restart (None: memory only)
+    images: ImageLimits = ImageLimits()  # what a request's images may be (images.py)
+
+
+class EncodedChat(NamedTuple):
+    """A chat request ready for the engine (`encode_chat`)."""
+
+    ids: list[int]  # the prompt, each image's <|image_pad|> run expanded
+    reasoning_open: bool  # the prompt opens a reasoning block
+    constraint: Grammar | None  # the output's grammar
+    images: tuple  # models.image_inputs.PreparedImage in prompt order (CountedImage when counting)
 
 
 class ServerState:
@@ -253,11 +265,17 @@ class _Handlers(Driver):
 
         return await self.generate_chat(request, engine, req, chat_format, started)
 
-    async def encode_chat(self, engine, req: ChatRequest) -> tuple[list[int], bool, Grammar | None]:
-        """(prompt ids, the prompt opens reasoning, the output's grammar) of a chat request,
-        on a worker thread (the template, the tokenizer and a grammar's check take time)."""
+    def prompt_images(self, engine, count_only: bool = False) -> PromptImages:
+        """What loads a request's images (images.py), under this server's limits."""
+        return PromptImages(engine.vision, self.state.config.images, count_only)
 
-        def encode() -> tuple[list[int], bool, Grammar | None]:
+    async def encode_chat(self, engine, req: ChatRequest, images: PromptImages | None = None) -> EncodedChat:
+        """A chat request's prompt ids, images and grammar, on a worker thread (the
+        template, the images, the tokenizer and a grammar's check take time). `images`:
+        what loads them (default: `prompt_images`)."""
+        images = images or self.prompt_images(engine)
+
+        def encode() -> EncodedChat:
             try:
                 text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
             except ValueError as e:  # TokenizerError: the template refused the conversation
@@ -268,7 +286,9 @@ class _Handlers(Driver):
             if req.structure is not None:
                 constraint = structured.grammar(req.structure, engine.tokenizer, reasoning)
                 structured.check(req.structure, constraint, structured.grammar_tokenizer(engine))
-            return engine.tokenizer.encode(text, add_special_tokens=False), reasoning, constraint
+            loaded = images.of(req.messages)
+            return EncodedChat(prompt_ids(engine.tokenizer, text, loaded, engine.vision), reasoning, constraint,
+                               tuple(loaded))
 
         return await anyio.to_thread.run_sync(encode)
 
@@ -283,10 +303,11 @@ class _Handlers(Driver):
                          request: Request | None = None):
         """A chat request encoded, submitted and started (`start`): (job, its events, its
         format)."""
-        prompt_ids, reasoning_open, constraint = await self.encode_chat(engine, req)
-        fmt = make_format(reasoning_open)
-        job, events = await self.start(engine, prompt_ids, req, fmt, prompt_param, started,
-                                       engine.tokenizer.message_ends(prompt_ids), constraint, request)
+        prompt = await self.encode_chat(engine, req)
+        fmt = make_format(prompt.reasoning_open)
+        job, events = await self.start(engine, prompt.ids, req, fmt, prompt_param, started,
+                                       engine.tokenizer.message_ends(prompt.ids), prompt.constraint, request,
+                                       prompt.images)
         return job, events, fmt
 
     async def completions(self, request: Request) -> Response:

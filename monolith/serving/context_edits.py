@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from .errors import bad
 from .fields import refuse_unknown
+from .images import prompt_ids
 
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 CLEAR_THINKING = "clear_thinking_20251015"
@@ -112,10 +113,10 @@ def _tool_uses(messages: list[dict]) -> list[tuple[int, dict]]:
     return [(i, call) for i, m in enumerate(messages) if m["role"] == "assistant" for call in m.get("tool_calls") or ()]
 
 
-def edit_context(req, tokenizer, original: bool) -> tuple[object, list[dict] | None, int | None]:
+def edit_context(req, tokenizer, original: bool, images) -> tuple[object, list[dict] | None, int | None]:
     """(req.chat after req.edits, the edits applied (None: none were asked for), with
-    `original` the prompt's tokens before them). Renders the template: a worker thread's
-    work."""
+    `original` the prompt's tokens before them, its images' tokens included: `images`, the
+    request's images.PromptImages). Renders the template: a worker thread's work."""
     if req.edits is None:
         return req.chat, None, None
     chat, counted = req.chat, {}
@@ -127,7 +128,7 @@ def edit_context(req, tokenizer, original: bool) -> tuple[object, list[dict] | N
                 text = tokenizer.apply_chat_template(messages, chat.tools, **chat.template_kwargs)
             except ValueError as e:  # TokenizerError: the template refused the conversation
                 raise bad(str(e), "messages") from None
-            counted[key] = len(tokenizer.encode(text, add_special_tokens=False))
+            counted[key] = len(prompt_ids(tokenizer, text, images.of(messages), images.vision))
         return counted[key]
 
     messages, applied = req.edits.apply(chat.messages, count)

@@ -42,21 +42,24 @@ class Driver:
         self.state = state
 
     async def generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
-                        started: float, boundaries: list[int] = (), constraint: Grammar | None = None) -> Response:
+                       started: float, boundaries: list[int] = (), constraint: Grammar | None = None,
+                       images: tuple = ()) -> Response:
         job, events = await self.start(engine, prompt_ids, req, fmt, prompt_param, started, boundaries, constraint,
-                                       request)
+                                       request, images)
         return await self.respond(request, job, events, fmt, req)
 
     async def start(self, engine, prompt_ids, req, fmt, prompt_param: str, started: float,
-                    boundaries: list[int] = (), constraint: Grammar | None = None, request: Request | None = None):
+                    boundaries: list[int] = (), constraint: Grammar | None = None, request: Request | None = None,
+                    images: tuple = ()):
         """Submit a request to the engine and wait until it has left the queue (bounded by
         its deadline) and resumed: (the job, its events). The job is cancelled if this is
-        cancelled, or if `request`'s client disconnects meanwhile."""
+        cancelled, or if `request`'s client disconnects meanwhile. `images`: the prompt's
+        (models.image_inputs.PreparedImage, in prompt order)."""
         limit, max_tokens = self.state.config.max_tokens_limit, req.max_tokens
         if limit is not None:
             max_tokens = limit if max_tokens is None else min(max_tokens, limit)
         gen = GenerationRequest(tuple(prompt_ids), max_tokens, req.params, req.stop, req.logprobs,
-                                tuple(boundaries), constraint)
+                                tuple(boundaries), constraint, tuple(images))
         events = EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
             job = engine.submit(gen, events.put)

@@ -23,7 +23,7 @@ from .responses_store import ResponseStore
 from .schemas import SamplingDefaults
 
 FIELDS = {"model", "input", "previous_response_id", "instructions"}
-# hints that change no summary (`image`: the image context policy; no images are taken yet)
+# hints that change no summary (`image`: the image context policy; the kept user messages keep their images)
 INERT_FIELDS = {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
                 "service_tier", "image"}
 SUMMARY_TOKENS = 1024  # the most tokens a summary may take
@@ -49,7 +49,7 @@ def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
 class CompactFormat:
     """The compaction object, from the summary's deltas (a ReplyFormat, never streamed: reply_format.py)."""
 
-    def __init__(self, kept: list[str], reasoning_open: bool):
+    def __init__(self, kept: list, reasoning_open: bool):
         self.kept = kept
         self.splitter = ReasoningSplitter(reasoning_open)
         self.content: list[str] = []
@@ -61,7 +61,7 @@ class CompactFormat:
         self.content.append(self.splitter.finish()[1])
         summary = "".join(self.content).strip()
         output = [{"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "user", "status": "completed",
-                   "content": [{"type": "input_text", "text": text}]} for text in self.kept]
+                   "content": input_parts(content)} for content in self.kept]
         output.append({"id": "cmp_" + uuid.uuid4().hex, "type": "compaction",
                        "encrypted_content": seal_summary(summary), "created_by": "monolith"})
         u = finished.usage
@@ -70,3 +70,11 @@ class CompactFormat:
                  "total_tokens": u.total_tokens}
         return {"id": "resp_" + uuid.uuid4().hex, "object": "response.compaction", "created_at": int(time.time()),
                 "output": output, "usage": usage}
+
+
+def input_parts(content) -> list[dict]:
+    """A user message's content (a string, or text and image items: images.py) as input parts."""
+    if isinstance(content, str):
+        return [{"type": "input_text", "text": content}]
+    return [{"type": "input_text", "text": part["text"]} if part["type"] == "text"
+            else {"type": "input_image", "image_url": part["image"], "detail": "auto"} for part in content]

@@ -1,15 +1,18 @@
 """Responses API items -> chat messages: `input` (and a stored response's `output`)
-as the chat path's messages. Messages with text parts, `function_call`,
-`function_call_output`, `custom_tool_call`, `custom_tool_call_output` and `reasoning`
-items; the items of one assistant turn (reasoning, message, calls) become one assistant
-message. A call of a namespace's tool is named as the model saw it (`flat_name`); a
-custom tool's call has one argument, `input`; a reasoning item's `encrypted_content`
-(responses_seal.py) is opened and stands for its text."""
+as the chat path's messages. Messages with text parts (and, in user messages,
+`input_image` parts), `function_call`, `function_call_output` (its output a string, or
+input_text and input_image parts: images.py), `custom_tool_call`,
+`custom_tool_call_output` and `reasoning` items; the items of one assistant turn
+(reasoning, message, calls) become one assistant message. A call of a namespace's tool
+is named as the model saw it (`flat_name`); a custom tool's call has one argument,
+`input`; a reasoning item's `encrypted_content` (responses_seal.py) is opened and stands
+for its text."""
 
 from __future__ import annotations
 
 import json
 
+from . import images
 from .errors import bad
 from .fields import refuse_extra
 from .responses_seal import SEALER, SUMMARY_HEAD, open_summary
@@ -65,7 +68,7 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
                 raise bad(f"{at}.call_id {call_id!r} answers no tool call of this conversation",
                           f"{at}.call_id")
             output = item.get("output")
-            text = output if isinstance(output, str) else _parts(output, {"input_text"}, f"{at}.output")
+            text = output if isinstance(output, str) else _parts(output, {"input_text"}, f"{at}.output", "tool")
             talk.add({"role": "tool", "content": text, "tool_call_id": call_id})
     talk.flush()
     return talk.messages
@@ -104,7 +107,7 @@ def _message(item: dict, at: str, talk: _Conversation) -> None:
     if item.get("phase") is not None and (role != "assistant" or item["phase"] not in PHASES):
         raise bad(f"{at}.phase must be one of {', '.join(PHASES)} on an assistant message, got "
                   f"{json.dumps(item['phase'])[:60]}", f"{at}.phase")
-    text = _text_content(item.get("content"), TEXT_PARTS[role], f"{at}.content")
+    text = _text_content(item.get("content"), TEXT_PARTS[role], role, f"{at}.content")
     if role != "assistant":
         talk.add({"role": "system" if role == "developer" else role, "content": text})
         return
@@ -142,24 +145,31 @@ def string_field(item: dict, name: str, at: str, empty: bool = False) -> str:
     return value
 
 
-def _text_content(value, part_type: str, where: str) -> str:
+def _text_content(value, part_type: str, role: str, where: str) -> str | list[dict]:
     if isinstance(value, str):
         return value
-    return _parts(value, {part_type}, where)
+    return _parts(value, {part_type}, where, role)
 
 
-def _parts(value, kinds: set[str], where: str) -> str:
+def _parts(value, kinds: set[str], where: str, role: str | None = None) -> str | list[dict]:
+    """The text of `kinds` parts joined; with a `role`, input_image parts too (the
+    content then a list: images.py)."""
     if not isinstance(value, list):
         raise bad(f"{where} must be a string or a list of {' / '.join(sorted(kinds))} parts", where)
-    texts = []
+    items = []
     for i, part in enumerate(value):
         at = f"{where}[{i}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and role is not None:
+            items.append(images.openai_image(part, role, at))
+            continue
+        if kind in images.VIDEO_PARTS:
+            images.refuse_video(kind, at)
         if kind not in kinds:
             raise bad(f"{at}: only {' / '.join(sorted(kinds))} parts are supported here, got "
                       f"{json.dumps(kind)[:60]}", at)
         refuse_extra(part, PART_KEYS.get(kind, {"type", "text"}), at)
         if not isinstance(part.get("text"), str):
             raise bad(f"{at}.text must be a string", f"{at}.text")
-        texts.append(part["text"])
-    return "".join(texts)
+        items.append(part["text"])
+    return images.message_content(items)

@@ -104,8 +104,8 @@ class ResponsesRoutes:
         state = handlers.state
         call = responses_api.parse_request(await handlers.read_body(request), state.defaults, state.responses)
         handlers.model_name(call.request.model)
-        prompt_ids, _, _ = await handlers.encode_chat(engine, call.request)
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
+        prompt = await handlers.encode_chat(engine, call.request, handlers.prompt_images(engine, count_only=True))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.ids)})
 
     async def compact(self, request: Request) -> Response:
         """POST /v1/responses/compact: the conversation summarized by the model (responses_compact.py)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ..runtime.events import MAX_TOP_LOGPROBS
 from ..sampling import SamplingError, SamplingParams
+from . import images
 from .errors import bad
 from .fields import (
     is_int,
@@ -310,7 +311,7 @@ def _message(m, where: str) -> dict:
     if role not in ROLES:
         raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
     out = {"role": "system" if role == "developer" else role}  # chat templates know no developer role
-    content = _content(m.get("content"), f"{where}.content")
+    content = _content(m.get("content"), out["role"], f"{where}.content")
     tool_calls = m.get("tool_calls")
     if tool_calls is not None:
         if role != "assistant":
@@ -328,20 +329,20 @@ def _message(m, where: str) -> dict:
     return out
 
 
-def _content(value, where: str) -> str | None:
-    """Text content: a string, or a list of {"type": "text", "text": ...} parts (joined)."""
+def _content(value, role: str, where: str) -> str | list[dict] | None:
+    """A string, or a list of text and image parts: a string when it has no image, else
+    text and image items (images.py)."""
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise bad(f"{where} must be a string or a list of content parts", where)
-    texts = []
+    items = []
     for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else None
-            raise bad(f"{where}[{i}]: only text content parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                      f"supported, got {kind!r}", f"{where}[{i}]")
-        texts.append(part["text"])
-    return "".join(texts)
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            items.append(part["text"])
+        else:
+            items.append(images.chat_image(part, role, f"{where}[{i}]"))
+    return images.message_content(items)
 
 
 def _tool_calls(value, where: str) -> list[dict]:

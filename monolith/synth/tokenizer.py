@@ -41,7 +41,9 @@ PRETOKENIZE_REGEX = (
 CHAT_TEMPLATE = """\
 {%- macro render_content(content) -%}
 {%- if content is string -%}{{ content }}
-{%- elif content is iterable -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}{%- endfor -%}
+{%- elif content is iterable -%}{%- for part in content -%}{%- if part.type == 'text' -%}{{ part.text }}
+{%- elif part.type == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- endif -%}
+{%- endfor -%}
 {%- endif -%}
 {%- endmacro -%}
 {%- if tools is defined and tools %}
