@@ -31,6 +31,7 @@ from .engine_setup import (
     load_engine,
     plan_model,
 )
+from .models.image_inputs import ImageInputError, prepare_image
 from .runtime.events import (
     ContextLengthError,
     Delta,
@@ -48,8 +49,8 @@ from .runtime.state_file import (
     read_state_file,
     write_state_file,
 )
-from .models.image_inputs import ImageInputError, prepare_image
 from .sampling import SamplingParams, add_sampling_arguments
+from .serving.errors import APIError
 from .serving.images import prompt_ids as image_prompt_ids
 from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
 
@@ -268,7 +269,7 @@ class Chat:
             self.write(f"(the conversation is {e.prompt_tokens} tokens and no longer fits the context of "
                        f"{e.max_context}; /reset starts over)\n")
             return
-        except ValueError as e:
+        except (ValueError, APIError) as e:  # APIError: the text holds the template's image mark
             self.write(f"(error: {e})\n")
             return
         finished, stopped = None, False

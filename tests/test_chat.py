@@ -337,8 +337,9 @@ def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
     one marker line (/think off); the answer follows on its own line either way."""
     import io
 
-    from monolith.chat import DIM, PLAIN
     from serving_rig import Scripted
+
+    from monolith.chat import DIM, PLAIN
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -380,7 +381,7 @@ def test_image_goes_with_the_next_message(tiny_model, tok, pack, tmp_path):
         assert [im.digest for im in turns.images] == [image.digest] and not chat.attached
         pads = [t for t in turns.tokens if t == vision.image_token_id]
         assert len(pads) == image.tokens
-        conversation = Conversation(tok, vision=vision)
+        conversation = Conversation(tok, system=chat_args().system, vision=vision)
         warm = engine.new_session()
         replies = []
         for words, images in (("What is in it?", [image]), ("And now?", [])):

@@ -25,7 +25,7 @@ from serving_rig import MAX_CONTEXT, NAME, Recording, Server, assert_error
 from tokenizers import Tokenizer as RawTokenizer
 
 from monolith.models.image_inputs import prepare_image
-from monolith.serving.images import IMAGE_MARK, ImageLimits, PromptImages, prompt_ids
+from monolith.serving.images import IMAGE_MARK, ImageLimits, ImageLoader, prompt_ids
 from monolith.serving.responses_compact import input_parts
 from monolith.serving.responses_items import items_to_messages
 from monolith.tokenizer import load_tokenizer
@@ -151,7 +151,7 @@ def test_prompt_ids_of_the_real_template_are_its_tokenizers(tmp_path, tok, visio
                 {"role": "tool", "tool_call_id": "c1", "content": [{"type": "image", "image": data_url(BLUE),
                                                                    "param": "b"}]}]
     text = qwen.apply_chat_template(messages)
-    images = PromptImages(vision, ImageLimits()).of(messages)
+    images = ImageLoader(vision, ImageLimits()).of(messages)
     ids = prompt_ids(qwen, text, images, vision)
 
     raw = RawTokenizer.from_file(str(folder / "tokenizer.json"))

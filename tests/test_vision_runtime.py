@@ -149,7 +149,8 @@ def test_image_requests_are_checked_at_the_boundary(vlm):
     eng = engine(vlm)
     pad = vlm["config"]["image_token_id"]
     try:
-        for bad, match in ((tokens[:6] + tokens[7:], f"needs {image.tokens} image tokens, its run has {image.tokens - 1}"),
+        short = f"needs {image.tokens} image tokens, its run has {image.tokens - 1}"
+        for bad, match in ((tokens[:6] + tokens[7:], short),
                            (tokens + [pad], "2 runs of the image token"),
                            ([t for t in tokens if t != pad], "0 runs")):
             with pytest.raises(RequestError, match=match):

@@ -42,8 +42,9 @@ def vision_summary(manifest: dict) -> dict | None:
     if vision is None:
         return None
     tensors = [t for name, t in manifest["tensors"].items() if name.startswith(VISION_PREFIX)]
-    return {"packed": bool(vision.get("packed")), "tensors": len(tensors),
-            "bytes": sum(tensor_bytes(t) for t in tensors)} | ({} if vision.get("packed") else {"reason": vision["reason"]})
+    summary = {"packed": bool(vision.get("packed")), "tensors": len(tensors),
+               "bytes": sum(tensor_bytes(t) for t in tensors)}
+    return summary if summary["packed"] else summary | {"reason": vision["reason"]}
 
 
 def rank_split(pack_dir: Path, manifest: dict, ranks: int) -> list[dict]:

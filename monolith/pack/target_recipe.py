@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from ..checkpoint import Checkpoint, CheckpointError
 from ..checkpoint.config import QWEN3_5_MOE
+from ..checkpoint.vision_config import VisionArgs, expected_shapes
 from .recipe import PackError, Plan, Planner
 
 ZERO_CENTRED = "zero-centred RMSNorm weight stored as 1 + w in F32"
@@ -112,18 +113,16 @@ def _plan_vision(p: Planner, plan: Plan, ckpt: Checkpoint, with_vision: bool) ->
         flat = rest == PATCH_EMBED
         p.tensor(VISION_PREFIX + rest, t, plan, reason="vision tower: source precision, never quantized"
                  + (", stored flattened [D, C*T*ps*ps]" if flat else ""), shape=shapes[rest] if flat else None)
-    plan.layout["vision"] = {"packed": True, "prefix": VISION_PREFIX, "tensors": len(names),
-                             "precision": "/".join(sorted({ckpt.dtype(t).lower() for t in names})), "policy": VISION_POLICY,
-                             "patch_embed": "flattened [D, C*T*ps*ps]"}
+    precision = "/".join(sorted({ckpt.dtype(t).lower() for t in names}))
+    plan.layout["vision"] = {"packed": True, "prefix": VISION_PREFIX, "tensors": len(names), "precision": precision,
+                             "policy": VISION_POLICY, "patch_embed": "flattened [D, C*T*ps*ps]"}
     return ()
 
 
 def _vision_shapes(ckpt: Checkpoint, prefix: str, names: list[str]) -> dict[str, tuple[int, ...]]:
     """The shapes the tower's tensors (`names`, under `prefix`) are packed in
-    (models/vision.py expected_shapes, the patch embedding flattened), checked against
-    the checkpoint's names, shapes and dtypes."""
-    from ..models.vision import VisionArgs, expected_shapes
-
+    (checkpoint/vision_config.py expected_shapes, the patch embedding flattened), checked
+    against the checkpoint's names, shapes and dtypes."""
     config = ckpt.config.get("vision_config")
     where = f"{ckpt.path / 'config.json'}: vision_config"
     if not isinstance(config, dict):

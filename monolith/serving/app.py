@@ -49,7 +49,7 @@ from . import access, anthropic_routes, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
-from .images import ImageLimits, PromptImages, prompt_ids
+from .images import ImageLimits, ImageLoader, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses_socket import LIMIT_SECONDS
@@ -265,11 +265,11 @@ class _Handlers(Driver):
 
         return await self.generate_chat(request, engine, req, chat_format, started)
 
-    def prompt_images(self, engine, count_only: bool = False) -> PromptImages:
+    def prompt_images(self, engine, count_only: bool = False) -> ImageLoader:
         """What loads a request's images (images.py), under this server's limits."""
-        return PromptImages(engine.vision, self.state.config.images, count_only)
+        return ImageLoader(engine.vision, self.state.config.images, count_only)
 
-    async def encode_chat(self, engine, req: ChatRequest, images: PromptImages | None = None) -> EncodedChat:
+    async def encode_chat(self, engine, req: ChatRequest, images: ImageLoader | None = None) -> EncodedChat:
         """A chat request's prompt ids, images and grammar, on a worker thread (the
         template, the images, the tokenizer and a grammar's check take time). `images`:
         what loads them (default: `prompt_images`)."""

@@ -116,7 +116,7 @@ def _tool_uses(messages: list[dict]) -> list[tuple[int, dict]]:
 def edit_context(req, tokenizer, original: bool, images) -> tuple[object, list[dict] | None, int | None]:
     """(req.chat after req.edits, the edits applied (None: none were asked for), with
     `original` the prompt's tokens before them, its images' tokens included: `images`, the
-    request's images.PromptImages). Renders the template: a worker thread's work."""
+    request's images.ImageLoader). Renders the template: a worker thread's work."""
     if req.edits is None:
         return req.chat, None, None
     chat, counted = req.chat, {}

@@ -7,7 +7,7 @@ A part becomes an item of its message's list `content`, `{"type": "image", "imag
 `<|vision_start|><|image_pad|><|vision_end|>` (IMAGE_MARK). A message without images
 keeps a string content, as before (`message_content`).
 
-On the worker thread that renders the prompt, `PromptImages` loads each image of the
+On the worker thread that renders the prompt, `ImageLoader` loads each image of the
 messages (a `data:` URL decoded; an http(s) URL fetched only with --allow-image-urls),
 checks the limits (`ImageLimits`) and prepares it for the vision tower
 (models/image_inputs.py), or, for token counting, only decodes it to learn its size.
@@ -76,7 +76,7 @@ class CountedImage(NamedTuple):
 def image_item(url, where: str) -> dict:
     """An image part's URL as the message content item the chat template renders (`where`:
     the part, which every error about the image names). Only its shape is checked here;
-    `PromptImages` loads it."""
+    `ImageLoader` loads it."""
     if not isinstance(url, str) or not url:
         raise bad(f"{where}: the image URL must be a non-empty string (a data: URL, or http(s) with "
                   "--allow-image-urls)", where)
@@ -173,7 +173,7 @@ def images_in(messages: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------ loading (a worker thread)
 
 
-class PromptImages:
+class ImageLoader:
     """The images of one request, each source loaded once (a request's conversation and
     its context edits share them). `vision`: the engine's models.vision.Vision (None: the
     model takes no images); `count_only`: learn only each image's token count."""
