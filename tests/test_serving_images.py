@@ -306,3 +306,42 @@ def test_limits_and_fetched_urls(limited_server, image_site, vision):
         error = assert_error(limited_server.post("/v1/chat/completions", chat_parts(part)), 400,
                              "messages[0].content[0]")
         assert words in error["message"]
+
+
+def test_replies_with_an_image_are_a_cold_engines(vision_server, model, tok, vision):
+    """Each API's greedy reply to a message with an image is what a cold engine writes for
+    the request the server submitted, and that request's image rows reach the model: the
+    same text with another image is another request."""
+    from monolith.runtime.engine import Engine
+
+    blue, red = data_url(BLUE), data_url(png(64, 56))  # the same size: the same prompt ids
+    client, words = vision_server.client(), "What is in the picture?"
+    got = []
+    for url in (blue, red):
+        chat = client.chat.completions.create(model=NAME, max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": words}, {"type": "image_url", "image_url": {"url": url}}]}])
+        got.append((chat.choices[0].message, last(vision_server)))
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(BLUE).decode()}
+    message = claude(vision_server).messages.create(model=NAME, max_tokens=6, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": words}]}])
+    got.append((message, last(vision_server)))
+    response = client.responses.create(model=NAME, max_output_tokens=16, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": words}, {"type": "input_image", "image_url": blue}]}])
+    got.append((response, last(vision_server)))
+    assert digests(got[0][1]) != digests(got[1][1]) and got[0][1].prompt_ids == got[1][1].prompt_ids
+    cold = Engine(model, tok, max_context=MAX_CONTEXT, vision=vision)
+    try:
+        for reply, request in got:
+            text, _ = cold.run_request(request, cold.new_session())
+            assert request.images and text == reply_text(reply)
+    finally:
+        cold.close()
+
+
+def reply_text(reply) -> str:
+    """The whole text an SDK reply carries: reasoning, then content."""
+    if hasattr(reply, "output"):  # Responses
+        return "".join(part.text for item in reply.output for part in (getattr(item, "content", None) or []))
+    if hasattr(reply, "role") and hasattr(reply, "content") and isinstance(reply.content, list):  # Messages
+        return "".join(getattr(block, "thinking", "") or getattr(block, "text", "") for block in reply.content)
+    return (getattr(reply, "reasoning_content", None) or "") + (reply.content or "")
