@@ -372,7 +372,8 @@ def notes(report: dict) -> list[str]:
             f"x{m['block_flops_ratio']:.2f}, times {report['settings']['real_vision_config']['depth']} "
             f"(a block ran at {m['measured_block_gflop_s']:.0f} GFLOP/s here)",
             f"TTFT: cold with the screenshot {image['cold_ms'] / text['cold_ms']:.1f}x the text alone "
-            f"({image['image_tokens']} image tokens at the demo's settings); the warm repeat ran the tower "
+            f"({image['image_tokens']} image tokens at the demo's settings; the demo's tower alone "
+            f"{report['tower'][0]['ms']:.0f} ms); the warm repeat ran the tower "
             f"{image['tower_runs_warm']} time(s)",
             "Mac: FLOPs counted (2 per multiply-add; attention full within the image), bytes = BF16 weights once "
             "+ activations each op reads and writes once (an estimate); floor = max(bytes / bandwidth, FLOPs / "
