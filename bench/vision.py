@@ -300,8 +300,8 @@ def tables(report: dict) -> str:
               f"| {r['warm_ms']:.1f} | {r['warm_cached_tokens']} | {r['tower_runs_cold']} / {r['tower_runs_warm']} |"
               for r in report["ttft"]]
     labels = list(report["mac"][0]["floor_ms"])
-    lines += [f"\n## Qwen3.6's tower on an M5 Max, one {report['settings']['image']} screenshot "
-              f"({report['mac_patches']} patches), BF16\n",
+    lines += [(f"\n## Qwen3.6's tower on an M5 Max, one {report['settings']['image']} screenshot "
+              f"({report['mac_patches']} patches), BF16\n"),
               "| piece | GFLOP (attention) | MB | ms at 614 GB/s | " + " | ".join(f"ms at {k}" for k in labels)
               + " | floor ms |", "|---|---|---|---|" + "---|" * len(labels) + "---|"]
     for r in report["mac"]:
@@ -365,19 +365,19 @@ def notes(report: dict) -> list[str]:
     s, m = report["settings"], report["real_tower_scaling"]
     text, image = report["ttft"]
     return [machine_note(report["machine"]) + f"; load average {report['load_average'][0]:.2f}",
-            f"screenshot: synthetic {s['image']} PNG ({s['png_bytes']} bytes); medians of {s['repeats']} after a "
-            "warm-up",
-            f"real widths: measured on {s['real_image']} with {s['real_blocks']} block(s) and with none; "
+            (f"screenshot: synthetic {s['image']} PNG ({s['png_bytes']} bytes); medians of {s['repeats']} after a "
+            "warm-up"),
+            (f"real widths: measured on {s['real_image']} with {s['real_blocks']} block(s) and with none; "
             f"the screenshot's no-block part scaled by FLOPs x{m['fixed_flops_ratio']:.2f}, a block by "
             f"x{m['block_flops_ratio']:.2f}, times {report['settings']['real_vision_config']['depth']} "
-            f"(a block ran at {m['measured_block_gflop_s']:.0f} GFLOP/s here)",
-            f"TTFT: cold with the screenshot {image['cold_ms'] / text['cold_ms']:.1f}x the text alone "
+            f"(a block ran at {m['measured_block_gflop_s']:.0f} GFLOP/s here)"),
+            (f"TTFT: cold with the screenshot {image['cold_ms'] / text['cold_ms']:.1f}x the text alone "
             f"({image['image_tokens']} image tokens at the demo's settings; the demo's tower alone "
             f"{report['tower'][0]['ms']:.0f} ms); the warm repeat ran the tower "
-            f"{image['tower_runs_warm']} time(s)",
-            "Mac: FLOPs counted (2 per multiply-add; attention full within the image), bytes = BF16 weights once "
+            f"{image['tower_runs_warm']} time(s)"),
+            ("Mac: FLOPs counted (2 per multiply-add; attention full within the image), bytes = BF16 weights once "
             "+ activations each op reads and writes once (an estimate); floor = max(bytes / bandwidth, FLOPs / "
-            "rate), per FLOP rate (bench/projection.py)"]
+            "rate), per FLOP rate (bench/projection.py)")]
 
 
 if __name__ == "__main__":
