@@ -30,6 +30,10 @@ from bench.common import weight_bytes
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)  # per-position acceptance swept (mlx-lm's MTP PR: 85-90% at step 1)
 STEPS = (1, 2, 3, 4)  # proposals per round
 BANDWIDTH = 614e9  # M5 Max 40-core, bytes/s
+# M5 Max 40-core GPU, FP16/BF16 FLOP/s: its shader ALUs (the M4 Max's 18.4 TFLOPS, same core
+# count), and the estimate for matmuls on its per-core neural accelerators (Apple: over 4x
+# the M4's peak GPU compute for AI); bench/vision.py's compute floors
+GPU_FLOPS = {"18 TFLOPS (ALUs)": 18.4e12, "70 TFLOPS (neural accelerators)": 70e12}
 DISPATCH_US = (1.0, 2.0, 4.0)  # assumed cost of one dispatched primitive on an Apple GPU, microseconds
 MTP_DISPATCH_US = DISPATCH_US[1]
 GAMMA = 7

@@ -52,6 +52,8 @@ RUNS = {
                          "--sched", "fixed", "--json", "OUT/r.json"], ["r.json"]),
     "target_forward": (["--contexts", "16", "--repeats", "1", "--decode-tokens", "2", "--rounds", "1",
                         "--json", "OUT/r.json"], ["r.json"]),
+    "vision": (["--image", "64x64", "--real-image", "64x64", "--repeats", "1", "--out-dir", "OUT"],
+               ["vision.json", "vision.md"]),
 }
 
 # scripts with a condition of their own
