@@ -318,15 +318,17 @@ def test_replies_with_an_image_are_a_cold_engines(vision_server, model, tok, vis
     client, words = vision_server.client(), "What is in the picture?"
     got = []
     for url in (blue, red):
-        chat = client.chat.completions.create(model=NAME, max_tokens=6, temperature=0, messages=[
-            {"role": "user", "content": [{"type": "text", "text": words}, {"type": "image_url", "image_url": {"url": url}}]}])
+        parts = [{"type": "text", "text": words}, {"type": "image_url", "image_url": {"url": url}}]
+        chat = client.chat.completions.create(model=NAME, max_tokens=6, temperature=0,
+                                              messages=[{"role": "user", "content": parts}])
         got.append((chat.choices[0].message, last(vision_server)))
     source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(BLUE).decode()}
     message = claude(vision_server).messages.create(model=NAME, max_tokens=6, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": words}]}])
     got.append((message, last(vision_server)))
-    response = client.responses.create(model=NAME, max_output_tokens=16, temperature=0, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": words}, {"type": "input_image", "image_url": blue}]}])
+    parts = [{"type": "input_text", "text": words}, {"type": "input_image", "image_url": blue}]
+    response = client.responses.create(model=NAME, max_output_tokens=16, temperature=0,
+                                       input=[{"role": "user", "content": parts}])
     got.append((response, last(vision_server)))
     assert digests(got[0][1]) != digests(got[1][1]) and got[0][1].prompt_ids == got[1][1].prompt_ids
     cold = Engine(model, tok, max_context=MAX_CONTEXT, vision=vision)
