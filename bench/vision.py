@@ -273,7 +273,8 @@ def mac_rows(screen) -> list[dict]:
               ("the tower", f["fixed"] + blocks, depth * f["block_attention"], b["fixed"] + depth * b["block"])]
     rows = []
     for piece, flops, attention, nbytes in pieces:
-        row = {"piece": piece, "gflop": flops / 1e9, "attention_gflop": attention / 1e9, "mb": nbytes / 1e6, "bytes_ms": nbytes / BANDWIDTH * 1e3}
+        row = {"piece": piece, "gflop": flops / 1e9, "attention_gflop": attention / 1e9, "mb": nbytes / 1e6,
+               "bytes_ms": nbytes / BANDWIDTH * 1e3}
         row["flops_ms"] = {label: flops / rate * 1e3 for label, rate in GPU_FLOPS.items()}
         row["floor_ms"] = {label: max(row["bytes_ms"], ms) for label, ms in row["flops_ms"].items()}
         rows.append(row)
@@ -294,7 +295,8 @@ def tables(report: dict) -> str:
     lines += [f"| {r['tower']} | {r['image']} | {r['patches']} | {r['blocks']} | {r['ms']:.1f} | {r['how']} |"
               for r in report["tower"]]
     lines += ["\n## Time to first token on the demo (Engine, prefill_seconds), medians\n",
-              "| prompt | tokens (image's, with its start/end) | cold ms | warm ms | warm cached tokens | tower runs cold / warm |",
+              "| prompt | tokens (image's, with its start/end) | cold ms | warm ms | warm cached tokens "
+              "| tower runs cold / warm |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {r['prompt']} | {r['prompt_tokens']} ({r['image_tokens']}) | {r['cold_ms']:.1f} "
               f"| {r['warm_ms']:.1f} | {r['warm_cached_tokens']} | {r['tower_runs_cold']} / {r['tower_runs_warm']} |"
@@ -346,7 +348,8 @@ def main(argv=None) -> int:
                            "real_vision_config": vars(real_args())}}
     report["preprocessing"] = [preprocessing_row("demo", png, vision.settings, args.repeats),
                                preprocessing_row("Qwen3.6", png, real, args.repeats)]
-    report["tower"] = [{"tower": "demo (1 block, hidden 32)", "image": measured_size(demo_image), "patches": len(demo_image.patches),
+    report["tower"] = [{"tower": "demo (1 block, hidden 32)", "image": measured_size(demo_image),
+                        "patches": len(demo_image.patches),
                         "blocks": vision.args.depth, "how": "measured",
                         "ms": median_seconds(lambda: run_tower(vision.tower(), demo_image), args.repeats) * 1e3}]
     rows, report["real_tower_scaling"] = real_tower_rows(measured, screen, args.real_blocks, args.repeats)
