@@ -43,7 +43,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from bench.common import batch_decode, machine, machine_note, write
+from bench.common import batch_decode, machine, machine_note, median_seconds, write
 from bench.real_widths import PUBLISHED_DEPTH, folded_taps, pack_stage
 from bench.round_latency import Rig, measure
 from bench.target_forward import WARMUP_STEPS, ours_decode
@@ -111,16 +111,6 @@ def step_ms(rig: Rig, model, repeats: int) -> float:
     return statistics.median(once() for _ in range(repeats)) * 1e3
 
 
-def timed_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def recurrence_probe(model, repeats: int) -> dict:
     """ms of the gated delta rule over 8 and 512 rows at the model's widths: the chunked
     form (what runs off Metal: matmuls, and a 64 x 64 triangular inverse on the CPU
@@ -140,7 +130,7 @@ def recurrence_probe(model, repeats: int) -> dict:
         for name, run in (("chunked", lambda: recurrence.chunked(q, k, v, gamma, beta, state)),
                           ("fast", lambda: mx.fast.gated_delta_update(q, k, v, gamma, beta, initial_state=state))):
             try:
-                out[f"{name}_{rows}_rows_ms"] = timed_ms(lambda run=run: mx.eval(*run()), repeats)
+                out[f"{name}_{rows}_rows_ms"] = median_seconds(lambda run=run: mx.eval(*run()), repeats) * 1e3
             except Exception as e:  # a backend without an op
                 out[f"{name}_{rows}_rows_ms"], out[f"{name}_error"] = None, f"{type(e).__name__}: {e}"
     out["serving"] = "fast op" if recurrence.fast_recurrence() else "chunked"

@@ -20,10 +20,12 @@ import os
 import platform
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -195,6 +197,18 @@ def batch_decode(decoder, prompts: list[list[int]], max_tokens: int) -> tuple[fl
         batch.step()
     mx.synchronize()
     return (sum(len(o) for o in outputs) - first) / (time.perf_counter() - start), outputs
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median seconds of fn() (which must evaluate its result) over `repeats` runs after one
+    warm-up (compile, allocate)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def free_port() -> int:

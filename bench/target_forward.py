@@ -22,22 +22,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from bench.common import PRESETS, bytes_touched, count_primitives
+from bench.common import PRESETS, bytes_touched, count_primitives, median_seconds
 from monolith.models.layers import whole_graphs
 from monolith.runtime.prefill import prefill
 
 WARMUP_STEPS = 4
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() (which must evaluate its result)."""
-    fn()  # warm-up: compile and allocate
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def forward_table(model, manifest, contexts, repeats, dtype_bytes) -> list[dict]:
     rows_out = []
     vocab = model.args.vocab_size
@@ -56,7 +45,7 @@ def forward_table(model, manifest, contexts, repeats, dtype_bytes) -> list[dict]
                 logits, _ = model(tokens, cache)
                 mx.eval(logits, cache.arrays())
 
-            row[f"t{t}_ms"] = timed(step, repeats) * 1e3
+            row[f"t{t}_ms"] = median_seconds(step, repeats) * 1e3
             cache.restore(snap)
             with whole_graphs():
                 logits, _ = model(tokens, cache)

@@ -38,14 +38,13 @@ import os
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 from PIL import Image, ImageDraw
 
-from bench.common import RESULTS, corpus_prompts, machine, machine_note, write
+from bench.common import RESULTS, corpus_prompts, machine, machine_note, median_seconds, write
 from bench.projection import BANDWIDTH, GPU_FLOPS
 from monolith.models.image_inputs import ImageSettings, prepare_image
 from monolith.models.vision import VisionArgs, expected_shapes, tower_of
@@ -87,17 +86,6 @@ def screenshot(width: int, height: int, seed: int = 0) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
-
-
-def median_seconds(fn, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs after one warm-up."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 # ------------------------------------------------------------------ preprocessing
