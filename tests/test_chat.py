@@ -12,7 +12,7 @@ import sys
 import pexpect
 import pytest
 
-from monolith.chat import Conversation
+from monolith.conversation import Conversation
 from monolith.models import load_model
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest

@@ -24,6 +24,7 @@ LAYERS = {
     "drafter_choice": 6,
     "engine_setup": 7,
     "serving": 8, "distributed": 8,
+    "conversation": 8.5,  # chat's turns, rendered with serving's image marks
     "generate": 9, "serve": 9, "chat": 9,
     "launch": 10,  # runs serve
 }
