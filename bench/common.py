@@ -30,6 +30,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from monolith.pack.target_recipe import VISION_PREFIX
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -139,6 +141,8 @@ def bytes_touched(manifest: dict, args, rows: int, context: int, dtype_bytes: in
     sizes = weight_bytes(manifest)
     weights = 0
     for name, size in sizes.items():
+        if name.startswith(VISION_PREFIX):  # the vision tower runs once per image, not per forward
+            continue
         if ".experts." in name:
             experts = manifest["entries"][name]["shape"][0]
             weights += size * min(experts, rows * args.num_experts_per_tok) // experts

@@ -39,6 +39,7 @@ TARGET_FILES = {
         "hf_quant_config.json",
         "model.safetensors.index.json",
         *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)),
+        "preprocessor_config.json",  # the image processor's settings (synth writes them for its tower)
         *TOKENIZER,
     },
     "unsloth-27b": {
@@ -47,6 +48,7 @@ TARGET_FILES = {
         "model.safetensors.index.json",
         "model_mtp.safetensors",
         *(f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)),
+        "preprocessor_config.json",
         *TOKENIZER,
     },
 }
