@@ -74,7 +74,8 @@ class TextStream:
         kinds = self._kinds
         ends = [at for at, _ in kinds[1:]] + [self._decoded]
         pieces = [(self.text[max(at, start):min(until, end)], how) for (at, how), until in zip(kinds, ends)]
-        self._kinds = [] if self.stopped else [k for k, until in zip(kinds, ends) if until > end]
+        # kept: the tokens whose text is not all released, or has not come yet (the last ones)
+        self._kinds = [] if self.stopped else [k for k, until in zip(kinds, ends) if until > end or k[0] == until]
         return merge_pieces(pieces)
 
 
