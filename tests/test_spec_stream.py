@@ -17,6 +17,8 @@ from serving_rig import MAX_CONTEXT, NAME, TOOLS, Server
 from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, Usage
+from monolith.runtime.session import Session
+from monolith.sampling import SamplingParams
 from monolith.serving.chat_reply import ChatFormat
 from monolith.tokenizer import IncrementalDetokenizer
 
@@ -103,6 +105,15 @@ def pieces_of(chunks, part: str) -> list[tuple[str, str]]:
         assert all(t for t, _ in mine) and merged(mine) == mine  # neighbours of a kind are one piece
         out += mine
     return out
+
+
+def test_the_decoder_tells_each_token_s_kind_as_planned(model, reference):
+    prompt, tokens = reference
+    oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
+    seen = []
+    SpeculativeDecoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)(
+        Session(), prompt, N, SamplingParams(), [], lambda t, lp, how: seen.append((t, how)) or True, kinds=True)
+    assert seen == list(zip(tokens, plan(N)[0]))
 
 
 def test_each_token_is_marked_as_the_oracle_planned(oracle_server, tok, reference):
