@@ -166,7 +166,8 @@ def normal(chunks, drop_spec=False) -> list[dict]:
 
 
 def test_without_the_field_nothing_changes(oracle_server):
-    plain, off, on = stream(oracle_server), stream(oracle_server, monolith={"spec": False}), stream(oracle_server, **SPEC)
+    plain, off = stream(oracle_server), stream(oracle_server, monolith={"spec": False})
+    on = stream(oracle_server, **SPEC)
     assert "monolith" not in json.dumps(plain) + json.dumps(off)
     assert normal(plain) == normal(off) == normal(on, drop_spec=True)
     body = {"model": NAME, "messages": MESSAGES, "max_tokens": N, "temperature": 0}
