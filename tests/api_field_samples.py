@@ -133,6 +133,7 @@ SAMPLES = {
         "min_p": {"min_p": 0.05},
         "repetition_penalty": {"repetition_penalty": 1.1},
         "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
+        "monolith": {"monolith": {"spec": True}, "stream": True},
     },
     "completions": {
         "model": {"model": NAME},

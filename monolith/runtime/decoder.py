@@ -13,7 +13,8 @@ Both resume, prefill, decode and keep their state the same way:
   stops (`Session.stops`: every N tokens, the message `boundaries`, the prompt's end and
   one token before it); a cancel takes effect between chunks, keeping what was
   prefilled;
-- rounds emit tokens to `on_token(id, logprob)` until a stop token (not output),
+- rounds emit tokens to `on_token(id, logprob)` (with `kinds=True`: `on_token(id,
+  logprob, how)`, how the token came: `token_kinds`) until a stop token (not output),
   max_tokens or the context's end, or `on_token` returning False;
 - at the end the cache holds the prompt and every emitted token but the last, which is
   kept as a restore point and a saved state.
@@ -37,7 +38,7 @@ from ..sampling import SamplingParams
 from .batch import Steps, drive
 from .calibrate import measure_costs
 from .drafter import Drafter, Forking
-from .events import Outcome, TokenLogprob
+from .events import ACCEPTED, BONUS, CORRECTION, PLAIN, Outcome, TokenLogprob
 from .rounds import RoundResult, Rounds, check_gamma
 from .scheduler import CostScheduler, Fallback, Scheduler, StepCosts
 from .session import Session
@@ -47,6 +48,7 @@ class SpeculativeDecoder:
     """The one decode loop; `drafter` None decodes plainly (see PlainDecoder)."""
 
     logprobs = True  # from the target's rows (logprobs.py)
+    kinds = True  # steps(kinds=True) tells on_token how each token came
 
     def __init__(self, model, drafter: Drafter | None, max_context: int, prefill_chunk_size: int = 512,
                  gamma: int | None = None, scheduler: Scheduler | None = None, break_even: float | None = None,
@@ -74,19 +76,21 @@ class SpeculativeDecoder:
     def __call__(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
                  stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
                  cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
-                 guide=None, on_resume: Callable[[int], None] = lambda cached: None, images=None) -> Outcome:
+                 guide=None, on_resume: Callable[[int], None] = lambda cached: None, images=None,
+                 kinds: bool = False) -> Outcome:
         return drive(self.steps(session, prompt, max_tokens, params, stop_ids, on_token, logprobs, cancelled,
-                                boundaries, guide, on_resume, images))
+                                boundaries, guide, on_resume, images, kinds))
 
     def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
               stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], logprobs: int | None = None,
               cancelled: Callable[[], bool] = lambda: False, boundaries: Sequence[int] = (),
-              guide=None, on_resume: Callable[[int], None] = lambda cached: None, images=None) -> Steps:
+              guide=None, on_resume: Callable[[int], None] = lambda cached: None, images=None,
+              kinds: bool = False) -> Steps:
         """The call as a generator of its draft blocks and forwards (batch.py), on a drafter
         of its own when the drafter forks; `on_resume(cached)` is told how many prompt
         tokens it resumed with, before the prefill. With `images` (images.PromptImages),
         `prompt` is its key: the sessions and the prompt cache see the key, the target the
-        real ids and the images."""
+        real ids and the images. `kinds`: `on_token(id, logprob, how)` (token_kinds)."""
         max_context, prompt = self.max_context, list(prompt)
         room = max_context - len(prompt)
         max_tokens = room if max_tokens is None else min(max_tokens, room)
@@ -119,7 +123,8 @@ class SpeculativeDecoder:
         try:
             out, finish, read = yield from run_rounds(
                 rounds, emitted, max_tokens, frozenset(stop_ids),
-                lambda token_id, logprob: on_token(token_id, logprob) and not cancelled(), self.on_round)
+                lambda token_id, logprob, *how: on_token(token_id, logprob, *how) and not cancelled(), self.on_round,
+                kinds)
         finally:
             self._keep(session, rounds, prompt + emitted[:-1])
         end = time.perf_counter()
@@ -158,22 +163,23 @@ class SpeculativeDecoder:
 
 
 def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset[int],
-               on_token: Callable[[int, TokenLogprob | None], bool],
-               on_round: Callable[[RoundResult, Rounds], None] | None = None) -> Steps:
+               on_token: Callable[..., bool], on_round: Callable[[RoundResult, Rounds], None] | None = None,
+               kinds: bool = False) -> Steps:
     """Hand out the tokens in `emitted` (the prefill's first one), then those of rounds,
-    which `emitted` collects, each with its logprob (None without) to `on_token`, until a
-    stop token (not output: "stop"), `budget` output tokens ("length") or `on_token`
-    returning False ("abort"). Returns (output, finish reason, tokens read); a generator
-    of the rounds' steps (batch.py)."""
+    which `emitted` collects, each with its logprob (None without) and, with `kinds`, how
+    it came (token_kinds) to `on_token`, until a stop token (not output: "stop"),
+    `budget` output tokens ("length") or `on_token` returning False ("abort"). Returns
+    (output, finish reason, tokens read); a generator of the rounds' steps (batch.py)."""
     out: list[int] = []
     pending, logprobs, read = list(emitted), [rounds.first_logprob] * len(emitted), 0
+    hows = [PLAIN] * len(emitted)
     while True:
-        for token, logprob in zip(pending, logprobs):
+        for token, logprob, how in zip(pending, logprobs, hows):
             read += 1
             if token in stops:
                 return out, "stop", read
             out.append(token)
-            if not on_token(token, logprob):
+            if not (on_token(token, logprob, how) if kinds else on_token(token, logprob)):
                 return out, "abort", read
         if len(out) >= budget:
             return out, "length", read
@@ -182,7 +188,19 @@ def run_rounds(rounds: Rounds, emitted: list[int], budget: int, stops: frozenset
             on_round(result, rounds)
         pending = result.tokens
         logprobs = result.logprobs or [None] * len(pending)
+        hows = token_kinds(result, rounds.drafter is not None)
         emitted += pending
+
+
+def token_kinds(result: RoundResult, drafting: bool) -> list[str]:
+    """How each token of a round came (events.ACCEPTED etc.): tokens[:accepted] are
+    accepted proposals, the last one the correction when a proposal was rejected, else
+    the bonus; a round without proposals, or without a drafter (under a grammar its
+    forced tokens are verified as proposals: jump-forward), is plain steps."""
+    if not drafting or result.proposed == 0:
+        return [PLAIN] * len(result.tokens)
+    last = CORRECTION if result.accepted < result.proposed else BONUS
+    return [ACCEPTED] * result.accepted + [last]
 
 
 class PlainDecoder(SpeculativeDecoder):

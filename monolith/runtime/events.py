@@ -173,17 +173,38 @@ class Resumed:
     cached_tokens: int
 
 
+# How a generated token came (docs/serving.md, "Speculation in the stream"): a draft's
+# proposal the target accepted, the target's token in place of the first rejected one,
+# the extra token after a round that accepted every proposal, or a step without a draft.
+ACCEPTED, CORRECTION, BONUS, PLAIN = "accepted", "correction", "bonus", "plain"
+
+
+def merge_pieces(pieces) -> tuple[tuple[str, str], ...]:
+    """(text, how) pieces with empty ones dropped and neighbours of the same kind joined."""
+    out: list[tuple[str, str]] = []
+    for text, how in pieces:
+        if not text:
+            continue
+        if out and out[-1][1] == how:
+            out[-1] = (out[-1][0] + text, how)
+        else:
+            out.append((text, how))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Delta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    spec: tuple[tuple[str, str], ...] = ()  # (text, how) pieces of `text`, in order (merge_pieces)
 
     @staticmethod
     def join(deltas: Sequence[Delta]) -> Delta:
-        """One Delta for consecutive ones: their text and logprobs in order."""
+        """One Delta for consecutive ones: their text, logprobs and pieces in order."""
         if len(deltas) == 1:
             return deltas[0]
-        return Delta("".join(d.text for d in deltas), tuple(lp for d in deltas for lp in d.logprobs))
+        return Delta("".join(d.text for d in deltas), tuple(lp for d in deltas for lp in d.logprobs),
+                     merge_pieces(p for d in deltas for p in d.spec))
 
 
 @dataclass(frozen=True)

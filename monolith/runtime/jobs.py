@@ -5,7 +5,7 @@ with the events it reports around them.
 A job reports through its `sink` (called on the engine's worker thread) `Started`,
 `Resumed` (the prompt tokens the session or the prompt cache held), then `Delta`s (text
 that is whole UTF-8 characters and cannot be the start of a stop string, with the
-logprobs of its tokens; one per round and request: a speculative round's tokens are
+logprobs of its tokens and how each came; one per round and request: a speculative round's tokens are
 held and go out together, `Job.release`, once the round has run for every sequence of
 the batch), then one `Finished` or `Failed`. `Job.cancel()` (a client that went away,
 Ctrl-C) stops a request at its next token, or removes it from the queue.
@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from .events import (
+    PLAIN,
     Delta,
     Event,
     Failed,
@@ -105,19 +106,21 @@ class Job:
         self.emit(Started(queued))
         text = TextStream(tokenizer, request.stop)
 
-        def on_token(token_id: int, logprob: TokenLogprob | None) -> bool:
-            delta = text.add(token_id, logprob)
+        def on_token(token_id: int, logprob: TokenLogprob | None, how: str = PLAIN) -> bool:
+            delta = text.add(token_id, logprob, how)
             if delta is not None:
                 self.held.append(delta)  # sent after the batch's round (Engine._serve_queue)
             return not (text.stopped or self.cancelled)
 
         try:
-            constrained = {} if request.grammar is None else {"guide": guide(request.grammar)}
+            options = {} if request.grammar is None else {"guide": guide(request.grammar)}
             args = (self.session, self.prompt, request.max_tokens, request.params, stop_ids, on_token)
             if self.images is not None:
-                constrained["images"] = self.images
+                options["images"] = self.images
+            if getattr(decoder, "kinds", False):  # how each token came (Delta.spec)
+                options["kinds"] = True
             kwargs = dict(logprobs=request.logprobs, cancelled=lambda: self.cancelled, boundaries=request.boundaries,
-                          **constrained)
+                          **options)
             outcome = yield from decoder.steps(*args, **kwargs, on_resume=lambda cached: self.emit(Resumed(cached)))
         except Exception as e:  # noqa: BLE001 - reported to the request; the engine keeps serving
             self.session.reset()

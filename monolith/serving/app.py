@@ -261,7 +261,8 @@ class _Handlers(Driver):
         name = self.model_name(req.model)
 
         def chat_format(reasoning_open: bool) -> ChatFormat:
-            return ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open)
+            return ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open,
+                              req.spec)
 
         return await self.generate_chat(request, engine, req, chat_format, started)
 

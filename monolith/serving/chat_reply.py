@@ -11,6 +11,7 @@ import uuid
 
 from ..runtime.events import Delta, Finished
 from .reasoning import ReasoningSplitter
+from .spec_stream import FIELD, SpecPieces, spec_entries, stats_of
 from .tools import ToolCallParser, parse_tool_calls
 
 NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
@@ -54,8 +55,9 @@ class ChatFormat(OpenAIEvents):
     """chat.completion and chat.completion.chunk bodies (a StreamFormat: reply_format.py)."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None,
-                 reasoning_open: bool = False):
-        """`reasoning_open`: the prompt left a think block open (reasoning.py)."""
+                 reasoning_open: bool = False, spec: bool = False):
+        """`reasoning_open`: the prompt left a think block open (reasoning.py); `spec`: the
+        request's `monolith.spec` (spec_stream.py)."""
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -67,6 +69,8 @@ class ChatFormat(OpenAIEvents):
         self.texts: list[str] = []
         self.entries: list[dict] = []  # logprobs not yet sent (streaming) / all of them
         self.calls_sent = 0
+        self.spec = spec
+        self.pieces = SpecPieces(self.splitter, self.parser) if spec else None
 
     def collect(self, delta: Delta) -> None:
         self.texts.append(delta.text)
@@ -89,8 +93,11 @@ class ChatFormat(OpenAIEvents):
         reason = "tool_calls" if calls and finished.finish_reason == "stop" else reason_of(finished)
         choice = {"index": 0, "message": message,
                   "logprobs": {"content": self.entries} if self.logprobs else None, "finish_reason": reason}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage_of(finished)}
+        if self.spec:
+            body[FIELD] = {"stats": stats_of(finished)}
+        return body
 
     def _chunk(self, delta: dict, finish_reason=None, include_usage=False, with_logprobs=True) -> dict:
         logprobs = None
@@ -107,38 +114,51 @@ class ChatFormat(OpenAIEvents):
 
     def stream_delta(self, delta: Delta, include_usage: bool) -> list[dict]:
         self.entries += [self.token_text.chat_entry(lp) for lp in delta.logprobs]
+        if self.pieces is not None:
+            self.pieces.add(delta)
         return self._split(self.splitter.feed(delta.text), include_usage)
 
     def _split(self, pieces: tuple[str, str], include_usage: bool) -> list[dict]:
         """Chunks for a (reasoning, content) pair: the reasoning as delta.reasoning_content,
         the content through the tool-call parser."""
         reasoning, text = pieces
-        chunks = [self._chunk({"reasoning_content": reasoning}, include_usage=include_usage)] if reasoning else []
         if self.parser is None:
             content, calls = text, []
         else:
             content, calls = self.parser.feed(text)
-        return chunks + self._pieces(content, calls, include_usage)
+        spec_reasoning, spec_content = self.pieces.take() if self.pieces is not None else ((), ())
+        chunks = []
+        if reasoning:
+            chunks.append(self._chunk(self._text("reasoning_content", reasoning, spec_reasoning, "reasoning"),
+                                      include_usage=include_usage))
+        return chunks + self._pieces(content, calls, include_usage, spec_content)
+
+    def _text(self, key: str, text: str, pieces, part: str) -> dict:
+        """A delta of `text` under `key`, with its pieces when the request asked (spec_stream.py)."""
+        return {key: text, FIELD: spec_entries(pieces, part)} if self.spec else {key: text}
 
     def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
         chunks = self._split(self.splitter.finish(), include_usage)
         if self.parser is not None:
             content, calls = self.parser.finish()
+            spec_content = self.pieces.take()[1] if self.pieces is not None else ()
             if self.parser.calls and not content.strip():
                 content = ""  # whitespace after the calls
-            chunks += self._pieces(content, calls, include_usage)
+            chunks += self._pieces(content, calls, include_usage, spec_content)
         reason = "tool_calls" if self.parser and self.parser.calls and finished.finish_reason == "stop" \
             else reason_of(finished)
         chunks.append(self._chunk({}, reason, include_usage))
+        if self.spec:
+            chunks[-1][FIELD] = {"stats": stats_of(finished)}
         if include_usage:
             chunks.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                            "model": self.model, "choices": [], "usage": usage_of(finished)})
         return chunks
 
-    def _pieces(self, content: str, calls, include_usage: bool) -> list[dict]:
+    def _pieces(self, content: str, calls, include_usage: bool, spec=()) -> list[dict]:
         chunks = []
         if content:
-            chunks.append(self._chunk({"content": content}, include_usage=include_usage))
+            chunks.append(self._chunk(self._text("content", content, spec, "content"), include_usage=include_usage))
         for call in calls:
             entry = {"index": self.calls_sent, **call.openai()}
             self.calls_sent += 1

@@ -25,11 +25,15 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
 
 class ReasoningSplitter:
     """feed(text) -> (reasoning, content) pieces as they become certain; finish() gives
-    what was held back."""
+    what was held back. With `spans` a list, each piece given out is also recorded there
+    as (part, start, end): "reasoning" or "content", and where it lies in all the text
+    fed (serving/spec_stream.py cuts how each character came by these)."""
 
     def __init__(self, open_at_start: bool = False):
         self.state = "reasoning" if open_at_start else "start"
         self.held = ""
+        self.at = 0  # where `held` starts in all the text fed
+        self.spans: list[tuple[str, int, int]] | None = None
         self.strip_next = open_at_start  # drop the whitespace after a tag
         self.reasoning: list[str] = []
         self.content: list[str] = []
@@ -39,38 +43,50 @@ class ReasoningSplitter:
         reasoning, content = [], []
         while self.held:
             if self.strip_next:
-                self.held = self.held.lstrip()
+                self._drop(len(self.held) - len(self.held.lstrip()))
                 if not self.held:
                     break
                 self.strip_next = False
             if self.state == "start":
                 head = self.held.lstrip()
                 if head.startswith(OPEN):
-                    self.held, self.state, self.strip_next = head[len(OPEN):], "reasoning", True
+                    self._drop(len(self.held) - len(head) + len(OPEN))
+                    self.state, self.strip_next = "reasoning", True
                     continue
                 if OPEN.startswith(head):  # maybe the tag, still arriving
                     break
                 self.state = "content"
             if self.state == "content":
-                content.append(self.held)
-                self.held = ""
+                self._give(len(self.held), content, "content")
                 break
             at = self.held.find(CLOSE)
             if at >= 0:
-                reasoning.append(self.held[:at])
-                self.held, self.state, self.strip_next = self.held[at + len(CLOSE):], "content", True
+                self._give(at, reasoning, "reasoning")
+                self._drop(len(CLOSE))
+                self.state, self.strip_next = "content", True
                 continue
-            keep = _partial_tail(self.held, CLOSE)
-            reasoning.append(self.held[:len(self.held) - keep])
-            self.held = self.held[len(self.held) - keep:]
+            self._give(len(self.held) - _partial_tail(self.held, CLOSE), reasoning, "reasoning")
             break
         return self._out(reasoning, content)
 
     def finish(self) -> tuple[str, str]:
-        held, self.held = self.held, ""
+        reasoning, content = [], []
         if self.state == "reasoning":
-            return self._out([held], [])
-        return self._out([], [held] if self.state == "content" or held.strip() else [])
+            self._give(len(self.held), reasoning, "reasoning")
+        elif self.state == "content" or self.held.strip():
+            self._give(len(self.held), content, "content")
+        self._drop(len(self.held))
+        return self._out(reasoning, content)
+
+    def _drop(self, n: int) -> None:
+        self.held, self.at = self.held[n:], self.at + n
+
+    def _give(self, n: int, out: list[str], part: str) -> None:
+        """Give out the first n characters held as `part`."""
+        out.append(self.held[:n])
+        if n and self.spans is not None:
+            self.spans.append((part, self.at, self.at + n))
+        self._drop(n)
 
     def _out(self, reasoning: list[str], content: list[str]) -> tuple[str, str]:
         r, c = "".join(reasoning), "".join(content)

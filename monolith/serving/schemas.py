@@ -26,6 +26,7 @@ from .fields import (
     refuse_non_neutral,
     refuse_unknown,
 )
+from .spec_stream import spec_option
 from .structured import Structure, response_format
 from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_fields
 
@@ -49,7 +50,7 @@ SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperatu
                    "seed", "stop", "logprobs"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "parallel_tool_calls", "chat_template_kwargs", "response_format",
-                                 "reasoning_effort"}
+                                 "reasoning_effort", "monolith"}
 STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # no obfuscation padding is sent
 # reasoning_effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
 # effort levels, only thinking on or off
@@ -104,6 +105,7 @@ class ChatRequest(GenerationFields):
     tools: list[dict] | None  # None when tool calls are off (no tools, or tool_choice "none")
     template_kwargs: dict
     structure: Structure | None = None  # response_format or tool_choice constrains the output
+    spec: bool = False  # monolith.spec: how each token came, in the stream (spec_stream.py)
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
         raise bad("response_format and a tool_choice that forces a call cannot both constrain the output",
                   "response_format")
     return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
-                       template_kwargs=_template_kwargs(body), structure=structure or form)
+                       template_kwargs=_template_kwargs(body), structure=structure or form, spec=spec_option(body))
 
 
 def _template_kwargs(body: dict) -> dict:

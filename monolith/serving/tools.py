@@ -39,7 +39,8 @@ def new_call_id() -> str:
 
 
 class ToolCallParser:
-    """feed(text) -> (content, calls) as the text grows; finish() -> the rest."""
+    """feed(text) -> (content, calls) as the text grows; finish() -> the rest. With
+    `spans` a list, where each piece of content lies in the text fed is recorded there."""
 
     def __init__(self, tools: list[dict] | None = None):
         self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}) for t in tools or ()}
@@ -47,6 +48,10 @@ class ToolCallParser:
         self._buffer = ""
         self._closer: str | None = None  # inside a block: the tag that ends it
         self.last_block = ""  # the call block that ended last
+        self.at = 0  # where `_buffer` starts in all the text fed
+        # with a list: (start, end) in all the text fed of each piece of content given out
+        # (serving/spec_stream.py cuts how each character came by these)
+        self.spans: list[tuple[int, int]] | None = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
@@ -57,23 +62,22 @@ class ToolCallParser:
                 if end < 0:
                     break
                 end += len(self._closer)
-                block, self._buffer, self._closer = self._buffer[:end], self._buffer[end:], None
+                block, self._closer = self._buffer[:end], None
                 self.last_block = block
                 parsed = self._parse_block(block)
                 if parsed is None:
-                    content.append(block)
+                    self._give(end, content)
                 else:
                     calls += parsed
+                    self._drop(end)
                 continue
             starts = [(i, opener) for opener in OPENERS if (i := self._buffer.find(opener)) >= 0]
             if starts:
                 i, opener = min(starts)
-                content.append(self._buffer[:i])
-                self._buffer, self._closer = self._buffer[i:], OPENERS[opener]
+                self._give(i, content)
+                self._closer = OPENERS[opener]
                 continue
-            keep = _opener_prefix_length(self._buffer)
-            content.append(self._buffer[:len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+            self._give(len(self._buffer) - _opener_prefix_length(self._buffer), content)
             break
         self.calls += calls
         return "".join(content), calls
@@ -102,16 +106,28 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The end of the text: an unterminated block is a call if it parses (a model may
         stop right after `</function>`), else content."""
-        rest, self._buffer = self._buffer, ""
-        calls = []
+        rest, calls = self._buffer, []
         if self._closer is not None:
             self._closer = None
             self.last_block = rest
             parsed = self._parse_block(rest)
             if parsed is not None:
                 calls, rest = parsed, ""
+        if rest:
+            self._give(len(rest), [])
+        self._drop(len(self._buffer))
         self.calls += calls
         return rest, calls
+
+    def _drop(self, n: int) -> None:
+        self._buffer, self.at = self._buffer[n:], self.at + n
+
+    def _give(self, n: int, content: list[str]) -> None:
+        """Give out the first n characters of the buffer as content."""
+        content.append(self._buffer[:n])
+        if n and self.spans is not None:
+            self.spans.append((self.at, self.at + n))
+        self._drop(n)
 
     # ---------------------------------------------------------------- blocks
 
