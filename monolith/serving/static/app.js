@@ -29,8 +29,10 @@ function askKey() {
       dialog.close();
       resolve(key);
     };
-    $("key-ok").onclick = () => done($("key-input").value.trim() || null);
-    $("key-input").onkeydown = (e) => { if (e.key === "Enter") done($("key-input").value.trim() || null); };
+    $("key-form").onsubmit = (e) => {
+      e.preventDefault();
+      done($("key-input").value.trim() || null);
+    };
     dialog.oncancel = () => done(null);
     dialog.showModal();
   });

@@ -1,0 +1,197 @@
+"""The chat page at `/` (docs/serving.md, "The chat page"; monolith/serving/page.py and
+static/) in a real browser: Debian's Chromium, headless, driven by Playwright for
+Python (never a downloaded browser). Servers run on the tiny synthetic target with
+serving_rig's Scripted decoder (a known reply, slow when a test stops it) or a
+speculative decoder whose oracle drafter knows the target's greedy continuation (the
+tinting). The references: the server's own prompt encoding of the conversation (the
+cold request), its /metrics, prepare_image's digest. Screenshots land in tmp_path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from oracles import GreedyOracle, plain_greedy
+from PIL import Image
+from serving_rig import MAX_CONTEXT, NAME, Recording, Scripted, Server
+
+from monolith.models.image_inputs import prepare_image
+from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.serving.page import POLICY, STATIC, shipped_files
+
+try:
+    from playwright.sync_api import expect, sync_playwright
+except ImportError:  # pragma: no cover - depends on the machine
+    sync_playwright = None
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = [
+    pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed (pip install -e '.[test]')"),
+    pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK),
+                       reason="no Chromium (apt-get install chromium; the README's test command does)"),
+]
+REPLY = ("<think>\nweighing it\n</think>\n\nHello **world**. <img src=\"data:,\" onerror=\"window.pwned=1\">"
+         "<script>window.pwned=2</script>\n\n```python\nprint(1)\n```\n")
+SLOW = " word" * 2000
+CANCELLED = 'monolith_request_finished_total{finish_reason="cancelled"}'
+
+
+# ------------------------------------------------------------------ browser and servers
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, server, width=1200, height=800):
+    """A fresh browser context (empty storage) on the server's page, ready. Any request
+    that leaves the server, a page error or a load the Content-Security-Policy refused
+    fails the test (`close`)."""
+    context = browser.new_context(viewport={"width": width, "height": height}, accept_downloads=True)
+    page = context.new_page()
+    problems = []
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("console", lambda m: problems.append(m.text) if m.text.startswith("Refused to") else None)
+    page.on("request", lambda r: problems.append(f"outside request {r.url}")
+            if not r.url.startswith((server.url, "data:", "blob:")) else None)
+    page.problems = problems
+    page.goto(server.url + "/")
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    return page
+
+
+def close(page, tmp_path, name):
+    page.screenshot(path=str(tmp_path / f"{name}.png"))
+    problems = page.problems
+    page.context.close()
+    assert not problems, "\n".join(problems)
+
+
+def send(page, text):
+    page.fill("#input", text)
+    page.press("#input", "Enter")
+
+
+def settle(page):
+    """Waits for the streamed reply to end (the stop button hides)."""
+    expect(page.locator(".message.assistant").last.locator(".meta")).to_contain_text(re.compile("finish|stopped"))
+    expect(page.locator("#stop")).to_be_hidden()
+
+
+def set_setting(page, element_id, value):
+    page.click("#tabs button[data-tab=settings]")
+    if isinstance(value, bool):
+        page.set_checked(f"#{element_id}", value)
+    else:
+        page.fill(f"#{element_id}", str(value))
+        page.dispatch_event(f"#{element_id}", "change")
+    page.click("#tabs button[data-tab=chat]")
+
+
+def stored(page):
+    return json.loads(page.evaluate("localStorage.getItem('monolith.conversations')"))
+
+
+def current_messages(page):
+    state = stored(page)
+    return next(c for c in state["conversations"] if c["id"] == state["current"])["messages"]
+
+
+def wait_for(condition, what, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def scripted(model, tok):
+    """A server whose engine records its requests and always answers REPLY."""
+    decoder = Scripted(tok.encode(REPLY), per_token=0.01)
+    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
+        s.wait_ready()
+        s.engine = s.app.state.monolith.engine
+        yield s
+
+
+@pytest.fixture(scope="module")
+def slow(model, tok):
+    """Replies long enough to stop: 2000 tokens, 20 ms each."""
+    with Server(lambda: Recording(model, tok, max_context=60000,
+                                  decoder=Scripted(tok.encode(SLOW), per_token=0.02))) as s:
+        yield s.wait_ready()
+
+
+# ------------------------------------------------------------------ the page as files
+
+
+def test_the_page_is_served_without_the_key_under_a_policy_of_its_own_origin(model, tok):
+    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("ok"))),
+                api_key="s3cret") as s:
+        page = httpx.get(s.url + "/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        policy = dict(part.strip().split(" ", 1) for part in page.headers["content-security-policy"].split(";"))
+        assert policy["default-src"] == "'self'" and policy["connect-src"] == "'self'"
+        assert policy["script-src"] == "'self'" and page.headers["content-security-policy"] == POLICY
+        for src in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+            assert src.startswith(("/static/", "data:")), src
+            if src.startswith("/static/"):
+                assert httpx.get(s.url + src).status_code == 200, src
+        assert httpx.get(s.url + "/static/vendor/README.md").status_code == 404  # only the page's files
+        assert httpx.get(s.url + "/static/../page.py").status_code == 404
+        assert httpx.get(s.url + "/", headers={"Host": "evil.example"}).status_code == 403  # DNS rebinding
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        # the page's own origin may call the API (with the key)
+        own = {"Origin": s.url, "Authorization": "Bearer s3cret"}
+        assert httpx.post(s.url + "/v1/chat/completions", headers=own,
+                          json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+
+
+def test_an_installed_wheel_carries_every_page_file():
+    import tomllib
+
+    data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    package = STATIC.parents[1]  # monolith/
+    packaged = {path for pattern in data["tool"]["setuptools"]["package-data"]["monolith"]
+                for path in package.glob(pattern) if path.is_file()}
+    wanted = {path for path in STATIC.rglob("*") if path.is_file()}
+    assert wanted and wanted <= packaged, sorted(str(p) for p in wanted - packaged)
+    assert {"index.html", "app.js", "style.css", "vendor/marked.umd.js", "vendor/purify.min.js",
+            "vendor/highlight.min.js"} <= set(shipped_files())
+
+
+# ------------------------------------------------------------------ chatting
+
+
+def test_a_streamed_reply_renders_markdown_code_and_reasoning_but_no_script(browser, scripted, tmp_path):
+    page = open_page(browser, scripted)
+    send(page, "Say hello")
+    settle(page)
+    reply = page.locator(".message.assistant").last
+    expect(reply.locator(".content strong")).to_have_text("world")
+    expect(reply.locator(".content pre code.hljs")).to_contain_text("print(1)")
+    assert reply.locator(".content script, .content [onerror]").count() == 0
+    assert page.evaluate("window.pwned") is None
+    # the reasoning: dimmed, closed once the answer came, opened by a click
+    reasoning = reply.locator("details.reasoning")
+    expect(reasoning.locator(".reasoning-text")).to_have_text("weighing it\n")
+    assert reasoning.evaluate("d => d.open") is False
+    reasoning.locator("summary").click()
+    assert reasoning.evaluate("d => d.open") is True
+    messages = current_messages(page)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["chunks"] > 1 and messages[1]["finish"] == "stop"  # it came in pieces
+    sdk = scripted.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Say hello"}])
+    assert messages[1]["content"] == sdk.choices[0].message.content
+    assert messages[1]["stats"]["usage"] == sdk.usage.model_dump(exclude_none=True)
+    close(page, tmp_path, "reply")
