@@ -195,3 +195,62 @@ def test_a_streamed_reply_renders_markdown_code_and_reasoning_but_no_script(brow
     assert messages[1]["content"] == sdk.choices[0].message.content
     assert messages[1]["stats"]["usage"] == sdk.usage.model_dump(exclude_none=True)
     close(page, tmp_path, "reply")
+
+
+def test_stop_aborts_the_request_and_the_server_cancels_it(browser, slow, tmp_path):
+    page = open_page(browser, slow)
+    before = slow.metric(CANCELLED)
+    send(page, "Go on and on")
+    expect(page.locator(".message.assistant .content")).to_contain_text("word word")
+    page.click("#stop")
+    settle(page)
+    expect(page.locator(".message.assistant .meta")).to_have_text("stopped")
+    wait_for(lambda: slow.metric(CANCELLED) == before + 1, "the server finished the request as cancelled")
+    wait_for(lambda: slow.metric("monolith_num_requests_running") == 0, "the slot freed")
+    kept = current_messages(page)[1]["content"]
+    assert kept and SLOW.startswith(kept) and len(kept) < len(SLOW)  # what came before the stop stays
+    close(page, tmp_path, "stopped")
+
+
+def test_edit_and_regenerate_resend_the_conversation_as_a_cold_request(browser, scripted, tok, tmp_path):
+    page = open_page(browser, scripted)
+    send(page, "First question")
+    settle(page)
+    send(page, "Second question")
+    settle(page)
+    first_reply = current_messages(page)[1]["content"]
+    # edit the second question: the history after it goes, the edited turn is sent
+    page.locator(".message.user").nth(1).locator("button.edit").click()
+    page.fill(".message.user textarea.editing", "Second question, edited")
+    page.click("button.save-edit")
+    settle(page)
+    messages = current_messages(page)
+    assert [m["content"] for m in messages[::2]] == ["First question", "Second question, edited"]
+    assert len(messages) == 4
+    cold = [{"role": "user", "content": "First question"}, {"role": "assistant", "content": first_reply},
+            {"role": "user", "content": "Second question, edited"}]
+    assert list(scripted.engine.submitted[-1].prompt_ids) == tok.encode_chat(cold)
+    # regenerate the first answer: everything after the first question goes
+    page.locator(".message.assistant").first.locator("button.regenerate").click()
+    settle(page)
+    assert len(current_messages(page)) == 2 and page.locator(".message").count() == 2
+    assert list(scripted.engine.submitted[-1].prompt_ids) == tok.encode_chat(cold[:1])
+    close(page, tmp_path, "edited")
+
+
+def test_settings_reach_the_request(browser, scripted, tok, tmp_path):
+    page = open_page(browser, scripted)
+    set_setting(page, "set-system", "Be brief.")
+    set_setting(page, "set-thinking", False)
+    set_setting(page, "set-temperature", 0.5)
+    set_setting(page, "set-max-tokens", 7)
+    send(page, "Hi")
+    settle(page)
+    request = scripted.engine.submitted[-1]
+    want = tok.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                           enable_thinking=False)
+    assert list(request.prompt_ids) == want
+    assert request.params.temperature == 0.5 and request.max_tokens == 7
+    page.reload()  # the settings are kept
+    assert page.input_value("#set-max-tokens") == "7" and not page.is_checked("#set-thinking")
+    close(page, tmp_path, "settings")
