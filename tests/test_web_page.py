@@ -23,6 +23,7 @@ from serving_rig import MAX_CONTEXT, NAME, Recording, Scripted, Server
 
 from monolith.models.image_inputs import prepare_image
 from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.engine import Engine
 from monolith.serving.page import POLICY, STATIC, shipped_files
 
 try:
@@ -254,3 +255,72 @@ def test_settings_reach_the_request(browser, scripted, tok, tmp_path):
     page.reload()  # the settings are kept
     assert page.input_value("#set-max-tokens") == "7" and not page.is_checked("#set-thinking")
     close(page, tmp_path, "settings")
+
+
+def test_a_key_is_asked_for_on_a_401_kept_and_sent(browser, model, tok, tmp_path):
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("Keyed."))),
+                api_key="s3cret") as s:
+        s.wait_ready()
+        page = open_page(browser, s)
+        expect(page.locator("#key-dialog")).to_be_visible()  # /v1/models answered 401
+        page.fill("#key-input", "s3cret")
+        page.press("#key-input", "Enter")
+        expect(page.locator("#model-name")).to_have_text(NAME)
+        send(page, "Hi")
+        settle(page)
+        expect(page.locator(".message.assistant .content")).to_have_text("Keyed.")
+        assert page.evaluate("localStorage.getItem('monolith.apiKey')") == "s3cret"
+        close(page, tmp_path, "keyed")
+
+
+def test_conversations_are_kept_renamed_deleted_exported_and_imported(browser, scripted, tmp_path):
+    page = open_page(browser, scripted)
+    send(page, "Remember me")
+    settle(page)
+    page.reload()
+    expect(page.locator(".message.user .user-text")).to_have_text("Remember me")
+    page.click("#new-chat")
+    assert page.locator(".message").count() == 0 and page.locator("#conversations li").count() == 2
+    page.once("dialog", lambda d: d.accept("Kept chat"))
+    page.locator("#conversations li", has_text="Remember me").locator("button.rename").click()
+    expect(page.locator("#conversations li .title")).to_have_text(["New chat", "Kept chat"])
+    with page.expect_download() as download:
+        page.click("#export")
+    exported = tmp_path / "export.json"
+    download.value.save_as(exported)
+    data = json.loads(exported.read_text())
+    assert [c["title"] for c in data["conversations"]] == ["New chat", "Kept chat"]
+    page.once("dialog", lambda d: d.accept())
+    page.locator("#conversations li", has_text="Kept chat").locator("button.delete").click()
+    expect(page.locator("#conversations li .title")).to_have_text(["New chat"])
+    page.once("dialog", lambda d: d.accept())  # "Imported 2 conversations."
+    page.set_input_files("#import", str(exported))
+    expect(page.locator("#conversations li .title")).to_have_text(["New chat", "New chat", "Kept chat"])
+    page.locator("#conversations li", has_text="Kept chat").click()
+    expect(page.locator(".message.user .user-text")).to_have_text("Remember me")
+    close(page, tmp_path, "conversations")
+
+
+def test_a_server_without_the_speculation_field_still_chats(browser, scripted, tmp_path):
+    """A server that refuses `monolith` (a 400 naming it) is asked again without it,
+    and the page leaves it out from then on."""
+    page = open_page(browser, scripted)
+    bodies = []
+
+    def refuse_the_extension(route):
+        body = json.loads(route.request.post_data)
+        bodies.append(body)
+        if "monolith" in body:
+            route.fulfill(status=400, content_type="application/json", body=json.dumps({"error": {
+                "message": "unsupported field: monolith", "type": "invalid_request_error", "param": "monolith",
+                "code": None}}))
+        else:
+            route.continue_()
+
+    page.route("**/v1/chat/completions", refuse_the_extension)
+    for text in ("One", "Two"):
+        send(page, text)
+        settle(page)
+    assert ["monolith" in body for body in bodies] == [True, False, False]
+    assert [m["finish"] for m in current_messages(page)[1::2]] == ["stop", "stop"]
+    close(page, tmp_path, "no-extension")
