@@ -403,3 +403,38 @@ def test_the_status_tab_plots_the_metrics(browser, drafting, tmp_path):
     cache = drafting.metric("monolith_prompt_cache_bytes")
     expect(page.locator("#chart-cache .now")).to_have_text(f"bytes {number(cache)}")
     close(page, tmp_path, "status")
+
+
+# ------------------------------------------------------------------ images
+
+
+def test_an_attached_image_is_shown_and_sent_as_a_data_url(browser, vision_server, vision, tmp_path):
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(picture)
+    page = open_page(browser, vision_server)
+    set_setting(page, "set-max-tokens", 2)
+    page.set_input_files("#attach", str(picture))
+    expect(page.locator("#attachments img")).to_have_count(1)
+    send(page, "What is this?")
+    settle(page)
+    expect(page.locator("#attachments img")).to_have_count(0)
+    expect(page.locator(".message.user img.thumb")).to_have_count(1)
+    request = vision_server.engine.submitted[-1]
+    assert [image.digest for image in request.images] == [prepare_image(picture.read_bytes(), vision.settings).digest]
+    assert current_messages(page)[0]["images"][0].startswith("data:image/png;base64,")
+    close(page, tmp_path, "image")
+
+
+def test_a_dropped_image_joins_the_message(browser, vision_server, tmp_path):
+    page = open_page(browser, vision_server)
+    page.evaluate("""async () => {
+        const canvas = Object.assign(document.createElement("canvas"), {width: 8, height: 8});
+        const blob = await new Promise((resolve) => canvas.toBlob(resolve, "image/png"));
+        const drop = new DataTransfer();
+        drop.items.add(new File([blob], "dot.png", {type: "image/png"}));
+        document.getElementById("composer").dispatchEvent(new DragEvent("drop", {dataTransfer: drop, bubbles: true}));
+    }""")
+    expect(page.locator("#attachments img")).to_have_count(1)
+    page.locator("#attachments button.remove-image").click()
+    expect(page.locator("#attachments img")).to_have_count(0)
+    close(page, tmp_path, "dropped")

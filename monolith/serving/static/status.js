@@ -53,16 +53,19 @@ function formatted(value) {
   return Number.isInteger(value) ? String(value) : value.toFixed(2);
 }
 
+const FIRST_SPAN = 30; // points the x axis spans until more have come (a minute)
+
 function draw(chart, points) {
-  const top = Math.max(1e-9, ...points.flat());
+  const highest = Math.max(0, ...points.flat());
+  const top = highest || 1;
+  const span = Math.max(FIRST_SPAN, points.length) - 1;
   const svg = svgElement("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img" });
   chart.series.forEach((name, s) => {
-    const coords = points.map((p, i) => `${((i / Math.max(1, KEEP - 1)) * W).toFixed(1)},` +
-      `${(H - 4 - (p[s] / top) * (H - 16)).toFixed(1)}`);
+    const coords = points.map((p, i) => `${((i / span) * W).toFixed(1)},${(H - 4 - (p[s] / top) * (H - 20)).toFixed(1)}`);
     svg.append(svgElement("polyline", { class: `series-${s}`, points: coords.join(" ") }));
   });
   const label = svgElement("text", { x: 4, y: 11, class: "axis" });
-  label.textContent = `max ${formatted(top)}`;
+  label.textContent = `max ${formatted(highest)}`;
   svg.append(label);
   const last = points[points.length - 1] || [];
   chart.el.querySelector(".now").textContent = chart.series.map((n, s) => `${n} ${formatted(last[s] ?? 0)}`).join(", ");

@@ -64,7 +64,8 @@ export function showStrip(message) {
   strip.hidden = false;
   const spec = message.stats?.spec || (message.spec?.length ? roundsOf(message.spec) : null);
   const length = spec?.acceptance_length;
-  $("strip-round").textContent = length ? `${length.toFixed(2)} tokens/round (${spec.rounds} rounds)` : "no drafting";
+  $("strip-round").textContent = length ? `${length.toFixed(2)} tokens/round (${spec.rounds} rounds)`
+    : spec ? "no drafted rounds" : "no speculation detail from this server";
   drawPositions($("strip-positions"), spec?.accepted_per_position || [], spec?.rounds || 0);
   const speed = decodeSpeed(message);
   $("strip-speed").textContent = speed ? `${speed.toFixed(1)} tok/s` : "";
