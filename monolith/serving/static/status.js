@@ -22,7 +22,7 @@ export function parseMetrics(text) {
 
 const CHARTS = [
   { id: "tok-s", title: "tokens/s generated", series: ["tok/s"] },
-  { id: "acceptance", title: "mean acceptance length (tokens/round)", series: ["tokens/round"] },
+  { id: "acceptance", title: "mean acceptance length", series: ["tokens/round"] },
   { id: "queue", title: "queue depth", series: ["waiting", "running"] },
   { id: "cache", title: "prompt-cache bytes", series: ["bytes"] },
 ];
