@@ -10,8 +10,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 # the one way tests share fixtures: those defined here, and the module-scoped ones of these helper
-# modules (world; ckpts; server, synth_pair), requested by name from any test module, never imported
-pytest_plugins = ("dspark_world", "synth_helpers", "serving_rig")
+# modules (world; ckpts; server, synth_pair; browser), requested by name from any test module, never imported
+pytest_plugins = ("dspark_world", "synth_helpers", "serving_rig", "web_rig")
 
 
 @pytest.fixture(scope="session", autouse=True)

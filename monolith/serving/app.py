@@ -2,6 +2,7 @@
 (docs/serving.md is the contract). `create_app` routes:
 
 - GET /health, GET /metrics, GET /v1/models;
+- GET / and GET /static/...: the chat page (page.py);
 - POST /v1/chat/completions and /v1/completions (OpenAI);
 - POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
   anthropic_routes.py);
@@ -45,7 +46,7 @@ from starlette.routing import Route
 from ..runtime import heap
 from ..runtime.engine import release_thread_streams
 from ..runtime.grammar import Grammar
-from . import access, anthropic_routes, responses_routes, structured
+from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
@@ -162,6 +163,7 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
         *[route for api_routes in API_ROUTES for route in api_routes(handlers)],
+        *page.routes(handlers),  # the chat page at / (page.py)
     ]
 
     async def http_error(request, exc: HTTPException):
