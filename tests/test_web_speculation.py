@@ -42,13 +42,6 @@ def spec_counters(server):
     return (server.metric("spec_decode_num_drafts_total"), server.metric("spec_decode_num_accepted_tokens_total"))
 
 
-def extension_refused(server) -> bool:
-    """This server refuses the `monolith` request field (its branch lacks the extension)."""
-    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": ASK}], "max_tokens": 1,
-                                             "temperature": 0, "monolith": {"spec": True}})
-    return r.status_code == 400 and r.json()["error"]["param"] == "monolith"
-
-
 def test_tokens_are_tinted_by_how_speculation_made_them(browser, drafting, tmp_path):
     page = open_page(browser, drafting)
     set_setting(page, "set-temperature", 0)
@@ -59,10 +52,6 @@ def test_tokens_are_tinted_by_how_speculation_made_them(browser, drafting, tmp_p
     drafts, accepted = (now - then for now, then in zip(spec_counters(drafting), (drafts, accepted)))
     message = current_messages(page)[1]
     page.screenshot(path=str(tmp_path / "tinted.png"))
-    if extension_refused(drafting):
-        assert message["content"] and message["spec"] == []  # the page chatted without it
-        pytest.xfail("this server refuses the `monolith` request field: the tinting needs the server's "
-                     "speculation extension (issue 38, item 2)")
     pieces = message["spec"]
     assert "".join(p["text"] for p in pieces if p["part"] == "content") == message["content"]
     reply = page.locator(".message.assistant .content")
