@@ -62,6 +62,15 @@ def words(text: str) -> str:
 
 # ------------------------------------------------------------------ the server
 
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+
+
+def openblas() -> dict:
+    """Debian's OpenBLAS preloaded, one thread, where it is installed: how docs/performance.md
+    runs serve on Linux (MLX's bundled BLAS makes the clients' 10-15K-token first prefills
+    about 3 times slower; the clients' tests check behaviour, not bits)."""
+    return {"LD_PRELOAD": str(OPENBLAS), "OPENBLAS_NUM_THREADS": "1"} if OPENBLAS.is_file() else {}
+
 
 class DemoServer:
     """`python -m monolith.serve --api-key KEY` on the bundled demo pair, as a process,
@@ -71,7 +80,7 @@ class DemoServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = home / "server.log"
-        self.env = private_env(home)
+        self.env = private_env(home, **openblas())
         self.argv = [sys.executable, "-m", "monolith.serve", "--api-key", KEY, "--port", str(self.port), *flags]
 
     def __enter__(self):
