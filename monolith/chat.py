@@ -5,7 +5,7 @@ conversation's cache is kept across turns, so each turn prefills only its new
 tokens. The model's reasoning (Qwen's <think> block) shows dimmed, or collapsed to one
 line with /think off. Commands: /reset, /system TEXT, /stats, /think on|off, /image PATH,
 /save FILE, /load FILE, /quit. /image attaches an image file (PNG, JPEG, ...) to the next
-message, for a model with a vision tower. /save
+message, for a model with a vision tower (/save keeps the conversation's images too). /save
 writes the conversation and its cached state to FILE (a state file: safetensors with
 SHA-256s, runtime/state_file.py) and /load reads one back, checked against this model and
 draft, so a long conversation goes on without prefilling it again. Ctrl-C stops the
@@ -22,7 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from .cli import ArgumentParser, print_failure
-from .conversation import Conversation
+from .conversation import Attachment, Conversation
 from .distributed import add_distributed_arguments, join, to_stderr
 from .engine_setup import (
     NOT_A_BUG,
@@ -31,7 +31,7 @@ from .engine_setup import (
     load_engine,
     plan_model,
 )
-from .models.image_inputs import ImageInputError, prepare_image
+from .models.image_inputs import ImageInputError
 from .runtime.events import (
     ContextLengthError,
     Delta,
@@ -152,10 +152,11 @@ class Chat:
         if vision is None:
             return "(this model takes no images: it has no vision tower, or chat was started with --no-vision)"
         try:
-            image = prepare_image(path.read_bytes(), vision.settings)
+            attachment = Attachment.of(path.read_bytes(), vision)
         except (OSError, ImageInputError) as e:
             return f"(cannot attach {path}: {e})"
-        self.attached.append(image)
+        self.attached.append(attachment)
+        image = attachment.image
         height, width = image.size
         return (f"(image {len(self.attached)} attached: {path.name}, {width}x{height} pixels, {image.tokens} "
                 "tokens; it goes with your next message)")
@@ -165,18 +166,16 @@ class Chat:
         conversation, engine = self.conversation, self.engine
         if not conversation.tokens:
             return "(nothing to save yet)"
-        if conversation.images:
-            return "(cannot save: a conversation with images is not saved yet; state files keep only token ids)"
-        drafter = self._drafter()
+        drafter, key = self._drafter(), conversation.key()
         try:
             def export():
-                held, rows, snapshot = self.session.export(conversation.tokens, drafter is not None)
+                held, rows, snapshot = self.session.export(key, drafter is not None)
                 return held, *host_arrays(rows, snapshot.states), snapshot.positions
 
             held, host_rows, host_states, positions = engine.call(export)
             about = {"system": conversation.system, "turns": conversation.turns, "tokens": conversation.tokens,
-                     "template_kwargs": conversation.template_kwargs}
-            size = write_state_file(path, identity(engine.model, drafter), conversation.tokens[:held], 0, host_rows,
+                     "template_kwargs": conversation.template_kwargs, "images": conversation.saved()}
+            size = write_state_file(path, identity(engine.model, drafter), key[:held], 0, host_rows,
                                     host_states, {"conversation": json.dumps(about)}, positions)
         except (OSError, ValueError) as e:
             return f"(cannot save: {e})"
@@ -189,19 +188,22 @@ class Chat:
         def read():
             stored = read_state_file(path, identity(engine.model, drafter), layout_of(engine.model, drafter))
             about = json.loads(stored.metadata.get("conversation", "null") or "null")
-            if not isinstance(about, dict) or stored.start or about.get("tokens", [])[:stored.end] != stored.tokens:
+            if not isinstance(about, dict):
+                raise StateFileError(f"{path}: not a conversation saved by /save")
+            conversation = self.new_conversation(about.get("system"), about.get("template_kwargs") or {})
+            conversation.restore(about.get("tokens", []), about.get("images", []))
+            if stored.start or conversation.key()[:stored.end] != stored.tokens:
                 raise StateFileError(f"{path}: not a conversation saved by /save")
             layout = layout_of(engine.model, drafter)
             self.session.adopt(engine.model, engine.max_context, stored.tokens, device_rows(stored, layout),
                                device_snapshot(stored), drafter)
-            return about
+            conversation.turns = int(about.get("turns", 0))
+            return conversation
 
         try:
-            about = engine.call(read)
-        except (OSError, ValueError) as e:
+            conversation = engine.call(read)
+        except (OSError, ValueError) as e:  # a bad image's base64 or bytes too
             return f"(cannot load: {e})"
-        conversation = self.new_conversation(about.get("system"), about.get("template_kwargs") or {})
-        conversation.tokens, conversation.turns = [int(t) for t in about["tokens"]], int(about.get("turns", 0))
         self.conversation = conversation
         return f"(loaded {conversation.turns} turns, {len(conversation.tokens)} tokens from {path})"
 
@@ -221,7 +223,7 @@ class Chat:
             prompt = self.conversation.prompt(user_text, attached)
             request = GenerationRequest(tuple(prompt), self.max_tokens, self.params,
                                         boundaries=tuple(self.engine.tokenizer.message_ends(prompt)),
-                                        images=tuple(self.conversation.images + attached))
+                                        images=tuple(self.conversation.images + [a.image for a in attached]))
             job = self.engine.submit(request, events.put, self.session)
         except ContextLengthError as e:
             self.write(f"(the conversation is {e.prompt_tokens} tokens and no longer fits the context of "

@@ -3,9 +3,25 @@ turn by turn, so each prompt extends the cached sequence."""
 
 from __future__ import annotations
 
+import base64
 import secrets
+from dataclasses import dataclass
 
+from .models.image_inputs import PreparedImage, prepare_image
+from .runtime.images import PromptImages
 from .serving.images import prompt_ids as image_prompt_ids
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """An image of a message: prepared for the model, and its file's bytes (kept for /save)."""
+
+    image: PreparedImage
+    data: bytes
+
+    @classmethod
+    def of(cls, data: bytes, vision) -> Attachment:
+        return cls(prepare_image(data, vision.settings), data)
 
 
 class Conversation:
@@ -20,14 +36,37 @@ class Conversation:
         self.template_kwargs = template_kwargs or {}
         self.vision = vision  # the engine's models.vision.Vision, for messages with images
         self.tokens: list[int] = []
-        self.images: list = []  # the images in `tokens`, in order (image_inputs.PreparedImage)
+        self.attachments: list[Attachment] = []  # the images in `tokens`, in order
         self.turns = 0
+
+    @property
+    def images(self) -> list[PreparedImage]:
+        return [a.image for a in self.attachments]
+
+    def key(self) -> list[int]:
+        """The tokens as the engine's caches hold them (runtime/images.py: image rows keyed
+        by their content)."""
+        if not self.attachments:
+            return list(self.tokens)
+        return PromptImages(self.tokens, self.images, self.vision, None).key
+
+    def saved(self) -> list[str]:
+        """The images' files, base64, as /save keeps them."""
+        return [base64.b64encode(a.data).decode() for a in self.attachments]
+
+    def restore(self, tokens: list[int], saved: list[str]) -> None:
+        """Hold `tokens` and the images /save kept (ValueError when they do not fit)."""
+        if saved and self.vision is None:
+            raise ValueError("the conversation holds images and this model takes none")
+        self.tokens = [int(t) for t in tokens]
+        self.attachments = [Attachment.of(base64.b64decode(s, validate=True), self.vision) for s in saved]
 
     def _head(self) -> list[dict]:
         return [{"role": "system", "content": self.system}] if self.system else []
 
-    def prompt(self, user_text: str, images=()) -> list[int]:
-        """The next prompt's ids: the user's text after `images` (which it then holds)."""
+    def prompt(self, user_text: str, attachments=()) -> list[int]:
+        """The next prompt's ids: the user's text after the `attachments`' images."""
+        images = [a.image for a in attachments]
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": user_text}]
         user = {"role": "user", "content": content if images else user_text}
         if not self.tokens:
@@ -40,10 +79,10 @@ class Conversation:
         suffix = text[text.index(sentinel) + len(sentinel):]
         return self.tokens + image_prompt_ids(self.tokenizer, suffix, list(images), self.vision)
 
-    def commit(self, prompt: list[int], reply: list[int], images=()) -> None:
+    def commit(self, prompt: list[int], reply: list[int], attachments=()) -> None:
         """After a reply (complete or stopped): the prompt and the reply's tokens, without
         the end token (the template's text after a reply supplies it), and the prompt's
-        new `images`."""
+        new `attachments`."""
         self.tokens = list(prompt) + list(reply)
-        self.images += list(images)
+        self.attachments += list(attachments)
         self.turns += 1

@@ -11,6 +11,7 @@ import sys
 
 import pexpect
 import pytest
+from chat_rig import run_chat
 
 from monolith.conversation import Conversation
 from monolith.models import load_model
@@ -221,32 +222,6 @@ def test_a_loaded_draft_that_does_not_draft_says_so_not_no_draft(tmp_path, monke
 # ------------------------------------------------------------------ /save and /load
 
 
-def chat_args(max_tokens=8):
-    import argparse
-
-    return argparse.Namespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, max_tokens=max_tokens,
-                              no_thinking=False, system="Be brief.")
-
-
-def run_chat(engine, lines, out=None, max_tokens=8):
-    """Run a Chat on `lines` (then end of input), writing to `out` (default a StringIO);
-    (the chat, what it wrote)."""
-    import io
-
-    from monolith.chat import Chat
-
-    out, pending = out or io.StringIO(), list(lines)
-
-    def read(prompt):
-        if not pending:
-            raise EOFError
-        return pending.pop(0)
-
-    chat = Chat(engine, chat_args(max_tokens), "tiny", out)
-    chat.run(read)
-    return chat, out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def tiny_model(pack):
     return load_model(pack, dtype="float32")
@@ -355,54 +330,3 @@ def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
     assert f"{DIM}weighing it\n{PLAIN}\nThe answer." in first
     assert "weighing it" not in second and "[thinking... /think on shows it]\nThe answer." in second
     assert "usage: /think on|off" in second
-
-
-def test_image_goes_with_the_next_message(tiny_model, tok, pack, tmp_path):
-    """/image attaches a file to the next message: its prompt holds the image's pad run,
-    later turns resend it (the session resumes past it), and each reply equals a cold
-    engine's for the same prompt and images."""
-    from vision_rig import png
-
-    from monolith.models.image_inputs import prepare_image
-    from monolith.models.vision import vision_of
-
-    vision = vision_of(pack)
-    shot = tmp_path / "shot.png"
-    shot.write_bytes(png(3, (40, 72)))
-    (tmp_path / "notes.txt").write_text("not an image")
-    image = prepare_image(shot.read_bytes(), vision.settings)
-    engine = Engine(tiny_model, tok, max_context=1024, vision=vision)
-    try:
-        chat, text = run_chat(engine, ["/image", f"/image {tmp_path / 'notes.txt'}", f"/image {shot}",
-                                       "What is in it?", "And now?"])
-        turns = chat.conversation
-        assert "usage: /image PATH" in text and "(cannot attach" in text
-        assert f"(image 1 attached: shot.png, {image.size[1]}x{image.size[0]} pixels, {image.tokens} tokens" in text
-        assert [im.digest for im in turns.images] == [image.digest] and not chat.attached
-        pads = [t for t in turns.tokens if t == vision.image_token_id]
-        assert len(pads) == image.tokens
-        conversation = Conversation(tok, system=chat_args().system, vision=vision)
-        warm = engine.new_session()
-        replies = []
-        for words, images in (("What is in it?", [image]), ("And now?", [])):
-            prompt = conversation.prompt(words, images)
-            request = GenerationRequest(tuple(prompt), 8, images=tuple(conversation.images + images))
-            _, finished = engine.run_request(request, warm)
-            replies.append((request, finished))
-            conversation.commit(prompt, finished.token_ids, images)
-        assert conversation.tokens == turns.tokens  # the chat's own turns, token for token
-        assert replies[1][1].usage.cached_tokens > turns.tokens.index(vision.image_token_id) + image.tokens
-    finally:
-        engine.close()
-    cold = Engine(tiny_model, tok, max_context=1024, vision=vision)
-    try:
-        for request, finished in replies:
-            assert cold.run_request(request, cold.new_session())[1].token_ids == finished.token_ids
-    finally:
-        cold.close()
-    text_only = Engine(tiny_model, tok, max_context=1024)
-    try:
-        _, text = run_chat(text_only, [f"/image {shot}"])
-    finally:
-        text_only.close()
-    assert "(this model takes no images" in text
