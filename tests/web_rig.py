@@ -1,7 +1,7 @@
 """What the browser tests share (tests/test_web_page.py, tests/test_web_speculation.py):
 Debian's Chromium, headless, driven by Playwright for Python (never a downloaded
 browser; tests/install_chromium.sh installs it), as the module-scoped `browser` fixture,
-which skips, saying why, where either is missing; and the steps a test takes on the chat
+which skips, saying why, where Chromium is missing (playwright is a test extra); and the steps a test takes on the chat
 page (docs/serving.md, "The chat page")."""
 
 from __future__ import annotations
@@ -13,19 +13,13 @@ import shutil
 import time
 
 import pytest
-
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - depends on the machine
-    expect = sync_playwright = None
+from playwright.sync_api import expect, sync_playwright
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
 def browser():
-    if sync_playwright is None:
-        pytest.skip("playwright is not installed (pip install -e '.[test]')")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip("no Chromium (apt-get install chromium; the README's test command does)")
     with sync_playwright() as p:

@@ -50,7 +50,7 @@ from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
-from .images import ImageLimits, ImageLoader, prompt_ids
+from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
 from .responses_socket import LIMIT_SECONDS
@@ -109,6 +109,7 @@ class ServerState:
         self.created = int(time.time())
         self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
                                        config.response_store_dir)  # responses_routes.py
+        self.recent_images = RecentImages()  # images prepared for earlier requests (images.py)
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
@@ -270,7 +271,7 @@ class _Handlers(Driver):
 
     def prompt_images(self, engine, count_only: bool = False) -> ImageLoader:
         """What loads a request's images (images.py), under this server's limits."""
-        return ImageLoader(engine.vision, self.state.config.images, count_only)
+        return ImageLoader(engine.vision, self.state.config.images, count_only, self.state.recent_images)
 
     async def encode_chat(self, engine, req: ChatRequest, images: ImageLoader | None = None) -> EncodedChat:
         """A chat request's prompt ids, images and grammar, on a worker thread (the

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +42,7 @@ from .fields import refuse_extra
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 MAX_IMAGE_BYTES = 20 * 2**20
 MAX_IMAGES = 32
+RECENT_BYTES = 256 * 2**20  # patches of the latest prepared images the server keeps (RecentImages)
 FETCH_TIMEOUT = 10.0
 FETCH_CHUNK = 2**16
 URL_SCHEMES = ("data", "http", "https")
@@ -173,13 +177,46 @@ def images_in(messages: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------ loading (a worker thread)
 
 
+class RecentImages:
+    """The server's latest prepared images by the SHA-256 of their encoded bytes (LRU, at
+    most `budget` bytes of patches): agents resend every screenshot of the conversation
+    on every turn, and preparing one (decode, resize, patchify) takes tens of ms. Shared
+    by the worker threads that render prompts."""
+
+    def __init__(self, budget: int = RECENT_BYTES):
+        self.budget = budget
+        self._images: OrderedDict[str, object] = OrderedDict()
+        self._bytes = 0  # of the patches kept
+        self._lock = threading.Lock()
+
+    def prepared(self, data: bytes, settings):
+        """prepare_image(data, settings), or the image prepared from the same bytes before
+        (a server's settings never change)."""
+        key = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            found = self._images.get(key)
+            if found is not None:
+                self._images.move_to_end(key)
+                return found
+        image = prepare_image(data, settings)
+        with self._lock:
+            if key not in self._images and image.patches.nbytes <= self.budget:
+                self._images[key] = image
+                self._bytes += image.patches.nbytes
+            while self._bytes > self.budget:
+                self._bytes -= self._images.popitem(last=False)[1].patches.nbytes
+        return image
+
+
 class ImageLoader:
     """The images of one request, each source loaded once (a request's conversation and
     its context edits share them). `vision`: the engine's models.vision.Vision (None: the
-    model takes no images); `count_only`: learn only each image's token count."""
+    model takes no images); `count_only`: learn only each image's token count; `recent`:
+    the server's RecentImages."""
 
-    def __init__(self, vision, limits: ImageLimits, count_only: bool = False):
+    def __init__(self, vision, limits: ImageLimits, count_only: bool = False, recent: RecentImages | None = None):
         self.vision, self.limits, self.count_only = vision, limits, count_only
+        self.recent = recent or RecentImages(0)
         self._loaded: dict[str, object] = {}
 
     def of(self, messages: list[dict]) -> list:
@@ -198,7 +235,8 @@ class ImageLoader:
         if url not in self._loaded:
             data = self._bytes(url, where)
             try:
-                self._loaded[url] = self._count(data) if self.count_only else prepare_image(data, self.vision.settings)
+                self._loaded[url] = (self._count(data) if self.count_only
+                                     else self.recent.prepared(data, self.vision.settings))
             except ImageInputError as e:
                 raise bad(f"{where}: {e}", where) from None
         return self._loaded[url]

@@ -56,26 +56,27 @@ def spec_entries(pieces, part: str) -> dict:
 
 class Track:
     """Text in order with how each character came: (text, how) pieces added, cut out
-    again by offsets."""
+    again by offsets. The pieces are kept as they came (no growing string to copy on
+    every delta)."""
 
     def __init__(self):
-        self.text = ""
+        self.length = 0
         self.starts: list[int] = []
-        self.hows: list[str] = []
+        self.pieces: list[tuple[str, str]] = []
 
     def add(self, pieces) -> None:
         for text, how in pieces:
             if text:
-                self.starts.append(len(self.text))
-                self.hows.append(how)
-                self.text += text
+                self.starts.append(self.length)
+                self.pieces.append((text, how))
+                self.length += len(text)
 
     def cut(self, start: int, end: int) -> tuple[tuple[str, str], ...]:
         """The pieces of the text [start, end)."""
         i, pieces = max(bisect_right(self.starts, start) - 1, 0), []
         while i < len(self.starts) and self.starts[i] < end:
-            until = self.starts[i + 1] if i + 1 < len(self.starts) else len(self.text)
-            pieces.append((self.text[max(start, self.starts[i]):min(until, end)], self.hows[i]))
+            at, (text, how) = self.starts[i], self.pieces[i]
+            pieces.append((text[max(start - at, 0):end - at], how))
             i += 1
         return merge_pieces(pieces)
 
