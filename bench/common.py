@@ -123,9 +123,12 @@ def count_primitives(*arrays) -> int:
 
 
 def weight_bytes(manifest: dict) -> dict:
-    """Bytes of each pack entry (all its tensors)."""
+    """Bytes of each pack entry a forward reads (all its tensors; not the vision tower's,
+    which runs once per image)."""
     sizes: dict = {}
     for tensor, info in manifest["tensors"].items():
+        if tensor.startswith(VISION_PREFIX):
+            continue
         n = 1
         for d in info["shape"]:
             n *= d
@@ -141,8 +144,6 @@ def bytes_touched(manifest: dict, args, rows: int, context: int, dtype_bytes: in
     sizes = weight_bytes(manifest)
     weights = 0
     for name, size in sizes.items():
-        if name.startswith(VISION_PREFIX):  # the vision tower runs once per image, not per forward
-            continue
         if ".experts." in name:
             experts = manifest["entries"][name]["shape"][0]
             weights += size * min(experts, rows * args.num_experts_per_tok) // experts

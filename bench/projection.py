@@ -26,7 +26,6 @@ import json
 from pathlib import Path
 
 from bench.common import weight_bytes
-from monolith.pack.target_recipe import VISION_PREFIX
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)  # per-position acceptance swept (mlx-lm's MTP PR: 85-90% at step 1)
 STEPS = (1, 2, 3, 4)  # proposals per round
@@ -44,10 +43,10 @@ def period_bytes(manifest: dict, rows: float, top_k: int, mtp: bool = False) -> 
     """(bytes of the non-layer entries, bytes of the decoder layers) that `rows` rows
     read: the embedding's rows, every other matrix whole, experts by the expected number
     of distinct experts among rows * top_k draws. The MTP head's entries (mtp.*) when
-    `mtp`, else the target's (not its vision tower)."""
+    `mtp`, else the target's."""
     fixed = layers = 0
     for name, size in weight_bytes(manifest).items():
-        if name.startswith("mtp.") != mtp or name.startswith(VISION_PREFIX):  # the tower runs once per image
+        if name.startswith("mtp.") != mtp:
             continue
         entry = manifest["entries"].get(name, {})
         if name.endswith(("embed_tokens", "markov_w1")):  # row gathers
