@@ -1,7 +1,7 @@
 """Train the demo DSpark draft on the target's OWN generations, with the target's tap
 features as context, then export it as DeepSpec BF16 and DeepSpec NVFP4 (LithosAI style:
 every draft matrix W4A16 NVFP4, Markov W1 kept BF16). Neither export carries an embedding
-or an lm_head: the runtime binds the target's (dspark.md 1), the ones the draft trained with.
+or an lm_head: the runtime binds the target's (docs/drafts.md section 1), the ones the draft trained with.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
         python packs/demo/draft.py --out build/demo [--generations 1200] [--corpus-windows 2400] \
@@ -265,7 +265,7 @@ def export_draft(P, out: Path, fmt: str) -> Path:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     values = {k: np.array(v.astype(mx.float32)) for k, v in P.items()}
-    # No embed_tokens / lm_head: the runtime binds the target's (dspark.md 1), which the draft
+    # No embed_tokens / lm_head: the runtime binds the target's (docs/drafts.md section 1), which the draft
     # was trained with. Copies would only add bytes, and NVFP4 copies would differ from the
     # target's BF16 ones (measured: 1.6% of the NVFP4 draft's matched-prefix acceptance).
     params = [*sd.backbone_params(h, s), *sd.head_params(h, vocab, s, "vanilla")]
