@@ -198,6 +198,24 @@ def test_prefill_chunking_is_invisible(moe_f32):
     assert rel(np.array(mx.concatenate(parts)), np.array(whole)) < 2e-5
 
 
+@pytest.mark.parametrize("config", ["moe-q4kv2-lin2x4-int4", "moe-q4kv1-lin2x2-int2"])  # last layer: attention, GDN
+def test_a_chunk_whose_output_nobody_reads_leaves_the_cache_a_read_chunk_leaves(packs, config):
+    """A prefill chunk without logits leaves its last layer's output unevaluated (only the
+    cache writes run); the caches and what follows are those of a chunk whose logits
+    were read, bit for bit."""
+    model = load_model(packs(config, "bf16")[1], dtype="float32")
+    ids = mx.array(prompt(model.args.vocab_size, 21, seed=8), dtype=mx.int32)
+    follow = mx.array(prompt(model.args.vocab_size, 3, seed=9), dtype=mx.int32)
+    caches, after = [], []
+    for logits in ("none", "all"):
+        cache = model.make_cache(64)
+        model.forward(ids, cache, logits=logits)
+        mx.eval(cache.arrays())
+        caches.append([np.array(a) for a in cache.arrays()])
+        after.append(np.array(model(follow, cache)[0]))
+    assert all(np.array_equal(a, b) for a, b in zip(*caches)) and np.array_equal(*after)
+
+
 def test_a_snapshot_after_a_prefill_chunk_holds_only_the_states(moe_f32):
     """A restore point or saved state keeps the GDN states after a prefill chunk; a conv
     state that were a view of the chunk's pre-conv window would keep all of it alive

@@ -168,7 +168,8 @@ class Qwen3_5:
         x = self._place_features(x, segments, spans)[None]
         wanted = {i for t in taps for i in t}
         embedded = x[0]
-        x, normed, tapped = self.run_layers(x, segments, spans, wanted)
+        read = any(s.logits != "none" for s in segments) or bool(wanted & {self.owned.stop - 1, FINAL_NORM_TAP})
+        x, normed, tapped = self.run_layers(x, segments, spans, wanted, read)
         add_named_taps(tapped, wanted, embedded, normed)
         for s, span in zip(segments, spans):
             rows = span.stop - span.start
@@ -238,16 +239,22 @@ class Qwen3_5:
         x[rows] = mx.concatenate([values.astype(x.dtype) for _, values in placed])
         return x
 
-    def run_layers(self, x: mx.array, segments: list, spans: list[Span], wanted: set[int]):
+    def run_layers(self, x: mx.array, segments: list, spans: list[Span], wanted: set[int], read: bool = True):
         """The layers this model holds over packed rows x [1, N, H]: (their output, it
-        normed by `exit_norm`, {tapped layer id: its output rows [N, H]})."""
+        normed by `exit_norm`, {tapped layer id: its output rows [N, H]}). `read` False: no
+        one reads the last layer's output (a prefill chunk without logits or a tap of it),
+        so it is left unevaluated and only its cache writes run when the cache is
+        evaluated: the attention of those rows over the context, the output projection and
+        the MLP never run (on the CPU, where run_now hands each layer over; a GPU
+        evaluates the cache's graph alone anyway)."""
         eps = self.args.rms_norm_eps
         normed = rms_norm(x, self.layers[0].input_layernorm, eps)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.exit_norm]
         tapped, first = {}, self.owned.start
         for i, layer, next_norm in zip(self.owned, self.layers, next_norms):
             x, normed = layer(x, normed, [s.cache.layers[i - first] for s in segments], spans, next_norm)
-            run_now(x, normed)
+            if read or i < self.owned.stop - 1:
+                run_now(x, normed)
             if i in wanted:
                 tapped[i] = x[0]
         return x, normed, tapped
