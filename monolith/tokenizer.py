@@ -13,12 +13,16 @@ so a checkpoint's template cannot touch anything outside the values passed in.
 from __future__ import annotations
 
 import json
+import threading
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
+RECENT_PROMPTS = 16  # prompt texts (an image cuts a prompt in several) whose ids encode_prompt keeps to start later prompts from
 
 
 class TokenizerError(ValueError):
@@ -43,6 +47,8 @@ class Tokenizer:
         }
         self.eos_token_ids = self._eos_ids()
         self.chat_template = self._chat_template()
+        self._recent: list[_Encoded] = []  # newest last
+        self._recent_lock = threading.Lock()
 
     # ------------------------------------------------------------------ ids <-> text
 
@@ -56,6 +62,44 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`encode(text, add_special_tokens=False)`, starting from a recent prompt's ids.
+        Agents resend the whole conversation every turn; the tokenizers library cuts the
+        text at each added token (such as <|im_start|>) and encodes the pieces apart, so
+        the ids up to the last added token that `text` shares with a recent prompt are
+        that prompt's, and only the text from there is encoded again."""
+        with self._recent_lock:
+            shared, best = max(((_common_prefix(e.text, text), e) for e in self._recent), key=lambda p: p[0],
+                               default=(0, None))
+        kept = 0 if best is None else bisect_right(best.cuts, shared - self._longest_cut)
+        start = best.cuts[kept - 1] if kept else 0
+        encoding = self._tok.encode(text[start:], add_special_tokens=False)
+        first = best.at[kept - 1] if kept else 0
+        entry = _Encoded(text, (best.ids[:first] if kept else []) + encoding.ids,
+                         (best.cuts[:kept - 1] if kept else []), (best.at[:kept - 1] if kept else []))
+        for i, (token, (begin, _)) in enumerate(zip(encoding.ids, encoding.offsets)):
+            if token in self._cut_ids:
+                entry.cuts.append(start + begin)
+                entry.at.append(first + i)
+        replaced = best if best is not None and shared == len(best.text) else None  # text extends it
+        with self._recent_lock:
+            self._recent = [e for e in self._recent if e is not replaced][-(RECENT_PROMPTS - 1):] + [entry]
+        return list(entry.ids)
+
+    @cached_property
+    def _cut_ids(self) -> frozenset[int]:
+        """Added tokens the library cuts text at with nothing around them changed (none
+        where a text's first piece is encoded unlike the others: a Metaspace prefix)."""
+        if '"prepend_scheme":"first"' in self._tok.to_str().replace(" ", ""):
+            return frozenset()
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items()
+                         if not (t.lstrip or t.rstrip or t.single_word or t.normalized))
+
+    @cached_property
+    def _longest_cut(self) -> int:
+        """Characters a cut needs shared past its start (no longer added token can match there)."""
+        return max((len(t.content) for t in self._tok.get_added_tokens_decoder().values()), default=0)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids the tokenizer does not know (vocabulary padding) decode to ''."""
@@ -198,6 +242,30 @@ class IncrementalDetokenizer:
         text = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
         return text[len(released) :]
+
+
+@dataclass
+class _Encoded:
+    """A prompt's text and ids, and where in both its cutting added tokens start."""
+
+    text: str
+    ids: list[int]
+    cuts: list[int]  # character positions, ascending
+    at: list[int]  # the token index of each
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b (bisected: slices compare in C)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def load_tokenizer(path) -> Tokenizer:

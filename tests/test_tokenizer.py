@@ -175,3 +175,53 @@ def test_detokenizer_special_tokens_and_flush(tok):
     partial = tok.encode("日")[:-1]  # an incomplete character is held back until flush
     pieces, rest = stream(tok, tok.encode("x") + partial)
     assert "".join(pieces) == "x" and rest.startswith(REPLACEMENT_CHAR)
+
+
+# ------------------------------------------------------------------ prompts resent turn after turn
+
+
+def conversation_prompts(tok) -> list[str]:
+    """What an agent sends turn after turn: a growing history (tool results, unicode and
+    added-token strings in the text), one turn edited in the middle, one cut mid-token."""
+    system = "You are a coding agent. Tools: read_file, search. Prefer small edits; naïve → 日本語 🙂 "
+    messages = [{"role": "system", "content": system * 20}, {"role": "user", "content": "Fix test_refunds."}]
+    prompts = []
+    for turn in range(6):
+        prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
+        messages.append({"role": "assistant", "content": f"<tool_call>read_file services/{turn}.py</tool_call>"})
+        messages.append({"role": "user", "content": f"def f{turn}(x):\n    return x  # <|im_start|> in text é\n" * 9})
+    messages[3]["content"] = "[cleared]"  # an agent's context edit: an old tool result replaced
+    prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
+    prompts.append(prompts[-1][:-40] + "日本語🙂 and more")  # shares a prefix that ends inside a token
+    prompts.append(prompts[2])  # an older prompt again
+    return prompts
+
+
+@pytest.mark.parametrize("which", ["synthetic", "demo"])
+def test_prompts_encoded_from_recent_prompts_equal_whole_encodings(tok, which, monkeypatch):
+    """encode_prompt starts from the ids of a recent prompt sharing a prefix: every
+    prompt's ids equal the tokenizers library's own encoding of the whole text."""
+    from tokenizers import Tokenizer as Library
+
+    if which == "demo":
+        from monolith.pack.demo import bundle_dir
+
+        tok = load_tokenizer(bundle_dir() / "target")
+    library = Library.from_file(str(tok.path / "tokenizer.json"))
+    encoded = []  # the lengths of the texts the library is asked to encode
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(library, name)
+
+        def encode(self, text, **kw):
+            encoded.append(len(text))
+            return library.encode(text, **kw)
+
+    monkeypatch.setattr(tok, "_tok", Recording())
+    prompts = conversation_prompts(tok)
+    for text in prompts:
+        assert tok.encode_prompt(text) == library.encode(text, add_special_tokens=False).ids
+    later = zip(prompts[1:6], encoded[1:6])
+    assert encoded[0] == len(prompts[0]) and all(n < len(text) / 4 for text, n in later)  # the new turn alone
+    assert encoded[-1] < len(prompts[-1]) / 4  # an older prompt again

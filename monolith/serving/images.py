@@ -312,15 +312,15 @@ def prompt_ids(tokenizer, text: str, images: list, vision) -> list[int]:
     order) as vision_start, `image.tokens` x image_token_id, vision_end. Without a vision,
     the text is encoded as it is."""
     if vision is None:
-        return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode_prompt(text)
     pieces = text.split(IMAGE_MARK)
     if len(pieces) - 1 != len(images):
         raise bad(f"the chat template rendered {len(pieces) - 1} images, but the messages hold {len(images)} "
                   f"(is {IMAGE_MARK} in a text part?)", "messages")
-    ids = tokenizer.encode(pieces[0], add_special_tokens=False)
+    ids = tokenizer.encode_prompt(pieces[0])
     for image, piece in zip(images, pieces[1:]):
         ids += [vision.vision_start_id] + [vision.image_token_id] * image.tokens + [vision.vision_end_id]
-        ids += tokenizer.encode(piece, add_special_tokens=False)
+        ids += tokenizer.encode_prompt(piece)
     if ids.count(vision.image_token_id) != sum(image.tokens for image in images):
         raise bad("the text holds <|image_pad|> tokens outside image parts", "messages")
     return ids
