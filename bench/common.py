@@ -5,7 +5,8 @@ the synthetic pair loader, prompt sources, and the `monolith.serve` command line
 Scripts import each other's helpers only from here (or from the library modules
 bench/http_replay.py, bench/agent_workload.py, bench/acceptance_report.py,
 bench/mlx_lm_checkpoint.py, bench/projection.py; bench/accelerator.py also reuses the stages
-of bench/real_widths.py, bench/round_latency.py and bench/target_forward.py; the archived
+of bench/real_widths.py, bench/round_latency.py and bench/target_forward.py, and
+bench/mlx_lm_graph.py (bench/calibration.py's part) bench/primitives.py's counting; the archived
 grammar studies from bench/archive/vocabulary.py; a script split in parts imports its own:
 bench/prompt_cache_runs.py and _report.py, bench/concurrency_clients.py,
 bench/real_size_model.py and bench/step_bytes.py), and run from the repository root as

@@ -35,6 +35,9 @@ BANDWIDTH = 614e9  # M5 Max 40-core, bytes/s
 # the M4's peak GPU compute for AI); bench/vision.py's compute floors
 GPU_FLOPS = {"18 TFLOPS (ALUs)": 18.4e12, "70 TFLOPS (neural accelerators)": 70e12}
 DISPATCH_US = (1.0, 2.0, 4.0)  # assumed cost of one dispatched primitive on an Apple GPU, microseconds
+# the cost per primitive fitted on published M5 Max decode speeds of mlx-lm's own model
+# (bench/calibration.py, bench/results/calibration.json); docs/mac.md quotes projections at it
+CALIBRATED_DISPATCH_US = 1.24
 MTP_DISPATCH_US = DISPATCH_US[1]
 GAMMA = 7
 

@@ -32,6 +32,7 @@ RUNS = {
                      "--no-mlx-lm", "--work", "OUT/work", "--out-dir", "OUT"], ["accelerator.json", "accelerator.md"]),
     "acceptance": (["--prompts", "1", "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "batch_forward": (["--batches", "2", "--context", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
+    "calibration": (["--out", "OUT/r.json"], ["r.json"]),
     "concurrency": (["--modes", "plain", "--clients", "1", "--requests", "1", "--max-tokens", "2", "--repeat", "1",
                      "--server-arg=--no-warmup", "--out-dir", "OUT"], ["concurrency.json", "concurrency.md"]),
     "concurrency --soak": (["1", "--modes", "plain", "--soak-max-tokens", "8", "--server-arg=--no-warmup",
