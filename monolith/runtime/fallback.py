@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from .scheduler import ALONE, CostCurve, StepCosts
 
 SWITCH_REASONS = ("cost", "acceptance", "probe")
+SWITCHES = (("plain", "cost"), ("plain", "acceptance"), ("draft", "cost"), ("draft", "probe"))  # (to, reason)
 
 
 @dataclass(frozen=True)
