@@ -57,7 +57,8 @@ class Switch:
         if self.reason == "acceptance":
             why = f"rounds emit {self.expected:.1f} tokens, below the {self.cost:.1f} plain steps a round costs"
         elif self.reason == "probe":
-            why = f"a probe lifted rounds to {self.expected:.1f} tokens, the {self.cost:.1f} plain steps a round costs"
+            why = (f"a probe lifted rounds to {self.expected:.1f} tokens, at least the {self.cost:.1f} plain steps "
+                   "a round costs")
         else:
             side = "more" if self.to == "plain" else "no more"
             why = f"a round costs {self.cost:.1f} plain steps, {side} than the {self.expected:.1f} tokens expected"
@@ -94,15 +95,10 @@ class Fallback:
         self.plain_in_a_row = 0
         self.probe_every = self.PROBE_EVERY
         self.probing = False
-        self.probed = False  # the latest update() was a probe's
+        self.probe_paid = False  # the latest update() was a probe's that lifted the average to the cost
         self.drafting = True  # the mode: drafted rounds, or plain ones (with probes)
         self.paid: float | None = None  # the cost the latest drafting decision paid
         self.switch: Switch | None = None  # the switch the latest speculate() made
-
-    @property
-    def break_even(self) -> float:
-        """A round's cost in plain steps at the latest context, alone."""
-        return self.curve.at(self.context)
 
     def threshold(self, peers: tuple[int, int] = ALONE, context: int | None = None) -> float:
         """The tokens a drafted round must emit to pay at `context` (None: the latest),
@@ -147,7 +143,7 @@ class Fallback:
         if drafting == self.drafting:
             return
         if drafting:
-            reason = "probe" if self.probed else "cost"
+            reason = "probe" if self.probe_paid else "cost"
         else:
             reason = "acceptance" if self.paid is not None and expected < self.paid else "cost"
         self.drafting = drafting
@@ -177,6 +173,7 @@ class Fallback:
         """After a speculative round that emitted `emitted` tokens (accepted + 1)."""
         past = self.tokens_per_round
         self.tokens_per_round = emitted if past is None else self.DECAY * past + (1 - self.DECAY) * emitted
-        if self.probing and self.tokens_per_round < self.threshold(self.peers):
+        paid = self.tokens_per_round >= self.threshold(self.peers)
+        if self.probing and not paid:
             self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
-        self.probed, self.probing = self.probing, False
+        self.probe_paid, self.probing = self.probing and paid, False
