@@ -33,7 +33,7 @@ Measures (as monolith/runtime/stats.py defines them), gamma = --block-size (7):
   Greedy speculative output must equal plain greedy output (same_as_plain); sampled
   outputs differ from plain ones by construction (same distribution, other draws).
 - "served": what serve and chat run by default, the NVFP4 draft with a
-  scheduler.Fallback (plain one-row rounds while drafting does not pay; break-even from
+  fallback.Fallback (plain one-row rounds while drafting does not pay; break-even from
   calibrate.measure_break_even; the decoder monolith.engine_setup builds for serve): tok/s,
   speedup, drafted and plain rounds.
 - matched prefix (untimed, greedy proposals): the reference continuation of a prompt is

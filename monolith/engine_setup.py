@@ -21,7 +21,14 @@ from .models import load_draft, load_model, load_mtp
 from .models.vision import Vision, vision_of
 from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
 from .pack.demo import DEMO_NAME, demo_pair
-from .runtime.calibrate import BreakEven, measure_break_even, measure_step_costs, round_can_pay, round_pay_limit
+from .runtime.calibrate import (
+    BreakEven,
+    measure_break_even,
+    measure_cost_curve,
+    measure_step_costs,
+    round_can_pay,
+    round_pay_limit,
+)
 from .runtime.decoder import SpeculativeDecoder
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
@@ -372,9 +379,9 @@ def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: 
     costs about as many plain steps as the tokens it can emit or more (drafting can never
     pay on this machine: e.g. MLX's Linux CPU wheel, where an 8-row verify costs ~10
     one-row steps). `gamma` and `measured`: the proposals a round and the break-even
-    choose_drafter measured (it found that drafting pays). With `max_batch` > 1 the
-    batch's forward costs are measured too, so the fallback's break-even follows the
-    batch (scheduler.py)."""
+    choose_drafter measured (it found that drafting pays). Where drafting pays, the
+    break-even is measured at longer contexts too (calibrate.measure_cost_curve) and, with
+    `max_batch` > 1, the batch's forward costs: the fallback follows both (fallback.py)."""
     if args.draft_block_size is not None and args.draft_block_size > drafter.max_proposals:
         raise SetupError(f"--draft-block-size must be at most {drafter.max_proposals} "
                          f"(the draft's proposals per block), got {args.draft_block_size}")
@@ -389,11 +396,15 @@ def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: 
             return None, measured
         log(f"a drafted round costs {measured.describe()} here; {cut}: a request drafts while its rounds emit "
             "at least that many tokens, and takes plain steps otherwise")
+    curve = None
+    if measured is not None:  # drafting pays at a short context: priced at the longer ones too
+        curve = measure_cost_curve(model, drafter, gamma, SamplingParams(), args.max_context, measured)
+        log(f"a drafted round costs, in plain steps: {curve.describe()} (a request is priced at its context)")
     costs = None
     if max_batch > 1 and measured is not None:
         costs = measure_step_costs(model, max_batch, gamma + 1)
         log(f"a batch's forward costs {costs.one_row * 1e3:.2f} ms for one row, +{costs.per_row * 1e3:.2f} ms a row "
             f"and +{costs.per_sequence * 1e3:.2f} ms a sequence: a request drafts while that pays for the batch")
     decoder = SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler,
-                                 None if measured is None else measured.steps, profile, step_costs=costs)
+                                 curve, profile, step_costs=costs)
     return decoder, measured

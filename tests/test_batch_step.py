@@ -78,15 +78,16 @@ def test_the_fallback_sees_the_batch_around_it(demo_f32, monkeypatch):
     """In a batch, each sequence's Fallback decides with its peers (the other sequences
     and their rows in the latest forward); alone it sees none. Greedy outputs stay those
     served alone whatever it decides."""
-    from monolith.runtime.scheduler import Fallback, StepCosts
+    from monolith.runtime.fallback import Fallback
+    from monolith.runtime.scheduler import StepCosts
 
     model, drafter, tok = demo_f32
     seen = []
     real = Fallback.speculate
 
-    def speculate(self, peers=(0, 0)):
+    def speculate(self, peers=(0, 0), context=None):
         seen.append(peers)
-        return real(self, peers)
+        return real(self, peers, context)
 
     monkeypatch.setattr(Fallback, "speculate", speculate)
     costs = StepCosts(one_row=1.0, per_row=0.4, per_sequence=0.2)

@@ -11,16 +11,22 @@ from oracles import GAMMA, GREEDY, PROMPT, ConstantDrafter, GreedyOracle, assert
 
 from monolith.runtime import calibrate
 from monolith.runtime.calibrate import measure_break_even, measure_costs
+from monolith.runtime.fallback import Fallback
 from monolith.runtime.rounds import PLAIN_RUN, Rounds
 from monolith.runtime.scheduler import (
+    CostCurve,
     CostScheduler,
-    Fallback,
     FixedScheduler,
     StepCosts,
     ThresholdScheduler,
     make_scheduler,
 )
 from monolith.sampling import SamplingParams
+
+# a round's cost in plain steps that only a round keeping all GAMMA proposals would pay
+# (these drafters' rounds never do): plain rounds, with probes (a cost above GAMMA + 1
+# tokens would run no probe at all)
+NOT_PAYING = GAMMA + 0.5
 
 # ------------------------------------------------------------------ schedulers
 
@@ -191,7 +197,7 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
         assert decoder.cache.offset == decoder.committed + queued
 
     result = speculate(model, oracle, PROMPT, 40, GREEDY, [], 128, on_round=on_round,
-                       break_even=100.0)  # drafting never pays: plain rounds with probes
+                       break_even=NOT_PAYING)  # drafting does not pay: plain rounds with probes
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
     decoders[-1].sync_drafter()
     assert len(oracle.committed) == decoders[-1].cache.offset and not decoders[-1].unobserved
@@ -206,7 +212,7 @@ def test_fallback_rounds_keep_greedy_output_and_the_draft_context(model, error_a
 def test_queued_plain_steps_stop_at_the_context_and_leave_when_a_round_drafts(model):
     # plain rounds up to a full context: the queued step never takes a row past it
     reference = plain_greedy(model, PROMPT, 40, max_context=len(PROMPT) + 40)
-    result = speculate(model, ConstantDrafter(), PROMPT, 100, GREEDY, [], len(PROMPT) + 40, break_even=100.0)
+    result = speculate(model, ConstantDrafter(), PROMPT, 100, GREEDY, [], len(PROMPT) + 40, break_even=NOT_PAYING)
     assert result.token_ids == reference and result.finish_reason == "length"
     # a probe after queued plain rounds: the queued row is dropped before the draft, and the
     # drafter observes exactly the committed rows
@@ -219,17 +225,21 @@ def test_queued_plain_steps_stop_at_the_context_and_leave_when_a_round_drafts(mo
             probes.append(decoder.cache.offset)
             assert decoder.queued is None and len(oracle.committed) == decoder.cache.offset
 
-    result = speculate(model, oracle, PROMPT, 60, GREEDY, [], 128, on_round=on_round, break_even=100.0)
+    result = speculate(model, oracle, PROMPT, 60, GREEDY, [], 128, on_round=on_round, break_even=NOT_PAYING)
     assert_same_greedy(model, PROMPT, result.token_ids, reference)
     assert len(probes) >= 3  # the first round and probes after runs of queued plain rounds
 
 
 def test_fallback_keeps_sampled_output_reproducible(model):
+    """Sampled, the constant drafter's proposals (q = 0) are always accepted: a round
+    cheap at the prompt's context drafts, and the curve makes rounds cost more than they
+    can emit a few tokens later (plain rounds)."""
     outs = []
+    curve = CostCurve(((len(PROMPT), 1.0), (len(PROMPT) + 10, 100.0)))
     for _ in range(2):
         params = SamplingParams(temperature=0.8, seed=7)
-        result = speculate(model, ConstantDrafter(), PROMPT, 30, params, [], 128, break_even=100.0)
-        assert result.speculative.plain_rounds > 0
+        result = speculate(model, ConstantDrafter(), PROMPT, 30, params, [], 128, break_even=curve)
+        assert result.speculative.rounds and result.speculative.plain_rounds > 0
         outs.append(result.token_ids)
     assert outs[0] == outs[1]
 

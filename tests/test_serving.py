@@ -342,7 +342,7 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(synth_pair):
 
 
 def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pay(synth_pair):
-    from monolith.runtime.scheduler import Fallback
+    from monolith.runtime.fallback import Fallback
 
     target_pack, draft, cache = synth_pair
     model = load_model(target_pack, dtype="float32")

@@ -5,12 +5,18 @@ served round runs):
 - `measure_costs`: T_draft and the T_verify(rows) table the cost scheduler reads;
 - `measure_step_costs`: what a batch's target forward costs per row and per sequence
   (scheduler.StepCosts: the batch-aware Fallback and cost scheduler read it);
-- `measure_break_even`: a drafted round's cost in plain steps (scheduler.Fallback's
+- `measure_break_even`: a drafted round's cost in plain steps (fallback.Fallback's
   threshold), as the median over several trials, each timing consecutive rounds
   against chained runs of pipelined plain steps. One start gives one answer only if
   the decision has a margin: `round_can_pay` drafts only when the break-even sits
   clearly (PAY_MARGIN) below the tokens a round can emit, because a break-even near
   the cut swings across it from start to start on a loaded machine;
+- `measure_cost_curve`: the break-even at a few contexts (`curve_contexts`: 64 rows,
+  then 2048 and 8192 where the context reaches them), a scheduler.CostCurve: the
+  Fallback prices each round at the sequence's context with it. A start measures the
+  longer contexts only once the short one says drafting can pay (where it cannot, as on
+  MLX's Linux CPU wheel, the start decodes plainly and measures nothing more);
+  `calibrate_cost_scheduler` does the same for the cost scheduler's timings;
 - `measure_acceptance`: the proposals a drafter gets accepted per round, greedy, on the
   prompts it is given (the start's calibration prompts: drafter_choice.py weighs it
   against the break-even to pick the drafter that pays).
@@ -28,10 +34,11 @@ from ..sampling import SamplingParams
 from .batch import Forward, run_forwards
 from .drafter import Drafter
 from .rounds import PLAIN_RUN, Block, Rounds
-from .scheduler import FixedScheduler, StepCosts
+from .scheduler import CostCurve, CostScheduler, FixedScheduler, StepCosts
 
 PAY_MARGIN = 0.1  # draft only when a round costs at most (1 - PAY_MARGIN) x the tokens it can emit
 BREAK_EVEN_TRIALS = 3
+CURVE_CONTEXTS = (64, 2048, 8192)  # rows of context a round is priced at (the first: every measurement's default)
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,39 @@ def measure_break_even(model, drafter: Drafter, gamma: int, params: SamplingPara
         rounds.sync_drafter()
         ratios.append(round_seconds / step_seconds)
     return BreakEven(statistics.median(ratios), tuple(ratios))
+
+
+def curve_contexts(max_context: int) -> tuple[int, ...]:
+    """The contexts a start prices a round at: the short one, and the longer ones of
+    CURVE_CONTEXTS that a sequence of `max_context` rows reaches."""
+    first, *longer = CURVE_CONTEXTS
+    return (first, *(c for c in longer if c < max_context))
+
+
+def measure_cost_curve(model, drafter: Drafter, gamma: int, params: SamplingParams, max_context: int,
+                       first: BreakEven | None = None) -> CostCurve:
+    """The break-even at each of curve_contexts(max_context) (`first`: the short
+    context's, measured already), as a CostCurve."""
+    points = []
+    for context in curve_contexts(max_context):
+        if first is not None and context == CURVE_CONTEXTS[0]:
+            measured = first
+        else:
+            measured = measure_break_even(model, drafter, gamma, params, context=context)
+        points.append((context, measured.steps))
+    return CostCurve(tuple(points))
+
+
+def calibrate_cost_scheduler(scheduler: CostScheduler, model, drafter: Drafter, gamma: int, max_context: int) -> None:
+    """The cost scheduler's timings (measure_costs) at each of curve_contexts(max_context);
+    a sequential drafter's draft is priced per proposal."""
+    proposals = gamma if getattr(drafter, "sequential", False) else None
+    for i, context in enumerate(curve_contexts(max_context)):
+        draft, verify = measure_costs(model, drafter, gamma, SamplingParams(), context)
+        if i == 0:
+            scheduler.set_costs(draft, verify, proposals, context)
+        else:
+            scheduler.add_costs(context, draft, verify, proposals)
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ Logprobs come from the target's rows that chose each token: the verify rows for
 accepted, corrected and bonus tokens, the step's row in a plain round. A prompt that
 extends the session's tokens prefills only its new ones: the drafter's context snapshot
 is kept with the session (a drafter that cannot resume prefills every prompt whole).
-With a `break_even` (calibrate.measure_break_even), each conversation gets a
-scheduler.Fallback: rounds become plain steps while drafting does not pay; a prompt
-that extends the session (the next turn) goes on with the state the last request left.
+With a `break_even` (a round's cost in plain steps: a number, or a scheduler.CostCurve
+of the context, calibrate.measure_cost_curve), each conversation gets a
+fallback.Fallback: rounds become plain steps while drafting does not pay at the
+sequence's context; a prompt that extends the session (the next turn) goes on with the
+state the last request left.
 A `guide` (grammar.Guide) constrains the output (rounds.py).
 """
 
@@ -36,11 +38,12 @@ from collections.abc import Callable, Sequence
 
 from ..sampling import SamplingParams
 from .batch import Steps, drive
-from .calibrate import measure_costs
+from .calibrate import calibrate_cost_scheduler
 from .drafter import Drafter, Forking
 from .events import ACCEPTED, BONUS, CORRECTION, PLAIN, Outcome, TokenLogprob
 from .rounds import RoundResult, Rounds, check_gamma
-from .scheduler import CostScheduler, Fallback, Scheduler, StepCosts
+from .fallback import Fallback
+from .scheduler import CostCurve, CostScheduler, Scheduler, StepCosts
 from .session import Session
 
 
@@ -51,7 +54,8 @@ class SpeculativeDecoder:
     kinds = True  # steps(kinds=True) tells on_token how each token came
 
     def __init__(self, model, drafter: Drafter | None, max_context: int, prefill_chunk_size: int = 512,
-                 gamma: int | None = None, scheduler: Scheduler | None = None, break_even: float | None = None,
+                 gamma: int | None = None, scheduler: Scheduler | None = None,
+                 break_even: float | CostCurve | None = None,
                  profile: bool = False, on_round: Callable[[RoundResult, Rounds], None] | None = None,
                  step_costs: StepCosts | None = None):
         """`scheduler` is kept across requests (adaptive schedulers learn); a cost
@@ -66,9 +70,9 @@ class SpeculativeDecoder:
         self.gamma = 0 if drafter is None else check_gamma(gamma, drafter.max_proposals)
         self.scheduler = scheduler
         if isinstance(scheduler, CostScheduler) and not scheduler.calibrated:
-            scheduler.set_costs(*measure_costs(model, drafter, self.gamma, SamplingParams()),
-                                proposals=self.gamma if getattr(drafter, "sequential", False) else None)
-        self.break_even = break_even
+            calibrate_cost_scheduler(scheduler, model, drafter, self.gamma, max_context)
+        self.cost_curve = break_even if break_even is None or isinstance(break_even, CostCurve) \
+            else CostCurve.flat(break_even)  # a round's cost in plain steps by context: the fallback's
         self.step_costs = step_costs  # a batch's forward costs: the fallback's break-even follows the batch
         self.profile = profile
         self.on_round = on_round
@@ -131,6 +135,12 @@ class SpeculativeDecoder:
         return Outcome(out, finish, len(prompt), cached, first_at - start, end - first_at, read - 1, finish == "stop",
                        rounds.stats)
 
+    @property
+    def break_even(self) -> float | None:
+        """A drafted round's cost in plain steps at the shortest context measured (None:
+        no fallback)."""
+        return None if self.cost_curve is None else self.cost_curve.points[0][1]
+
     def _resume(self, session: Session, drafter: Drafter | None, prompt: list[int], params: SamplingParams,
                 logprobs: int | None, guide) -> Rounds:
         """The sequence's rounds on the session's cache, at the longest point both the
@@ -143,9 +153,9 @@ class SpeculativeDecoder:
             _, cached = session.resume(self.model, prompt, self.max_context, drafter=drafter)
             if cached:
                 drafter.restore(session.draft_snapshot, cached)
-        if self.break_even is not None and guide is None and drafter is not None:  # a grammar: every round drafts
+        if self.cost_curve is not None and guide is None and drafter is not None:  # a grammar: every round drafts
             kept = session.fallback if cached else None
-            rounds.fallback = kept if kept is not None else Fallback(self.break_even, self.step_costs, self.gamma)
+            rounds.fallback = kept if kept is not None else Fallback(self.cost_curve, self.step_costs, self.gamma)
         return rounds
 
     def _keep(self, session: Session, rounds: Rounds, committed: list[int]) -> None:

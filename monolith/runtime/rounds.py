@@ -18,7 +18,8 @@ each token costs one host sync. Without a drafter every round is one plain step 
 token reaches the caller as it is read); with one, a `Fallback` may make rounds plain
 (the drafter observes the rows such rounds commit in one batch before it next drafts,
 `sync_drafter`) while the recent rounds emit fewer tokens than a round costs in plain
-steps (scheduler.Fallback; the break-even is calibrate.measure_break_even).
+steps at the sequence's context (fallback.Fallback; the break-even is a CostCurve of the
+context, calibrate.measure_cost_curve); its switches go into the round's stats.
 
 Limits: a round never emits more tokens than max_tokens or the context allow (the
 sequence, prompt + output, stays within max_context, as in plain decoding), so the
@@ -62,7 +63,8 @@ from .drafter import Drafter, Guided, Proposal
 from .events import TokenLogprob
 from .logprobs import logprob_arrays, read_logprob, read_verify_logprobs, verify_logprobs
 from .prefill import prefill_rows
-from .scheduler import ALONE, Fallback, FixedScheduler, Scheduler
+from .fallback import Fallback
+from .scheduler import ALONE, FixedScheduler, Scheduler
 from .stats import SpecStats
 
 DEFAULT_GAMMA = 7  # proposals per round: 8 verify rows
@@ -125,7 +127,7 @@ class Rounds:
         the proposals per round, 1..drafter.max_proposals (check_gamma); `logprobs`
         (None: off; k: with the k likeliest) makes every emitted token carry its
         TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
-        constrains the output (see the module doc). `fallback` (a scheduler.Fallback, None:
+        constrains the output (see the module doc). `fallback` (a fallback.Fallback, None:
         none) is the decoder's to set, for a drafting sequence without a grammar."""
         if guide is not None and drafter is not None and not isinstance(drafter, Guided):
             raise ValueError(f"{drafter!r} cannot propose under a grammar (no propose_guided)")
@@ -226,7 +228,7 @@ class Rounds:
         step when the Fallback says the next round is plain too."""
         n = max(1, min(max_new, self.max_context - self.committed - 1, PLAIN_RUN, self.fallback.plain_run()))
         self.fallback.skip(n - 1)
-        return (yield from self.run_plain_steps(n, self.fallback.plain_next()))
+        return (yield from self.run_plain_steps(n, self.fallback.plain_next(self.committed + n)))
 
     def run_plain(self, n: int, queue_next: bool) -> RoundResult:
         """`run_plain_steps` alone."""
@@ -286,12 +288,12 @@ class Rounds:
         peers = ALONE
         if gamma and (self.fallback is not None or self.scheduler.uses_peers):
             peers = yield Peers()
-        if gamma and self.fallback is not None and not self.fallback.speculate(peers):
+        if gamma and self.fallback is not None and not self.speculate(peers):
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         self.sync_drafter()  # drops a queued plain step
         guide = self.guide
         if gamma and guide is None and getattr(self.drafter, "sequential", False):
-            gamma = min(gamma, self.scheduler.choose(gamma, None, peers))  # each proposal costs a forward: draft l
+            gamma = min(gamma, self.scheduler.choose(gamma, None, peers, self.committed))  # a forward each: draft l
         if gamma == 0:  # one row left (or none chosen): a plain decode step
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key,
                          masks=None if guide is None else guide.masks(0))
@@ -307,13 +309,20 @@ class Rounds:
         confidence = None
         if self.scheduler.uses_confidence and proposal.confidence is not None:
             confidence = np.array(proposal.confidence[:limit], dtype=np.float32)
-        l = min(limit, self.scheduler.choose(limit, confidence, peers))
+        l = min(limit, self.scheduler.choose(limit, confidence, peers, self.committed))
         proposed = proposal.tokens[:l].astype(mx.int32) if l else mx.zeros((0,), mx.int32)
         masks = None
         if guide is not None:
             guide.rollback(limit - l)
             masks = guide.masks(l)
         return Block(proposal, confidence, proposed, accept_key, masks=masks)
+
+    def speculate(self, peers: tuple[int, int]) -> bool:
+        """The Fallback's call at the sequence's context (a switch goes into the stats)."""
+        drafts = self.fallback.speculate(peers, self.committed)
+        if self.fallback.switch is not None and self.stats is not None:
+            self.stats.switches.append(self.fallback.switch)
+        return drafts
 
     def forced_block(self, room: int) -> Block:
         """Plain decoding under a grammar: the tokens the grammar forces after the anchor

@@ -34,25 +34,16 @@ lock the scheduler at l = 0 for good; one extra verify row is cheap.
 (the verify's shape depends on them); `fixed`, and the others without a confidence
 head, add none.
 
-`Fallback` decides before a round whether to draft at all: while the recent rounds'
-tokens per round stay below the break-even (a round's cost in plain steps, measured
-once by calibrate.measure_break_even), rounds are plain one-row steps, with a
-speculative probe after PROBE_EVERY of them (waits doubling while probes fail) to
-notice when drafting pays again. The decision depends only on past rounds, so outputs
-keep their distribution (greedy: equal to plain).
+The Fallback (fallback.py) decides before a round whether to draft at all.
 
 In a batch (engine --max-batch) a drafted round's rows share a forward with the other
-sequences' rows, so what it costs depends on the batch: `peers` = (the other sequences,
-the target rows they put into the last forward). With the batch's `StepCosts` (measured
-at start: calibrate.measure_step_costs), the Fallback drafts while drafting raises the
-batch's aggregate tokens per second: a round emitting E tokens where a plain step emits
-1, with each peer emitting (at least) 1 per step either way, pays when
-(peers + E) / T(drafted step) > (peers + 1) / T(plain step), i.e. E above
-(peers + 1) * T(drafted) / T(plain) - peers. Alone that is the break-even; where a
-verify row costs little next to the step (a Mac, bound by reading the weights) it stays
-near it, and where rows cost compute (this CPU) it rises with the batch, so at high batch
-sequences take plain steps. The cost scheduler's block length maximizes the same
-aggregate rate: (peers + expected tokens) / (T_draft + T_verify(peer rows + 1 + l)).
+sequences' rows: `peers` = (the other sequences, the target rows they put into the last
+forward), and the cost scheduler's block length maximizes the batch's aggregate rate,
+(peers + expected tokens) / (T_draft + T_verify(peer rows + 1 + l)).
+
+A round is priced at the sequence's context (the rows before it): with timings measured
+at several contexts (`add_costs`), T_draft and each T_verify(rows) are `CostCurve`s of
+the context, linear between the contexts measured (a rise goes on past the last).
 """
 
 from __future__ import annotations
@@ -82,13 +73,53 @@ class StepCosts:
         return self.one_row + self.per_row * (rows - 1) + self.per_sequence * (sequences - 1)
 
 
+@dataclass(frozen=True)
+class CostCurve:
+    """A cost as a function of the sequence's context (the rows before a round), measured
+    at a few contexts: linear between them, the first's below the first; past the last a
+    rise goes on at the last segment's slope, a fall is not assumed (held at the last).
+    The Fallback's break-even (a drafted round's cost in plain steps,
+    calibrate.measure_cost_curve) and the cost scheduler's timings are such curves."""
+
+    points: tuple[tuple[int, float], ...]  # (context, cost), contexts increasing
+
+    def __post_init__(self):
+        contexts = [c for c, _ in self.points]
+        if not self.points or contexts != sorted(set(contexts)):
+            raise ValueError(f"a cost curve needs points at increasing contexts, got {self.points!r}")
+        if not all(s >= 0 for _, s in self.points):
+            raise ValueError(f"a cost curve's costs must be at least 0, got {self.points!r}")
+
+    @classmethod
+    def flat(cls, steps: float) -> CostCurve:
+        """The same cost at every context (one measurement)."""
+        return cls(((0, float(steps)),))
+
+    def at(self, context: int) -> float:
+        points = self.points
+        if context <= points[0][0]:
+            return points[0][1]
+        for (c0, s0), (c1, s1) in zip(points, points[1:]):
+            if context <= c1:
+                return s0 + (s1 - s0) * (context - c0) / (c1 - c0)
+        if len(points) == 1:
+            return points[0][1]
+        (c0, s0), (c1, s1) = points[-2:]
+        return s1 + max(s1 - s0, 0.0) * (context - c1) / (c1 - c0)
+
+    def describe(self) -> str:
+        return ", ".join(f"{s:.1f} at {c}" for c, s in self.points) + " rows of context"
+
+
 class Scheduler:
     name = "fixed"
     uses_confidence = False  # choose() wants the proposal's confidences on the host
     uses_peers = False  # choose() reads the batch's peers
 
-    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE) -> int:
-        """How many of `gamma` proposals to verify, 0 <= l <= gamma."""
+    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE,
+               context: int = 0) -> int:
+        """How many of `gamma` proposals to verify, 0 <= l <= gamma, `context` rows before
+        the round."""
         return gamma
 
     def update(self, proposed: int, accepted: int, confidence: np.ndarray | None) -> None:
@@ -154,7 +185,8 @@ class ThresholdScheduler(SurvivalScheduler):
         super().__init__(**kw)
         self.threshold = threshold
 
-    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE) -> int:
+    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE,
+               context: int = 0) -> int:
         survival = self.survival(gamma, confidence)
         below = np.flatnonzero(survival < self.threshold)
         keep = int(below[0]) if below.size else gamma
@@ -168,121 +200,78 @@ class CostScheduler(SurvivalScheduler):
     def __init__(self, draft_seconds: float | None = None, verify_seconds=None, draft_step_seconds: float = 0.0,
                  **kw):
         """verify_seconds[r - 1] = T_verify(r rows); T_draft(l) = draft_seconds + l *
-        draft_step_seconds; measured by calibrate.measure_costs when not given."""
+        draft_step_seconds; measured by calibrate.measure_costs when not given, at any
+        context until `add_costs` gives timings at longer ones."""
         super().__init__(**kw)
         self.draft_seconds = draft_seconds
         self.draft_step_seconds = float(draft_step_seconds)
         self.verify_seconds = None if verify_seconds is None else [float(t) for t in verify_seconds]
+        self.context = 0  # where the timings above were measured
+        self.longer: list[tuple[int, float, float, list[float]]] = []  # (context, draft, draft step, verify table)
 
     @property
     def calibrated(self) -> bool:
         return self.draft_seconds is not None and self.verify_seconds is not None
 
-    def set_costs(self, draft_seconds: float, verify_seconds, proposals: int | None = None) -> None:
+    def set_costs(self, draft_seconds: float, verify_seconds, proposals: int | None = None, context: int = 0) -> None:
         """`draft_seconds`: a draft's cost; with `proposals`, a sequential drafter's for
-        that many proposals (each costs a share of it)."""
-        self.verify_seconds = [float(t) for t in verify_seconds]
-        if proposals is None:
-            self.draft_seconds, self.draft_step_seconds = float(draft_seconds), 0.0
-        else:
-            self.draft_seconds, self.draft_step_seconds = 0.0, float(draft_seconds) / proposals
+        that many proposals (each costs a share of it); measured at `context` rows."""
+        self.draft_seconds, self.draft_step_seconds = split_draft(draft_seconds, proposals)
+        self.verify_seconds, self.context, self.longer = [float(t) for t in verify_seconds], context, []
 
-    def draft_time(self, proposals: int) -> float:
-        return self.draft_seconds + self.draft_step_seconds * proposals
+    def add_costs(self, context: int, draft_seconds: float, verify_seconds, proposals: int | None = None) -> None:
+        """The timings at a longer `context` than the ones before (as set_costs)."""
+        if context <= (self.longer[-1][0] if self.longer else self.context):
+            raise ValueError(f"timings at {context} rows of context must come after the longer ones")
+        self.longer.append((context, *split_draft(draft_seconds, proposals), [float(t) for t in verify_seconds]))
 
-    def verify_time(self, rows: int) -> float:
-        """T_verify(rows), extrapolated linearly past the table."""
-        table = self.verify_seconds
-        if rows <= len(table):
-            return table[rows - 1]
-        slope = table[-1] - table[-2] if len(table) > 1 else table[-1]
-        return table[-1] + slope * (rows - len(table))
+    def draft_time(self, proposals: int, context: int = 0) -> float:
+        return self._at(context, lambda draft, step, _: draft + step * proposals)
 
-    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE) -> int:
+    def verify_time(self, rows: int, context: int = 0) -> float:
+        """T_verify(rows) at `context`, extrapolated linearly past the table."""
+        return self._at(context, lambda _, __, table: table_time(table, rows))
+
+    def _at(self, context: int, cost) -> float:
+        """`cost(draft, draft step, verify table)` at `context`: a CostCurve over the
+        contexts measured."""
+        first = cost(self.draft_seconds, self.draft_step_seconds, self.verify_seconds)
+        if not self.longer:
+            return first
+        points = ((self.context, first), *((c, cost(d, s, t)) for c, d, s, t in self.longer))
+        return CostCurve(points).at(context)
+
+    def choose(self, gamma: int, confidence: np.ndarray | None, peers: tuple[int, int] = ALONE,
+               context: int = 0) -> int:
         if not self.calibrated:
             raise RuntimeError("the cost scheduler has no timings: call set_costs (see measure_costs)")
         survival = self.survival(gamma, confidence)
         others, rows = peers
-        best_l, best = 0, (others + 1.0) / (self.draft_time(0) + self.verify_time(rows + 1))
+        best_l, best = 0, (others + 1.0) / (self.draft_time(0, context) + self.verify_time(rows + 1, context))
         expected = others + 1.0
         for l in range(1, gamma + 1):
             expected += survival[l - 1]
-            value = expected / (self.draft_time(l) + self.verify_time(rows + 1 + l))
+            value = expected / (self.draft_time(l, context) + self.verify_time(rows + 1 + l, context))
             if value <= best:
                 break  # the first non-improvement ends the scan
             best_l, best = l, value
         return max(best_l, self._floor(gamma))
 
 
-class Fallback:
-    """Plain rounds while speculation does not pay (module docstring). A probe that does
-    not lift the average above the break-even doubles the wait before the next one (up
-    to MAX_PROBE_EVERY), so a draft that does not fit the text costs ever less."""
+def split_draft(draft_seconds: float, proposals: int | None) -> tuple[float, float]:
+    """(T_draft's fixed part, its part per proposal): a block drafter pays once, a
+    sequential one (`proposals` given) a share of `draft_seconds` per proposal."""
+    if proposals is None:
+        return float(draft_seconds), 0.0
+    return 0.0, float(draft_seconds) / proposals
 
-    PROBE_EVERY = 8  # plain rounds before the first probe
-    MAX_PROBE_EVERY = 64
-    DECAY = 0.7  # weight of the past in the tokens-per-round average (~3 rounds)
 
-    def __init__(self, break_even: float, costs: StepCosts | None = None, gamma: int = 7):
-        """`costs` (the batch's forward costs) and `gamma` (rows a drafted round adds) make
-        the break-even follow the batch (the module doc); without them it is the same
-        at any batch."""
-        if not break_even > 0:
-            raise ValueError(f"the break-even tokens per round must be positive, got {break_even}")
-        self.break_even = float(break_even)
-        self.costs, self.gamma = costs, gamma
-        self.peers = ALONE  # as the latest speculate() saw them
-        self.tokens_per_round: float | None = None  # running average over speculative rounds
-        self.plain_in_a_row = 0
-        self.probe_every = self.PROBE_EVERY
-        self.probing = False
-
-    def threshold(self, peers: tuple[int, int] = ALONE) -> float:
-        """The tokens a drafted round must emit to pay, next to `peers`: the break-even
-        alone, (peers + 1) * T(drafted) / T(plain) - peers in a batch. T(drafted) counts
-        what the measured break-even says a drafted round costs beyond its verify rows
-        (the draft, the commit)."""
-        others, rows = peers
-        if not others or self.costs is None:
-            return self.break_even
-        c, g = self.costs, self.gamma
-        extra = max(self.break_even * c.one_row - c.forward(1 + g), 0.0)
-        plain = c.forward(rows + 1, others + 1)
-        return (others + 1) * (extra + c.forward(rows + 1 + g, others + 1)) / plain - others
-
-    def speculate(self, peers: tuple[int, int] = ALONE) -> bool:
-        """Draft this round (with `peers` in the batch)?"""
-        self.peers = peers
-        if self.tokens_per_round is None or self.tokens_per_round >= self.threshold(peers):
-            self.probe_every = self.PROBE_EVERY
-            return True
-        self.plain_in_a_row += 1
-        if self.plain_in_a_row > self.probe_every:
-            self.plain_in_a_row, self.probing = 0, True
-            return True
-        return False
-
-    def plain_next(self) -> bool:
-        """Will the next speculate() say no? (Asking changes nothing.)"""
-        return (self.tokens_per_round is not None and self.tokens_per_round < self.threshold(self.peers)
-                and self.plain_in_a_row + 1 <= self.probe_every)
-
-    def plain_run(self) -> int:
-        """After speculate() said no: the plain rounds left before the next probe, this
-        one included."""
-        return self.probe_every - self.plain_in_a_row + 1
-
-    def skip(self, rounds: int) -> None:
-        """Count `rounds` more plain rounds (run together with the one speculate() chose)."""
-        self.plain_in_a_row += rounds
-
-    def update(self, emitted: int) -> None:
-        """After a speculative round that emitted `emitted` tokens (accepted + 1)."""
-        past = self.tokens_per_round
-        self.tokens_per_round = emitted if past is None else self.DECAY * past + (1 - self.DECAY) * emitted
-        if self.probing and self.tokens_per_round < self.threshold(self.peers):
-            self.probe_every = min(2 * self.probe_every, self.MAX_PROBE_EVERY)
-        self.probing = False
+def table_time(table: list[float], rows: int) -> float:
+    """table[rows - 1], extrapolated linearly past the table."""
+    if rows <= len(table):
+        return table[rows - 1]
+    slope = table[-1] - table[-2] if len(table) > 1 else table[-1]
+    return table[-1] + slope * (rows - len(table))
 
 
 def make_scheduler(name: str, max_positions: int = 16, threshold: float | None = None) -> Scheduler:

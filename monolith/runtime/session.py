@@ -34,7 +34,7 @@ class Session:
         self.tokens: list[int] = []
         self._points: list[_Point] = []
         self.draft_snapshot = None  # the drafter's context, in step with the cache
-        self.fallback = None  # the speculative decoder's scheduler.Fallback: a conversation that goes on keeps it
+        self.fallback = None  # the speculative decoder's fallback.Fallback: a conversation that goes on keeps it
         self.prompt_cache = prompt_cache
 
     def resume(self, model, prompt: Sequence[int], max_context: int, drafter=None):

@@ -10,7 +10,9 @@ target kept (the round emits a + 1 tokens: those and the bonus).
 - vLLM's counters: `spec_decode_num_drafts_total` (rounds that verified at least one
   proposal), `spec_decode_num_draft_tokens_total` (proposals verified),
   `spec_decode_num_accepted_tokens_total`, and
-  `spec_decode_num_accepted_tokens_per_pos_total{position}` (0-based, as vLLM).
+  `spec_decode_num_accepted_tokens_per_pos_total{position}` (0-based, as vLLM);
+- per request (docs/drafts.md 4.2): the plain rounds the Fallback chose instead of
+  drafting and its switches between drafted and plain rounds, each with its reason.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class SpecStats:
     verify_seconds: float | None = None
     commit_seconds: float | None = None
     plain_rounds: int = 0  # one-row rounds a Fallback chose instead of drafting (not in the above)
+    switches: list = field(default_factory=list)  # the Fallback's fallback.Switch-es, in order
 
     def record(self, proposed: int, accepted: int, seconds: tuple[float, float, float] | None = None) -> None:
         if not 0 <= accepted <= proposed <= self.gamma:
@@ -97,5 +100,6 @@ class SpecStats:
             "verify_seconds": self.verify_seconds,
             "commit_seconds": self.commit_seconds,
             "plain_rounds": self.plain_rounds,
+            "switches": [s.as_json() for s in self.switches],
             "counters": self.prometheus(),
         }

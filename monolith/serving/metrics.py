@@ -1,7 +1,9 @@
 """Prometheus metrics of one server (one registry per app, so tests can run several).
 
 Request, token and latency series are prefixed `monolith_`; the speculative counters
-use vLLM's names (docs/drafts.md section 5) so existing dashboards read them.
+use vLLM's names (docs/drafts.md section 5) so existing dashboards read them, besides
+ours for per-request drafting (docs/drafts.md 4.2): the fallback's plain rounds and its
+switches between drafted and plain rounds, by direction and reason.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..runtime.events import Finished
+from ..runtime.fallback import SWITCHES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -54,6 +57,14 @@ class Metrics:
         self.spec_accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft block",
                                              ["position"], registry=r)
+        self.spec_plain_rounds = Counter("monolith_spec_plain_rounds",
+                                         "One-row rounds a drafting server's fallback ran instead of drafting",
+                                         registry=r)
+        self.spec_switches = Counter("monolith_spec_switches",
+                                     "Requests' switches between drafted and plain rounds, by direction and reason",
+                                     ["to", "reason"], registry=r)
+        for to, reason in SWITCHES:
+            self.spec_switches.labels(to, reason)
 
     def bind(self, engine) -> None:
         """Read the queue gauges and the prompt cache's series from the engine at scrape time."""
@@ -82,6 +93,11 @@ class Metrics:
             self.spec_accepted.inc(spec.accepted_tokens)
             for position, count in enumerate(spec.accepted_per_position):
                 self.spec_accepted_per_pos.labels(str(position)).inc(count)
+        stats = finished.speculative
+        if stats is not None:
+            self.spec_plain_rounds.inc(stats.plain_rounds)
+            for switch in stats.switches:
+                self.spec_switches.labels(switch.to, switch.reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

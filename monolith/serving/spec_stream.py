@@ -36,9 +36,10 @@ def spec_option(body: dict) -> bool:
 
 
 def stats_of(finished: Finished) -> dict:
-    """The reply's speculation stats, from the engine's Finished event (zeros and an
-    empty list for plain decoding)."""
-    spec, usage = finished.spec, finished.usage
+    """The reply's speculation stats, from the engine's Finished event (zeros and empty
+    lists for plain decoding): with a fallback, its plain rounds and its switches between
+    drafted and plain rounds (docs/drafts.md 4.2)."""
+    spec, usage, stats = finished.spec, finished.usage, finished.speculative
     rounds = spec.drafts if spec else 0
     return {"rounds": rounds, "draft_tokens": spec.draft_tokens if spec else 0,
             "accepted_tokens": spec.accepted_tokens if spec else 0,
@@ -46,7 +47,9 @@ def stats_of(finished: Finished) -> dict:
             "acceptance_length": spec.acceptance_length if spec else 0.0,
             "decode_tok_s": finished.decode_tok_s, "prefill_tok_s": finished.prefill_tok_s,
             "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
-            "completion_tokens": usage.completion_tokens}
+            "completion_tokens": usage.completion_tokens,
+            "plain_rounds": stats.plain_rounds if stats else 0,
+            "switches": [s.as_json() for s in stats.switches] if stats else []}
 
 
 def spec_entries(pieces, part: str) -> dict:
