@@ -1,4 +1,10 @@
-"""A float copy of a ModelOpt NVFP4 checkpoint, for mlx-lm (bench/prompt_cache.py).
+"""A float copy of a ModelOpt NVFP4 checkpoint, for mlx-lm (bench/prompt_cache.py,
+bench/agent_session.py), or by hand:
+
+    python -m bench.mlx_lm_checkpoint [SOURCE] --out DIR [--dtype F32|BF16]
+
+(SOURCE: a checkpoint directory, default the bundled demo target), then
+`python -m mlx_lm.server --model DIR` serves the same weights monolith serves.
 
 mlx-lm 0.32 loads ModelOpt NVFP4 by its hf_quant_config, but its qwen3_5_moe model
 does not take the per-expert `weight_scale` / `weight_scale_2` / `input_scale` tensors
@@ -15,9 +21,11 @@ every dequantized value exact, where BF16 rounds it to nearest even.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +87,23 @@ def _fuse_experts(tensors: dict, dtype: str) -> None:
         tensors[prefix + ".gate_up_proj"] = (dtype, np.stack(
             [np.concatenate([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in experts]))
         tensors[prefix + ".down_proj"] = (dtype, np.stack([parts[e, "down_proj"] for e in experts]))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", nargs="?", type=Path, help="checkpoint directory (default: the bundled demo target)")
+    ap.add_argument("--out", type=Path, required=True, help="where the float checkpoint is written")
+    ap.add_argument("--dtype", choices=("F32", "BF16"), default="F32")
+    args = ap.parse_args(argv)
+    source = args.source
+    if source is None:
+        from monolith.pack.demo import bundle_dir
+
+        source = bundle_dir() / "target"
+    out = write_float_checkpoint(source, args.out, args.dtype)
+    print(f"wrote {out} ({args.dtype}); serve it with: python -m mlx_lm.server --model {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
