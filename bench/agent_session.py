@@ -21,10 +21,13 @@ turn: TTFT (request sent -> first content, reasoning or tool-call delta), prompt
 cached tokens as each server's usage reports them, decode tok/s (completion tokens after
 the first over the time from first to last delta). The warm turn is the median TTFT of
 turns 2..N (the edited turn and the one after it apart), and the ratio monolith / mlx-lm
-is taken within this one run. Writes bench/results/agent_session.json and .md.
+is taken within this one run. After the sessions, streaming's cost: the last request
+again (its prompt cached) with `--decode-tokens`, streamed and not, alternating, three
+times each: completion tokens over the request's wall time, streamed / non-streamed.
+Writes bench/results/agent_session.json and .md.
 
     python -m bench.agent_session [--prefixes 6144,32768] [--turns 8] [--new-tokens 400]
-        [--max-tokens 32] [--edit-turn 6] [--servers monolith,mlx-lm] [--openblas LIB]
+        [--max-tokens 32] [--edit-turn 6] [--decode-tokens 256] [--servers monolith,mlx-lm] [--openblas LIB]
         [--model M] [--server-arg=--flag ...] [--out-dir bench/results]
 """
 
@@ -42,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.agent_workload import TOOLS, system_prompt
+from bench.agent_workload import TOOLS, served_target, system_counter, system_prompt
 from bench.common import ROOT, Prompts, machine, machine_note, package_version, write
 from bench.http_replay import Refused, Server
 
@@ -61,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=400, help="tokens a turn's tool result adds (about)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens each reply may generate")
     ap.add_argument("--edit-turn", type=int, default=6, help="the turn whose request edits the history (0: none)")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="tokens of the streamed / non-streamed decodes")
     ap.add_argument("--servers", default=",".join(SERVERS), help="which servers (default both)")
     ap.add_argument("--max-context", type=int, default=40960)
     ap.add_argument("--openblas", help="LD_PRELOAD this library into both servers (docs/performance.md)")
@@ -134,6 +138,36 @@ def ask(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) -
     return {"ttft_s": (first or end) - start, "seconds": end - start, "prompt_tokens": usage.get("prompt_tokens"),
             "cached_tokens": details.get("cached_tokens"), "completion_tokens": completion,
             "decode_tok_s": (completion - 1) / decode if completion > 1 and decode > 0 else None}
+
+
+def ask_whole(client: httpx.Client, url: str, messages: list[dict], max_tokens: int) -> dict:
+    """The same request not streamed: its wall time and usage."""
+    body = {"messages": messages, "tools": TOOLS, "max_tokens": max_tokens, "temperature": 0}
+    start = time.perf_counter()
+    r = client.post(url + "/v1/chat/completions", json=body)
+    if r.status_code != 200:
+        raise Refused("/v1/chat/completions", r.status_code, r.text)
+    return {"seconds": time.perf_counter() - start, "completion_tokens": r.json()["usage"]["completion_tokens"]}
+
+
+def streaming(servers: dict[str, Server], messages: list[dict], tokens: int) -> dict:
+    """Per server: tok/s (completion tokens over wall time) of the same cached request
+    streamed and not, alternating three times each, medians, and streamed / non-streamed."""
+    out = {}
+    with httpx.Client(timeout=3600) as client:
+        for name, server in servers.items():
+            streamed, whole = [], []
+            for _ in range(3):
+                s = ask(client, server.url, messages, tokens)
+                streamed.append(s["completion_tokens"] / s["seconds"])
+                w = ask_whole(client, server.url, messages, tokens)
+                whole.append(w["completion_tokens"] / w["seconds"])
+            out[name] = {"completion_tokens": s["completion_tokens"], "streamed_tok_s": statistics.median(streamed),
+                         "non_streamed_tok_s": statistics.median(whole),
+                         "ratio": statistics.median(streamed) / statistics.median(whole)}
+            print(f"  {name}: streamed / non-streamed {out[name]['ratio']:.2f} "
+                  f"({s['completion_tokens']} tokens)", flush=True)
+    return out
 
 
 def replay(servers: dict[str, Server], session: Session, args) -> list[dict]:
@@ -213,26 +247,19 @@ def table(report: dict) -> str:
             lines.append(f"| {s['prefix_tokens']} | monolith / mlx-lm | " + " | ".join(
                 f"{ratio[k]:.2f}x" if k in ratio else "-"
                 for k in ("cold_ttft_s", "warm_ttft_s", "edited_ttft_s", "decode_tok_s")) + " |")
+    lines += ["", "| server | decode tokens | streamed tok/s | non-streamed tok/s | streamed / non-streamed |",
+              "|---|---|---|---|---|"]
+    for n, m in report.get("streaming", {}).items():
+        lines.append(f"| {n} | {m['completion_tokens']} | {m['streamed_tok_s']:.1f} | {m['non_streamed_tok_s']:.1f} "
+                     f"| {m['ratio']:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
-    from monolith.pack.cache import resolve_pack
-    from monolith.tokenizer import load_tokenizer
-
-    if args.model:
-        target = Path(args.model)
-    else:
-        from monolith.pack.demo import demo_pair
-
-        target, _ = demo_pair()
-    tok = load_tokenizer(resolve_pack(target, role="target"))
-
-    def count(text: str) -> int:
-        return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS, add_generation_prompt=False))
-
+    target, _, tok = served_target(args.model)
+    count = system_counter(tok, TOOLS)
     began = time.perf_counter()
     report = {"benchmark": "agent_session", "machine": machine(),
               "settings": {"model": args.model or "demo target", "turns": args.turns, "new_tokens": args.new_tokens,
@@ -252,6 +279,8 @@ def main(argv=None) -> int:
                 rows = replay(servers, session, args)
                 report["sessions"].append({"prefix_tokens": prefix, "turns": rows,
                                            "summary": summary(rows, list(servers), args.edit_turn)})
+            print("streaming's cost", flush=True)
+            report["streaming"] = streaming(servers, session.messages, args.decode_tokens)
         finally:
             for s in servers.values():
                 s.stop()

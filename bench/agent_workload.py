@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 def _function(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -216,3 +217,28 @@ class Conversation:
 def interleave(names: list[str], turns: int) -> list[str]:
     """A1, B1, A2, B2, ...: the conversation of each request in order."""
     return [name for _ in range(turns) for name in names]
+
+
+def served_target(model: str | None):
+    """(target checkpoint directory, its pack, its tokenizer) of --model, or of the
+    bundled demo pair's target (packed and checked on first use)."""
+    from monolith.pack.cache import resolve_pack
+    from monolith.tokenizer import load_tokenizer
+
+    if model:
+        target = Path(model)
+    else:
+        from monolith.pack.demo import demo_pair
+
+        target, _ = demo_pair()
+    pack = resolve_pack(model or target, role="target")
+    return target, pack, load_tokenizer(pack)
+
+
+def system_counter(tok, tools: list[dict]):
+    """count(text): the tokens of a system message holding `text` with `tools`, as the
+    chat template renders it (system_prompt sizes the prompt with it)."""
+    def count(text: str) -> int:
+        return len(tok.encode_chat([{"role": "system", "content": text}], tools, add_generation_prompt=False))
+
+    return count

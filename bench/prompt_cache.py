@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.agent_workload import TOOLS, Conversation, system_prompt
+from bench.agent_workload import TOOLS, Conversation, served_target, system_counter, system_prompt
 from bench.common import ROOT, package_version
 from bench.prompt_cache_report import goals, hit_rate, print_report
 from bench.prompt_cache_runs import Bench
@@ -123,21 +123,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
-    from monolith.pack.cache import resolve_pack
-    from monolith.tokenizer import load_tokenizer
-
-    if args.model:
-        target = Path(args.model)
-    else:
-        from monolith.pack.demo import demo_pair
-
-        target, _ = demo_pair()
-    target_pack = resolve_pack(args.model or target, role="target")
-    tok = load_tokenizer(target_pack)
-
-    def count(text: str) -> int:
-        return len(tok.encode_chat([{"role": "system", "content": text}], TOOLS[:args.tools],
-                                   add_generation_prompt=False))
+    target, target_pack, tok = served_target(args.model)
+    count = system_counter(tok, TOOLS[:args.tools])
 
     system = system_prompt(count, args.system_tokens)
     began = time.perf_counter()

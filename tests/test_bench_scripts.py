@@ -32,7 +32,7 @@ RUNS = {
                      "--no-mlx-lm", "--work", "OUT/work", "--out-dir", "OUT"], ["accelerator.json", "accelerator.md"]),
     "acceptance": (["--prompts", "1", "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "agent_session": (["--prefixes", "64", "--turns", "2", "--new-tokens", "16", "--max-tokens", "2", "--edit-turn",
-                       "2", "--servers", "monolith", "--server-arg=--no-warmup", "--out-dir", "OUT"],
+                       "2", "--decode-tokens", "2", "--servers", "monolith", "--server-arg=--no-warmup", "--out-dir", "OUT"],
                       ["agent_session.json", "agent_session.md"]),
     "batch_forward": (["--batches", "2", "--context", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
     "calibration": (["--out", "OUT/r.json"], ["r.json"]),
