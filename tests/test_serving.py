@@ -283,8 +283,9 @@ def test_tool_calls_over_http(model, tok, text):
         content = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert "<" not in content and "tool_call" not in content
         deltas = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-        assert len(deltas) == 1 and json.loads(deltas[0].function.arguments) == args
-        assert deltas[0].index == 0 and deltas[0].id.startswith("call_")
+        assert {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")  # one call, in pieces
+        assert deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+        assert "".join(d.function.arguments for d in deltas) == message.tool_calls[0].function.arguments
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
         # tool_choice "none" (or no tools): the block is plain content
@@ -394,7 +395,7 @@ def reasoning_and_content(client, messages, **kw):
     chunks = [c for c in client.chat.completions.create(model=NAME, messages=messages, stream=True, **kw) if c.choices]
     streamed = ("".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks) or None,
                 "".join(c.choices[0].delta.content or "" for c in chunks) or None,
-                [tc.function.name for c in chunks for tc in (c.choices[0].delta.tool_calls or [])])
+                [tc.function.name for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.function.name])
     return whole, streamed
 
 

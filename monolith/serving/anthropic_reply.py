@@ -5,7 +5,9 @@ Content blocks come in the order the model wrote them: `thinking` from the reaso
 split (with `thinking.display: "omitted"` the block stays empty), `text`, `tool_use`
 with the parsed input. A tool whose `eager_input_streaming` is set has its block opened
 as soon as the call names it and its input streamed as `input_json_delta` pieces while
-the call is written; other calls are sent whole when they end. Usage: `input_tokens`
+the call is written; other calls are sent whole when they end (call_stream.py). A call
+cut by max_tokens is still a tool_use block, its input the members written so far, and
+the message stops with `max_tokens`; its markup is never text. Usage: `input_tokens`
 (prompt tokens that were prefilled), `cache_read_input_tokens` (the prompt cache's hits:
 known once the engine has resumed the sequence, so `message_start` already has the
 exact figures `message_delta` repeats) and `cache_creation_input_tokens` (0: nothing is
@@ -22,7 +24,8 @@ import uuid
 from ..runtime.events import Delta, Finished
 from .errors import APIError
 from .reasoning import ReasoningSplitter
-from .tools import ToolCallParser
+from .call_stream import CallStream
+from .tools import ToolCallParser, arguments_object
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -52,15 +55,14 @@ class MessagesFormat:
         self.cached = 0  # prompt tokens the prompt cache held (resumed())
         self.tokenizer = tokenizer  # to tell which stop sequence ended the text
         self.splitter = ReasoningSplitter(reasoning_open)
-        self.parser = ToolCallParser(req.tools) if req.tools else None
-        self.eager = req.eager
+        eager = req.eager
+        self.calls = CallStream(ToolCallParser(req.tools), lambda name: name in eager) if req.tools else None
         self.show_thinking = req.thinking.show
         self.applied_edits = applied_edits  # None: the request had no context_management
         self.raw: list[str] = []  # the text as the engine released it
         self.content: list[dict] = []  # the blocks so far (what the events add up to)
         self.open: str | None = None  # the type of the block being written
         self.blank = ""  # whitespace held back in a text block when tools are on (see _text)
-        self.streamed = ""  # an eager call's input sent so far
 
     # ---------------------------------------------------------------- the format interface
 
@@ -92,8 +94,8 @@ class MessagesFormat:
 
     def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
         events = self._pieces(self.splitter.finish())
-        if self.parser is not None:
-            events += self._content(*self.parser.finish())
+        if self.calls is not None:
+            events += self._content(self.calls.finish(cut=finished.finish_reason == "length"))
         events += self._close()
         reason, sequence = self._stop(finished)
         return events + [{"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
@@ -120,67 +122,38 @@ class MessagesFormat:
         if reasoning:
             events += self._delta("thinking", reasoning if self.show_thinking else "")
         if text:
-            events += self._content(*self.parser.feed(text)) if self.parser is not None else self._text(text)
+            events += self._content(self.calls.feed(text)) if self.calls is not None else self._text(text)
         return events
 
-    def _content(self, text: str, calls) -> list[dict]:
-        events = self._text(text) if text else []
-        for call in calls:
-            if self.open == "tool_use":  # the call that was being streamed
-                events += self._eager_rest(call)
-                continue
-            events += self._close()
-            block = {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
-                     "input": {}}
-            events.append({"type": "content_block_start", "index": len(self.content), "content_block": dict(block)})
-            block["input"] = json.loads(call.arguments)
-            self.content.append(block)
-            events.append({"type": "content_block_delta", "index": len(self.content) - 1,
-                           "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
-            events.append({"type": "content_block_stop", "index": len(self.content) - 1})
-            self.open = None
-        return events + self._eager_progress()
-
-    def _eager_progress(self) -> list[dict]:
-        """The call being written, when its tool streams eagerly: its block opened once
-        the call names it, and the input written since the last piece."""
-        block = self.parser.pending if self.parser is not None and self.eager else None
-        if block is None:
-            return []
-        name, text = self.parser.partial(block)
-        if self.open != "tool_use":
-            if name not in self.eager:
-                return []
-            events = self._close()
-            self.content.append({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": name,
-                                 "input": {}})
-            events.append({"type": "content_block_start", "index": len(self.content) - 1,
-                           "content_block": dict(self.content[-1])})
-            self.open, self.streamed = "tool_use", ""
-        else:
-            events = []
-        return events + self._input_piece(text)
-
-    def _eager_rest(self, call) -> list[dict]:
-        """An eagerly streamed call has ended: the rest of its input, and its block closed."""
-        _, text = self.parser.partial(self.parser.last_block)
-        events = self._input_piece(text)
-        self.content[-1]["input"] = json.loads(call.arguments)
-        self.open = None
-        return events + [{"type": "content_block_stop", "index": len(self.content) - 1}]
-
-    def _input_piece(self, text: str) -> list[dict]:
-        if not text.startswith(self.streamed) or text == self.streamed:
-            return []
-        piece, self.streamed = text[len(self.streamed):], text
-        return [{"type": "content_block_delta", "index": len(self.content) - 1,
-                 "delta": {"type": "input_json_delta", "partial_json": piece}}]
+    def _content(self, items: list) -> list[dict]:
+        """Text and call pieces in order (call_stream.py): a call is a tool_use block, its
+        input streamed as input_json_delta pieces; its `input` the arguments as an object
+        (for a call cut short, the members written: tools.arguments_object)."""
+        events = []
+        for item in items:
+            if isinstance(item, str):
+                events += self._text(item)
+            elif item.kind == "start":
+                events += self._close()
+                block = {"type": "tool_use", "id": "toolu_" + item.call.id.removeprefix("call_"),
+                         "name": item.call.name, "input": {}}
+                self.content.append(block)
+                events.append({"type": "content_block_start", "index": len(self.content) - 1,
+                               "content_block": dict(block)})
+                self.open = "tool_use"
+            elif item.kind == "arguments":
+                events.append({"type": "content_block_delta", "index": len(self.content) - 1,
+                               "delta": {"type": "input_json_delta", "partial_json": item.text}})
+            else:
+                self.content[-1]["input"] = arguments_object(item.call.arguments)
+                events += self._close()
+        return events
 
     def _text(self, text: str) -> list[dict]:
         """Text as it comes; with tools on, the whitespace around tool calls is dropped
         (as parse_tool_calls strips the content): a text block opens at its first
         non-blank character and blanks are held until more text follows them."""
-        if self.parser is None:
+        if self.calls is None:
             return self._delta("text", text)
         text = self.blank + text
         body = text.rstrip()

@@ -11,6 +11,7 @@ import uuid
 
 from ..runtime.events import Delta, Finished
 from .reasoning import ReasoningSplitter
+from .call_stream import CallStream, Piece
 from .spec_stream import FIELD, SpecPieces, spec_entries, stats_of
 from .tools import ToolCallParser, parse_tool_calls
 
@@ -65,6 +66,7 @@ class ChatFormat(OpenAIEvents):
         self.logprobs = logprobs
         self.tools = tools
         self.parser = ToolCallParser(tools) if tools else None
+        self.calls = CallStream(self.parser) if tools else None  # streamed: content and call pieces
         self.splitter = ReasoningSplitter(reasoning_open)  # reasoning_content | content
         self.texts: list[str] = []
         self.entries: list[dict] = []  # logprobs not yet sent (streaming) / all of them
@@ -82,7 +84,7 @@ class ChatFormat(OpenAIEvents):
         reasoning, text = reasoning + more_reasoning, text + more_text
         calls = []
         if self.tools:  # tool calls are read from the content, never from the reasoning
-            content, calls = parse_tool_calls(text, self.tools)
+            content, calls = parse_tool_calls(text, self.tools, cut=finished.finish_reason == "length")
         else:
             content = text
         message = {"role": "assistant", "content": content}
@@ -120,18 +122,15 @@ class ChatFormat(OpenAIEvents):
 
     def _split(self, pieces: tuple[str, str], include_usage: bool) -> list[dict]:
         """Chunks for a (reasoning, content) pair: the reasoning as delta.reasoning_content,
-        the content through the tool-call parser."""
+        the content through the tool-call parser (call_stream.py)."""
         reasoning, text = pieces
-        if self.parser is None:
-            content, calls = text, []
-        else:
-            content, calls = self.parser.feed(text)
+        items = [text] if self.calls is None else self.calls.feed(text)
         spec_reasoning, spec_content = self.pieces.take() if self.pieces is not None else ((), ())
         chunks = []
         if reasoning:
             chunks.append(self._chunk(self._text("reasoning_content", reasoning, spec_reasoning, "reasoning"),
                                       include_usage=include_usage))
-        return chunks + self._pieces(content, calls, include_usage, spec_content)
+        return chunks + self._pieces(items, include_usage, spec_content)
 
     def _text(self, key: str, text: str, pieces, part: str) -> dict:
         """A delta of `text` under `key`, with its pieces when the request asked (spec_stream.py)."""
@@ -139,12 +138,10 @@ class ChatFormat(OpenAIEvents):
 
     def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
         chunks = self._split(self.splitter.finish(), include_usage)
-        if self.parser is not None:
-            content, calls = self.parser.finish()
+        if self.calls is not None:
+            items = self.calls.finish(cut=finished.finish_reason == "length")
             spec_content = self.pieces.take()[1] if self.pieces is not None else ()
-            if self.parser.calls and not content.strip():
-                content = ""  # whitespace after the calls
-            chunks += self._pieces(content, calls, include_usage, spec_content)
+            chunks += self._pieces(items, include_usage, spec_content)
         reason = "tool_calls" if self.parser and self.parser.calls and finished.finish_reason == "stop" \
             else reason_of(finished)
         chunks.append(self._chunk({}, reason, include_usage))
@@ -155,14 +152,25 @@ class ChatFormat(OpenAIEvents):
                            "model": self.model, "choices": [], "usage": usage_of(finished)})
         return chunks
 
-    def _pieces(self, content: str, calls, include_usage: bool, spec=()) -> list[dict]:
+    def _pieces(self, items: list, include_usage: bool, spec=()) -> list[dict]:
+        """The content of `items` (call_stream.py) as one chunk (a chat message holds its
+        content and its calls apart), then the calls: a call's first chunk has its index,
+        id, type, name and arguments "", the next ones its arguments as written."""
         chunks = []
+        content = "".join(item for item in items if isinstance(item, str))
         if content:
             chunks.append(self._chunk(self._text("content", content, spec, "content"), include_usage=include_usage))
-        for call in calls:
-            entry = {"index": self.calls_sent, **call.openai()}
-            self.calls_sent += 1
-            chunks.append(self._chunk({"tool_calls": [entry]}, include_usage=include_usage))
+        for piece in items:
+            if not isinstance(piece, Piece) or piece.kind == "end":
+                continue
+            if piece.kind == "start":
+                self.calls_sent += 1
+                entry = {"id": piece.call.id, "type": "function",
+                         "function": {"name": piece.call.name, "arguments": ""}}
+            else:
+                entry = {"function": {"arguments": piece.text}}
+            chunks.append(self._chunk({"tool_calls": [{"index": self.calls_sent - 1, **entry}]},
+                                      include_usage=include_usage))
         return chunks
 
 

@@ -17,6 +17,7 @@ from .errors import bad
 from .fields import refuse_extra
 from .responses_seal import SEALER, SUMMARY_HEAD, open_summary
 from .tool_specs import json_arguments
+from .tools import arguments_object
 
 SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (responses_tools.py)
 
@@ -129,7 +130,9 @@ def _call(item: dict, kind: str, at: str, talk: _Conversation) -> None:
     call_id, name = string_field(item, "call_id", at), string_field(item, "name", at)
     if item.get("namespace") is not None:
         name = flat_name(name, string_field(item, "namespace", at))
-    if kind == "function_call":
+    if kind == "function_call" and item.get("status") == "incomplete":  # cut by max_output_tokens
+        parsed = arguments_object(string_field(item, "arguments", at, empty=True))  # the members written
+    elif kind == "function_call":
         parsed = json_arguments(string_field(item, "arguments", at, empty=True), f"{at}.arguments")
     else:
         parsed = {"input": string_field(item, "input", at, empty=True)}

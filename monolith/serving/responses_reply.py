@@ -25,6 +25,7 @@ from .responses_seal import SEALER
 from .responses_store import ResponseStore
 from .responses_tools import call_item
 from .structured import THINK_END
+from .call_stream import CallStream
 from .tools import ToolCallParser
 
 
@@ -40,13 +41,14 @@ class ResponseFormat:
         self.store = store
         self.think_end_id = think_end_id
         self.splitter = ReasoningSplitter(reasoning_open)
-        self.parser = ToolCallParser(call.request.tools) if call.request.tools else None
+        self.calls = CallStream(ToolCallParser(call.request.tools)) if call.request.tools else None
         self.items: list[dict] = []  # the output items; the last one may be open
         self.open: dict | None = None
         self.pending = ""  # trailing whitespace of the text, held until more text or a call
         self.texts: list[str] = []
         self.sequence = 0
         self.reasoned = reasoning_open
+        self.status = "in_progress"  # the response's, once it is known
 
     # ---------------------------------------------------------------- the split
 
@@ -55,22 +57,21 @@ class ResponseFormat:
         return self._route(reasoning, content)
 
     def _route(self, reasoning: str, content: str, final: bool = False) -> list[dict]:
+        """The reasoning, then the content's text and call pieces in order (call_stream.py;
+        `final`: the end of the text)."""
         events = self._reasoning(reasoning) if reasoning else []
-        if self.parser is None:
-            text, calls = content, []
+        if self.calls is None:
+            items = [content]
         else:
-            text, calls = self.parser.feed(content)
+            items = self.calls.feed(content)
             if final:
-                more, more_calls = self.parser.finish()
-                text, calls = text + more, calls + more_calls
-        events += self._text(text)
-        for call in calls:
-            self.pending = ""
-            events += self._close("completed")
-            events += self._call(call)
+                items += self.calls.finish(cut=self.status == "incomplete")
+        for item in items:
+            events += self._text(item) if isinstance(item, str) else self._call(item)
         return events
 
     def _finish(self, status: str) -> list[dict]:
+        self.status = status
         events = self._route(*self.splitter.finish(), final=True)
         if self.open is not None and self.open["type"] == "message" and self.pending:
             events += self._delta(self.pending)
@@ -107,21 +108,33 @@ class ResponseFormat:
         self.open["content"][0]["text"] += text
         return [self._at({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": []})]
 
-    def _call(self, call) -> list[dict]:
-        done = call_item(call, self.call.tools)
-        custom = done["type"] == "custom_tool_call"
-        key = "input" if custom else "arguments"
-        item = {"id": ("ctc_" if custom else "fc_") + uuid.uuid4().hex, **done, key: "", "status": "in_progress"}
-        events = self._add(item, None)
-        item[key] = done[key]
-        if custom:
-            events += [self._at({"type": "response.custom_tool_call_input.delta", "delta": done[key]}),
-                       self._at({"type": "response.custom_tool_call_input.done", "input": done[key]})]
+    def _call(self, piece) -> list[dict]:
+        """A call's piece (call_stream.py): its item added at the start, its arguments as
+        `response.function_call_arguments.delta` events, and at the end their `.done` and
+        the item, `incomplete` when the call was cut (a custom tool's input comes whole
+        at the end)."""
+        if piece.kind == "start":
+            self.pending = ""
+            events = self._close("completed")
+            head = call_item(piece.call, self.call.tools)
+            key = "input" if head["type"] == "custom_tool_call" else "arguments"
+            item = {"id": ("ctc_" if key == "input" else "fc_") + uuid.uuid4().hex, **head, key: "",
+                    "status": "in_progress"}
+            return events + self._add(item, None)
+        if piece.kind == "arguments":
+            if self.open["type"] == "custom_tool_call":
+                return []
+            self.open["arguments"] += piece.text
+            return [self._at({"type": "response.function_call_arguments.delta", "delta": piece.text})]
+        done = call_item(piece.call, self.call.tools)
+        if done["type"] == "custom_tool_call":
+            self.open["input"] = done["input"]
+            events = [self._at({"type": "response.custom_tool_call_input.delta", "delta": done["input"]}),
+                      self._at({"type": "response.custom_tool_call_input.done", "input": done["input"]})]
         else:
-            events += [self._at({"type": "response.function_call_arguments.delta", "delta": done[key]}),
-                       self._at({"type": "response.function_call_arguments.done", "arguments": done[key],
-                                 "name": done["name"]})]
-        return events + self._close("completed")
+            events = [self._at({"type": "response.function_call_arguments.done", "arguments": done["arguments"],
+                                "name": done["name"]})]
+        return events + self._close("completed" if piece.call.whole else "incomplete")
 
     def _add(self, item: dict, part: dict | None) -> list[dict]:
         self.items.append(item)

@@ -33,6 +33,7 @@ from .errors import bad
 from .fields import refuse_extra
 from .responses_items import flat_name, string_field
 from .tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
+from .tools import arguments_object
 
 HOSTED = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
@@ -173,7 +174,6 @@ def call_item(call, tools: Tools) -> dict:
     if kind == "function":
         item["arguments"] = call.arguments
     else:
-        arguments = json.loads(call.arguments)
-        given = arguments.get(INPUT) if isinstance(arguments, dict) else None
-        item["input"] = given if isinstance(given, str) else call.arguments
+        given = arguments_object(call.arguments).get(INPUT)  # a call cut short: the input if whole
+        item["input"] = given if isinstance(given, str) else call.arguments if call.whole else ""
     return item

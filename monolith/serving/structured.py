@@ -27,6 +27,11 @@ repeated until max_tokens on 5 prompts of 5; a named call took 49-53 tokens with
 response_format bound, 45-48 with this one.) The output may begin with up to 4 blanks.
 When the prompt leaves Qwen's reasoning open, the constraint starts after the
 `</think>` token: the model reasons freely first.
+
+In a forced call's arguments an object schema that lists `properties` and does not say
+`additionalProperties` admits no other keys (`closed`), as vLLM's default grammar reads
+it: instructor's and LangChain's schemas leave it unsaid and mean no others.
+`response_format` schemas keep JSON Schema's meaning (unsaid: any other key).
 """
 
 from __future__ import annotations
@@ -101,8 +106,10 @@ def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
             raise bad(f"the custom tool {next(iter(grammars))!r} has a Lark grammar, which can constrain its input "
                       "only in XML tool calls (Qwen3.5/3.6's template); this model's template writes JSON calls",
                       "tool_choice")
-        calls = [_xml_call(tool["function"], i, tokenizer, grammars) if xml else
-                 _json_call(tool["function"], i, tokenizer) for i, tool in enumerate(structure.tools)]
+        functions = [{**tool["function"], "parameters": closed(tool["function"].get("parameters"))}
+                     for tool in structure.tools]
+        calls = [_xml_call(fn, i, tokenizer, grammars) if xml else _json_call(fn, i, tokenizer)
+                 for i, fn in enumerate(functions)]
         rules = "\n".join(rule for _, rule in calls)
         names = " | ".join(name for name, _ in calls)
         repeat = "" if structure.single else ' ("\\n" call)*'
@@ -195,6 +202,37 @@ def _xml_call(fn: dict, index: int, tokenizer, grammars: dict) -> tuple[str, str
     # a lexeme is matched longest-first, so a raw text's closing tag is in its lexeme: text
     # then a separate tag would swallow it
     return f"call_{index}", "\n".join([rule, *rules])
+
+
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "additionalProperties", "contains", "not", "if", "then",
+              "else", "anyOf", "oneOf", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def closed(schema, close: bool = True):
+    """A tool's parameter schema for its call's grammar: every object schema that lists
+    `properties` and does not say `additionalProperties` gets `additionalProperties:
+    false` (vLLM's default grammar does the same), so a forced call cannot invent keys;
+    schemas that do say it keep it. Members of an `allOf` are not closed themselves (each
+    would forbid the others' keys), their own subschemas are. `response_format` schemas
+    keep JSON Schema's meaning (open)."""
+    if isinstance(schema, list):
+        return [closed(member, close) for member in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed(member) for name, member in value.items()}
+        elif key in SUBSCHEMAS:
+            out[key] = closed(value)
+        elif key == "allOf":
+            out[key] = closed(value, close=False)
+        else:
+            out[key] = value
+    if close and isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _with(schema, definitions: dict):

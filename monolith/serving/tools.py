@@ -4,8 +4,14 @@ Qwen models write a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_
 (Qwen3) or `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`
 (Qwen3-Coder, Qwen3.5/3.6), the function block sometimes without the wrapper.
 `ToolCallParser` reads the text as it streams: content is released as soon as it
-cannot be the start of a call block, and a call only once its block is complete (a
-call is never streamed in pieces). A block that does not parse stays content.
+cannot be the start of a call block (the blanks around calls, and at the ends of the
+text, held back as `parse_tool_calls` strips them), and a call once its block is
+complete; `writing()` is the call being written, once its block names it, with its
+arguments so far (a prefix of the whole call's: `CallStream` streams them in pieces).
+A JSON call's arguments are the object's text as the model wrote it, so that its pieces
+add up to them exactly. A block that does not parse is still the call it names (its
+arguments as far as they were written, `whole` false); one that names nothing stays
+content, unless the text was cut (max_tokens): then it is dropped, never shown as text.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .raw_text import is_raw_text
 
@@ -29,6 +35,7 @@ class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (OpenAI's convention)
     id: str
+    whole: bool = True  # False: its block was cut or did not parse; `arguments` is what was written
 
     def openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -39,7 +46,8 @@ def new_call_id() -> str:
 
 
 class ToolCallParser:
-    """feed(text) -> (content, calls) as the text grows; finish() -> the rest. With
+    """read(text) -> content strings and ToolCalls in order, as the text grows;
+    read_end(cut) -> the rest (feed / finish: the same joined as (content, calls)). With
     `spans` a list, where each piece of content lies in the text fed is recorded there."""
 
     def __init__(self, tools: list[dict] | None = None):
@@ -47,15 +55,23 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._closer: str | None = None  # inside a block: the tag that ends it
-        self.last_block = ""  # the call block that ended last
+        self._block_id = ""  # the id of the block's first call
         self.at = 0  # where `_buffer` starts in all the text fed
+        self.said = False  # whether any content was given out
+        self.blanks: list[tuple[str, int]] = []  # blanks held back: (text, where it lies in the text fed)
         # with a list: (start, end) in all the text fed of each piece of content given out
         # (serving/spec_stream.py cuts how each character came by these)
         self.spans: list[tuple[int, int]] | None = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return _joined(self.read(text))
+
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        return _joined(self.read_end(cut))
+
+    def read(self, text: str) -> list:
         self._buffer += text
-        content, calls = [], []
+        out: list = []
         while True:
             if self._closer is not None:
                 end = self._buffer.find(self._closer)
@@ -63,34 +79,55 @@ class ToolCallParser:
                     break
                 end += len(self._closer)
                 block, self._closer = self._buffer[:end], None
-                self.last_block = block
-                parsed = self._parse_block(block)
-                if parsed is None:
-                    self._give(end, content)
+                calls = self._calls(block, block.removesuffix("</tool_call>"))
+                if calls is None:
+                    self._give(end, out)
                 else:
-                    calls += parsed
+                    out += calls
                     self._drop(end)
                 continue
             starts = [(i, opener) for opener in OPENERS if (i := self._buffer.find(opener)) >= 0]
             if starts:
                 i, opener = min(starts)
-                self._give(i, content)
-                self._closer = OPENERS[opener]
+                self._give(i, out)
+                self._closer, self._block_id = OPENERS[opener], new_call_id()
                 continue
-            self._give(len(self._buffer) - _opener_prefix_length(self._buffer), content)
+            self._give(len(self._buffer) - _opener_prefix_length(self._buffer, OPENERS), out)
             break
-        self.calls += calls
-        return "".join(content), calls
+        self.calls += [item for item in out if isinstance(item, ToolCall)]
+        return out
 
-    @property
-    def pending(self) -> str | None:
-        """The text of the call block being written (None outside one)."""
-        return self._buffer if self._closer is not None else None
+    def read_end(self, cut: bool = False) -> list:
+        """The end of the text (`cut`: by max_tokens): an unterminated block is a call if
+        it parses (a model may stop right after `</function>`) or names one (its arguments
+        so far), else content, or nothing when the text was cut. Blanks held are dropped."""
+        out: list = []
+        if self._closer is not None:
+            self._closer = None
+            calls = self._calls(self._buffer, self._buffer)
+            if calls is not None:
+                out += calls
+                self._drop(len(self._buffer))
+            elif cut:
+                self._drop(len(self._buffer))
+        self._give(len(self._buffer), out)
+        self.blanks = []
+        self.calls += [item for item in out if isinstance(item, ToolCall)]
+        return out
+
+    def writing(self) -> ToolCall | None:
+        """The call being written, once its block names it: its arguments so far (only
+        growing, a prefix of the whole call's), the id the call will have, `whole` false."""
+        if self._closer is None:
+            return None
+        text = self._buffer[:len(self._buffer) - _opener_prefix_length(self._buffer, {self._closer: ""})]
+        name, arguments = self.partial(text)
+        return None if name is None else ToolCall(name, arguments, self._block_id, whole=False)
 
     def partial(self, block: str) -> tuple[str | None, str]:
         """A call block's first call so far: (its name once written, its arguments as JSON
         text so far). The text only grows as the block does, and for a complete block it
-        is the whole arguments object (what an eagerly streamed call sends in pieces)."""
+        is the whole arguments object."""
         inner = block.removeprefix("<tool_call>").lstrip()
         if inner.startswith("{"):
             return _partial_json(inner)
@@ -99,35 +136,43 @@ class ToolCallParser:
             return None, ""
         name, body = match.group(1).strip(), inner[match.end():]
         end = body.find("</function>")
-        done = [m.group(0) for m in _PARAMETER.finditer(body if end < 0 else body[:end])]
-        arguments = self._parse_function(name, "".join(done)).arguments
+        arguments = self._function_arguments(name, body if end < 0 else body[:end])
         return name, arguments if end >= 0 else arguments[:-1]
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The end of the text: an unterminated block is a call if it parses (a model may
-        stop right after `</function>`), else content."""
-        rest, calls = self._buffer, []
-        if self._closer is not None:
-            self._closer = None
-            self.last_block = rest
-            parsed = self._parse_block(rest)
-            if parsed is not None:
-                calls, rest = parsed, ""
-        if rest:
-            self._give(len(rest), [])
-        self._drop(len(self._buffer))
-        self.calls += calls
-        return rest, calls
+    def _calls(self, block: str, written: str) -> list[ToolCall] | None:
+        """The calls of a block (the first with the block's id): parsed, or the call it
+        names with its arguments as far as `written` goes; None: it names none."""
+        calls = self._parse_block(block)
+        if calls:
+            return [replace(calls[0], id=self._block_id), *calls[1:]]
+        name, arguments = self.partial(written)
+        return None if name is None else [ToolCall(name, arguments, self._block_id, whole=False)]
 
     def _drop(self, n: int) -> None:
         self._buffer, self.at = self._buffer[n:], self.at + n
 
-    def _give(self, n: int, content: list[str]) -> None:
-        """Give out the first n characters of the buffer as content."""
-        content.append(self._buffer[:n])
-        if n and self.spans is not None:
-            self.spans.append((self.at, self.at + n))
+    def _give(self, n: int, out: list) -> None:
+        """Give out the first n characters of the buffer as content: blanks at the start
+        of the text are dropped, blanks at the end held until more content follows."""
+        text, at = self._buffer[:n], self.at
         self._drop(n)
+        if not self.said:
+            body = text.lstrip()
+            text, at = body, at + len(text) - len(body)
+        body = text.rstrip()
+        if body:
+            for blank, where in self.blanks:
+                self._out(blank, where, out)
+            self.blanks = []
+            self._out(body, at, out)
+            self.said = True
+        if len(body) < len(text):
+            self.blanks.append((text[len(body):], at + len(body)))
+
+    def _out(self, text: str, at: int, out: list) -> None:
+        out.append(text)
+        if self.spans is not None:
+            self.spans.append((at, at + len(text)))
 
     # ---------------------------------------------------------------- blocks
 
@@ -165,18 +210,27 @@ class ToolCallParser:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return [ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())]
+        name, written = _partial_json(inner)  # the object's text as written, when it is one
+        if name != value["name"] or not written.startswith("{") or json.loads(written) != arguments:
+            written = json.dumps(arguments, ensure_ascii=False)
+        return [ToolCall(value["name"], written, new_call_id())]
 
     def _parse_function(self, name: str, body: str) -> ToolCall:
+        return ToolCall(name, self._function_arguments(name, body), new_call_id())
+
+    def _function_arguments(self, name: str, body: str) -> str:
+        """The complete parameters of a function block as a JSON object's text, member by
+        member in the order written (so the text of fewer parameters is its prefix)."""
         properties = self.schemas.get(name, {}).get("properties")
         properties = properties if isinstance(properties, dict) else {}
-        arguments = {}
+        members = []
         for match in _PARAMETER.finditer(body):
             key, value = match.group(1).strip(), match.group(2)
             value = value.removeprefix("\n")
             value = value.removesuffix("\n")
-            arguments[key] = _convert(value, properties.get(key))
-        return ToolCall(name, json.dumps(arguments, ensure_ascii=False), new_call_id())
+            members.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                           f"{json.dumps(_convert(value, properties.get(key)), ensure_ascii=False)}")
+        return "{" + ", ".join(members) + "}"
 
 
 def _convert(value: str, schema) -> object:
@@ -214,19 +268,69 @@ def _partial_json(inner: str) -> tuple[str | None, str]:
     return name, rest
 
 
-def _opener_prefix_length(text: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a block opener."""
-    for n in range(min(len(text), max(map(len, OPENERS)) - 1), 0, -1):
-        if any(opener.startswith(text[-n:]) for opener in OPENERS):
+def _opener_prefix_length(text: str, tags) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    for n in range(min(len(text), max(map(len, tags)) - 1), 0, -1):
+        if any(tag.startswith(text[-n:]) for tag in tags):
             return n
     return 0
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None = None) -> tuple[str | None, list[ToolCall]]:
-    """The whole text at once: (content without the call blocks, stripped, or None if
-    nothing is left; the calls)."""
+def _joined(items: list) -> tuple[str, list[ToolCall]]:
+    """read()'s items as (the content joined, the calls)."""
+    return ("".join(item for item in items if isinstance(item, str)),
+            [item for item in items if isinstance(item, ToolCall)])
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None = None,
+                     cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """The whole text at once (`cut`: by max_tokens): (content without the call blocks,
+    stripped, or None if nothing is left; the calls)."""
     parser = ToolCallParser(tools)
     head, calls = parser.feed(text)
-    tail, more = parser.finish()
+    tail, more = parser.finish(cut)
     content = (head + tail).strip()
     return content or None, calls + more
+
+
+def arguments_object(arguments: str) -> dict:
+    """A call's arguments as an object: parsed, or for arguments cut short, the members
+    written so far (complete values only, open objects and lists closed: what the SDKs'
+    partial JSON readers make of the streamed pieces)."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        value = _partial_object(arguments)
+    return value if isinstance(value, dict) else {}
+
+
+_JSON_TOKEN = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null)|([{}\[\],:]))')
+
+
+def _partial_object(text: str):
+    """The longest prefix of `text` that ends after a complete value or an opening
+    bracket, its open brackets closed, parsed (None when there is none), as jiter's
+    partial mode reads it (the SDKs' stream accumulators use it)."""
+    stack, keyed, best, before, pos = [], False, None, None, 0
+    while (match := _JSON_TOKEN.match(text, pos)) is not None:
+        string, scalar, mark = match.groups()
+        if mark in ("{", "["):
+            stack.append("}" if mark == "{" else "]")
+        elif mark in ("}", "]"):
+            if not stack:
+                break
+            stack.pop()
+        pos, was_key = match.end(), string is not None and stack and stack[-1] == "}" and not keyed
+        keyed = mark == ":" or (keyed and mark is None and was_key)
+        if mark in (None, "{", "[", "}", "]") and not was_key:
+            before, best = best, text[:pos] + "".join(reversed(stack))
+        elif was_key:
+            keyed = False
+    if best is not None and scalar is not None and scalar[-1].isdigit() and text[pos:].strip():
+        best = before  # a number an unreadable character follows ("1."): it was going on
+    try:
+        return None if best is None else json.loads(best)
+    except (ValueError, RecursionError):
+        return None if best is None else json.loads(best)
+    except (ValueError, RecursionError):
+        return None
