@@ -172,3 +172,65 @@ def test_a_request_body_that_never_ends_is_a_408(model, tok):
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), reply
         assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+# ------------------------------------------------------------------ wrong types (issue 48)
+
+RESPONSES_PATHS = ("/v1/responses", "/v1/responses/compact", "/v1/responses/input_tokens")
+
+
+@pytest.mark.parametrize("path", RESPONSES_PATHS)
+@pytest.mark.parametrize("item,param", [
+    ({"type": {"a": 1}, "role": "user", "content": "hi"}, "input[0].type"),
+    ({"type": ["message"], "role": "user", "content": "hi"}, "input[0].type"),
+    ({"type": "message", "role": {"user": 1}, "content": "hi"}, "input[0].role"),
+    ({"type": "message", "role": ["user"], "content": "hi"}, "input[0].role"),
+    ({"type": "message", "role": "user", "content": [{"type": ["input_text"], "text": "hi"}]},
+     "input[0].content[0].type"),
+    ({"type": "message", "role": "user", "content": [{"type": {"t": 1}, "text": "hi"}]}, "input[0].content[0].type"),
+])
+def test_a_responses_item_of_the_wrong_type_is_a_400_naming_it(server, path, item, param):
+    """schemathesis and a type-confusion probe found `unhashable type` 500s here."""
+    assert_error(server.post(path, {"model": NAME, "input": [item]}), 400, param=param)
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("reasoning", {"effort": ["high"]}, "reasoning.effort"),
+    ("tool_choice", {"type": ["function"], "name": "f"}, "tool_choice.type"),
+    ("tool_choice", {"type": "function", "name": ["f"]}, "tool_choice.name"),
+    ("tools", [{"type": {"function": 1}, "name": "f"}], "tools[0].type"),
+])
+def test_a_responses_field_of_the_wrong_type_is_a_400_naming_it(server, field, value, param):
+    for path in RESPONSES_PATHS[::2]:  # compact takes none of these
+        assert_error(server.post(path, {"model": NAME, "input": "hi", field: value}), 400, param=param)
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("reasoning_effort", ["high"], "reasoning_effort"),
+    ("reasoning_effort", {"high": 1}, "reasoning_effort"),
+    ("tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": ["f"]}}]}}, "tool_choice.allowed_tools.tools[0].function.name"),
+])
+def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(server, field, value, param):
+    assert_error(server.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": 1, field: value}), 400, param=param)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": []}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": []}],
+])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_an_anthropic_message_with_no_content_blocks_is_a_400_naming_it(server, path, messages):
+    response = server.post(path, {"model": NAME, "max_tokens": 1, "messages": messages})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert f"messages[{len(messages) - 1}].content" in body["error"]["message"]
+
+
+def test_compaction_without_a_model_is_a_400(server):
+    """The Open Responses specification requires `model` in a compaction request."""
+    from openresponses_spec import _document
+    schema = _document()["components"]["schemas"]["CompactResponseMethodPublicBody"]
+    assert "model" in schema["required"]
+    assert_error(server.post("/v1/responses/compact", {"input": "hi"}), 400, param="model")
