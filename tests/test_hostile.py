@@ -215,17 +215,18 @@ def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(server, field, value,
     assert_error(server.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": 1, field: value}), 400, param=param)
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": []}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": []}],
+@pytest.mark.parametrize("messages,empty", [
+    ([{"role": "user", "content": []}], 0),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "go"}], 1),
 ])
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
-def test_an_anthropic_message_with_no_content_blocks_is_a_400_naming_it(server, path, messages):
-    response = server.post(path, {"model": NAME, "max_tokens": 1, "messages": messages})
+def test_an_anthropic_message_with_no_content_blocks_is_a_400_naming_it(server, path, messages, empty):
+    limit = {"max_tokens": 1} if path == "/v1/messages" else {}
+    response = server.post(path, {"model": NAME, **limit, "messages": messages})
     assert response.status_code == 400, response.text
     body = response.json()
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert f"messages[{len(messages) - 1}].content" in body["error"]["message"]
+    assert f"messages[{empty}].content" in body["error"]["message"]
 
 
 def test_compaction_without_a_model_is_a_400(server):

@@ -20,6 +20,7 @@ from . import images
 from .errors import bad
 from .fields import (
     is_int,
+    is_name,
     optional,
     positive_int,
     real,
@@ -160,7 +161,7 @@ def _template_kwargs(body: dict) -> dict:
     effort = body.get("reasoning_effort")
     if effort is None:
         return kwargs
-    if effort not in THINKING_BY_EFFORT:
+    if not is_name(effort, THINKING_BY_EFFORT):
         raise bad(f"reasoning_effort must be one of {', '.join(THINKING_BY_EFFORT)}, got {json.dumps(effort)[:60]}",
                   "reasoning_effort")
     thinking = THINKING_BY_EFFORT[effort]
@@ -184,7 +185,9 @@ def _allowed_tools(choice: dict, tools: list[dict] | None) -> tuple[list[dict] |
         if not isinstance(entry, dict) or entry.get("type") != "function" or not isinstance(fn, dict):
             raise bad(f"{where}.tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                       f"{where}.tools[{i}]")
-        names.add(fn.get("name"))
+        if not isinstance(fn.get("name"), str):
+            raise bad(f"{where}.tools[{i}].function.name must be a string", f"{where}.tools[{i}].function.name")
+        names.add(fn["name"])
     shown = [t for t in tools or () if t["function"]["name"] in names]
     missing = sorted(str(n) for n in names - {t["function"]["name"] for t in shown})
     if missing:
