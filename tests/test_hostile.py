@@ -10,7 +10,7 @@ import socket
 
 import httpx
 import pytest
-from serving_rig import MAX_CONTEXT, NAME, Server, assert_error
+from serving_rig import MAX_CONTEXT, NAME, Scripted, Server, assert_error
 
 from monolith.runtime.engine import Engine
 from monolith.serving.timeouts import timed_h11
@@ -235,3 +235,41 @@ def test_compaction_without_a_model_is_a_400(server):
     schema = _document()["components"]["schemas"]["CompactResponseMethodPublicBody"]
     assert "model" in schema["required"]
     assert_error(server.post("/v1/responses/compact", {"input": "hi"}), 400, param="model")
+
+
+# ------------------------------------------------------------------ the default output cap (issue 48)
+
+QWEN36_OUTPUT_TOKENS = 32768  # Qwen3.6's model card: "an output length of 32,768 tokens for most queries"
+
+
+@pytest.mark.parametrize("config,cap", [
+    ({}, QWEN36_OUTPUT_TOKENS),
+    ({"max_new_tokens": 5}, 5),
+    ({"max_length": 7}, 7),
+    ({"max_new_tokens": 9, "max_length": 6}, 6),
+    ({"max_new_tokens": 10**6}, QWEN36_OUTPUT_TOKENS),
+    ({"max_new_tokens": "5", "max_length": True}, QWEN36_OUTPUT_TOKENS),
+])
+def test_the_default_output_cap_is_qwen_s_or_the_checkpoint_s_lower_one(config, cap):
+    from monolith.serving.schemas import SamplingDefaults
+    assert SamplingDefaults.from_generation_config(config).max_tokens == cap
+    assert SamplingDefaults.from_generation_config(config, max_output_tokens=3).max_tokens == 3
+
+
+def test_a_request_without_a_limit_gets_the_server_s_output_cap(model, tok):
+    """With no max_tokens, every API stops at --max-output-tokens; an explicit larger
+    limit is honoured (here the scripted reply's 12 tokens)."""
+    reply = tok.encode("one two three four five six")
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(reply)),
+                max_output_tokens=3) as s:
+        s.wait_ready()
+        chat = s.post(CHAT, {"model": NAME, "messages": HI}).json()
+        assert chat["usage"]["completion_tokens"] == 3 and chat["choices"][0]["finish_reason"] == "length"
+        text = s.post("/v1/completions", {"model": NAME, "prompt": "hi"}).json()
+        assert text["usage"]["completion_tokens"] == 3
+        responses = s.post("/v1/responses", {"model": NAME, "input": "hi"}).json()
+        assert responses["usage"]["output_tokens"] == 3 and responses["status"] == "incomplete"
+        longer = s.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": len(reply) + 5}).json()
+        assert longer["usage"]["completion_tokens"] == len(reply)
+        longer = s.post("/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": len(reply)}).json()
+        assert longer["usage"]["output_tokens"] == len(reply)
