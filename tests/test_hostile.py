@@ -269,7 +269,7 @@ def test_a_request_without_a_limit_gets_the_server_s_output_cap(model, tok):
         assert text["usage"]["completion_tokens"] == 3
         responses = s.post("/v1/responses", {"model": NAME, "input": "hi"}).json()
         assert responses["usage"]["output_tokens"] == 3 and responses["status"] == "incomplete"
-        longer = s.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": len(reply) + 5}).json()
-        assert longer["usage"]["completion_tokens"] == len(reply)
-        longer = s.post("/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": len(reply)}).json()
-        assert longer["usage"]["output_tokens"] == len(reply)
+        longer = s.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": 2 * len(reply)}).json()
+        assert longer["usage"]["completion_tokens"] >= len(reply) and longer["choices"][0]["finish_reason"] == "stop"
+        longer = s.post("/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": 2 * len(reply)}).json()
+        assert longer["usage"]["output_tokens"] >= len(reply) and longer["status"] == "completed"

@@ -77,6 +77,8 @@ class ServerConfig:
     max_request_bytes: int = 8 * 2**20
     keepalive_seconds: float = 5.0  # an SSE comment line when nothing was sent for this long
     max_tokens_limit: int | None = None  # the most tokens a request may generate (None: the context)
+    max_output_tokens: int | None = None  # a reply's tokens when the request sets no limit (None: the model's
+    # default, schemas.SamplingDefaults)
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
@@ -113,7 +115,7 @@ class ServerState:
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
-        self.defaults = SamplingDefaults.from_generation_config(config)
+        self.defaults = SamplingDefaults.from_generation_config(config, self.config.max_output_tokens)
         self.token_text = TokenText(engine.tokenizer)
         self.metrics.bind(engine)
         self.engine = engine
