@@ -49,7 +49,7 @@ from ..runtime.grammar import Grammar
 from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
-from .errors import APIError, ContextOverflow, bad
+from .errors import APIError, ContextOverflow, bad, log_refusal
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
@@ -171,8 +171,9 @@ def create_app(load: Callable[[], object], config: ServerConfig,
 
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       code=code))
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        log_refusal(f"{request.method} {request.url.path}", error)
+        return error_response(error)
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.monolith = state
@@ -181,6 +182,7 @@ def create_app(load: Callable[[], object], config: ServerConfig,
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
 
 
 class _Handlers(Driver):
@@ -198,9 +200,9 @@ class _Handlers(Driver):
                 self.authorize(request)
                 response = await handler(request)
             except ContextOverflow as e:  # each API words it as its own
-                response = render(e.worded_for(name))
+                response = render(log_refusal(f"{request.method} {request.url.path}", e.worded_for(name)))
             except APIError as e:
-                response = render(e)
+                response = render(log_refusal(f"{request.method} {request.url.path}", e))
             except Exception:
                 log.exception("%s %s failed", request.method, request.url.path)
                 response = render(APIError(500, "internal server error (the server log has the details)",
