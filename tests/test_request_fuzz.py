@@ -1,4 +1,3 @@
-# ruff: noqa: F811 - pytest fixtures imported from serving_rig
 """Property-based fuzzing of every API's request bodies (issue 48): bodies drawn from the
 published schemas (the Open Responses OpenAPI document; the `openai` and `anthropic` SDKs'
 request types: bench/request_strategies.py), half of them with a value of the wrong JSON
