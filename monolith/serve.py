@@ -40,6 +40,11 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--max-tokens-limit", type=int, metavar="N",
                     help="the most tokens one request generates; larger max_tokens are capped (default: the "
                          "context, --max-context)")
+    ap.add_argument("--max-output-tokens", type=int, metavar="N",
+                    help="the most tokens a reply takes when the request sets no limit (max_tokens, "
+                         "max_output_tokens); a request may ask for more, up to the context (default: 32768, "
+                         "Qwen3.6's recommended output length, or the checkpoint's generation_config.json "
+                         "max_new_tokens / max_length when lower)")
     ap.add_argument("--allowed-origins", nargs="+", default=(), metavar="ORIGIN",
                     help="browser origins (e.g. https://ui.example.com, or *) served besides pages of this "
                          "machine's loopback; other cross-origin browser requests get 403")
@@ -101,8 +106,9 @@ def check_server_options(args) -> None:
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0:
             raise SetupError(f"{flag} must be positive, got {value}")
-    if args.max_tokens_limit is not None and args.max_tokens_limit < 1:
-        raise SetupError(f"--max-tokens-limit must be at least 1, got {args.max_tokens_limit}")
+    for flag, value in (("--max-tokens-limit", args.max_tokens_limit), ("--max-output-tokens", args.max_output_tokens)):
+        if value is not None and value < 1:
+            raise SetupError(f"{flag} must be at least 1, got {value}")
     if args.api_key is not None and not args.api_key.strip():
         raise SetupError("--api-key is empty: an empty key would turn authentication off; give a key, "
                          "or leave the flag out (and MONOLITH_API_KEY unset) to serve without one")
@@ -115,7 +121,8 @@ def server_config(args, plan):
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
     return ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
-                        max_tokens_limit=args.max_tokens_limit, loopback_only=_loopback_address(args.host),
+                        max_tokens_limit=args.max_tokens_limit, max_output_tokens=args.max_output_tokens,
+                        loopback_only=_loopback_address(args.host),
                         allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout,
                         response_store_size=args.response_store_size,
                         response_store_bytes=args.response_store_bytes,

@@ -51,6 +51,8 @@ RUNS = {
     "real_widths": (["--preset", "tiny", "--layers", "1", "--prompt-tokens", "8", "--max-tokens", "2",
                      "--pairs", "nvidia-35b:lithos-dspark", "--work", "OUT/work", "--json", "OUT/r.json"], ["r.json"]),
     "round_latency": (["--contexts", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
+    "schema_fuzz": (["--requests", "14", "--clients", "1", "--port", "0", "--out-dir", "OUT"],
+                    ["schema_fuzz.json", "schema_fuzz.md"]),
     "serve_latency": (["--preset", "tiny", "--prompt-lengths", "16", "--max-tokens", "8", "--repeats", "1",
                        "--out", "OUT/r.json"], ["r.json"]),
     "spec_throughput": (["--prompts", "1", "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1",

@@ -10,7 +10,7 @@ import socket
 
 import httpx
 import pytest
-from serving_rig import MAX_CONTEXT, NAME, Server, assert_error
+from serving_rig import MAX_CONTEXT, NAME, Scripted, Server, assert_error
 
 from monolith.runtime.engine import Engine
 from monolith.serving.timeouts import timed_h11
@@ -172,3 +172,104 @@ def test_a_request_body_that_never_ends_is_a_408(model, tok):
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408"), reply
         assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+# ------------------------------------------------------------------ wrong types (issue 48)
+
+RESPONSES_PATHS = ("/v1/responses", "/v1/responses/compact", "/v1/responses/input_tokens")
+
+
+@pytest.mark.parametrize("path", RESPONSES_PATHS)
+@pytest.mark.parametrize("item,param", [
+    ({"type": {"a": 1}, "role": "user", "content": "hi"}, "input[0].type"),
+    ({"type": ["message"], "role": "user", "content": "hi"}, "input[0].type"),
+    ({"type": "message", "role": {"user": 1}, "content": "hi"}, "input[0].role"),
+    ({"type": "message", "role": ["user"], "content": "hi"}, "input[0].role"),
+    ({"type": "message", "role": "user", "content": [{"type": ["input_text"], "text": "hi"}]},
+     "input[0].content[0].type"),
+    ({"type": "message", "role": "user", "content": [{"type": {"t": 1}, "text": "hi"}]}, "input[0].content[0].type"),
+])
+def test_a_responses_item_of_the_wrong_type_is_a_400_naming_it(server, path, item, param):
+    """schemathesis and a type-confusion probe found `unhashable type` 500s here."""
+    assert_error(server.post(path, {"model": NAME, "input": [item]}), 400, param=param)
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("reasoning", {"effort": ["high"]}, "reasoning.effort"),
+    ("tool_choice", {"type": ["function"], "name": "f"}, "tool_choice.type"),
+    ("tool_choice", {"type": "function", "name": ["f"]}, "tool_choice.name"),
+    ("tools", [{"type": {"function": 1}, "name": "f"}], "tools[0].type"),
+])
+def test_a_responses_field_of_the_wrong_type_is_a_400_naming_it(server, field, value, param):
+    for path in RESPONSES_PATHS[::2]:  # compact takes none of these
+        assert_error(server.post(path, {"model": NAME, "input": "hi", field: value}), 400, param=param)
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("reasoning_effort", ["high"], "reasoning_effort"),
+    ("reasoning_effort", {"high": 1}, "reasoning_effort"),
+    ("tool_choice", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": ["f"]}}]}}, "tool_choice.allowed_tools.tools[0].function.name"),
+])
+def test_a_chat_field_of_the_wrong_type_is_a_400_naming_it(server, field, value, param):
+    assert_error(server.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": 1, field: value}), 400, param=param)
+
+
+@pytest.mark.parametrize("messages,empty", [
+    ([{"role": "user", "content": []}], 0),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "go"}], 1),
+])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_an_anthropic_message_with_no_content_blocks_is_a_400_naming_it(server, path, messages, empty):
+    limit = {"max_tokens": 1} if path == "/v1/messages" else {}
+    response = server.post(path, {"model": NAME, **limit, "messages": messages})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert f"messages[{empty}].content" in body["error"]["message"]
+
+
+def test_compaction_without_a_model_is_a_400(server):
+    """The Open Responses specification requires `model` in a compaction request."""
+    from openresponses_spec import _document
+    schema = _document()["components"]["schemas"]["CompactResponseMethodPublicBody"]
+    assert "model" in schema["required"]
+    assert_error(server.post("/v1/responses/compact", {"input": "hi"}), 400, param="model")
+
+
+# ------------------------------------------------------------------ the default output cap (issue 48)
+
+QWEN36_OUTPUT_TOKENS = 32768  # Qwen3.6's model card: "an output length of 32,768 tokens for most queries"
+
+
+@pytest.mark.parametrize("config,cap", [
+    ({}, QWEN36_OUTPUT_TOKENS),
+    ({"max_new_tokens": 5}, 5),
+    ({"max_length": 7}, 7),
+    ({"max_new_tokens": 9, "max_length": 6}, 6),
+    ({"max_new_tokens": 10**6}, QWEN36_OUTPUT_TOKENS),
+    ({"max_new_tokens": "5", "max_length": True}, QWEN36_OUTPUT_TOKENS),
+])
+def test_the_default_output_cap_is_qwen_s_or_the_checkpoint_s_lower_one(config, cap):
+    from monolith.serving.schemas import SamplingDefaults
+    assert SamplingDefaults.from_generation_config(config).max_tokens == cap
+    assert SamplingDefaults.from_generation_config(config, max_output_tokens=3).max_tokens == 3
+
+
+def test_a_request_without_a_limit_gets_the_server_s_output_cap(model, tok):
+    """With no max_tokens, every API stops at --max-output-tokens; an explicit larger
+    limit is honoured (here the scripted reply's 12 tokens)."""
+    reply = tok.encode("one two three four five six")
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(reply)),
+                max_output_tokens=3) as s:
+        s.wait_ready()
+        chat = s.post(CHAT, {"model": NAME, "messages": HI}).json()
+        assert chat["usage"]["completion_tokens"] == 3 and chat["choices"][0]["finish_reason"] == "length"
+        text = s.post("/v1/completions", {"model": NAME, "prompt": "hi"}).json()
+        assert text["usage"]["completion_tokens"] == 3
+        responses = s.post("/v1/responses", {"model": NAME, "input": "hi"}).json()
+        assert responses["usage"]["output_tokens"] == 3 and responses["status"] == "incomplete"
+        longer = s.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": 2 * len(reply)}).json()
+        assert longer["usage"]["completion_tokens"] >= len(reply) and longer["choices"][0]["finish_reason"] == "stop"
+        longer = s.post("/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": 2 * len(reply)}).json()
+        assert longer["usage"]["output_tokens"] >= len(reply) and longer["status"] == "completed"

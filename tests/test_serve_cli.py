@@ -150,6 +150,12 @@ def test_image_flags_reach_the_server_config():
     assert server_config(build_parser().parse_args([]), plan).images == ImageLimits()
 
 
+def test_max_output_tokens_reaches_the_server_config():
+    plan = argparse.Namespace(name="m")
+    assert server_config(build_parser().parse_args(["--max-output-tokens", "512"]), plan).max_output_tokens == 512
+    assert server_config(build_parser().parse_args([]), plan).max_output_tokens is None  # the model's default
+
+
 @pytest.mark.parametrize("args,message", [
     (["--no-draft", "--draft-block-size", "3"], "only appl"),
     (["--prompt-cache-save-every", "-1"], "--prompt-cache-save-every must be at least 0"),
@@ -161,6 +167,7 @@ def test_image_flags_reach_the_server_config():
     (["--api-key", ""], "--api-key is empty"),
     (["--api-key", "  "], "--api-key is empty"),
     (["--max-tokens-limit", "0"], "--max-tokens-limit"),
+    (["--max-output-tokens", "0"], "--max-output-tokens"),
     (["--response-store-size", "0"], "--response-store-size"),
     (["--response-store-bytes", "0"], "--response-store-bytes"),
     (["--max-images", "0"], "--max-images"),

@@ -92,3 +92,31 @@ def test_a_request_the_engine_refuses_at_the_boundary_is_still_a_400(broken):
     server, _ = broken
     r = server.post("/v1/completions", {"model": NAME, "prompt": [10**9], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+SECRET = "the user's private prompt"
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", {"prompt": SECRET, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SECRET}], "model": "nope"}, 404, "model"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": SECRET}], "model": NAME}, 400, "max_tokens"),
+    ("/v1/responses", {"input": SECRET, "model": NAME, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/nothing", {"input": SECRET}, 404, None),
+])
+def test_every_refusal_is_logged_at_info_with_its_reason_and_param_never_the_body(model, tok, caplog, path, body,
+                                                                                   status, param):
+    """Operators see why a request was refused (issue 48): the endpoint, the status, the
+    param and the message, at INFO; never the body."""
+    with Server(lambda: Engine(model, tok, max_context=256, decoder=Scripted([]))) as server:
+        server.wait_ready()
+        caplog.set_level(logging.INFO, logger="monolith.serve")
+        response = server.post(path, body)
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "monolith.serve" and r.levelno == logging.INFO
+              and path in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert str(status) in logged[0] and message in logged[0], logged
+    assert param is None or f"param {param}" in logged[0], logged
+    assert SECRET not in "\n".join(r.getMessage() for r in caplog.records)

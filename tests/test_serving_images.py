@@ -347,3 +347,14 @@ def reply_text(reply) -> str:
     if hasattr(reply, "role") and hasattr(reply, "content") and isinstance(reply.content, list):  # Messages
         return "".join(getattr(block, "thinking", "") or getattr(block, "text", "") for block in reply.content)
     return (getattr(reply, "reasoning_content", None) or "") + (reply.content or "")
+
+
+@pytest.mark.parametrize("payload", [base64.b64encode(b"not an image at all").decode(), "AAAA",
+                                     base64.b64encode(b"GIF89a" + b"\0" * 5).decode()])
+def test_an_undecodable_data_url_names_the_part_and_the_reason_not_an_object(vision_server, payload):
+    """Pillow's own message names its BytesIO object (`<_io.BytesIO object at 0x...>`)."""
+    body = chat_parts({"type": "text", "text": "see"},
+                      {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{payload}"}})
+    error = assert_error(vision_server.post("/v1/chat/completions", body), 400, "messages[0].content[1]")
+    assert error["message"].startswith("messages[0].content[1]: not a readable image (")
+    assert "BytesIO" not in error["message"] and " at 0x" not in error["message"], error["message"]

@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from PIL import Image, UnidentifiedImageError
 MAX_ASPECT_RATIO = 200
 # decoded pixels a source image may have before it is resized (about 8k x 8k)
 MAX_SOURCE_PIXELS = 64 * 1024 * 1024
+READABLE = ("PNG", "JPEG", "GIF", "WebP", "BMP", "TIFF")  # the formats clients send (Pillow reads more)
+OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")  # a Python object's repr in an error message
 
 
 class ImageInputError(ValueError):
@@ -170,7 +173,10 @@ def decode_image(data: bytes, max_source_pixels: int = MAX_SOURCE_PIXELS) -> Ima
         image.load()
     except Image.DecompressionBombError as e:
         raise ImageSizeError(f"image is too large ({_line(e)})") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except UnidentifiedImageError:  # Pillow's message names its BytesIO object, nothing of use
+        raise NotAnImageError(f"not a readable image (its bytes are in no image format this server reads: "
+                              f"{', '.join(READABLE)})") from None
+    except (OSError, SyntaxError) as e:
         raise NotAnImageError(f"not a readable image ({_line(e)})") from None
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if not has_alpha:
@@ -180,7 +186,8 @@ def decode_image(data: bytes, max_source_pixels: int = MAX_SOURCE_PIXELS) -> Ima
 
 
 def _line(error: Exception) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
+    """An error's message on one line, without the repr of an object (`<_io.BytesIO object at 0x...>`)."""
+    return " ".join(OBJECT_REPR.sub("the image", str(error)).split()) or type(error).__name__
 
 
 def prepare_image(data: bytes, settings: ImageSettings | None = None) -> PreparedImage:

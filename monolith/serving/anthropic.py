@@ -221,6 +221,8 @@ def _messages(value) -> list[dict]:
             out.append({"role": role, "content": content})
         elif not isinstance(content, list):
             raise bad(f"{at}.content must be a string or a list of content blocks", f"{at}.content")
+        elif not content:
+            raise bad(f"{at}.content is an empty list: a message needs at least one content block", f"{at}.content")
         elif role == "user":
             out += _user_blocks(content, f"{at}.content")
         else:

@@ -49,7 +49,7 @@ from ..runtime.grammar import Grammar
 from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
-from .errors import APIError, ContextOverflow, bad
+from .errors import APIError, ContextOverflow, bad, log_refusal
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
@@ -77,6 +77,8 @@ class ServerConfig:
     max_request_bytes: int = 8 * 2**20
     keepalive_seconds: float = 5.0  # an SSE comment line when nothing was sent for this long
     max_tokens_limit: int | None = None  # the most tokens a request may generate (None: the context)
+    max_output_tokens: int | None = None  # a reply's tokens when the request sets no limit (None: the model's
+    # default, schemas.SamplingDefaults)
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
@@ -113,7 +115,7 @@ class ServerState:
 
     def ready(self, engine) -> None:
         config = read_json(engine.tokenizer.path / "generation_config.json")
-        self.defaults = SamplingDefaults.from_generation_config(config)
+        self.defaults = SamplingDefaults.from_generation_config(config, self.config.max_output_tokens)
         self.token_text = TokenText(engine.tokenizer)
         self.metrics.bind(engine)
         self.engine = engine
@@ -169,8 +171,9 @@ def create_app(load: Callable[[], object], config: ServerConfig,
 
     async def http_error(request, exc: HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                       code=code))
+        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
+        log_refusal(f"{request.method} {request.url.path}", error)
+        return error_response(error)
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.monolith = state
@@ -179,6 +182,7 @@ def create_app(load: Callable[[], object], config: ServerConfig,
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
 
 
 class _Handlers(Driver):
@@ -196,9 +200,9 @@ class _Handlers(Driver):
                 self.authorize(request)
                 response = await handler(request)
             except ContextOverflow as e:  # each API words it as its own
-                response = render(e.worded_for(name))
+                response = render(log_refusal(f"{request.method} {request.url.path}", e.worded_for(name)))
             except APIError as e:
-                response = render(e)
+                response = render(log_refusal(f"{request.method} {request.url.path}", e))
             except Exception:
                 log.exception("%s %s failed", request.method, request.url.path)
                 response = render(APIError(500, "internal server error (the server log has the details)",

@@ -1,7 +1,12 @@
 """The error every endpoint answers with: OpenAI's {"error": {message, type, param, code}};
-the context-overflow error, worded per API."""
+the context-overflow error, worded per API; refusals logged (`log_refusal`)."""
 
 from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("monolith.serve")
+MAX_LOGGED_REASON = 500  # characters of a refusal's message in the log
 
 
 class APIError(Exception):
@@ -24,6 +29,16 @@ def _default_type(status: int) -> str:
     if status == 429:
         return "rate_limit_error"
     return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def log_refusal(where: str, e: APIError) -> APIError:
+    """A refusal (4xx) at INFO: where, the status, the param and the reason, never the
+    body, so that an operator sees why a request was refused (uvicorn's access line has
+    the status only). `e`, for the caller to answer with."""
+    if 400 <= e.status < 500:
+        log.info("%s refused: %d%s: %s", where, e.status, f" (param {e.param})" if e.param else "",
+                 e.message[:MAX_LOGGED_REASON])
+    return e
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:

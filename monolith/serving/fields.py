@@ -47,6 +47,12 @@ def refuse_extra(value: dict, allowed, at: str, label: str | None = None) -> Non
         raise bad(f"{label or at} has unsupported field(s): {', '.join(extra)}", f"{at}.{extra[0]}")
 
 
+def is_name(value, names) -> bool:
+    """`value` is one of `names` (strings): a number, list or object never is (and a list
+    or object, unhashable, is never looked up in a set or dict)."""
+    return isinstance(value, str) and value in names
+
+
 def is_int(value) -> bool:
     """An integer, not a boolean (JSON's true is not 1)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ..sampling import SamplingError, SamplingParams
 from .errors import bad
 from .fields import (
+    is_name,
     optional,
     positive_int,
     real,
@@ -143,7 +144,7 @@ def _reasoning(value) -> tuple[dict, dict]:
     if unknown:
         raise bad(f"reasoning.{unknown[0]} is not supported", f"reasoning.{unknown[0]}")
     effort, summary = value.get("effort"), value.get("summary")
-    if effort is not None and effort not in THINKING:
+    if effort is not None and not is_name(effort, THINKING):
         raise bad(f"reasoning.effort must be one of {', '.join(THINKING)}, got {effort!r}", "reasoning.effort")
     if summary not in (None, "auto"):
         raise bad(f"reasoning.summary {summary!r} is not supported (this server writes no reasoning summaries; "

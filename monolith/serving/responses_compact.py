@@ -34,6 +34,8 @@ ASK = ("Summarize our conversation so far for your own later use, so that it can
 
 def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
     """(the summary's ChatRequest, the user messages the window keeps)."""
+    if body.get("model") is None:  # required by the Open Responses specification
+        raise bad("model is required", "model")
     unknown = sorted(set(body) - FIELDS - INERT_FIELDS)
     if unknown:
         raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''} for compaction: {', '.join(unknown)}",

@@ -14,7 +14,7 @@ import json
 
 from . import images
 from .errors import bad
-from .fields import refuse_extra
+from .fields import is_name, refuse_extra
 from .responses_seal import SEALER, SUMMARY_HEAD, open_summary
 from .tool_specs import json_arguments
 from .tools import arguments_object
@@ -49,7 +49,7 @@ def items_to_messages(items: list, where: str, known_calls: set | None = None) -
         if not isinstance(item, dict):
             raise bad(f"{at} must be an object", at)
         kind = item.get("type", "message" if "role" in item else None)
-        if kind not in ITEM_KEYS:
+        if not is_name(kind, ITEM_KEYS):
             raise bad(f"{at}.type must be one of {', '.join(ITEM_KEYS)} (other item types are not supported), "
                       f"got {json.dumps(kind)[:60]}", f"{at}.type")
         refuse_extra(item, ITEM_KEYS[kind], at, f"{at} ({kind})")
@@ -103,7 +103,7 @@ class _Conversation:
 
 def _message(item: dict, at: str, talk: _Conversation) -> None:
     role = item.get("role")
-    if role not in TEXT_PARTS:
+    if not is_name(role, TEXT_PARTS):
         raise bad(f"{at}.role must be one of {', '.join(TEXT_PARTS)}, got {json.dumps(role)[:60]}", f"{at}.role")
     if item.get("phase") is not None and (role != "assistant" or item["phase"] not in PHASES):
         raise bad(f"{at}.phase must be one of {', '.join(PHASES)} on an assistant message, got "
@@ -168,9 +168,9 @@ def _parts(value, kinds: set[str], where: str, role: str | None = None) -> str |
             continue
         if kind in images.VIDEO_PARTS:
             images.refuse_video(kind, at)
-        if kind not in kinds:
+        if not is_name(kind, kinds):
             raise bad(f"{at}: only {' / '.join(sorted(kinds))} parts are supported here, got "
-                      f"{json.dumps(kind)[:60]}", at)
+                      f"{json.dumps(kind)[:60]}", f"{at}.type" if isinstance(part, dict) else at)
         refuse_extra(part, PART_KEYS.get(kind, {"type", "text"}), at)
         if not isinstance(part.get("text"), str):
             raise bad(f"{at}.text must be a string", f"{at}.text")

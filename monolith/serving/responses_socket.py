@@ -30,7 +30,7 @@ from starlette.status import WS_1008_POLICY_VIOLATION
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import responses_api, responses_reply
-from .errors import APIError, ContextOverflow, bad
+from .errors import APIError, ContextOverflow, bad, log_refusal
 from .schemas import parse_json_body
 
 log = logging.getLogger("monolith.serve")
@@ -53,6 +53,7 @@ class ResponsesSocket:
             self.handlers.check_origin(websocket)
             self.handlers.authorize(websocket)
         except APIError as e:
+            log_refusal("WebSocket /v1/responses (handshake)", e)
             if "websocket.http.response" in websocket.scope.get("extensions", {}):
                 await websocket.send_denial_response(JSONResponse(e.body(), status_code=e.status))
             else:
@@ -195,9 +196,9 @@ def _create_body(raw: str | bytes, limit: int) -> dict:
 
 def _api_error(e: Exception) -> APIError:
     if isinstance(e, ContextOverflow):
-        return e.worded_for("responses")
+        return log_refusal("WebSocket /v1/responses", e.worded_for("responses"))
     if isinstance(e, APIError):
-        return e
+        return log_refusal("WebSocket /v1/responses", e)
     log.error("WebSocket /v1/responses failed", exc_info=e)
     return APIError(500, "internal server error (the server log has the details)", code="internal_error")
 

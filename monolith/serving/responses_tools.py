@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import llguidance
 
 from .errors import bad
-from .fields import refuse_extra
+from .fields import is_name, refuse_extra
 from .responses_items import flat_name, string_field
 from .tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
 from .tools import arguments_object
@@ -58,7 +58,7 @@ def parse_tools(value) -> Tools:
     tools = Tools()
     for at, tool in tool_entries(value, "tool objects"):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind in HOSTED:
+        if is_name(kind, HOSTED):
             tools.omitted.append(kind)
             tools.echo.append(dict(tool))
         elif kind == "namespace":
@@ -152,11 +152,13 @@ def tool_choice(choice, tools: Tools, parallel: bool):
             raise bad("tool_choice \"required\" needs tools the model can call", "tool_choice")
         return choice, forced_calls(tools.chat, single=not parallel, grammars=tools.grammars)
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind in HOSTED:
+    if isinstance(choice, dict) and not isinstance(kind, str):
+        raise bad(f"tool_choice.type must be a string, got {json.dumps(kind)[:60]}", "tool_choice.type")
+    if is_name(kind, HOSTED):
         raise bad(f"tool_choice forces the hosted tool {kind!r}, which this server cannot run", "tool_choice.type")
     if kind in ("function", "custom") and set(choice) <= {"type", "name"}:
         name = choice.get("name")
-        if tools.named.get(name, (None,))[0] != kind:
+        if not isinstance(name, str) or tools.named.get(name, (None,))[0] != kind:
             raise bad(f"tool_choice names {kind} tool {json.dumps(name)[:60]}, which is not in tools",
                       "tool_choice.name")
         return dict(choice), forced_calls(named(tools.chat, name), single=True, grammars=tools.grammars)

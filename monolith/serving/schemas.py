@@ -20,6 +20,7 @@ from . import images
 from .errors import bad
 from .fields import (
     is_int,
+    is_name,
     optional,
     positive_int,
     real,
@@ -32,6 +33,10 @@ from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_
 
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
+# the most tokens a reply takes when the request sets no limit: Qwen3.6's recommended
+# output length ("32,768 tokens for most queries"), or less where the checkpoint's
+# generation_config.json says so (max_new_tokens, max_length) or --max-output-tokens
+DEFAULT_OUTPUT_TOKENS = 32768
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
 # accepted and ignored: ids, metadata, caching and service hints, and a predicted output
@@ -66,24 +71,31 @@ RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "self"
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request gets for the sampling fields it leaves out: the checkpoint's
-    generation_config.json when it has them (as vLLM does), else OpenAI's defaults."""
+    generation_config.json when it has them (as vLLM does), else OpenAI's defaults; and
+    the most tokens a reply takes when the request sets no limit (`max_tokens`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    max_tokens: int = DEFAULT_OUTPUT_TOKENS
 
     @classmethod
-    def from_generation_config(cls, config: dict | None) -> SamplingDefaults:
+    def from_generation_config(cls, config: dict | None, max_output_tokens: int | None = None) -> SamplingDefaults:
+        """`max_output_tokens` (the --max-output-tokens flag), when given, is the output
+        cap; else the lowest of DEFAULT_OUTPUT_TOKENS and the config's max_new_tokens and
+        max_length (a bound on prompt and reply together, so on the reply too)."""
         config = config or {}
-        if config.get("do_sample") is False:
-            return cls(temperature=0.0)
         def get(name, default, kind):
             value = config.get(name)
             return value if isinstance(value, kind) and not isinstance(value, bool) else default
+        limits = [get(name, DEFAULT_OUTPUT_TOKENS, int) for name in ("max_new_tokens", "max_length")]
+        cap = max_output_tokens or min([DEFAULT_OUTPUT_TOKENS] + [n for n in limits if n >= 1])
+        if config.get("do_sample") is False:
+            return cls(temperature=0.0, max_tokens=cap)
         top_k = get("top_k", 0, int)
         return cls(float(get("temperature", 1.0, numbers.Real)), float(get("top_p", 1.0, numbers.Real)),
-                   max(0, top_k), float(get("min_p", 0.0, numbers.Real)))
+                   max(0, top_k), float(get("min_p", 0.0, numbers.Real)), cap)
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,7 @@ def _template_kwargs(body: dict) -> dict:
     effort = body.get("reasoning_effort")
     if effort is None:
         return kwargs
-    if effort not in THINKING_BY_EFFORT:
+    if not is_name(effort, THINKING_BY_EFFORT):
         raise bad(f"reasoning_effort must be one of {', '.join(THINKING_BY_EFFORT)}, got {json.dumps(effort)[:60]}",
                   "reasoning_effort")
     thinking = THINKING_BY_EFFORT[effort]
@@ -184,7 +196,9 @@ def _allowed_tools(choice: dict, tools: list[dict] | None) -> tuple[list[dict] |
         if not isinstance(entry, dict) or entry.get("type") != "function" or not isinstance(fn, dict):
             raise bad(f"{where}.tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                       f"{where}.tools[{i}]")
-        names.add(fn.get("name"))
+        if not isinstance(fn.get("name"), str):
+            raise bad(f"{where}.tools[{i}].function.name must be a string", f"{where}.tools[{i}].function.name")
+        names.add(fn["name"])
     shown = [t for t in tools or () if t["function"]["name"] in names]
     missing = sorted(str(n) for n in names - {t["function"]["name"] for t in shown})
     if missing:
