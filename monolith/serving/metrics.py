@@ -72,7 +72,9 @@ class Metrics:
     def bind(self, pool) -> None:
         """Read the queue gauges, the prompt caches' series and the models' from the
         loaded engines of `pool` (models.ModelPool) at scrape time."""
-        engines = lambda: [slot.served.engine for slot in pool.loaded()]  # noqa: E731
+        def engines():
+            return [slot.served.engine for slot in pool.loaded()]
+
         self.running.set_function(lambda: sum(engine.running for engine in engines()))
         self.waiting.set_function(lambda: sum(engine.waiting for engine in engines()))
         self.registry.register(PromptCacheCollector(lambda: [engine.prompt_cache for engine in engines()]))

@@ -258,8 +258,8 @@ class ModelPool:
         engine, slot.served = slot.served.engine, None
         slot.keep_alive = self.keep_alive  # a request's own keep-alive lasts while the model stays loaded
         before = mx.get_active_memory()
-        await _in_thread(lambda: _close(engine))
-        del engine
+        await _in_thread(engine.close)
+        engine = None  # the last reference: what it held is freed now
         freed = before - await _in_thread(_collect)
         log.info("unloaded %s, %s: %.2f GiB freed", slot.name, why, freed / 2**30)
 
@@ -268,7 +268,7 @@ class ModelPool:
             await asyncio.sleep(self.check_every)
             try:
                 await self.unload_idle()
-            except Exception:  # noqa: BLE001 - the watcher goes on
+            except Exception:  # the watcher goes on
                 log.exception("unloading an idle model failed")
 
 
@@ -277,10 +277,6 @@ def _timed(load: Callable[[], object]) -> tuple[object, float, int]:
     before, started = mx.get_active_memory(), time.perf_counter()
     served = load()
     return served, time.perf_counter() - started, mx.get_active_memory() - before
-
-
-def _close(engine) -> None:
-    engine.close()
 
 
 def _collect() -> int:
@@ -318,21 +314,28 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_result(result)
 
 
+def duration(text: str) -> float:
+    """Seconds of "30", "30s", "5m", "1h" or "250ms" (ValueError otherwise): the
+    --keep-alive flag's and a request's keep_alive string's."""
+    text = str(text).strip()
+    unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
+    number = float(text[:len(text) - len(unit)])
+    if not math.isfinite(number):
+        raise ValueError(f"not a duration: {text!r}")
+    return number * UNITS.get(unit, 1.0)
+
+
 def keep_alive_seconds(value) -> float | None:
     """A request's `keep_alive` (our extension, as Ollama's): seconds as a number, or a
-    string such as "30s", "5m", "1h", "250ms" or "300"; negative: keep it loaded; 0:
-    unload once idle. None when not given; a 400 naming it when malformed."""
+    duration string (`duration`); negative: keep the model loaded; 0: unload it once
+    idle. None when not given; a 400 naming it when malformed."""
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     if isinstance(value, str):
-        text = value.strip()
-        unit = next((u for u in ("ms", "s", "m", "h") if text.endswith(u)), "")
         try:
-            number = float(text[:len(text) - len(unit)])
+            return duration(value)
         except ValueError:
-            number = math.nan
-        if math.isfinite(number):
-            return number * UNITS.get(unit, 1.0)
+            pass
     raise bad(f"keep_alive must be seconds (a number) or a duration such as \"5m\", got {value!r}", "keep_alive")
