@@ -31,6 +31,7 @@ from .errors import APIError, bad
 
 log = logging.getLogger("monolith.serve")
 CHECK_EVERY = 0.25  # seconds between the unloader's looks at idle models
+ROOM_EVERY = 0.05  # seconds between looks for an idle model to unload while a load waits for room
 FOREVER = math.inf
 UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -105,6 +106,7 @@ class ModelPool:
         self.prepare: Callable[[object], object] = lambda engine: engine
         self.status, self.error = "loading", None  # the start-up load of the default model: -> ready / failed
         self._load_lock: asyncio.Lock | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._watcher: asyncio.Task | None = None
 
     @property
@@ -123,6 +125,7 @@ class ModelPool:
         """On the event loop: load the default model now, in the background (a failure
         is the start's: `on_failure(error)`), and watch for idle models."""
         self._load_lock = asyncio.Lock()
+        self.loop = asyncio.get_running_loop()  # where its state lives (tests call in through it)
         loading = self._begin_load(self.default)
 
         def started(future: asyncio.Future) -> None:
@@ -236,7 +239,7 @@ class ModelPool:
                 continue
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no room for {slot.name}: every loaded model is busy")
-            await asyncio.sleep(self.check_every)
+            await asyncio.sleep(ROOM_EVERY)
 
     # ---------------------------------------------------------------- unloading
 
