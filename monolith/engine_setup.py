@@ -57,16 +57,36 @@ class SetupError(Exception):
 NOT_A_BUG = (SetupError, ValueError, OSError, PipelineError)
 
 
+class _ModelAction(argparse.Action):
+    """--model, which serve takes more than once: `models` lists them all, `model` is the first."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.models = [*(namespace.models or ()), value]
+        namespace.model = namespace.models[0]
+
+
+class _DraftAction(argparse.Action):
+    """--draft, appended to `draft` as ever; `draft_for` also pairs it with the --model
+    given before it (0: the first, also for a --draft before any --model)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.draft = [*(namespace.draft or ()), value]
+        namespace.draft_for = [*(namespace.draft_for or ()), (max(len(namespace.models or ()) - 1, 0), value)]
+
+
 def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = False) -> None:
-    ap.add_argument("--model", required=model_required,
+    ap.add_argument("--model", required=model_required, action=_ModelAction,
                     help="target: hub id, checkpoint directory or pack directory"
-                         + ("" if model_required else " (default: the bundled demo pair)"))
+                         + ("" if model_required else " (default: the bundled demo pair)")
+                         + "; serve takes it more than once (docs/serving.md, \"Several models\")")
+    ap.set_defaults(models=None, draft_for=None)
     draft = ap.add_mutually_exclusive_group()
-    draft.add_argument("--draft", action="append",
+    draft.add_argument("--draft", action=_DraftAction,
                        help="DSpark/DFlash draft for speculative decoding: hub id, checkpoint or pack; `mtp`: the "
                             "target checkpoint's own MTP head (its pack is built --with-mtp). One --draft forces "
                             "that drafter; given more than once, serve and chat measure each at start and use the "
-                            "one with the best expected tokens per second, or none (docs/drafts.md 7)")
+                            "one with the best expected tokens per second, or none (docs/drafts.md 7). With "
+                            "several --model, a --draft drafts for the --model before it")
     draft.add_argument("--no-draft", action="store_true", help="plain decoding (also for the demo pair)")
     ap.add_argument("--draft-quantization", choices=("auto", "none", "nvfp4"),
                     help="with a draft: how the draft's pack is built (default auto, the same as nvfp4 for a "
@@ -133,7 +153,11 @@ class ModelPlan:
 
 
 def plan_model(args: argparse.Namespace) -> ModelPlan:
-    """Check the model flags (raise SetupError with one line); nothing is loaded."""
+    """Check the model flags (raise SetupError with one line); nothing is loaded. One
+    --model only: serve splits several first (serve.model_arguments)."""
+    if len(getattr(args, "models", None) or ()) > 1:
+        raise SetupError(f"--model is given {len(args.models)} times: only `python -m monolith.serve` serves "
+                         "several models")
     for flag, value, least in (("--max-context", args.max_context, 2),
                                ("--prefill-chunk-size", args.prefill_chunk_size, 1),
                                ("--draft-block-size", args.draft_block_size, 1),

@@ -1,10 +1,14 @@
 """python -m monolith.serve [--model M] [--draft D | --no-draft] [--host H] [--port P] ...:
 an OpenAI-compatible HTTP server (docs/serving.md). The server answers at once and loads
 the model in the background: GET /health says 503 until it is ready, then 200. With no
---model it serves the bundled demo pair."""
+--model it serves the bundled demo pair. --model given more than once serves several
+models, each with the --draft values given after it; the first loads at start, the
+others when a request names them (--keep-alive, --max-loaded-models, --memory-budget
+unload idle ones)."""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import logging
 import os
@@ -15,10 +19,12 @@ from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
 from .serving.images import MAX_IMAGE_BYTES, MAX_IMAGES
+from .serving.models import ModelSpec, duration
 from .serving.responses_store import STORED_BYTES, STORED_RESPONSES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_BATCH = 4  # bench/concurrency.py: see README, "Concurrent requests"
+MEMORY_BUDGET_SHARE = 0.9  # several models: their default memory budget, of the memory free at start
 
 
 def build_parser() -> ArgumentParser:
@@ -69,6 +75,19 @@ def build_parser() -> ArgumentParser:
                              "also counts against --max-request-bytes)")
     images.add_argument("--max-images", type=int, default=MAX_IMAGES, metavar="N",
                         help=f"the most images in one request's conversation (default {MAX_IMAGES})")
+    models = ap.add_argument_group("several models (--model given more than once; docs/serving.md, \"Several "
+                                   "models\")")
+    models.add_argument("--keep-alive", type=duration, metavar="SECONDS",
+                        help="unload a model idle this long (seconds, or 30s, 5m, 1h; negative: never), to load it "
+                             "again when a request names it; a request's keep_alive field sets its model's own "
+                             "(default: never)")
+    models.add_argument("--max-loaded-models", type=int, metavar="N",
+                        help="the most models loaded at once: loading another first unloads the least recently "
+                             "used idle one (default: no bound)")
+    models.add_argument("--memory-budget", type=byte_size, metavar="BYTES",
+                        help="the most memory the loaded models may take, e.g. 48G: loading another first unloads "
+                             "the least recently used idle ones (default with several models: 90%% of the memory "
+                             "free at start, logged)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_distributed_arguments(ap)
     return ap
@@ -77,16 +96,51 @@ def build_parser() -> ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        plan = plan_model(args)
+        models = [(model_args, plan_model(model_args)) for model_args in model_arguments(args)]
         check_server_options(args)
+        names = served_names(args, [plan for _, plan in models])
     except SetupError as e:
         return _failed(e)
     if args.distributed and rank_of(args) != 0:  # a stage only: rank 0 serves
         try:
-            return join(args, plan, to_stderr).serve()
+            return join(args, models[0][1], to_stderr).serve()
         except SetupError as e:
             return _failed(e)
-    return serve(args, plan)
+    return serve(args, models, names)
+
+
+ONE_MODEL_FLAGS = ("pack", "draft_pack", "revision", "draft_revision", "distributed")  # name one model's
+
+
+def model_arguments(args) -> list:
+    """Each --model's flags: `args` itself for one model; for several, a copy per --model
+    with the --draft values given after it (before the next --model; those before the
+    first go with the first). SetupError for a flag that names one model's pack or
+    revision, or --distributed, beside several models."""
+    if len(args.models or ()) <= 1:
+        return [args]
+    given = [f"--{flag.replace('_', '-')}" for flag in ONE_MODEL_FLAGS if getattr(args, flag, None)]
+    if given:
+        raise SetupError(f"{', '.join(given)} name{'s' if len(given) == 1 else ''} one model's: give "
+                         f"{'it' if len(given) == 1 else 'them'} with one --model")
+    return [argparse.Namespace(**vars(args) | {
+        "model": model, "models": [model], "draft_for": None,
+        "draft": [draft for at, draft in args.draft_for or () if at == i] or None}) for i, model in enumerate(args.models)]
+
+
+def served_names(args, plans) -> list[tuple[str, ...]]:
+    """Each model's names: --served-model-name's (one model: all of them; several: one
+    each, in order), else its plan's name. SetupError when a name is given twice."""
+    given = args.served_model_name
+    if given and len(plans) > 1 and len(given) != len(plans):
+        raise SetupError(f"--served-model-name gives {len(given)} names for {len(plans)} models: give one for each "
+                         "--model, in order")
+    names = [tuple(given)] if given and len(plans) == 1 else [(name,) for name in given or [p.name for p in plans]]
+    every = [name for each in names for name in each]
+    twice = sorted({name for name in every if every.count(name) > 1})
+    if twice:
+        raise SetupError(f"the model name {twice[0]!r} is given twice: name each model once (--served-model-name)")
+    return names
 
 
 def check_server_options(args) -> None:
@@ -106,7 +160,8 @@ def check_server_options(args) -> None:
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0:
             raise SetupError(f"{flag} must be positive, got {value}")
-    for flag, value in (("--max-tokens-limit", args.max_tokens_limit), ("--max-output-tokens", args.max_output_tokens)):
+    for flag, value in (("--max-tokens-limit", args.max_tokens_limit), ("--max-output-tokens", args.max_output_tokens),
+                        ("--max-loaded-models", args.max_loaded_models), ("--memory-budget", args.memory_budget)):
         if value is not None and value < 1:
             raise SetupError(f"{flag} must be at least 1, got {value}")
     if args.api_key is not None and not args.api_key.strip():
@@ -114,13 +169,15 @@ def check_server_options(args) -> None:
                          "or leave the flag out (and MONOLITH_API_KEY unset) to serve without one")
 
 
-def server_config(args, plan):
-    """The app's serving.app.ServerConfig from the flags (and $MONOLITH_API_KEY)."""
+def server_config(args, plan, names: tuple[str, ...] | None = None):
+    """The app's serving.app.ServerConfig from the flags (and $MONOLITH_API_KEY); `names`:
+    every model's names (default: the one model of `plan`'s)."""
     from .serving.app import ServerConfig
     from .serving.images import ImageLimits
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("MONOLITH_API_KEY") or None
-    return ServerConfig(tuple(args.served_model_name or [plan.name]), api_key, args.max_request_bytes,
+    names = names or tuple(args.served_model_name or [plan.name])
+    return ServerConfig(names, api_key, args.max_request_bytes,
                         max_tokens_limit=args.max_tokens_limit, max_output_tokens=args.max_output_tokens,
                         loopback_only=_loopback_address(args.host),
                         allowed_origins=tuple(args.allowed_origins), body_timeout=args.body_timeout,
@@ -131,9 +188,10 @@ def server_config(args, plan):
                         else str(Path(args.prompt_cache_dir) / "responses"))
 
 
-def serve(args, plan) -> int:
-    """Serve HTTP until stopped, loading the model in the background (with --distributed,
-    as rank 0: joining the other ranks first); the exit status."""
+def serve(args, models: list, names: list[tuple[str, ...]]) -> int:
+    """Serve HTTP until stopped, loading the (first) model in the background (with
+    --distributed, as rank 0: joining the other ranks first); the exit status. `models`:
+    (flags, plan) of each model, `names` its names."""
     import uvicorn
 
     from .serving.app import create_app
@@ -151,15 +209,21 @@ def serve(args, plan) -> int:
 
     ranks = []  # with --distributed: this rank's place, stopped on the way out
 
-    def load():
-        if not args.distributed:
-            return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch)
-        ranks.append(join(args, plan, log.info))
-        return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch,
-                           sources=ranks[0].sources, load=ranks[0].target)
+    def loader(model_args, plan):
+        def load():
+            if not args.distributed:
+                return load_engine(model_args, plan, log.info, args.max_queue, args.queue_timeout,
+                                   max_batch=args.max_batch)
+            ranks.append(join(args, plan, log.info))
+            return load_engine(args, plan, log.info, args.max_queue, args.queue_timeout, max_batch=args.max_batch,
+                               sources=ranks[0].sources, load=ranks[0].target)
+        return load
 
+    plan = models[0][1]
+    pool = model_pool(args, [ModelSpec(each, loader(*model), _size_of(model[1])) for each, model in zip(names, models)],
+                      log.info)
     try:
-        app = create_app(load, server_config(args, plan), on_load_failure)
+        app = create_app(pool, server_config(args, plan, tuple(n for each in names for n in each)), on_load_failure)
     except OSError as e:  # the stored responses' directory
         return _failed(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -175,6 +239,34 @@ def serve(args, plan) -> int:
     if failures:
         return _failed(str(failures[0]).replace("\n", " "))
     return 0 if server.started else 1
+
+
+def model_pool(args, specs: list, log):
+    """The server's serving.models.ModelPool: its keep-alive and bounds from the flags; with
+    several models, a memory budget (--memory-budget, else MEMORY_BUDGET_SHARE of the memory
+    free now), logged."""
+    from .runtime.prompt_cache import available_memory
+    from .serving.models import ModelPool
+
+    budget = args.memory_budget
+    if len(specs) > 1:
+        if budget is None:
+            budget = int(MEMORY_BUDGET_SHARE * available_memory())
+        log(f"{len(specs)} models: {', '.join(spec.names[0] for spec in specs)}; the first loads now, the others "
+            f"when a request names them; memory budget {budget / 2**30:.2f} GiB"
+            + ("" if args.memory_budget else f" ({MEMORY_BUDGET_SHARE:.0%} of the memory free now)")
+            + (f", at most {args.max_loaded_models} loaded" if args.max_loaded_models else ""))
+    return ModelPool(specs, keep_alive=args.keep_alive, max_loaded=args.max_loaded_models, budget=budget,
+                     load_timeout=args.queue_timeout)
+
+
+def _size_of(plan):
+    """The bytes `plan`'s model is expected to take before its first load: the safetensors
+    files of its target's and drafts' directories (a hub id: 0, unknown until loaded)."""
+    def size() -> int:
+        paths = [Path(p) for p in (plan.target, *plan.drafts) if p is not None and Path(p).is_dir()]
+        return sum(f.stat().st_size for path in paths for f in path.rglob("*.safetensors"))
+    return size
 
 
 def _failed(error) -> int:

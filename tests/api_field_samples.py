@@ -58,6 +58,7 @@ PNG = _png()  # base64 of a small PNG: the image rows' image
 SAMPLES = {
     "chat": {
         "model": {"model": NAME},
+        "keep_alive": {"keep_alive": -1},
         "messages": {},
         "messages[].role": {"messages": [{"role": "developer", "content": "be brief"},
                                          {"role": "user", "content": "hi"}]},
@@ -137,6 +138,7 @@ SAMPLES = {
     },
     "completions": {
         "model": {"model": NAME},
+        "keep_alive": {"keep_alive": -1},
         "prompt": {"prompt": [1, 2, 3]},
         "best_of": {"best_of": 2},
         "echo": {"echo": True},
@@ -160,6 +162,7 @@ SAMPLES = {
     },
     "messages": {
         "model": {"model": NAME},
+        "keep_alive": {"keep_alive": -1},
         "messages": {},
         "messages[].content[].type: text": claude_blocks(TEXT),
         "messages[].content[].type: thinking": claude_blocks({"type": "thinking", "thinking": "t",
@@ -234,6 +237,7 @@ SAMPLES = {
     },
     "responses": {
         "model": {"model": NAME},
+        "keep_alive": {"keep_alive": -1},
         "input": {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
         "input[].type: reasoning": {"input": [{"role": "user", "content": "hi"}, {
             "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},

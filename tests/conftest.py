@@ -108,6 +108,17 @@ def tiny_pack(tmp_path_factory):
     return build_pack(write_target(root / "ckpt"), root / "pack", role="target")
 
 
+@pytest.fixture(scope="session")
+def other_pack(tmp_path_factory):
+    """The pack of a second tiny synthetic target (seed 1: other weights, the same
+    tokenizer), for servers of several models."""
+    from monolith.pack import build_pack
+    from monolith.synth import write_target
+
+    root = tmp_path_factory.mktemp("other")
+    return build_pack(write_target(root / "ckpt", seed=1), root / "pack", role="target")
+
+
 @pytest.fixture(scope="module")
 def pack(tiny_pack):
     """The tiny target's pack (tiny_pack), as the serving and speculative tests name it."""

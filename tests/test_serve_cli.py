@@ -173,6 +173,11 @@ def test_max_output_tokens_reaches_the_server_config():
     (["--max-images", "0"], "--max-images"),
     (["--response-store-bytes", "lots"], "not a byte size"),
     (["--bogus"], "unrecognized"),
+    (["--model", "x", "--model", "y", "--pack", "p"], "--pack names one model's"),
+    (["--model", "x", "--model", "y", "--served-model-name", "a"], "1 names for 2 models"),
+    (["--model", "x", "--model", "x"], "given twice"),
+    (["--max-loaded-models", "0"], "--max-loaded-models"),
+    (["--keep-alive", "soon"], "--keep-alive"),
 ])
 def test_cli_usage_errors_exit_1(args, message):
     r = subprocess.run([sys.executable, "-m", "monolith.serve", *args], capture_output=True, text=True, timeout=60,
@@ -193,3 +198,25 @@ def test_cli_model_that_cannot_load_exits_1(tmp_path):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "error:" in out and "Traceback" not in out
     assert re.search(r"error: .*missing", out)
+
+
+def test_cli_serves_two_models_and_unloads_the_idle_one(pack, other_pack):
+    port = _free_port()
+    proc = _serve("--model", str(pack), "--model", str(other_pack), "--served-model-name", "a", "b",
+                  "--port", str(port), "--dtype", "float32", "--max-context", "256", "--no-warmup",
+                  "--prompt-cache-size", "0", "--keep-alive", "0")
+    try:
+        _wait_health(port, proc)
+        url = f"http://127.0.0.1:{port}"
+        listed = httpx.get(url + "/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["a", "b"] and listed[1]["loaded"] is False
+        r = httpx.post(url + "/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        deadline = time.monotonic() + 60
+        while any(m["loaded"] for m in httpx.get(url + "/v1/models").json()["data"]):  # --keep-alive 0
+            assert time.monotonic() < deadline, "an idle model was never unloaded"
+            time.sleep(0.02)
+        assert 'monolith_model_loaded{model="b"} 0.0' in httpx.get(url + "/metrics").text
+    finally:
+        out = _stop(proc)
+    assert "2 models: a, b" in out and "memory budget" in out and "unloaded b" in out

@@ -187,7 +187,7 @@ def test_a_key_is_asked_for_on_a_401_kept_and_sent(browser, model, tok, tmp_path
         expect(page.locator("#key-dialog")).to_be_visible()  # /v1/models answered 401
         page.fill("#key-input", "s3cret")
         page.press("#key-input", "Enter")
-        expect(page.locator("#model-name")).to_have_text(NAME)
+        expect(page.locator("#model-pick")).to_have_value(NAME)
         send(page, "Hi")
         settle(page)
         expect(page.locator(".message.assistant .content")).to_have_text("Keyed.")

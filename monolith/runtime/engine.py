@@ -111,6 +111,7 @@ class Engine:
         self._lock = threading.Condition()
         self._running: dict[int, Job] = {}  # the jobs in the batch, by id
         self._closed = False
+        self.idle_since = time.monotonic()  # when the last running request ended (serving/models.py's keep-alive)
         if hasattr(model, "on_broken"):  # a pipeline: its watchdog fails the requests of a stuck worker
             model.on_broken.append(self.abandon)
         self._thread = threading.Thread(target=self._work, name="monolith-engine", daemon=True)
@@ -126,6 +127,18 @@ class Engine:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        """A request (or a task) is running or waiting."""
+        return bool(self._running or self._queue)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the sessions' caches hold now (KV rows and recurrent states; the prompt
+        cache's own are its `nbytes`)."""
+        caches = [session.cache for session in list(self._sessions) if session.cache is not None]
+        return sum(array.nbytes for cache in caches for layer in cache.layers for array in layer.arrays())
 
     @property
     def down(self) -> str | None:
@@ -351,6 +364,8 @@ class Engine:
         job = member.owner
         with self._lock:
             self._running.pop(job.id, None)
+            if not self._running:
+                self.idle_since = time.monotonic()
         if member.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
             job.release()

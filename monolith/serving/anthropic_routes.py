@@ -1,6 +1,6 @@
 """Anthropic's HTTP endpoints (app.py routes them: `routes`): POST /v1/messages and POST
 /v1/messages/count_tokens, on the app's handlers (their access checks, engine, model
-names, body reading and engine driving). The requests: anthropic.py; `thinking` and
+names, body reading and engine driving; `model_for` gives the request's model). The requests: anthropic.py; `thinking` and
 `output_config`: anthropic_options.py; `context_management`: context_edits.py; the
 replies and Anthropic's error body: anthropic_reply.py."""
 
@@ -39,9 +39,11 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (anthropic.py, anthropic_reply.py)."""
         handlers = self.handlers
-        engine = handlers.ready_engine()
         started = time.monotonic()
-        req = anthropic.parse_messages_request(await handlers.read_body(request), handlers.state.defaults)
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        req = anthropic.parse_messages_request(body, model.defaults)
         name = handlers.model_name(req.model)
         images = handlers.prompt_images(engine)  # loaded once for the context edits and the prompt
         chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False, images)
@@ -57,8 +59,10 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: Request) -> Response:
         handlers = self.handlers
-        engine = handlers.ready_engine()
-        req = anthropic.parse_count_tokens_request(await handlers.read_body(request), handlers.state.defaults)
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        req = anthropic.parse_count_tokens_request(body, model.defaults)
         handlers.model_name(req.model)
         images = handlers.prompt_images(engine, count_only=True)  # an image's tokens follow from its size
         chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True, images)

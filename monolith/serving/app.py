@@ -16,7 +16,10 @@ module's `routes(handlers)`), its handlers calling the app's (`_Handlers`).
 
 `create_app(load, config)` answers at once and runs `load()` (which returns an
 Engine) on a background thread: /health says 503 until it is done, and the
-generation endpoints answer 503 meanwhile. Each generation request is validated
+generation endpoints answer 503 meanwhile. `load` may instead be a models.ModelPool
+of several models, loaded when a request names one and unloaded when idle: each
+request asks it for its model (`model_for`) and holds it until the request ends.
+Each generation request is validated
 (schemas.py), rendered and tokenized, then queued in the engine; the handler waits
 for it to start (bounded by the queue timeout) and then either collects the answer or
 streams Server-Sent Events through the API's reply format (the Protocol:
@@ -44,7 +47,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..runtime import heap
-from ..runtime.engine import release_thread_streams
 from ..runtime.grammar import Grammar
 from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
@@ -52,6 +54,7 @@ from .driving import Driver
 from .errors import APIError, ContextOverflow, bad, log_refusal
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
+from .models import ModelPool, ModelSpec, keep_alive_seconds
 from .reasoning import prompt_opens_reasoning
 from .responses_socket import LIMIT_SECONDS
 from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
@@ -99,30 +102,47 @@ class EncodedChat(NamedTuple):
     images: tuple  # models.image_inputs.PreparedImage in prompt order (CountedImage when counting)
 
 
+class LoadedModel(NamedTuple):
+    """A loaded model as the handlers use it: its engine, the sampling defaults of its
+    generation_config.json, its tokens' text."""
+
+    engine: object
+    defaults: SamplingDefaults
+    token_text: TokenText
+
+    @classmethod
+    def of(cls, engine, max_output_tokens: int | None = None) -> LoadedModel:
+        """`max_output_tokens`: --max-output-tokens (SamplingDefaults.from_generation_config)."""
+        config = read_json(engine.tokenizer.path / "generation_config.json")
+        # the grammar vocabulary (seconds at 248K tokens) is built now, not on the first
+        # structured request
+        threading.Thread(target=_prepare_grammars, args=(engine,), name="monolith-grammar", daemon=True).start()
+        return cls(engine, SamplingDefaults.from_generation_config(config, max_output_tokens),
+                   TokenText(engine.tokenizer))
+
+
 class ServerState:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, pool: ModelPool):
         self.config = config
-        self.status = "loading"  # -> "ready" or "failed"
-        self.error: str | None = None
-        self.engine = None
-        self.defaults = SamplingDefaults()
-        self.token_text: TokenText | None = None
+        self.pool = pool  # the models (models.py)
+        pool.prepare = lambda engine: LoadedModel.of(engine, config.max_output_tokens)
         self.metrics = Metrics()
+        self.metrics.bind(pool)
         self.created = int(time.time())
         self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
                                        config.response_store_dir)  # responses_routes.py
         self.recent_images = RecentImages()  # images prepared for earlier requests (images.py)
 
-    def ready(self, engine) -> None:
-        config = read_json(engine.tokenizer.path / "generation_config.json")
-        self.defaults = SamplingDefaults.from_generation_config(config, self.config.max_output_tokens)
-        self.token_text = TokenText(engine.tokenizer)
-        self.metrics.bind(engine)
-        self.engine = engine
-        self.status = "ready"
-        # the grammar vocabulary (seconds at 248K tokens) is built now, not on the first
-        # structured request
-        threading.Thread(target=_prepare_grammars, args=(engine,), name="monolith-grammar", daemon=True).start()
+    @property
+    def status(self) -> str:
+        """The start-up load's: "loading", then "ready" or "failed"."""
+        return self.pool.status
+
+    @property
+    def engine(self):
+        """The default model's Engine while it is loaded, else None."""
+        served = self.pool.default.served
+        return None if served is None else served.engine
 
 
 def _prepare_grammars(engine) -> None:
@@ -132,30 +152,21 @@ def _prepare_grammars(engine) -> None:
         log.warning("structured output is unavailable: llguidance cannot read this tokenizer: %s", e)
 
 
-def create_app(load: Callable[[], object], config: ServerConfig,
+def create_app(load: Callable[[], object] | ModelPool, config: ServerConfig,
                on_load_failure: Callable[[Exception], None] | None = None) -> Starlette:
-    """The app; `load()` runs on a background thread at startup and returns the Engine.
-    If it raises, /health reports the error and `on_load_failure(error)` is called
-    (the CLI uses it to stop the server)."""
-    state = ServerState(config)
-
-    def load_in_background() -> None:
-        try:
-            state.ready(load())
-        except Exception as e:  # noqa: BLE001 - reported on /health and to the caller
-            state.status, state.error = "failed", f"{type(e).__name__}: {e}" if not str(e) else str(e)
-            log.error("loading failed: %s", state.error)
-            if on_load_failure is not None:
-                on_load_failure(e)
-        finally:
-            release_thread_streams()
+    """The app; `load()` runs on a background thread at startup and returns the Engine
+    (served under every name of `config.model_names`), or `load` is the ModelPool of
+    several models, whose default one loads at startup. If that load raises, /health
+    reports the error and `on_load_failure(error)` is called (the CLI uses it to stop
+    the server)."""
+    pool = load if isinstance(load, ModelPool) else ModelPool([ModelSpec(config.model_names, load)])
+    state = ServerState(config, pool)
 
     @asynccontextmanager
     async def lifespan(app):
-        threading.Thread(target=load_in_background, name="monolith-load", daemon=True).start()
+        pool.start(on_load_failure)
         yield
-        if state.engine is not None:
-            await anyio.to_thread.run_sync(state.engine.close)
+        await pool.close()
         await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
 
     handlers = _Handlers(state)
@@ -207,6 +218,8 @@ class _Handlers(Driver):
                 log.exception("%s %s failed", request.method, request.url.path)
                 response = render(APIError(500, "internal server error (the server log has the details)",
                                            code="internal_error"))
+            finally:
+                self.release(request)  # a stream runs on in the engine, which keeps its model loaded
             self.state.metrics.requests.labels(name, str(response.status_code)).inc()
             if getattr(request.state, "body_bytes", 0) >= TRIM_AFTER_BYTES:  # its copies are freed now
                 heap.trim()
@@ -220,15 +233,28 @@ class _Handlers(Driver):
     def authorize(self, request) -> None:
         access.authorize(self.state.config, request)
 
-    def ready_engine(self):
-        state = self.state
-        if state.status == "ready":
-            if state.engine.down:
-                raise APIError(503, f"the model is unavailable: {state.engine.down}", code="model_unavailable")
-            return state.engine
-        if state.status == "failed":
-            raise APIError(503, f"the model failed to load: {state.error}", code="model_load_failed")
-        raise APIError(503, "the model is still loading; retry when GET /health answers 200", code="model_loading")
+    async def model_for(self, connection, body: dict) -> LoadedModel:
+        """The loaded model a request body names (its "model"; without one the default),
+        loaded first if need be (models.ModelPool.hold: 503 during the start-up load, or
+        when it cannot load), and held until `release(connection)`: the endpoint does
+        that when its handler returns. An unknown name is a 404. Takes the body's
+        `keep_alive` (our extension) out of it."""
+        keep_alive = keep_alive_seconds(body.pop("keep_alive", None)) if isinstance(body, dict) else None
+        model = body.get("model") if isinstance(body, dict) else None
+        pool = self.state.pool
+        lease = await pool.hold(self.model_name(model if isinstance(model, str) else None), keep_alive)
+        leases = getattr(connection.state, "leases", [])
+        connection.state.leases = leases + [lease]
+        engine = lease.served.engine
+        if engine.down:
+            raise APIError(503, f"the model is unavailable: {engine.down}", code="model_unavailable")
+        return lease.served
+
+    def release(self, connection) -> None:
+        """Let go of the models `model_for` gave `connection`'s request."""
+        for lease in getattr(connection.state, "leases", ()):
+            lease.release()
+        connection.state.leases = []
 
     # ---------------------------------------------------------------- simple endpoints
 
@@ -237,23 +263,25 @@ class _Handlers(Driver):
             self.check_origin(request)
         except APIError as e:
             return error_response(e)
-        state = self.state
-        if state.status == "ready" and state.engine.down:
-            return JSONResponse({"status": "unhealthy", "message": state.engine.down}, status_code=503)
+        state, engine = self.state, self.state.engine
+        if state.status == "ready" and engine is not None and engine.down:
+            return JSONResponse({"status": "unhealthy", "message": engine.down}, status_code=503)
         if state.status == "ready":
             return JSONResponse({"status": "ok"})
         body = {"status": state.status}
-        if state.error:
-            body["message"] = state.error
+        if state.pool.error:
+            body["message"] = state.pool.error
         return JSONResponse(body, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        state = self.state
-        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "monolith"}
-                for name in state.config.model_names]
-        if state.engine is not None:
-            for entry in data:
-                entry["max_model_len"] = state.engine.max_context
+        state, data = self.state, []
+        for slot in state.pool.slots:
+            for name in slot.spec.names:
+                entry = {"id": name, "object": "model", "created": state.created, "owned_by": "monolith",
+                         "loaded": slot.served is not None, "status": slot.state}
+                if slot.max_context is not None:  # known once it loaded
+                    entry["max_model_len"] = slot.max_context
+                data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
@@ -262,13 +290,15 @@ class _Handlers(Driver):
     # ---------------------------------------------------------------- generation
 
     async def chat(self, request: Request) -> Response:
-        engine = self.ready_engine()
         started = time.monotonic()
-        req = parse_chat_request(await self.read_body(request), self.state.defaults)
+        body = await self.read_body(request)
+        model = await self.model_for(request, body)
+        engine = model.engine
+        req = parse_chat_request(body, model.defaults)
         name = self.model_name(req.model)
 
         def chat_format(reasoning_open: bool) -> ChatFormat:
-            return ChatFormat(name, self.state.token_text, req.logprobs is not None, req.tools, reasoning_open,
+            return ChatFormat(name, model.token_text, req.logprobs is not None, req.tools, reasoning_open,
                               req.spec)
 
         return await self.generate_chat(request, engine, req, chat_format, started)
@@ -319,16 +349,18 @@ class _Handlers(Driver):
         return job, events, fmt
 
     async def completions(self, request: Request) -> Response:
-        engine = self.ready_engine()
         started = time.monotonic()
-        req = parse_completion_request(await self.read_body(request), self.state.defaults)
+        body = await self.read_body(request)
+        model = await self.model_for(request, body)
+        engine = model.engine
+        req = parse_completion_request(body, model.defaults)
         name = self.model_name(req.model)
         if isinstance(req.prompt, str):
             _fits(engine, req.prompt, "prompt")
             prompt_ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, req.prompt)
         else:
             prompt_ids = req.prompt
-        fmt = CompletionFormat(name, self.state.token_text, req.logprobs is not None)
+        fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
         return await self.generate(request, engine, prompt_ids, req, fmt, "prompt", started)
 
     async def read_body(self, request: Request) -> dict:
@@ -360,7 +392,7 @@ class _Handlers(Driver):
         return parse_json_body(b"".join(chunks))
 
     def model_name(self, model: str | None) -> str:
-        names = self.state.config.model_names
+        names = self.state.pool.names()
         if model is None:
             return names[0]
         if model not in names:

@@ -3,7 +3,10 @@
 Request, token and latency series are prefixed `monolith_`; the speculative counters
 use vLLM's names (docs/drafts.md section 5) so existing dashboards read them, besides
 ours for per-request drafting (docs/drafts.md 4.2): the fallback's plain rounds and its
-switches between drafted and plain rounds, by direction and reason.
+switches between drafted and plain rounds, by direction and reason. With several models
+(serving/models.py) the queue and prompt-cache series add up the loaded models' (a
+model's counters leave the sums when it is unloaded), and `ModelCollector` gives each
+configured model's loaded state, last load time and cache bytes, labelled by model.
 """
 
 from __future__ import annotations
@@ -66,11 +69,16 @@ class Metrics:
         for to, reason in SWITCHES:
             self.spec_switches.labels(to, reason)
 
-    def bind(self, engine) -> None:
-        """Read the queue gauges and the prompt cache's series from the engine at scrape time."""
-        self.running.set_function(lambda: engine.running)
-        self.waiting.set_function(lambda: engine.waiting)
-        self.registry.register(PromptCacheCollector(engine.prompt_cache))
+    def bind(self, pool) -> None:
+        """Read the queue gauges, the prompt caches' series and the models' from the
+        loaded engines of `pool` (models.ModelPool) at scrape time."""
+        def engines():
+            return [slot.served.engine for slot in pool.loaded()]
+
+        self.running.set_function(lambda: sum(engine.running for engine in engines()))
+        self.waiting.set_function(lambda: sum(engine.waiting for engine in engines()))
+        self.registry.register(PromptCacheCollector(lambda: [engine.prompt_cache for engine in engines()]))
+        self.registry.register(ModelCollector(pool))
         self.registry.register(MemoryCollector())
         ProcessCollector(registry=self.registry)
 
@@ -104,32 +112,58 @@ class Metrics:
 
 
 class PromptCacheCollector:
-    """The prompt cache's counters and sizes (all zero when the cache is off)."""
+    """The prompt caches' counters and sizes, summed over `caches()` (all zero when the
+    cache is off)."""
 
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, caches):
+        self.caches = caches
 
     def collect(self):
-        cache = self.cache
-        stats = None if cache is None else cache.stats
-        store = None if cache is None else cache.store
+        caches = [cache for cache in self.caches() if cache is not None]
+        stores = [cache.store for cache in caches if cache.store is not None]
         series = (
-            (CounterMetricFamily, "hits", "Requests that resumed from a cached prefix", stats and stats.hits),
-            (CounterMetricFamily, "misses", "Requests that prefilled from the first token", stats and stats.misses),
+            (CounterMetricFamily, "hits", "Requests that resumed from a cached prefix", [c.stats.hits for c in caches]),
+            (CounterMetricFamily, "misses", "Requests that prefilled from the first token",
+             [c.stats.misses for c in caches]),
             (CounterMetricFamily, "evictions", "Saved states dropped to stay within the memory budget",
-             stats and stats.evictions),
-            (CounterMetricFamily, "disk_hits", "Saved states loaded from --prompt-cache-dir", stats and stats.disk_hits),
-            (GaugeMetricFamily, "saved_states", "Saved states held in memory", cache and cache.saved_states),
+             [c.stats.evictions for c in caches]),
+            (CounterMetricFamily, "disk_hits", "Saved states loaded from --prompt-cache-dir",
+             [c.stats.disk_hits for c in caches]),
+            (GaugeMetricFamily, "saved_states", "Saved states held in memory", [c.saved_states for c in caches]),
             (GaugeMetricFamily, "bytes", "Bytes of KV rows and recurrent states the prompt cache holds",
-             cache and cache.nbytes),
+             [c.nbytes for c in caches]),
             (GaugeMetricFamily, "budget_bytes", "The prompt cache's memory budget (--prompt-cache-size)",
-             cache and cache.budget),
-            (GaugeMetricFamily, "disk_files", "State files in --prompt-cache-dir", store and store.files),
-            (GaugeMetricFamily, "disk_bytes", "Bytes of the state files in --prompt-cache-dir", store and store.nbytes))
-        for family, name, doc, value in series:
+             [c.budget for c in caches]),
+            (GaugeMetricFamily, "disk_files", "State files in --prompt-cache-dir", [s.files for s in stores]),
+            (GaugeMetricFamily, "disk_bytes", "Bytes of the state files in --prompt-cache-dir",
+             [s.nbytes for s in stores]))
+        for family, name, doc, values in series:
             metric = family(f"monolith_prompt_cache_{name}", doc)
-            metric.add_metric([], value or 0)
+            metric.add_metric([], sum(value or 0 for value in values))
             yield metric
+
+
+class ModelCollector:
+    """Each configured model's state (serving/models.py), labelled by its name: loaded or
+    not, its last load's seconds, the bytes of its sessions' caches (KV rows and
+    recurrent states of the running and kept sequences; the prompt cache's are
+    monolith_prompt_cache_bytes)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        loaded = GaugeMetricFamily("monolith_model_loaded", "1 while the model is loaded, else 0", labels=["model"])
+        seconds = GaugeMetricFamily("monolith_model_load_seconds", "How long the model's last load took",
+                                    labels=["model"])
+        kv = GaugeMetricFamily("monolith_kv_cache_bytes", "Bytes of the model's sequence caches (KV rows and "
+                                                          "recurrent states) in memory", labels=["model"])
+        for slot in self.pool.slots:
+            served = slot.served
+            loaded.add_metric([slot.name], 0 if served is None else 1)
+            seconds.add_metric([slot.name], slot.load_seconds)
+            kv.add_metric([slot.name], 0 if served is None else served.engine.cache_bytes)
+        yield from (loaded, seconds, kv)
 
 
 class MemoryCollector:

@@ -84,10 +84,12 @@ class ResponsesRoutes:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API on the chat path (responses_api.py, responses_reply.py)."""
         handlers = self.handlers
-        engine = handlers.ready_engine()
         started = time.monotonic()
         state = handlers.state
-        call = responses_api.parse_request(await handlers.read_body(request), state.defaults, state.responses)
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        call = responses_api.parse_request(body, model.defaults, state.responses)
         name = handlers.model_name(call.request.model)
         make_format = responses_reply.format_maker(name, call, state.responses, engine.tokenizer)
         response = await handlers.generate_chat(request, engine, call.request, make_format, started, "input")
@@ -100,9 +102,11 @@ class ResponsesRoutes:
     async def input_tokens(self, request: Request) -> Response:
         """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""
         handlers = self.handlers
-        engine = handlers.ready_engine()
         state = handlers.state
-        call = responses_api.parse_request(await handlers.read_body(request), state.defaults, state.responses)
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        call = responses_api.parse_request(body, model.defaults, state.responses)
         handlers.model_name(call.request.model)
         prompt = await handlers.encode_chat(engine, call.request, handlers.prompt_images(engine, count_only=True))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.ids)})
@@ -110,10 +114,11 @@ class ResponsesRoutes:
     async def compact(self, request: Request) -> Response:
         """POST /v1/responses/compact: the conversation summarized by the model (responses_compact.py)."""
         handlers = self.handlers
-        engine = handlers.ready_engine()
         started = time.monotonic()
-        req, kept = responses_compact.parse_compact(await handlers.read_body(request), handlers.state.defaults,
-                                                    handlers.state.responses)
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        req, kept = responses_compact.parse_compact(body, model.defaults, handlers.state.responses)
         handlers.model_name(req.model)
         return await handlers.generate_chat(request, engine, req, lambda opened: responses_compact.CompactFormat(
             kept, opened), started, "input")

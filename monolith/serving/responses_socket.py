@@ -125,6 +125,8 @@ class _Connection:
         except Exception as e:  # noqa: BLE001 - our own failures are logged by _api_error
             failure = _api_error(e)
             await self._send(_error(failure))
+        finally:
+            self.handlers.release(self.websocket)  # the turn's model (app.model_for)
         if failure is not None:
             self._forget(previous)
         self.handlers.state.metrics.requests.labels("responses", str(failure.status if failure else 200)).inc()
@@ -133,9 +135,10 @@ class _Connection:
         """Generate the response of a create body, sending its events; the error if it
         failed mid-stream (its response.failed was sent)."""
         handlers = self.handlers
-        engine = handlers.ready_engine()
         started = time.monotonic()
-        call = responses_api.parse_request(body, handlers.state.defaults, self)
+        model = await handlers.model_for(self.websocket, body)
+        engine = model.engine
+        call = responses_api.parse_request(body, model.defaults, self)
         name = handlers.model_name(call.request.model)
         make_format = responses_reply.format_maker(name, call, handlers.state.responses, engine.tokenizer)
         job, events, fmt = await handlers.start_chat(engine, call.request, make_format, started, "input")

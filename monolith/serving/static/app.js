@@ -204,14 +204,30 @@ function bindComposer() {
 
 // ------------------------------------------------------------ start
 
-async function showModelName() {
+// The model picker: the server's configured models, each with whether it is loaded
+// (GET /v1/models); the pick is kept in the settings and sent as the request's `model`.
+async function showModels() {
+  const pick = $("model-pick");
   try {
-    const models = await getJSON("/v1/models");
-    $("model-name").textContent = models.data.map((m) => m.id).join(", ");
+    const models = (await getJSON("/v1/models")).data;
+    if (!models.some((m) => m.id === settings.model)) settings.model = models[0]?.id || "";
+    pick.replaceChildren(...models.map((m) => {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = m.loaded === false ? `${m.id} (not loaded)` : m.id;
+      option.selected = m.id === settings.model;
+      return option;
+    }));
   } catch (e) {
-    $("model-name").textContent = `(${e.message})`;
+    pick.replaceChildren(new Option(`(${e.message})`, ""));
   }
 }
+
+$("model-pick").addEventListener("change", (e) => {
+  settings.model = e.target.value;
+  saveSettings(settings);
+});
+$("model-pick").addEventListener("focus", showModels); // the loaded states as they are now
 
 onKeyNeeded(askKey);
 $("new-chat").addEventListener("click", startNew);
@@ -223,5 +239,5 @@ bindSettings();
 bindComposer();
 drawSidebar();
 chat.render();
-showModelName();
+showModels();
 document.body.dataset.ready = "true";

@@ -5,7 +5,8 @@
 
 const CONVERSATIONS = "monolith.conversations";
 const SETTINGS = "monolith.settings";
-export const DEFAULT_SETTINGS = { system: "", temperature: "", topP: "", maxTokens: "", thinking: true, tint: true };
+export const DEFAULT_SETTINGS = { system: "", temperature: "", topP: "", maxTokens: "", thinking: true, tint: true,
+                                  model: "" };
 
 function read(item, fallback) {
   try {
