@@ -133,6 +133,14 @@ class ServerState:
                                        config.response_store_dir)  # responses_routes.py
         self.recent_images = RecentImages()  # images prepared for earlier requests (images.py)
 
+    def defaults_for(self, engine) -> SamplingDefaults:
+        """The sampling defaults (the output cap among them) of the loaded model whose
+        Engine `engine` is."""
+        for slot in self.pool.loaded():
+            if slot.served.engine is engine:
+                return slot.served.defaults
+        return SamplingDefaults.from_generation_config(None, self.config.max_output_tokens)
+
     @property
     def status(self) -> str:
         """The start-up load's: "loading", then "ready" or "failed"."""

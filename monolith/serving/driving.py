@@ -57,7 +57,7 @@ class Driver:
         (models.image_inputs.PreparedImage, in prompt order)."""
         limit, max_tokens = self.state.config.max_tokens_limit, req.max_tokens
         if max_tokens is None:  # the server's default output cap (schemas.SamplingDefaults)
-            max_tokens = self.state.defaults.max_tokens
+            max_tokens = self.state.defaults_for(engine).max_tokens
         if limit is not None:
             max_tokens = limit if max_tokens is None else min(max_tokens, limit)
         gen = GenerationRequest(tuple(prompt_ids), max_tokens, req.params, req.stop, req.logprobs,
