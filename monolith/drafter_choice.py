@@ -110,12 +110,13 @@ def choose(measured: list[Measured]) -> Measured | None:
 
 
 def report(measured: list[Measured], chosen: Measured | None) -> str:
-    """The log line: every candidate's figures and the choice."""
+    """The log line: every candidate's figures and the one chosen (the start's decision
+    is engine_setup.decision's line, once the decoder is made)."""
     figures = "; ".join(m.describe() for m in measured)
-    verdict = (f"drafting with {chosen.candidate.name} ({chosen.gamma} proposals a round)" if chosen
-               else "plain decoding (no drafter pays here)")
-    return (f"drafters measured on {len(CALIBRATION_PROMPTS)} calibration prompts: {figures}; plain decoding: 1.00x. "
-            f"Using {verdict}; --draft forces one")
+    best = (f"best: {chosen.candidate.name} ({chosen.gamma} proposals a round)" if chosen
+            else "none pays here")
+    return (f"drafters measured on {len(CALIBRATION_PROMPTS)} calibration prompts: {figures}; plain decoding: 1.00x; "
+            f"{best} (one --draft forces a drafter)")
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,8 @@ def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], lo
         return Choice(None)
     if plan.forced or not fallback or args.spec_sched is not None:
         if len(candidates) > 1:
-            log(f"drafting with {candidates[0].name}, the first of {len(candidates)} drafters "
-                "(serve and chat measure which pays)")
+            why = "generate measures nothing" if not fallback else f"--spec-sched {args.spec_sched} measures nothing"
+            log(f"{why}: {candidates[0].name} is used, the first of {len(candidates)} drafters")
         return Choice(candidates[0])
     block, usable = args.draft_block_size, []
     for c in candidates:

@@ -275,6 +275,7 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     decoder, draft_name, not_drafting = None, None, choice.not_drafting
     if drafter is not None:
         decoder, draft_name, not_drafting = _drafting(args, plan, choice, model, log, fallback, profile, max_batch)
+    log(decision(draft_name, not_drafting, args))
     drafter = getattr(decoder, "drafter", None)
     try:
         reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
@@ -291,6 +292,16 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     log(f"ready in {time.perf_counter() - started:.1f} s: {plan.name}"
         + (f" with draft {draft_name}" if draft_name else " (plain decoding)"))
     return engine
+
+
+def decision(draft_name: str | None, not_drafting: str | None, args) -> str:
+    """The one log line that says how this start decodes, once it is decided."""
+    if draft_name:
+        how = ("measured to pay here" if args.spec_sched is None else f"--spec-sched {args.spec_sched}: always")
+        return f"decoding: drafting with {draft_name} ({how})"
+    if not_drafting:
+        return f"decoding: plain ({not_drafting})"
+    return "decoding: plain (no draft)"
 
 
 def target_vision(args, target_pack: Path, model, log) -> Vision | None:
@@ -367,7 +378,7 @@ def mtp_drafter(target_pack, model, verify: str, log) -> MTPDrafter:
     except PackError as e:
         raise SetupError(f"--draft mtp: {e}") from None
     drafter = MTPDrafter(head)
-    log(f"drafting with the target's MTP head: up to {drafter.max_proposals} proposals a round, one head step each")
+    log(f"loaded the target's MTP head: up to {drafter.max_proposals} proposals a round, one head step each")
     return drafter
 
 
@@ -391,8 +402,7 @@ def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: 
         measured = measure_break_even(model, drafter, gamma, SamplingParams())
         cut = f"drafting pays below {round_pay_limit(gamma):.1f} (a round emits at most {gamma + 1} tokens)"
         if not round_can_pay(measured.steps, gamma):
-            log(f"a drafted round costs {measured.describe()} here; {cut}: serving with plain decoding "
-                "(--spec-sched fixed drafts anyway)")
+            log(f"a drafted round costs {measured.describe()} here; {cut}: it cannot pay")
             return None, measured
         log(f"a drafted round costs {measured.describe()} here; {cut}: a request drafts while its rounds emit "
             "at least that many tokens, and takes plain steps otherwise")

@@ -157,6 +157,7 @@ def serve(args, plan) -> int:
         return _failed(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10, http=timed_h11(args.header_timeout)))
+    logging.getLogger("uvicorn.access").addFilter(HealthPolls())
     log.info("loading %s in the background; /health answers 503 until it is ready", plan.name)
     try:
         server.run()
@@ -168,6 +169,23 @@ def serve(args, plan) -> int:
     if failures:
         return _failed(str(failures[0]).replace("\n", " "))
     return 0 if server.started else 1
+
+
+class HealthPolls(logging.Filter):
+    """The access log's GET /health lines: of a run of 503s (a client polling while the
+    model loads) only the first; every other answer as it comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = None  # the status of the last /health answer logged or dropped
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) < 5 or str(args[2]).split("?")[0] != "/health":
+            return True
+        repeated = args[4] == 503 and self.last == 503
+        self.last = args[4]
+        return not repeated
 
 
 def _failed(error) -> int:

@@ -122,10 +122,12 @@ def test_serve_measures_each_drafter_and_uses_the_one_that_pays_best(mtp_pair, m
         assert f"{mtp_pair[1]}: " in line and f"{MTP_DRAFT}: " in line and "plain decoding: 1.00x" in line
         if chosen is None:
             assert getattr(engine.decoder, "drafter", None) is None and engine.draft_name is None
-            assert "Using plain decoding (no drafter pays here)" in line and "none pays here" in engine.not_drafting
+            assert "none pays here" in line and "none pays here" in engine.not_drafting
+            assert logs[[i for i, m in enumerate(logs) if m.startswith("decoding: ")][0]].startswith("decoding: plain (")
         else:
             name = MTP_DRAFT if chosen == MTP_DRAFT else str(mtp_pair[1])
-            assert engine.draft_name == name and f"Using drafting with {name}" in line
+            assert engine.draft_name == name and f"best: {name} (" in line
+            assert f"decoding: drafting with {name} (measured to pay here)" in logs
             assert isinstance(engine.decoder.drafter, MTPDrafter) == (chosen == MTP_DRAFT)
             assert engine.decoder.break_even == min(mtp_cost, dspark_cost)
         finished = engine.run_request(GenerationRequest(tuple(PROMPT[:6]), max_tokens=10), engine.new_session())[1]
