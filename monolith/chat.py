@@ -21,6 +21,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
+from .blas import preload_openblas
 from .cli import ArgumentParser, print_failure
 from .conversation import Attachment, Conversation
 from .distributed import add_distributed_arguments, join, to_stderr
@@ -393,5 +394,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     sys.stdout.reconfigure(encoding="utf-8")
     sys.exit(main())

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .blas import describe as describe_blas
 from .cli import byte_size
 from .drafter_choice import Candidate, Choice, choose_drafter
 from .models import load_draft, load_model, load_mtp
@@ -259,6 +260,8 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     --max-batch): their caches must fit the memory free after loading. Without
     --max-context the context is the model's own, capped by memory (`choose_context`)."""
     started = time.perf_counter()
+    if (blas := describe_blas()) is not None:
+        log(blas)
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from .blas import preload_openblas
 from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
@@ -203,4 +204,5 @@ def _loopback_address(host: str) -> bool:
 
 
 if __name__ == "__main__":
+    preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     sys.exit(main())
