@@ -163,3 +163,13 @@ def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], lo
         figures = ", ".join(f"{m.candidate.name} {m.speed:.2f}x plain" for m in measured)
         return Choice(None, not_drafting=f"drafts loaded, not drafting: none pays here ({figures})")
     return Choice(chosen.candidate, chosen.gamma, chosen.cost)
+
+
+def decision(draft_name: str | None, not_drafting: str | None, args) -> str:
+    """The one log line that says how a start decodes, once its decoder is made."""
+    if draft_name:
+        how = ("measured to pay here" if args.spec_sched is None else f"--spec-sched {args.spec_sched}: always")
+        return f"decoding: drafting with {draft_name} ({how})"
+    if not_drafting:
+        return f"decoding: plain ({not_drafting})"
+    return "decoding: plain (no draft)"

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from .blas import describe as describe_blas
 from .cli import byte_size
-from .drafter_choice import Candidate, Choice, choose_drafter
+from .drafter_choice import Candidate, Choice, choose_drafter, decision
 from .models import load_draft, load_model, load_mtp
 from .models.vision import Vision, vision_of
 from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
+from .pack.catalog import cached_or_path
 from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import (
     BreakEven,
@@ -207,6 +208,8 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
     target's MTP head is a drafter where its pack carries one (the demo's does), beside
     the demo's DSpark draft."""
     target, drafts = plan.target, plan.drafts
+    args = argparse.Namespace(**vars(args) | {"pack": cached_or_path(args.pack),
+                                              "draft_pack": cached_or_path(args.draft_pack)})
     auto = not args.no_draft and not plan.draft_explicit
     with_mtp = MTP_DRAFT in drafts
     if target is None and args.pack is None:
@@ -295,16 +298,6 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     log(f"ready in {time.perf_counter() - started:.1f} s: {plan.name}"
         + (f" with draft {draft_name}" if draft_name else " (plain decoding)"))
     return engine
-
-
-def decision(draft_name: str | None, not_drafting: str | None, args) -> str:
-    """The one log line that says how this start decodes, once it is decided."""
-    if draft_name:
-        how = ("measured to pay here" if args.spec_sched is None else f"--spec-sched {args.spec_sched}: always")
-        return f"decoding: drafting with {draft_name} ({how})"
-    if not_drafting:
-        return f"decoding: plain ({not_drafting})"
-    return "decoding: plain (no draft)"
 
 
 def target_vision(args, target_pack: Path, model, log) -> Vision | None:
