@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .runtime.calibrate import BreakEven, measure_acceptance, measure_break_even, pays
+from .runtime.decoder import SpeculativeDecoder
 from .runtime.rounds import check_gamma
 from .sampling import SamplingParams
 from .tokenizer import TokenizerError
@@ -128,6 +129,27 @@ class Choice:
     gamma: int | None = None
     cost: BreakEven | None = None
     not_drafting: str | None = None
+    spare: Measured | None = None  # none pays: the fastest candidate, for requests that ask to draft
+
+
+def on_request(choice: Choice, decoder, args, model):
+    """(a decoder that drafts every round, its draft's name) for requests that ask to be
+    drafted (`monolith.draft`), or (None, None): the start's drafting decoder's drafter,
+    else the drafter chosen but not drafting (its round cannot pay), else the fastest
+    measured (none pays): the demo's draft and MTP head are tiny beside the target."""
+    if decoder is not None:  # it drafts already: a request that asks drafts with its fallback off
+        drafter, gamma, name = decoder.drafter, decoder.gamma, choice.candidate.name
+    elif choice.candidate is not None:
+        drafter, gamma, name = choice.candidate.drafter, choice.gamma, choice.candidate.name
+    elif choice.spare is not None:
+        drafter, gamma, name = choice.spare.candidate.drafter, choice.spare.gamma, choice.spare.candidate.name
+    else:
+        return None, None
+    try:
+        gamma = gamma or check_gamma(args.draft_block_size, drafter.max_proposals)
+    except ValueError:
+        return None, None
+    return SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma), name
 
 
 def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], log,
@@ -161,7 +183,8 @@ def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], lo
     log(report(measured, chosen))
     if chosen is None:
         figures = ", ".join(f"{m.candidate.name} {m.speed:.2f}x plain" for m in measured)
-        return Choice(None, not_drafting=f"drafts loaded, not drafting: none pays here ({figures})")
+        return Choice(None, not_drafting=f"drafts loaded, not drafting: none pays here ({figures})",
+                      spare=max(measured, key=lambda m: m.speed))
     return Choice(chosen.candidate, chosen.gamma, chosen.cost)
 
 

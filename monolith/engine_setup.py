@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .blas import describe as describe_blas
 from .cli import byte_size
-from .drafter_choice import Candidate, Choice, choose_drafter, decision
+from .drafter_choice import Candidate, Choice, choose_drafter, decision, on_request
 from .models import load_draft, load_model, load_mtp
 from .models.vision import Vision, vision_of
 from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
@@ -281,15 +281,24 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     decoder, draft_name, not_drafting = None, None, choice.not_drafting
     if drafter is not None:
         decoder, draft_name, not_drafting = _drafting(args, plan, choice, model, log, fallback, profile, max_batch)
-    log(decision(draft_name, not_drafting, args))
     drafter = getattr(decoder, "drafter", None)
+    on_request_decoder, on_request_name = on_request(choice, decoder, args, model)
+    reserved = None
+    if on_request_decoder is not None:  # the caches of requests that ask to draft count too, where they fit
+        try:
+            reserved = batch_memory(model, on_request_decoder.drafter, args.max_context, max_batch, log)
+        except SizingError:
+            on_request_decoder = on_request_name = None
     try:
-        reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
+        reserved = reserved if reserved is not None else batch_memory(model, drafter, args.max_context, max_batch, log)
     except SizingError as e:
         raise SetupError(str(e)) from None
+    log(decision(draft_name, not_drafting, args)
+        + (f"; a request may ask to draft with {on_request_name} (monolith.draft)"
+           if on_request_decoder and not draft_name else ""))
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
-                    not_drafting=not_drafting,
+                    not_drafting=not_drafting, draft_decoder=on_request_decoder, draft_decoder_name=on_request_name,
                     prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default, reserved),
                     max_batch=max_batch, vision=target_vision(args, sources.target_pack, model, log))
     if not args.no_warmup:

@@ -133,6 +133,13 @@ def test_serve_measures_each_drafter_and_uses_the_one_that_pays_best(mtp_pair, m
         finished = engine.run_request(GenerationRequest(tuple(PROMPT[:6]), max_tokens=10), engine.new_session())[1]
         want = plain(engine.model, PROMPT[:6], 10, stop_ids=engine.stop_ids).token_ids
         assert list(finished.token_ids) == want
+        # a request may ask to be drafted whatever the choice (monolith.draft): the fastest
+        # candidate where none pays; greedy output is the same, and its rounds draft
+        assert engine.can_draft and engine.draft_decoder_name in (MTP_DRAFT, str(mtp_pair[1]))
+        if chosen is None:
+            assert engine.draft_decoder_name == MTP_DRAFT  # the cheaper round of the two
+        drafted = engine.run_request(GenerationRequest(tuple(PROMPT[:6]), max_tokens=10, draft=True))[1]
+        assert list(drafted.token_ids) == want and drafted.spec.drafts > 0
     finally:
         engine.close()
 

@@ -47,8 +47,8 @@ def test_pack_list_inspect_by_served_name_and_rm(tmp_path, monkeypatch):
     assert header.split() == ["NAME", "SOURCE", "ROLE", "SIZE", "LAST", "USED", "VERIFIED"]
     assert len(rows) == 2 and total == f"(2 packs in {tmp_path / 'packs'})"
     names = {row.split()[2]: row.split()[0] for row in rows}  # role -> name
-    assert names["target"].startswith("monolith-demo-") and names["target"].endswith(".target.stored.mtp")
-    assert names["draft"].startswith("monolith-demo-") and names["draft"].endswith(".draft.nvfp4")
+    assert names["target"].startswith("demo-target-") and names["target"].endswith(".target.stored.mtp")
+    assert names["draft"].startswith("demo-draft-") and names["draft"].endswith(".draft.nvfp4")
     assert {row.split()[1] for row in rows} == {str(target), str(draft)}
     [doc] = [d for d in json.loads(pack_cli("list", "--json", cache_dir=tmp_path).stdout) if d["role"] == "target"]
     assert doc["aliases"] == ["monolith-demo"] and doc["bytes"] > 0 and doc["verified"] in (True, False)

@@ -62,7 +62,7 @@ def resolve_pack(
     path = resolve_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
     key = source_key(path, role, quantization, with_mtp)
     root = Path(cache_dir or cache_root())
-    out = root / cache_name(source, path, role, quantization, with_mtp, alias)
+    out = root / cache_name(source, path, role, quantization, with_mtp)
     stamp = out.parent / f".{out.name}.cache_key"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out, "cache")):  # check, build and stamp as one step

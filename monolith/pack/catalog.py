@@ -2,11 +2,12 @@
 model's name (`monolith-demo`, a hub id) taken wherever a pack directory is.
 
 A cached pack is named by what it is: its source (the hub id, `org--name`; a local
-checkpoint's directory name, or the name it is served as, with a short hash of the
-directory holding it, so that two checkouts never share one), its role and its precision, plus `.mtp` when it
+checkpoint's directory name, with its parent's where that is only a role such as
+`target`, and a short hash of the directory holding it, so that two checkouts never
+share one), its role and its precision, plus `.mtp` when it
 keeps the MTP head: `nvidia--Qwen3.6-35B-A3B-NVFP4.target.stored`,
-`monolith-demo-3fa2c1.draft.nvfp4`. Beside it, `.NAME.source.json` records the source,
-the build options, the names it is served as and when it was last used."""
+`demo-draft-3fa2c1.draft.nvfp4`. Beside it, `.NAME.source.json` records the source, the
+build options, the names it is served as (`monolith-demo`) and when it was last used."""
 
 from __future__ import annotations
 
@@ -33,17 +34,16 @@ def precision_word(role: str | None, quantization: str) -> str:
     return {"none": "unquantized"}.get(quantization, quantization)
 
 
-def cache_name(source, path: Path, role: str | None, quantization: str, with_mtp: bool,
-               alias: str | None = None) -> str:
+def cache_name(source, path: Path, role: str | None, quantization: str, with_mtp: bool) -> str:
     """The cached pack's directory name for this source (`path`: the resolved checkpoint)
     and build options."""
     text = str(source)
     if Path(text).is_dir():  # a local checkpoint: its name, and where it is
         where = hashlib.sha256(str(path.resolve().parent).encode()).hexdigest()[:6]  # one per checkout
         name = path.resolve().name
-        if alias is None and name.lower() in ROLE_WORDS:
+        if name.lower() in ROLE_WORDS:
             name = f"{path.resolve().parent.name}-{name}"
-        base = f"{alias or name}-{where}"
+        base = f"{name}-{where}"
     else:  # a hub id
         base = text.replace("/", "--")
     base = re.sub(r"[^A-Za-z0-9._-]+", "_", base).strip("_.")[-80:] or "model"

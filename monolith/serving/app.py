@@ -248,8 +248,13 @@ class _Handlers(Driver):
         data = [{"id": name, "object": "model", "created": state.created, "owned_by": "monolith"}
                 for name in state.config.model_names]
         if state.engine is not None:
+            engine = state.engine
             for entry in data:
-                entry["max_model_len"] = state.engine.max_context
+                entry["max_model_len"] = engine.max_context
+                # how this server decodes (docs/serving.md, "Speculation in the stream")
+                entry["monolith"] = {"decoding": "drafting" if engine.draft_name else "plain",
+                                     "draft": engine.draft_name or engine.draft_decoder_name,
+                                     "draft_on_request": engine.can_draft}
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
