@@ -1,7 +1,7 @@
 """The HTTP app (starlette) that serves the OpenAI, Anthropic and Responses APIs
 (docs/serving.md is the contract). `create_app` routes:
 
-- GET /health, GET /metrics, GET /v1/models;
+- GET /health, GET /metrics (and /metrics/history: gauge_history.py), GET /v1/models;
 - GET / and GET /static/...: the chat page (page.py);
 - POST /v1/chat/completions and /v1/completions (OpenAI);
 - POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
@@ -28,6 +28,7 @@ first (access.py). Errors come as the API's own error body (Anthropic's on the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad
+from .gauge_history import SAMPLE_SECONDS, GaugeHistory
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .reasoning import prompt_opens_reasoning
@@ -106,6 +108,7 @@ class ServerState:
         self.defaults = SamplingDefaults()
         self.token_text: TokenText | None = None
         self.metrics = Metrics()
+        self.history = GaugeHistory()  # the status tab's last minutes (gauge_history.py)
         self.created = int(time.time())
         self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
                                        config.response_store_dir)  # responses_routes.py
@@ -148,10 +151,18 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         finally:
             release_thread_streams()
 
+    async def keep_gauges():  # the status tab's last minutes (gauge_history.py)
+        while True:
+            if state.engine is not None:
+                state.history.take(state.metrics.render)
+            await anyio.sleep(SAMPLE_SECONDS)
+
     @asynccontextmanager
     async def lifespan(app):
         threading.Thread(target=load_in_background, name="monolith-load", daemon=True).start()
+        gauges = asyncio.get_running_loop().create_task(keep_gauges())
         yield
+        gauges.cancel()
         if state.engine is not None:
             await anyio.to_thread.run_sync(state.engine.close)
         await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
@@ -163,6 +174,7 @@ def create_app(load: Callable[[], object], config: ServerConfig,
         Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
         Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
+        Route("/metrics/history", handlers.endpoint("metrics", handlers.metrics_history), methods=["GET"]),
         *[route for api_routes in API_ROUTES for route in api_routes(handlers)],
         *page.routes(handlers),  # the chat page at / (page.py)
     ]
@@ -259,6 +271,9 @@ class _Handlers(Driver):
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def metrics_history(self, request: Request) -> Response:
+        return JSONResponse(self.state.history.as_json())
 
     # ---------------------------------------------------------------- generation
 

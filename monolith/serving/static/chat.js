@@ -29,6 +29,7 @@ export function requestBody(messages, settings) {
                    max_tokens: number(settings.maxTokens, (t) => parseInt(t, 10)) };
   for (const [k, v] of Object.entries(fields)) if (v !== undefined && !Number.isNaN(v)) body[k] = v;
   if (!settings.thinking) body.chat_template_kwargs = { enable_thinking: false };
+  if (settings.draft === true || (settings.draft === null && settings.draftByDefault)) body.monolith = { draft: true };
   return body;
 }
 
