@@ -217,7 +217,7 @@ def test_a_loaded_draft_that_does_not_draft_says_so_not_no_draft(tmp_path, monke
     finally:
         engine.close()
     reason = f"draft {draft} loaded, not drafting: a drafted round costs 9.0 plain steps"
-    assert engine.draft_name is None and f"(plain decoding; {reason}" in text
+    assert engine.draft_name is None and "plain decoding (a draft is loaded but does not pay here; /stats says why)" in text
     assert "| acceptance n/a (draft loaded, not drafting) |" in text and f"acceptance: n/a ({reason}" in text
     assert "no draft" not in text
 
