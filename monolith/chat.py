@@ -21,6 +21,7 @@ import sys
 import unicodedata
 from pathlib import Path
 
+from .blas import preload_openblas
 from .cli import ArgumentParser, print_failure
 from .conversation import Attachment, Conversation
 from .distributed import add_distributed_arguments, join, to_stderr
@@ -53,7 +54,7 @@ from .sampling import SamplingParams, add_sampling_arguments
 from .serving.errors import APIError
 from .serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
 
-HELP = ("commands: /reset  /system TEXT  /stats  /think on|off  /image PATH  /save FILE  /load FILE  /quit   "
+HELP = ("commands: /help  /reset  /system TEXT  /stats  /think on|off  /image PATH  /save FILE  /load FILE  /quit   "
         "(Ctrl-C stops a reply, Ctrl-D leaves)")
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # how a terminal shows the model's reasoning
 
@@ -90,9 +91,7 @@ class Chat:
 
     def run(self, read=input) -> int:
         engine = self.engine
-        mode = (f"draft {engine.draft_name}" if engine.draft_name
-                else f"plain decoding; {engine.not_drafting}" if engine.not_drafting else "plain decoding")
-        self.write(f"monolith chat: {self.name} ({mode}); {HELP}\n")
+        self.write(self.banner() + "\n")
         while True:
             try:
                 line = read("> ")
@@ -116,7 +115,9 @@ class Chat:
         name, _, rest = line.partition(" ")
         if name in ("/quit", "/exit"):
             return True
-        if name == "/reset":
+        if name in ("/help", "/?"):
+            self.write(HELP + "\n")
+        elif name == "/reset":
             self.reset()
             self.write("(new conversation)\n")
         elif name == "/system":
@@ -140,8 +141,19 @@ class Chat:
         elif name == "/load":
             self.write(self.load(Path(rest.strip()).expanduser()) + "\n")
         else:
-            self.write(f"unknown command {name}; {HELP}\n")
+            self.write(f"unknown command {name}; /help lists the commands\n")
         return False
+
+    def banner(self) -> str:
+        """One line: the model, whether it drafts (in words), the context, where help is."""
+        engine = self.engine
+        if engine.draft_name:
+            mode = f"drafting with {engine.draft_name}"
+        elif engine.not_drafting:
+            mode = "plain decoding (a draft is loaded but does not pay here; /stats says why)"
+        else:
+            mode = "plain decoding"
+        return f"monolith chat: {self.name}, {mode}, context {engine.max_context} tokens; /help for commands"
 
     def _drafter(self):
         return getattr(self.engine.decoder, "drafter", None)
@@ -382,5 +394,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     sys.stdout.reconfigure(encoding="utf-8")
     sys.exit(main())

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .runtime.calibrate import BreakEven, measure_acceptance, measure_break_even, pays
+from .runtime.decoder import SpeculativeDecoder
 from .runtime.rounds import check_gamma
 from .sampling import SamplingParams
 from .tokenizer import TokenizerError
@@ -110,12 +111,13 @@ def choose(measured: list[Measured]) -> Measured | None:
 
 
 def report(measured: list[Measured], chosen: Measured | None) -> str:
-    """The log line: every candidate's figures and the choice."""
+    """The log line: every candidate's figures and the one chosen (the start's decision
+    is engine_setup.decision's line, once the decoder is made)."""
     figures = "; ".join(m.describe() for m in measured)
-    verdict = (f"drafting with {chosen.candidate.name} ({chosen.gamma} proposals a round)" if chosen
-               else "plain decoding (no drafter pays here)")
-    return (f"drafters measured on {len(CALIBRATION_PROMPTS)} calibration prompts: {figures}; plain decoding: 1.00x. "
-            f"Using {verdict}; --draft forces one")
+    best = (f"best: {chosen.candidate.name} ({chosen.gamma} proposals a round)" if chosen
+            else "none pays here")
+    return (f"drafters measured on {len(CALIBRATION_PROMPTS)} calibration prompts: {figures}; plain decoding: 1.00x; "
+            f"{best} (one --draft forces a drafter)")
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,27 @@ class Choice:
     gamma: int | None = None
     cost: BreakEven | None = None
     not_drafting: str | None = None
+    spare: Measured | None = None  # none pays: the fastest candidate, for requests that ask to draft
+
+
+def on_request(choice: Choice, decoder, args, model):
+    """(a decoder that drafts every round, its draft's name) for requests that ask to be
+    drafted (`monolith.draft`), or (None, None): the start's drafting decoder's drafter,
+    else the drafter chosen but not drafting (its round cannot pay), else the fastest
+    measured (none pays): the demo's draft and MTP head are tiny beside the target."""
+    if decoder is not None:  # it drafts already: a request that asks drafts with its fallback off
+        drafter, gamma, name = decoder.drafter, decoder.gamma, choice.candidate.name
+    elif choice.candidate is not None:
+        drafter, gamma, name = choice.candidate.drafter, choice.gamma, choice.candidate.name
+    elif choice.spare is not None:
+        drafter, gamma, name = choice.spare.candidate.drafter, choice.spare.gamma, choice.spare.candidate.name
+    else:
+        return None, None
+    try:
+        gamma = gamma or check_gamma(args.draft_block_size, drafter.max_proposals)
+    except ValueError:
+        return None, None
+    return SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma), name
 
 
 def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], log,
@@ -140,8 +163,8 @@ def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], lo
         return Choice(None)
     if plan.forced or not fallback or args.spec_sched is not None:
         if len(candidates) > 1:
-            log(f"drafting with {candidates[0].name}, the first of {len(candidates)} drafters "
-                "(serve and chat measure which pays)")
+            why = "generate measures nothing" if not fallback else f"--spec-sched {args.spec_sched} measures nothing"
+            log(f"{why}: {candidates[0].name} is used, the first of {len(candidates)} drafters")
         return Choice(candidates[0])
     block, usable = args.draft_block_size, []
     for c in candidates:
@@ -160,5 +183,16 @@ def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], lo
     log(report(measured, chosen))
     if chosen is None:
         figures = ", ".join(f"{m.candidate.name} {m.speed:.2f}x plain" for m in measured)
-        return Choice(None, not_drafting=f"drafts loaded, not drafting: none pays here ({figures})")
+        return Choice(None, not_drafting=f"drafts loaded, not drafting: none pays here ({figures})",
+                      spare=max(measured, key=lambda m: m.speed))
     return Choice(chosen.candidate, chosen.gamma, chosen.cost)
+
+
+def decision(draft_name: str | None, not_drafting: str | None, args) -> str:
+    """The one log line that says how a start decodes, once its decoder is made."""
+    if draft_name:
+        how = ("measured to pay here" if args.spec_sched is None else f"--spec-sched {args.spec_sched}: always")
+        return f"decoding: drafting with {draft_name} ({how})"
+    if not_drafting:
+        return f"decoding: plain ({not_drafting})"
+    return "decoding: plain (no draft)"

@@ -15,11 +15,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .blas import describe as describe_blas
 from .cli import byte_size
-from .drafter_choice import Candidate, Choice, choose_drafter
+from .drafter_choice import Candidate, Choice, choose_drafter, decision, on_request
 from .models import load_draft, load_model, load_mtp
 from .models.vision import Vision, vision_of
 from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
+from .pack.catalog import cached_or_path
 from .pack.demo import DEMO_NAME, demo_pair
 from .runtime.calibrate import (
     BreakEven,
@@ -230,6 +232,8 @@ def resolve_sources(args: argparse.Namespace, plan: ModelPlan, log) -> Sources:
     target's MTP head is a drafter where its pack carries one (the demo's does), beside
     the demo's DSpark draft."""
     target, drafts = plan.target, plan.drafts
+    args = argparse.Namespace(**vars(args) | {"pack": cached_or_path(args.pack),
+                                              "draft_pack": cached_or_path(args.draft_pack)})
     auto = not args.no_draft and not plan.draft_explicit
     with_mtp = MTP_DRAFT in drafts
     if target is None and args.pack is None:
@@ -283,6 +287,8 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     --max-batch): their caches must fit the memory free after loading. Without
     --max-context the context is the model's own, capped by memory (`choose_context`)."""
     started = time.perf_counter()
+    if (blas := describe_blas()) is not None:
+        log(blas)
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
@@ -300,13 +306,23 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     if drafter is not None:
         decoder, draft_name, not_drafting = _drafting(args, plan, choice, model, log, fallback, profile, max_batch)
     drafter = getattr(decoder, "drafter", None)
+    on_request_decoder, on_request_name = on_request(choice, decoder, args, model)
+    reserved = None
+    if on_request_decoder is not None:  # the caches of requests that ask to draft count too, where they fit
+        try:
+            reserved = batch_memory(model, on_request_decoder.drafter, args.max_context, max_batch, log)
+        except SizingError:
+            on_request_decoder = on_request_name = None
     try:
-        reserved = batch_memory(model, drafter, args.max_context, max_batch, log)
+        reserved = reserved if reserved is not None else batch_memory(model, drafter, args.max_context, max_batch, log)
     except SizingError as e:
         raise SetupError(str(e)) from None
+    log(decision(draft_name, not_drafting, args)
+        + (f"; a request may ask to draft with {on_request_name} (monolith.draft)"
+           if on_request_decoder and not draft_name else ""))
     engine = Engine(model, tokenizer, max_context=args.max_context, prefill_chunk_size=args.prefill_chunk_size,
                     max_queue=max_queue, queue_timeout=queue_timeout, decoder=decoder, draft_name=draft_name,
-                    not_drafting=not_drafting,
+                    not_drafting=not_drafting, draft_decoder=on_request_decoder, draft_decoder_name=on_request_name,
                     prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default, reserved),
                     max_batch=max_batch, vision=target_vision(args, sources.target_pack, model, log))
     if not args.no_warmup:
@@ -391,7 +407,7 @@ def mtp_drafter(target_pack, model, verify: str, log) -> MTPDrafter:
     except PackError as e:
         raise SetupError(f"--draft mtp: {e}") from None
     drafter = MTPDrafter(head)
-    log(f"drafting with the target's MTP head: up to {drafter.max_proposals} proposals a round, one head step each")
+    log(f"loaded the target's MTP head: up to {drafter.max_proposals} proposals a round, one head step each")
     return drafter
 
 
@@ -415,8 +431,7 @@ def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: 
         measured = measure_break_even(model, drafter, gamma, SamplingParams())
         cut = f"drafting pays below {round_pay_limit(gamma):.1f} (a round emits at most {gamma + 1} tokens)"
         if not round_can_pay(measured.steps, gamma):
-            log(f"a drafted round costs {measured.describe()} here; {cut}: serving with plain decoding "
-                "(--spec-sched fixed drafts anyway)")
+            log(f"a drafted round costs {measured.describe()} here; {cut}: it cannot pay")
             return None, measured
         log(f"a drafted round costs {measured.describe()} here; {cut}: a request drafts while its rounds emit "
             "at least that many tokens, and takes plain steps otherwise")

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from .blas import describe as describe_blas, loaded_openblas, preload_openblas
 from .cli import ArgumentParser, print_failure, quiet_when_stdout_closes
 from .distributed import add_distributed_arguments, join
 from .engine_setup import (
@@ -98,6 +99,7 @@ def _generate(args, plan, params, ids, load, load_draft, stdout, stderr, rank) -
         engine.close()
     if args.json:
         doc = result_json(finished, text)
+        doc["blas"] = loaded_openblas() or "bundled"
         if rank is not None:
             doc["pipeline"] = rank.pipeline.traffic()
         stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
@@ -105,6 +107,8 @@ def _generate(args, plan, params, ids, load, load_draft, stdout, stderr, rank) -
         stdout.write("\n")
         stdout.flush()
         print(stats_line(finished), file=stderr)
+        if (blas := describe_blas()) is not None:
+            print(blas, file=stderr)
     return 0
 
 
@@ -169,5 +173,6 @@ def _parse_ids(text: str) -> list[int]:
 
 
 if __name__ == "__main__":
+    preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     sys.stdout.reconfigure(encoding="utf-8")  # generated text is UTF-8 whatever the locale says
     sys.exit(main())

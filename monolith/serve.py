@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from .blas import preload_openblas
 from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
@@ -228,6 +229,7 @@ def serve(args, models: list, names: list[tuple[str, ...]]) -> int:
         return _failed(f"--prompt-cache-dir {args.prompt_cache_dir}: {e}")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=10, http=timed_h11(args.header_timeout)))
+    logging.getLogger("uvicorn.access").addFilter(HealthPolls())
     log.info("loading %s in the background; /health answers 503 until it is ready", plan.name)
     try:
         server.run()
@@ -269,6 +271,23 @@ def _size_of(plan):
     return size
 
 
+class HealthPolls(logging.Filter):
+    """The access log's GET /health lines: of a run of 503s (a client polling while the
+    model loads) only the first; every other answer as it comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = None  # the status of the last /health answer logged or dropped
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if len(args) < 5 or str(args[2]).split("?")[0] != "/health":
+            return True
+        repeated = args[4] == 503 and self.last == 503
+        self.last = args[4]
+        return not repeated
+
+
 def _failed(error) -> int:
     """Say `error` on stderr as one "error: ..." line; exit status 1."""
     print(f"error: {error}", file=sys.stderr)
@@ -284,4 +303,5 @@ def _loopback_address(host: str) -> bool:
 
 
 if __name__ == "__main__":
+    preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     sys.exit(main())

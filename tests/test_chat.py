@@ -32,7 +32,7 @@ def spawn(pack, *args, sigint_ignored: bool = False) -> pexpect.spawn:
     child = pexpect.spawn(sys.executable, ["-m", "monolith.chat", "--model", str(pack), "--dtype", "float32", *args],
                           encoding="utf-8", timeout=60, dimensions=(50, 200),
                           preexec_fn=ignore_sigint if sigint_ignored else None)
-    child.expect("monolith chat: ")
+    child.expect(r"monolith chat: [^\r\n]*, plain decoding, context \d+ tokens; /help for commands\r?\n")
     child.expect("> ")
     return child
 
@@ -92,7 +92,10 @@ def test_two_turns_prefill_only_the_new_tokens_and_commands(pack, tok):
     assert prompt4 == len(tok.encode_chat(messages)) and cached4 == 0
 
     child.sendline("/nonsense")
-    child.expect("unknown command /nonsense")
+    child.expect("unknown command /nonsense; /help lists the commands")
+    child.expect("> ")
+    child.sendline("/help")
+    child.expect(r"commands: /help  /reset  /system TEXT  /stats")
     child.expect("> ")
     child.sendline("/quit")
     child.expect(pexpect.EOF)
@@ -175,7 +178,7 @@ def test_chat_with_a_draft_reports_acceptance(tmp_path):
                                            "--draft-quantization", "none", "--dtype", "float32", "--max-tokens", "16"],
                           encoding="utf-8", timeout=60, dimensions=(50, 200),
                           env={**os.environ, "MONOLITH_CACHE": str(tmp_path / "cache")})
-    child.expect(r"monolith chat: .*\(draft ")
+    child.expect(r"monolith chat: [^\r\n]*, drafting with [^\r\n]*, context \d+ tokens; /help for commands\r?\n")
     child.expect("> ")
     child.sendline("Hello there")
     child.expect(r"-- 16 tokens, [\d.]+ tok/s \| prompt \d+ tokens: 0 cached, \d+ prefilled, [\d.]+ tok/s \| "
@@ -214,7 +217,7 @@ def test_a_loaded_draft_that_does_not_draft_says_so_not_no_draft(tmp_path, monke
     finally:
         engine.close()
     reason = f"draft {draft} loaded, not drafting: a drafted round costs 9.0 plain steps"
-    assert engine.draft_name is None and f"(plain decoding; {reason}" in text
+    assert engine.draft_name is None and "plain decoding (a draft is loaded but does not pay here; /stats says why)" in text
     assert "| acceptance n/a (draft loaded, not drafting) |" in text and f"acceptance: n/a ({reason}" in text
     assert "no draft" not in text
 

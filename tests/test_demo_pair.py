@@ -137,7 +137,7 @@ def test_a_tampered_bundled_file_is_refused(role, file, tmp_path, monkeypatch):
         path.write_text(path.read_text().replace('"<|im_end|>"', '"<|im_stop|>"', 1))
     with pytest.raises(DemoError, match=f"demo {role} pack .* differ from the record: {file}"):
         demo_pair(bundle=bundle)
-    assert not [name for name in cached_packs(tmp_path) if name.endswith(f"_{role}-{role}-auto")]
+    assert not [name for name in cached_packs(tmp_path) if f".{role}." in name]
 
 
 def test_an_unrecorded_mtp_pack_is_refused_before_any_build(tmp_path, monkeypatch):

@@ -96,3 +96,20 @@ def test_nothing_cites_a_file_beside_the_checkout():
     outside = [f"{p.relative_to(REPO)}:{n}" for p in pages for n, line in enumerate(p.read_text().splitlines(), 1)
                if BESIDE in line]
     assert not outside, outside
+
+
+def commands_after(mark: str) -> str:
+    """The line after `<!-- mark -->` and its code fence in README.md (.ci/run runs the test command's)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    at = lines.index(f"<!-- {mark} -->")
+    assert lines[at + 1] == "```", f"README.md: <!-- {mark} --> is not followed by a code fence"
+    return lines[at + 2]
+
+
+def test_readme_set_up_commands_make_their_virtual_environment():
+    """Debian's and Homebrew's Python refuse `pip install` outside a virtual environment
+    (externally-managed-environment): the set-up lines make and enter one first."""
+    for mark in ("main-command", "test-command"):
+        line = commands_after(mark)
+        venv, pip = line.find("python3 -m venv .venv && . .venv/bin/activate && "), line.find("pip install")
+        assert 0 <= venv < pip, f"README.md {mark}: {line!r} installs outside a virtual environment"

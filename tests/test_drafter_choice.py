@@ -122,15 +122,24 @@ def test_serve_measures_each_drafter_and_uses_the_one_that_pays_best(mtp_pair, m
         assert f"{mtp_pair[1]}: " in line and f"{MTP_DRAFT}: " in line and "plain decoding: 1.00x" in line
         if chosen is None:
             assert getattr(engine.decoder, "drafter", None) is None and engine.draft_name is None
-            assert "Using plain decoding (no drafter pays here)" in line and "none pays here" in engine.not_drafting
+            assert "none pays here" in line and "none pays here" in engine.not_drafting
+            assert logs[[i for i, m in enumerate(logs) if m.startswith("decoding: ")][0]].startswith("decoding: plain (")
         else:
             name = MTP_DRAFT if chosen == MTP_DRAFT else str(mtp_pair[1])
-            assert engine.draft_name == name and f"Using drafting with {name}" in line
+            assert engine.draft_name == name and f"best: {name} (" in line
+            assert f"decoding: drafting with {name} (measured to pay here)" in logs
             assert isinstance(engine.decoder.drafter, MTPDrafter) == (chosen == MTP_DRAFT)
             assert engine.decoder.break_even == min(mtp_cost, dspark_cost)
         finished = engine.run_request(GenerationRequest(tuple(PROMPT[:6]), max_tokens=10), engine.new_session())[1]
         want = plain(engine.model, PROMPT[:6], 10, stop_ids=engine.stop_ids).token_ids
         assert list(finished.token_ids) == want
+        # a request may ask to be drafted whatever the choice (monolith.draft): the fastest
+        # candidate where none pays; greedy output is the same, and its rounds draft
+        assert engine.can_draft and engine.draft_decoder_name in (MTP_DRAFT, str(mtp_pair[1]))
+        if chosen is None:
+            assert engine.draft_decoder_name == MTP_DRAFT  # the cheaper round of the two
+        drafted = engine.run_request(GenerationRequest(tuple(PROMPT[:6]), max_tokens=10, draft=True))[1]
+        assert list(drafted.token_ids) == want and drafted.spec.drafts > 0
     finally:
         engine.close()
 

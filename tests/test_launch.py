@@ -21,6 +21,8 @@ import time
 import httpx
 import pytest
 
+from monolith import blas
+
 FAKE_CLIENT = """#!{python}
 import json, os, signal, sys, time
 
@@ -150,7 +152,7 @@ def _assert_setup(client, record, port, key, model, context):
 @pytest.mark.parametrize("client", ["claude", "codex", "opencode"])
 def test_launch_starts_a_server_runs_the_client_and_stops_the_server(env, client):
     port = _free_port()
-    r = _launch(env, client, "--port", str(port), *SERVE_FLAGS, "--max-context", "2048", "--",
+    r = _launch(env, client, "--port", str(port), *SERVE_FLAGS, "--log-level", "info", "--max-context", "2048", "--",
                 "--exit", "7", "--some-client-flag")
     assert r.returncode == 7, r.stderr  # the client's exit status
     record = _record(env)
@@ -162,6 +164,9 @@ def test_launch_starts_a_server_runs_the_client_and_stops_the_server(env, client
     _assert_setup(client, record, port, key, "monolith-demo", 2048)  # --max-context reached serve
     assert "starting python -m monolith.serve" in r.stderr and "stopped the server" in r.stderr
     assert not _answers(port)  # the server launch started is gone
+    # the server runs on an installed OpenBLAS, preloaded by serve itself (monolith/blas.py)
+    openblas = sys.platform.startswith("linux") and blas.find_openblas({}) is not None
+    assert ("INFO:     BLAS: OpenBLAS (" in r.stderr) == openblas
 
 
 def test_a_server_that_cannot_load_is_a_clear_error_with_its_last_lines(env, tmp_path):

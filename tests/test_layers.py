@@ -16,7 +16,7 @@ ROOT = Path(monolith.__file__).parent
 # every top-level package or module of monolith, by layer: an import may only go down
 LAYERS = {
     "data_files": 0,
-    "formats": 1, "kernels": 1, "sampling": 1, "tokenizer": 1, "cli": 1, "agents": 1,
+    "formats": 1, "kernels": 1, "sampling": 1, "tokenizer": 1, "cli": 1, "agents": 1, "blas": 1,
     "checkpoint": 2, "synth": 2,
     "pack": 3,
     "models": 4,

@@ -62,14 +62,14 @@ def _stop(proc) -> str:
 
 def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
     env = {**os.environ, "MONOLITH_CACHE": str(tmp_path / "cache")}
-    logs = []
+    logs, loading = [], []
     # the default start (serve's fallback decides from the measured round cost), then one
     # that drafts whatever the cost (an explicit scheduler has no fallback)
     for extra in ((), ("--spec-sched", "fixed")):
         port = _free_port()
         proc = _serve("--port", str(port), "--dtype", "float32", *extra, env=env)
         try:
-            _wait_health(port, proc)
+            loading.append(_wait_health(port, proc))
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
             assert [m.id for m in client.models.list().data] == ["monolith-demo"]
             r = client.chat.completions.create(model="monolith-demo", messages=[{"role": "user", "content": "hi"}],
@@ -87,9 +87,17 @@ def test_cli_serves_the_demo_pair_and_reuses_it(tmp_path):
     # drafts with the one that pays best, if any (none on MLX's Linux CPU wheel)
     [choice] = re.findall(r"drafters measured on .*", logs[0])
     assert "packs/demo/draft: " in choice and "mtp: " in choice and "plain decoding: 1.00x" in choice
-    drafts = "Using drafting with" in choice
+    drafts = "best: " in choice
     assert ("with draft" in logs[0]) == drafts and ("(plain decoding)" in logs[0]) == (not drafts)
+    # one line says how the start decodes, after the choice, and nothing before it claims otherwise
+    [decided] = re.findall(r"(?<=INFO:     )decoding: .*", logs[0])
+    assert decided.startswith("decoding: drafting with" if drafts else "decoding: plain (")
+    assert logs[0].index(choice) < logs[0].index(decided) and "drafting with the target's MTP head" not in logs[0]
     assert "with draft" in logs[1] and "drafters measured" not in logs[1] and "the first of 2 drafters" in logs[1]
+    assert "--spec-sched fixed measures nothing" in logs[1] and "serve and chat measure" not in logs[1]
+    assert "decoding: drafting with " in logs[1] and "(--spec-sched fixed: always)" in logs[1]
+    # the model's load polls /health until ready: its 503 answers are logged once
+    assert [log.count('"GET /health HTTP/1.1" 503') for log in logs] == [int(seen) for seen in loading]
     assert len(list((tmp_path / "cache" / "packs").glob("*/manifest.json"))) == 2
 
 
@@ -113,7 +121,7 @@ def test_serve_decodes_plainly_where_a_drafted_round_cannot_pay(monkeypatch, syn
         else:
             assert decoder is None
     assert sum("a request drafts while its rounds emit at least that many tokens" in m for m in logs) == 1
-    assert "drafting pays below 7.2 (a round emits at most 8 tokens): serving with plain decoding" in logs[-1]
+    assert "drafting pays below 7.2 (a round emits at most 8 tokens): it cannot pay" in logs[-1]
 
 
 def test_cli_flags(tmp_path, pack):

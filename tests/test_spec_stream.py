@@ -227,3 +227,43 @@ def test_reasoning_and_tool_calls_split_the_pieces_with_the_text(tok):
         assert "".join(t for t, _ in got) == "".join(visible) and char_kinds(got) == kinds_of(*visible)
     calls = [c for c in chunks if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
     assert calls and all("monolith" not in c["choices"][0]["delta"] for c in calls)  # a call's pieces: none
+
+
+# ------------------------------------------------------------------ drafting on request (monolith.draft)
+
+
+@pytest.fixture(scope="module")
+def plain_server_with_a_drafter(model, tok, reference):
+    """A server that decodes plainly but holds a drafter for requests that ask (what serve
+    builds where no drafter pays: engine_setup, drafter_choice.on_request)."""
+    prompt, tokens = reference
+    oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
+    spare = SpeculativeDecoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, draft_decoder=spare,
+                               draft_decoder_name="oracle")) as s:
+        yield s.wait_ready()
+
+
+def test_a_request_that_asks_to_draft_is_drafted_with_the_same_greedy_output(plain_server_with_a_drafter, tok,
+                                                                             reference):
+    server = plain_server_with_a_drafter
+    [entry] = httpx.get(server.url + "/v1/models").json()["data"]
+    assert entry["monolith"] == {"decoding": "plain", "draft": "oracle", "draft_on_request": True}
+    plain = stream(server, **SPEC)
+    assert {how for _, how in pieces_of(plain, "content")} == {"plain"}
+    for _ in range(2):  # and again, after the plain request's saved states
+        drafted = stream(server, monolith={"spec": True, "draft": True})
+        assert "".join(t for t, _ in pieces_of(drafted, "content")) == tok.decode(reference[1])
+        assert {"accepted", "correction"} <= {how for _, how in pieces_of(drafted, "content")}
+        assert [c["monolith"]["stats"]["rounds"] for c in drafted if "monolith" in c][0] > 0
+    assert normal(plain, drop_spec=True) == normal(drafted, drop_spec=True)
+    assert "".join(t for t, _ in pieces_of(stream(server, **SPEC), "content")) == tok.decode(reference[1])
+
+
+def test_a_server_without_a_drafter_refuses_draft_naming_the_field(server):
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["monolith"]["draft_on_request"] is False
+    r = server.post("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "monolith": {"draft": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "monolith.draft"
+    assert "no drafter" in r.json()["error"]["message"]
+    r = server.post("/v1/chat/completions", {"model": NAME, "messages": MESSAGES, "monolith": {"draft": "yes"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "monolith.draft"

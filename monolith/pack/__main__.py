@@ -1,5 +1,8 @@
-"""python -m monolith.pack build|verify|unpack|inspect (the command-line contract:
-docs/architecture.md).
+"""python -m monolith.pack build|verify|unpack|inspect|list|rm (the command-line contract:
+docs/cli.md).
+
+verify, unpack and inspect take a pack directory, or the name of a cached pack as `list`
+prints it, or a name the model is served as (`monolith-demo`, a hub id).
 
 `build SRC --dry-run` reads only configs and safetensors headers and prints what a
 build would do with every tensor, the pack's size and every problem (exit 1 if any)."""
@@ -14,6 +17,7 @@ from ..checkpoint import CheckpointError
 from ..cli import ArgumentParser, quiet_when_stdout_closes
 from ..formats import FormatError
 from .build import DEFAULT_SHARD_BYTES, build_pack
+from .catalog import cached_packs, describe, find_pack, format_list, remove
 from .dry_run import dry_run, format_dry_run
 from .inspect import format_inspection, inspect_pack
 from .recipe import QUANTIZATION_CHOICES
@@ -51,6 +55,11 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--ranks", type=int, metavar="N",
                    help="a target's split across N pipeline ranks (--distributed): the bytes each holds")
+    ls = sub.add_parser("list", help="the packs in the pack cache: name, source, role, size, last used, verified")
+    ls.add_argument("--json", action="store_true")
+    r = sub.add_parser("rm", help="delete a cached pack (a name as `list` prints it, or a served model's name: all "
+                                  "its packs)")
+    r.add_argument("name")
     return ap
 
 
@@ -76,13 +85,19 @@ def main(argv=None) -> int:
                              shard_bytes=args.shard_size_mb << 20, force=args.force, with_mtp=args.with_mtp,
                              with_vision=not args.no_vision)
             print(format_inspection(inspect_pack(out)))
+        elif args.command == "list":
+            rows = [describe(p) for p in cached_packs()]
+            print(json.dumps(rows, indent=1) if args.json else format_list(rows))
+        elif args.command == "rm":
+            for name in remove(args.name):
+                print(f"removed {name}")
         elif args.command == "verify":
-            summary = verify_pack(args.pack)
+            summary = verify_pack(find_pack(args.pack))
             print(f"ok: {summary['tensors']} tensors in {summary['shards']} shard(s), pack_sha256 {summary['pack_sha256']}")
         elif args.command == "unpack":
-            print(unpack_pack(args.pack, args.out, force=args.force))
+            print(unpack_pack(find_pack(args.pack), args.out, force=args.force))
         else:
-            info = inspect_pack(args.pack, args.ranks)
+            info = inspect_pack(find_pack(args.pack), args.ranks)
             print(json.dumps(info, indent=1, sort_keys=True) if args.json else format_inspection(info))
     except BrokenPipeError:
         raise  # stdout's reader left: quiet_when_stdout_closes

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from pathlib import Path
 
 from filelock import FileLock
@@ -24,6 +23,7 @@ from filelock import FileLock
 from ..checkpoint import resolve_checkpoint
 from . import manifest as mf
 from .build import build_pack
+from .catalog import cache_name, old_cache_name, record_use
 from .manifest import cache_root
 from .recipe import RECIPE_VERSION, PackError
 from .verify import ensure_verified
@@ -48,28 +48,48 @@ def resolve_pack(
     cache_dir: Path | None = None,
     verify: str = "first",
     with_mtp: bool = False,
+    alias: str | None = None,
 ) -> Path:
     """A pack directory for `source`: the source itself if it is a pack (verified as
     `verify` says, see verify.ensure_verified; PackError on a mismatch), else a cached
     pack built (once) from the checkpoint and verified, rebuilt when it fails. `with_mtp`:
-    the target pack keeps its MTP head (its own cache entry, `...-mtp`)."""
+    the target pack keeps its MTP head (its own cache entry, `....mtp`). `alias`: the name
+    the model is served as (`monolith-demo`), which names the pack and finds it
+    (catalog.py)."""
     if Path(str(source)).is_dir() and mf.is_pack(Path(str(source))):
         ensure_verified(Path(str(source)), verify)
         return Path(str(source))
     path = resolve_checkpoint(str(source), revision=revision, local_files_only=local_files_only)
     key = source_key(path, role, quantization, with_mtp)
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", str(source)).strip("_")[-80:] or "model"
-    out = Path(cache_dir or cache_root()) / f"{slug}-{role or 'auto'}-{quantization}{'-mtp' if with_mtp else ''}"
+    root = Path(cache_dir or cache_root())
+    out = root / cache_name(source, path, role, quantization, with_mtp)
     stamp = out.parent / f".{out.name}.cache_key"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(mf.lock_path(out, "cache")):  # check, build and stamp as one step
+        if not out.exists():
+            _adopt_old(root / old_cache_name(source, role, quantization, with_mtp), out, key)
         if stamp.is_file() and stamp.read_text() == key and mf.is_pack(out):
             try:
                 ensure_verified(out, verify)
+                record_use(out, source, role, quantization, with_mtp, alias)
                 return out
             except PackError as e:
                 log.warning("the cached pack %s failed verification: %s; rebuilding it from %s", out, e, source)
         stamp.unlink(missing_ok=True)
         build_pack(path, out, role=role, quantization=quantization, force=True, with_mtp=with_mtp)
         stamp.write_text(key)
+        record_use(out, source, role, quantization, with_mtp, alias)
     return out
+
+
+def _adopt_old(old: Path, out: Path, key: str) -> None:
+    """A pack cached under its former name (from the install path) for this very source
+    and options: renamed to its name by what it is, with a log line; verified again under
+    the new name at its first use."""
+    old_stamp = old.parent / f".{old.name}.cache_key"
+    if not (old_stamp.is_file() and old_stamp.read_text() == key and mf.is_pack(old)):
+        return
+    with FileLock(mf.lock_path(old, "cache")):
+        old.rename(out)
+        old_stamp.rename(out.parent / f".{out.name}.cache_key")
+    log.info("renamed the cached pack %s to %s (packs are named by what they are)", old.name, out.name)

@@ -94,7 +94,8 @@ def check_pack(bundle: Path, role: str, expected: dict, log, verify: str = "firs
     pack that keeps its MTP head, matching the MTP_RECORD."""
     started = time.time()
     record = expected["packs"][MTP_RECORD if with_mtp else role]
-    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role], verify=verify, with_mtp=with_mtp)
+    pack = resolve_pack(bundle / role, role=role, quantization=DEMO_PACKS[role], verify=verify, with_mtp=with_mtp,
+                        alias=DEMO_NAME)
     manifest = read_manifest(pack)
     want, got = record["pack_sha256"], manifest.get("pack_sha256")
     changed = _mismatches(manifest, role, expected)

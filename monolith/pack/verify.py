@@ -163,7 +163,7 @@ def record_path(pack_dir) -> Path:
     return mf.cache_root() / ".verified" / f"{resolved.name}-{key}.json"
 
 
-def _recorded(pack: Path, stats: dict) -> bool:
+def is_recorded(pack: Path, stats: dict) -> bool:
     """Does a record say this pack, with exactly these files, was verified?"""
     try:
         record = json.loads(record_path(pack).read_text())
@@ -200,7 +200,7 @@ def ensure_verified(pack_dir, mode: str = "first") -> None:
             log.warning("%s: pack not checked (--verify-pack never): its files are used as they are", pack)
         return
     stats = file_stats(pack)
-    if _hashed.get(key) == stats or (mode == "first" and _recorded(pack, stats)):
+    if _hashed.get(key) == stats or (mode == "first" and is_recorded(pack, stats)):
         return
     _hashed.pop(key, None)
     try:

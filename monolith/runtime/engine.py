@@ -81,7 +81,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
                  max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None,
                  not_drafting: str | None = None, prompt_cache: PromptCache | None = None, max_batch: int = 1,
-                 vision=None):
+                 vision=None, draft_decoder=None, draft_decoder_name: str | None = None):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
@@ -98,6 +98,8 @@ class Engine:
         self.decoder = decoder or PlainDecoder(model, max_context, prefill_chunk_size)
         self.draft_name = draft_name  # the draft the decoder drafts with (None: plain decoding)
         self.not_drafting = not_drafting  # why a draft was loaded but the decoder does not draft
+        # a decoder that drafts every round, for requests that ask to be drafted (GenerationRequest.draft)
+        self.draft_decoder, self.draft_decoder_name = draft_decoder, draft_decoder_name
         self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(model.args, "eos_token_ids", ()))
         self.vocab_size = model.args.vocab_size
         self.prompt_cache = prompt_cache  # shared by every session
@@ -119,6 +121,11 @@ class Engine:
         _ENGINES.add(self)
 
     # ---------------------------------------------------------------- public
+
+    @property
+    def can_draft(self) -> bool:
+        """Whether a request may ask to be drafted whatever the start decided (GenerationRequest.draft)."""
+        return self.draft_decoder is not None
 
     @property
     def waiting(self) -> int:
@@ -354,7 +361,14 @@ class Engine:
         else:
             with self._lock:
                 self._running[job.id] = job
-            steps = job.steps(self.decoder, self.tokenizer, self.stop_ids,
+            decoder = self.decoder
+            if job.request.draft and self.draft_decoder is not None:
+                if getattr(decoder, "drafter", None) is None:
+                    # drafted on request by a plain server: on a session of its own, without the
+                    # prompt cache, whose saved states have no drafter's rows
+                    job.session = Session(None)
+                decoder = self.draft_decoder
+            steps = job.steps(decoder, self.tokenizer, self.stop_ids,
                               lambda grammar: self.grammar_tokenizer.guide(grammar))
             member = self._batch.add(steps, job)
             if member.done:  # it ended before its first forward (it failed, or was cancelled)

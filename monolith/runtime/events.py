@@ -77,6 +77,9 @@ class GenerationRequest:
     # the prompt's images in order (models/image_inputs.PreparedImage): image i is the i-th
     # run of the vision's image_token_id in prompt_ids, image.tokens long (docs/target.md)
     images: tuple = ()
+    # draft every round of this request whatever the start measured (Engine.draft_decoder;
+    # greedy output is the same); without a draft decoder, decoded as the engine decodes
+    draft: bool = False
 
 
 @dataclass(frozen=True)

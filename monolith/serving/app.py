@@ -1,7 +1,7 @@
 """The HTTP app (starlette) that serves the OpenAI, Anthropic and Responses APIs
 (docs/serving.md is the contract). `create_app` routes:
 
-- GET /health, GET /metrics, GET /v1/models;
+- GET /health, GET /metrics (and /metrics/history: gauge_history.py), GET /v1/models;
 - GET / and GET /static/...: the chat page (page.py);
 - POST /v1/chat/completions and /v1/completions (OpenAI);
 - POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
@@ -31,6 +31,7 @@ first (access.py). Errors come as the API's own error body (Anthropic's on the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ from . import access, anthropic_routes, page, responses_routes, structured
 from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad, log_refusal
+from .gauge_history import SAMPLE_SECONDS, GaugeHistory
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelPool, ModelSpec, keep_alive_seconds
@@ -128,6 +130,7 @@ class ServerState:
         pool.prepare = lambda engine: LoadedModel.of(engine, config.max_output_tokens)
         self.metrics = Metrics()
         self.metrics.bind(pool)
+        self.history = GaugeHistory()  # the status tab's last minutes (gauge_history.py)
         self.created = int(time.time())
         self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
                                        config.response_store_dir)  # responses_routes.py
@@ -170,10 +173,18 @@ def create_app(load: Callable[[], object] | ModelPool, config: ServerConfig,
     pool = load if isinstance(load, ModelPool) else ModelPool([ModelSpec(config.model_names, load)])
     state = ServerState(config, pool)
 
+    async def keep_gauges():  # the status tab's last minutes (gauge_history.py)
+        while True:
+            if state.engine is not None:
+                state.history.take(state.metrics.render)
+            await anyio.sleep(SAMPLE_SECONDS)
+
     @asynccontextmanager
     async def lifespan(app):
         pool.start(on_load_failure)
+        gauges = asyncio.get_running_loop().create_task(keep_gauges())
         yield
+        gauges.cancel()
         await pool.close()
         await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
 
@@ -184,6 +195,7 @@ def create_app(load: Callable[[], object] | ModelPool, config: ServerConfig,
         Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
         Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
+        Route("/metrics/history", handlers.endpoint("metrics", handlers.metrics_history), methods=["GET"]),
         *[route for api_routes in API_ROUTES for route in api_routes(handlers)],
         *page.routes(handlers),  # the chat page at / (page.py)
     ]
@@ -289,11 +301,19 @@ class _Handlers(Driver):
                          "loaded": slot.served is not None, "status": slot.state}
                 if slot.max_context is not None:  # known once it loaded
                     entry["max_model_len"] = slot.max_context
+                if slot.served is not None:  # how it decodes (docs/serving.md, "Speculation in the stream")
+                    engine = slot.served.engine
+                    entry["monolith"] = {"decoding": "drafting" if engine.draft_name else "plain",
+                                         "draft": engine.draft_name or engine.draft_decoder_name,
+                                         "draft_on_request": engine.can_draft}
                 data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def metrics_history(self, request: Request) -> Response:
+        return JSONResponse(self.state.history.as_json())
 
     # ---------------------------------------------------------------- generation
 

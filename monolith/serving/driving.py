@@ -60,8 +60,12 @@ class Driver:
             max_tokens = self.state.defaults_for(engine).max_tokens
         if limit is not None:
             max_tokens = limit if max_tokens is None else min(max_tokens, limit)
+        draft = getattr(req, "draft", False)
+        if draft and not engine.can_draft:
+            raise bad("monolith.draft: this server holds no drafter (start it with a draft: --draft, or the demo "
+                      "pair without --no-draft)", "monolith.draft")
         gen = GenerationRequest(tuple(prompt_ids), max_tokens, req.params, req.stop, req.logprobs,
-                                tuple(boundaries), constraint, tuple(images))
+                                tuple(boundaries), constraint, tuple(images), draft)
         events = EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
             job = engine.submit(gen, events.put)

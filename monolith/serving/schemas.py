@@ -27,7 +27,7 @@ from .fields import (
     refuse_non_neutral,
     refuse_unknown,
 )
-from .spec_stream import spec_option
+from .spec_stream import draft_option, spec_option
 from .structured import Structure, response_format
 from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_fields
 
@@ -118,6 +118,7 @@ class ChatRequest(GenerationFields):
     template_kwargs: dict
     structure: Structure | None = None  # response_format or tool_choice constrains the output
     spec: bool = False  # monolith.spec: how each token came, in the stream (spec_stream.py)
+    draft: bool = False  # monolith.draft: draft every round whatever the start measured (spec_stream.py)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
         raise bad("response_format and a tool_choice that forces a call cannot both constrain the output",
                   "response_format")
     return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
-                       template_kwargs=_template_kwargs(body), structure=structure or form, spec=spec_option(body))
+                       template_kwargs=_template_kwargs(body), structure=structure or form, spec=spec_option(body),
+                       draft=draft_option(body))
 
 
 def _template_kwargs(body: dict) -> dict:

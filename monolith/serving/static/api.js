@@ -68,8 +68,9 @@ function postJSON(path, body, signal) {
 // A server without the extension refuses the field with a 400 naming it: then the
 // request goes again without it, and later ones leave it out.
 async function postChat(body, signal) {
-  if (specSupported === false) return postJSON("/v1/chat/completions", body, signal);
-  const response = await postJSON("/v1/chat/completions", { ...body, monolith: { spec: true } }, signal);
+  const { monolith, ...plain } = body;
+  if (specSupported === false) return postJSON("/v1/chat/completions", plain, signal);
+  const response = await postJSON("/v1/chat/completions", { ...body, monolith: { ...monolith, spec: true } }, signal);
   if (response.status !== 400) {
     if (response.ok) specSupported = true;
     return response;
@@ -79,7 +80,7 @@ async function postChat(body, signal) {
     throw new HttpError(400, error.message);
   }
   specSupported = false;
-  return postJSON("/v1/chat/completions", body, signal);
+  return postJSON("/v1/chat/completions", plain, signal);
 }
 
 // POST a streamed chat request; `onChunk(chunk)` for each chunk. Rejects with an

@@ -119,7 +119,7 @@ async function importFile(file) {
 let statusStarted = false;
 
 function showTab(name) {
-  for (const b of document.querySelectorAll("#tabs button")) b.classList.toggle("active", b.dataset.tab === name);
+  for (const b of document.querySelectorAll("#tabs button[data-tab]")) b.classList.toggle("active", b.dataset.tab === name);
   for (const view of ["chat", "status", "settings"]) $(`${view}-view`).hidden = view !== name;
   if (name === "status" && !statusStarted) {
     statusStarted = true;
@@ -218,6 +218,7 @@ async function showModels() {
       option.selected = m.id === settings.model;
       return option;
     }));
+    showDecoding((models.find((m) => m.id === settings.model) || models[0])?.monolith);
   } catch (e) {
     pick.replaceChildren(new Option(`(${e.message})`, ""));
   }
@@ -226,17 +227,43 @@ async function showModels() {
 $("model-pick").addEventListener("change", (e) => {
   settings.model = e.target.value;
   saveSettings(settings);
+  showModels(); // the picked model's decoding
 });
 $("model-pick").addEventListener("focus", showModels); // the loaded states as they are now
+
+// How the server decodes (/v1/models' `monolith`): where it decodes plainly but holds a
+// drafter, replies are drafted by default (monolith.draft) so that the tint shows speculation
+function showDecoding(mode) {
+  const box = $("set-draft"), note = $("draft-note");
+  settings.draftByDefault = Boolean(mode && mode.decoding === "plain" && mode.draft_on_request);
+  box.disabled = !mode?.draft_on_request;
+  box.checked = !box.disabled && (settings.draft ?? settings.draftByDefault);
+  note.hidden = false;
+  if (!mode) note.textContent = "This server does not say how it decodes.";
+  else if (!mode.draft_on_request) note.textContent = "This server holds no drafter: every reply is decoded plainly.";
+  else if (mode.decoding === "plain") {
+    note.textContent = `This server decodes plainly: drafting does not pay on its hardware (a CPU), so a drafted reply `
+      + `is slower. Drafting with ${mode.draft} is on here to show how speculation makes each token.`;
+  } else note.textContent = `This server drafts with ${mode.draft} where it pays; this drafts every round.`;
+}
+
+function bindDraft() {
+  $("set-draft").addEventListener("change", (e) => {
+    settings.draft = e.target.checked;
+    saveSettings(settings);
+  });
+}
 
 onKeyNeeded(askKey);
 $("new-chat").addEventListener("click", startNew);
 $("export").addEventListener("click", exportAll);
 $("import").addEventListener("change", (e) => { if (e.target.files[0]) importFile(e.target.files[0]); e.target.value = ""; });
 $("forget-key").addEventListener("click", forgetKey);
-for (const b of document.querySelectorAll("#tabs button")) b.addEventListener("click", () => showTab(b.dataset.tab));
+for (const b of document.querySelectorAll("#tabs button[data-tab]")) b.addEventListener("click", () => showTab(b.dataset.tab));
 bindSettings();
+bindDraft();
 bindComposer();
+$("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("sidebar-open"));
 drawSidebar();
 chat.render();
 showModels();

@@ -30,6 +30,7 @@ export function requestBody(messages, settings) {
   for (const [k, v] of Object.entries(fields)) if (v !== undefined && !Number.isNaN(v)) body[k] = v;
   if (!settings.thinking) body.chat_template_kwargs = { enable_thinking: false };
   if (settings.model) body.model = settings.model;
+  if (settings.draft === true || (settings.draft === null && settings.draftByDefault)) body.monolith = { draft: true };
   return body;
 }
 

@@ -2,7 +2,7 @@
 // 2 seconds, and four plots drawn as SVG: tok/s, mean acceptance length, queue depth,
 // prompt-cache bytes.
 
-import { getText } from "./api.js";
+import { getJSON, getText } from "./api.js";
 
 const POLL_MS = 2000;
 const KEEP = 150; // points a plot keeps (5 minutes)
@@ -88,22 +88,33 @@ function chartElements(container) {
   });
 }
 
-// Starts polling; the plots draw into `container`
-export function startStatus(container) {
+// Starts polling; the plots draw into `container`, first with the last minutes the
+// server kept (/metrics/history, monolith/serving/gauge_history.py)
+export async function startStatus(container) {
   const charts = chartElements(container);
   let before = null, beforeAt = 0;
+  function add(now, at) {
+    const values = sample(now, before, (at - beforeAt) / 1000);
+    before = now;
+    beforeAt = at;
+    for (const chart of charts) {
+      chart.points.push(values[chart.id]);
+      if (chart.points.length > KEEP) chart.points.shift();
+    }
+  }
+  const redraw = () => { for (const chart of charts) draw(chart, chart.points); };
+  try {
+    const history = await getJSON("/metrics/history");
+    const opened = performance.now();
+    for (const s of history.samples) add(s.values, opened - s.seconds_ago * 1000);
+    redraw();
+  } catch (e) {
+    console.warn("the server kept no history (/metrics/history)", e);
+  }
   async function poll() {
     try {
-      const now = parseMetrics(await getText("/metrics"));
-      const at = performance.now();
-      const values = sample(now, before, (at - beforeAt) / 1000);
-      before = now;
-      beforeAt = at;
-      for (const chart of charts) {
-        chart.points.push(values[chart.id]);
-        if (chart.points.length > KEEP) chart.points.shift();
-        draw(chart, chart.points);
-      }
+      add(parseMetrics(await getText("/metrics")), performance.now());
+      redraw();
     } catch (e) {
       console.warn("reading /metrics failed", e);
     }

@@ -5,8 +5,9 @@
 
 const CONVERSATIONS = "monolith.conversations";
 const SETTINGS = "monolith.settings";
+// draft: null follows the server (on where it decodes plainly and drafts on request), else the user's choice
 export const DEFAULT_SETTINGS = { system: "", temperature: "", topP: "", maxTokens: "", thinking: true, tint: true,
-                                  model: "" };
+                                  model: "", draft: null };
 
 function read(item, fallback) {
   try {
@@ -29,7 +30,8 @@ export function loadSettings() {
 }
 
 export function saveSettings(settings) {
-  write(SETTINGS, settings);
+  const { draftByDefault, ...chosen } = settings; // the server's default is learnt afresh at each load
+  write(SETTINGS, chosen);
 }
 
 export function newId() {
