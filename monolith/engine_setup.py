@@ -19,6 +19,7 @@ from .blas import describe as describe_blas
 from .cli import byte_size
 from .drafter_choice import Candidate, Choice, choose_drafter, decision, on_request
 from .models import load_draft, load_model, load_mtp
+from .models.kv_quant import KV_BITS
 from .models.vision import Vision, vision_of
 from .pack import VERIFY_MODES, PackError, build_pack, ensure_verified, is_pack, read_manifest, resolve_pack
 from .pack.catalog import cached_or_path
@@ -108,6 +109,10 @@ def add_model_arguments(ap: argparse.ArgumentParser, model_required: bool = Fals
                     help="prompt + generated tokens, at most (default: the model's own context, its config's "
                          "max_position_embeddings, capped so that the running sequences' caches at it take at most "
                          f"{CONTEXT_MEMORY_SHARE:.0%}% of the memory free after loading)")
+    ap.add_argument("--kv-bits", type=int, choices=KV_BITS,
+                    help="store the target's attention KV cache quantized to these bits (group-wise, a scale and "
+                         "bias per 64 values): about half (8) or a quarter (4) of the bytes a token of context takes, "
+                         "so a longer default --max-context; default: as computed (docs/operations.md, Memory)")
     ap.add_argument("--pack", help="the target's pack directory: used as is if it holds a pack, "
                                    "else built there from --model (default: the pack cache)")
     ap.add_argument("--draft-pack", help="the draft's pack directory (as --pack)")
@@ -291,7 +296,9 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
         log(blas)
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
-    log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights)")
+    model.kv_bits = getattr(args, "kv_bits", None)
+    log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights"
+        + (f", {model.kv_bits}-bit KV cache)" if model.kv_bits else ")"))
     tokenizer = load_tokenizer(sources.target_pack)
     candidates = [Candidate(name, mtp_drafter(sources.target_pack, model, args.verify_pack, log) if name == MTP_DRAFT
                             else speculative_drafter(args, model, name, log, load_draft)) for name in sources.drafts]

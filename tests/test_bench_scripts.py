@@ -43,6 +43,8 @@ RUNS = {
     "distributed": (["--max-tokens", "4", "--repeats", "1", "--out-dir", "OUT"], ["distributed.json"]),
     "fuzz": (["--requests", "20", "--clients", "1", "--waves", "0", "--port", "0",
               "--out-dir", "OUT"], ["fuzz.json", "fuzz.md"]),
+    "kv_quant": (["--models", "demo", "--contexts", "64", "--tokens", "4", "--prefill-tokens", "16", "--bits", "8",
+                  "--out-dir", "OUT"], ["kv_quant.json", "kv_quant.md"]),
     "launch_turn": (["--fake-client", "--serve-arg=--no-warmup", "--serve-arg=--max-context=2048", "--work", "OUT/work",
                      "--out-dir", "OUT"], ["launch_turn.json", "launch_turn.md"]),
     "mlx_lm_checkpoint": (["--out", "OUT/ckpt"], ["ckpt/config.json"]),

@@ -48,29 +48,45 @@ class KVCache:
     capacity), so a sequence takes the memory of what it holds, not of the context it may
     reach, and growing copies each row a bounded number of times."""
 
+    bits = None  # stored as computed (QuantizedKVCache: the bits a stored value takes)
+
     def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype):
         self.capacity = capacity
         self.keys = mx.zeros((1, kv_heads, 0, head_dim), dtype)
         self.values = mx.zeros((1, kv_heads, 0, head_dim), dtype)
 
     @property
+    def allocated(self) -> int:
+        """The rows allocated so far."""
+        return self.keys.shape[2]
+
+    @property
+    def row_nbytes(self) -> int:
+        """The bytes of one row of keys and values."""
+        return 2 * sum(a.shape[1] * a.shape[3] * a.itemsize for a in parts(self.keys))
+
+    @property
     def max_nbytes(self) -> int:
         """The bytes of keys and values at the capacity."""
-        _, heads, _, dim = self.keys.shape
-        return 2 * heads * self.capacity * dim * self.keys.itemsize
+        return self.capacity * self.row_nbytes
+
+    @property
+    def layout(self) -> tuple:
+        """(kv heads, width, dtype) of the rows `rows` gives and `write` takes."""
+        return self.keys.shape[1], self.keys.shape[3], self.keys.dtype
 
     def _reserve(self, end: int) -> None:
         """Allocate rows [0, end)."""
-        rows = self.keys.shape[2]
+        rows = self.allocated
         if end <= rows:
             return
         if end > self.capacity:
             raise CacheError(f"rows up to {end} do not fit a KV cache of {self.capacity} rows")
         grown = min(self.capacity, -(-max(end, 2 * rows) // GROWTH_ROWS) * GROWTH_ROWS)
-        _, heads, _, dim = self.keys.shape
-        pad = mx.zeros((1, heads, grown - rows, dim), self.keys.dtype)
-        self.keys = mx.concatenate([self.keys, pad], axis=2)
-        self.values = mx.concatenate([self.values, pad], axis=2)
+        self._grow(grown - rows)
+
+    def _grow(self, rows: int) -> None:
+        self.keys, self.values = padded(self.keys, rows), padded(self.values, rows)
 
     def update(self, keys: mx.array, values: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Write rows [offset, offset + T) and return all rows up to there."""
@@ -81,22 +97,41 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def arrays(self) -> list[mx.array]:
-        return [self.keys, self.values]
+        return [*parts(self.keys), *parts(self.values)]
 
     def rows(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Copies of rows [start, end) (lazy): holding them never pins this cache's buffer,
         which would make every later update copy the whole buffer."""
         return mx.array(self.keys[:, :, start:end]), mx.array(self.values[:, :, start:end])
 
+    def _check_rows(self, start: int, keys: mx.array) -> int:
+        """The end of rows `keys` (from `rows`) written at `start`; CacheError unless they fit."""
+        end = start + keys.shape[2]
+        heads, width, dtype = self.layout
+        if end > self.capacity or (keys.shape[1], keys.shape[3]) != (heads, width) \
+                or (dtype == mx.uint32) != (keys.dtype == mx.uint32):
+            bits = f"{self.bits}-bit quantized " if self.bits else ""
+            raise CacheError(f"rows {keys.dtype}{list(keys.shape)} at {start} do not fit a {bits}KV cache of "
+                             f"{self.capacity} rows of {heads} heads x {width} {dtype}")
+        self._reserve(end)
+        return end
+
     def write(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Put rows (from `rows`) back at [start, start + T)."""
-        end = start + keys.shape[2]
-        if end > self.capacity or keys.shape[:2] + keys.shape[3:] != self.keys.shape[:2] + self.keys.shape[3:]:
-            raise CacheError(f"rows of shape {tuple(keys.shape)} at {start} do not fit a cache of "
-                             f"{self.capacity} rows of shape {tuple(self.keys.shape[:2] + self.keys.shape[3:])}")
-        self._reserve(end)
+        end = self._check_rows(start, keys)
         self.keys[:, :, start:end] = keys.astype(self.keys.dtype)
         self.values[:, :, start:end] = values.astype(self.values.dtype)
+
+
+def parts(stored) -> tuple:
+    """The arrays one side (keys or values) of a KV cache is stored in."""
+    return stored if isinstance(stored, tuple) else (stored,)
+
+
+def padded(a: mx.array, rows: int) -> mx.array:
+    """`a` [1, heads, R, width] with `rows` zero rows more."""
+    _, heads, _, width = a.shape
+    return mx.concatenate([a, mx.zeros((1, heads, rows, width), a.dtype)], axis=2)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -106,24 +107,58 @@ def _exp_shifted(scores: mx.array, top: mx.array) -> mx.array:
     return mx.power(2.0, (scores - top) * LOG2_E)
 
 
-def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: str | None = None) -> mx.array:
+class Quantized(NamedTuple):
+    """Rows stored group-wise quantized (mx.quantize, affine): packed uint32 words [B,
+    Hkv, L, D * bits / 32], scales and biases [B, Hkv, L, D / group_size]."""
+
+    packed: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+    bits: int
+
+    @property
+    def shape(self) -> tuple:
+        """[B, Hkv, L] (the width is packed)."""
+        return tuple(self.packed.shape[:3])
+
+    def dequantize(self) -> mx.array:
+        return mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+
+    def matmul(self, x: mx.array, transpose: bool) -> mx.array:
+        """x @ rows^T (transpose) or x @ rows, without dequantizing them."""
+        return mx.quantized_matmul(x, self.packed, self.scales, self.biases, transpose=transpose,
+                                   group_size=self.group_size, bits=self.bits)
+
+
+def attention(q: mx.array, keys, values, scale: float, mask: str | None = None) -> mx.array:
     """mx.fast.scaled_dot_product_attention over q [B, H, T, D] and keys, values [B, Hkv,
     L, D] (grouped: query head h reads key head h // (H / Hkv)); mask None or "causal"
     (the T queries are the last T of the L positions). With fast_exp() and F32 inputs it
     runs as matmuls and a softmax through pow, which MLX's CPU fallback would run through
-    exp; otherwise the fast op."""
-    if not fast_exp() or q.dtype != mx.float32:
+    exp; otherwise the fast op. `Quantized` keys and values (a quantized KV cache) run as
+    quantized matmuls, never dequantized whole (on the CPU in F32, whose quantized
+    kernels accumulate in the activation dtype: see _PackMatrix)."""
+    quantized = isinstance(keys, Quantized)
+    if not quantized and (not fast_exp() or q.dtype != mx.float32):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     if mask not in (None, "causal"):
         raise ValueError(f'mask must be None or "causal", got {mask!r}')
     b, heads, t, d = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    scores = (q * scale).reshape(b, kv_heads, group * t, d) @ keys.swapaxes(-1, -2)
+    kernel = mx.float32 if quantized and mx.default_device() == mx.cpu else q.dtype
+    grouped = cast(q * scale, kernel).reshape(b, kv_heads, group * t, d)
+    scores = keys.matmul(grouped, True) if quantized else grouped @ keys.swapaxes(-1, -2)
     if mask == "causal" and t > 1:  # key j (counted from the first query's own) <= query i
         scores = mx.where(mx.arange(t - length, t)[None] <= _query_rows(group, t), scores, -mx.inf)
-    e = _exp_shifted(scores, scores.max(axis=-1, keepdims=True))
-    return ((e / e.sum(axis=-1, keepdims=True)) @ values).reshape(b, heads, t, d)
+    if fast_exp() and scores.dtype == mx.float32:
+        e = _exp_shifted(scores, scores.max(axis=-1, keepdims=True))
+        weights = e / e.sum(axis=-1, keepdims=True)
+    else:
+        weights = mx.softmax(scores, axis=-1, precise=True)
+    out = values.matmul(weights, False) if quantized else weights @ values
+    return cast(out, q.dtype).reshape(b, heads, t, d)
 
 
 class _PackMatrix:

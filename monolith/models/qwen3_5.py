@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels import add_rms_norm
-from .cache import SPARE_ROWS, GDNState, HybridCache, KVCache
+from .cache import SPARE_ROWS, GDNState, HybridCache
+from .kv_quant import kv_cache
 from .layers import Embedding, cast, rms_norm, run_now
 from .mixers import Attention, GatedDeltaNet, Span
 from .mlp import MLP, SparseMoeBlock
@@ -107,6 +108,7 @@ class Qwen3_5:
         (runtime/pipeline.py); only the tensors it holds are read from the pack."""
         self.args = args
         self.dtype = weights.dtype
+        self.kv_bits: int | None = None  # the attention layers' KV stored quantized to these bits (--kv-bits)
         self.dense_summary = weights.dense_summary()  # which matrices are dense F32 copies (the CPU)
         h = args.hidden_size
         self.owned = range(args.num_hidden_layers) if layers is None else layers
@@ -135,14 +137,16 @@ class Qwen3_5:
         return MLP(weights, prefix, self.args.hidden_size, self.args.intermediate_size)
 
     def make_cache(self, max_context: int, spare_rows: int = SPARE_ROWS) -> HybridCache:
-        """KV for max_context + spare_rows rows per attention layer, zero GDN states."""
+        """KV for max_context + spare_rows rows per attention layer (quantized to
+        `kv_bits` when set), zero GDN states."""
         if max_context < 1:
             raise ValueError(f"max_context must be positive, got {max_context}")
         a = self.args
         layers = []
         for kind in a.layer_types[self.owned.start:self.owned.stop]:
             if kind == "full_attention":
-                layers.append(KVCache(a.num_key_value_heads, a.head_dim, max_context + spare_rows, self.dtype))
+                layers.append(kv_cache(a.num_key_value_heads, a.head_dim, max_context + spare_rows, self.dtype,
+                                       self.kv_bits))
             else:
                 key_dim = a.linear_num_key_heads * a.linear_key_head_dim
                 conv_dim = 2 * key_dim + a.linear_num_value_heads * a.linear_value_head_dim

@@ -133,7 +133,11 @@ class PromptCache:
     def lookup(self, tokens: Sequence[int], limit: int, cache: HybridCache, draft: DraftContext | None) -> Node | None:
         """The deepest saved state (a node with states, end <= limit) whose tokens `tokens`
         starts with, from the tree or, when it has one deeper, the store; touched. `cache`
-        and `draft` are the live caches it will load into (a stored state must fit them)."""
+        and `draft` are the live caches it will load into (a saved state must fit them: one
+        saved for other caches, another --kv-bits say, is never resumed)."""
+        layout = self.layout(cache, draft)
+        if self._layout is not None and layout != self._layout:
+            return None
         node, pos, best = self.root, 0, None
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -143,7 +147,7 @@ class PromptCache:
             if node.state is not None:
                 best = node
         if self.store is not None and self.budget:
-            found = self.store.find(tokens, limit, 0 if best is None else best.end, self.layout(cache, draft))
+            found = self.store.find(tokens, limit, 0 if best is None else best.end, layout)
             loaded = None if found is None else self._add(found.tokens, found.state, found.rows)
             if loaded is not None:
                 best = loaded
@@ -275,19 +279,20 @@ class PromptCache:
 
     @staticmethod
     def layout(cache: HybridCache, draft: DraftContext | None) -> Layout:
-        """What a saved state for these caches holds: per row layer (kv heads, head dim,
-        dtype); per GDN layer the (conv, recurrent) shapes."""
-        rows = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype)
-                     for layer in row_layers(cache, draft))
+        """What a saved state for these caches holds: per row layer (kv heads, width,
+        dtype) of its rows (KVCache.layout); per GDN layer the (conv, recurrent) shapes;
+        the bits of the target's quantized KV rows (--kv-bits; 0: as computed)."""
+        rows = tuple(layer.layout for layer in row_layers(cache, draft))
         states = tuple((tuple(layer.conv.shape), tuple(layer.recurrent.shape)) for layer in cache.layers
                        if isinstance(layer, GDNState))
-        return Layout(rows, states)
+        return Layout(rows, states, max((layer.bits or 0 for layer in cache.row_layers), default=0))
 
 
 @dataclass(frozen=True)
 class Layout:
-    rows: tuple  # per row layer (target's, then the draft's): (kv heads, head dim, dtype)
+    rows: tuple  # per row layer (target's, then the draft's): (kv heads, width, dtype), KVCache.layout
     states: tuple  # per GDN layer: (conv shape, recurrent shape)
+    kv_bits: int = 0  # the target's KV rows quantized to these bits (--kv-bits); 0: as computed
 
 
 def save_interval(model, drafter=None, chunk_size: int = 512) -> int:

@@ -39,7 +39,7 @@ def choose_context(asked: int | None, model, drafter, max_batch: int, log) -> in
     free = available_memory()
     room = CONTEXT_MEMORY_SHARE * free / max_batch - (one - per_token)  # bytes for the rows of one sequence
     fits = int(room // per_token) if per_token else own
-    batch = f"{max_batch} sequence{'s' if max_batch > 1 else ''}"
+    batch = f"{max_batch} sequence{'s' if max_batch > 1 else ''}" + kv_note(model)
     if fits >= own:
         log(f"context: {own} tokens, the model's own (max_position_embeddings); the caches of {batch} at it take "
             f"{max_batch * sequence_bytes(model, drafter, own) / 2**30:.2f} GiB of the {free / 2**30:.2f} GiB free")
@@ -54,10 +54,22 @@ def choose_context(asked: int | None, model, drafter, max_batch: int, log) -> in
     return context
 
 
+def kv_note(model) -> str:
+    """What the sizing log says of --kv-bits (its bytes are counted by sequence_bytes)."""
+    bits = getattr(model, "kv_bits", None)
+    return f" ({bits}-bit KV, {per_token_bytes(model)} bytes a token in the target's cache)" if bits else ""
+
+
+def per_token_bytes(model) -> int:
+    """The bytes one token of context takes in the target's KV caches."""
+    return sum(layer.row_nbytes for layer in model.make_cache(1).row_layers)
+
+
 def sequence_bytes(model, drafter, max_context: int) -> int:
     """The memory one running sequence's caches take once they hold `max_context` rows:
     the target's cache and the draft's context (KV rows are allocated as they are written:
-    nothing is allocated to count them)."""
+    nothing is allocated to count them; quantized ones, --kv-bits, count their packed
+    words, scales and biases)."""
     layers = list(model.make_cache(max_context).layers)
     draft = getattr(drafter, "draft", None)
     if draft is not None:

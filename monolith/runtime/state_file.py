@@ -7,7 +7,8 @@ KV rows of that stretch per row layer (`rows.{i}.keys` / `rows.{i}.values`, the 
 layers then the draft's) and the GDN states after `end` rows (`state.{j}.conv` /
 `state.{j}.recurrent`, F32). Its metadata holds the identity it was computed with (the
 target's pack_sha256, the draft pack's, the compute dtype, the device and the MLX
-version), the SHA-256 of the token prefix [0, end) and of [0, start) (the file that
+version; with --kv-bits, the bits of the quantized KV rows, which the file then holds as
+U32: QuantizedKVCache.rows), the SHA-256 of the token prefix [0, end) and of [0, start) (the file that
 holds the rows before it; "" when start is 0), and the SHA-256 of every tensor's bytes.
 After an image it also holds `positions`, the cache's multimodal positions at `end`
 (JSON [position_delta, plain_until, delta_from], docs/target.md "Images in the forward");
@@ -40,7 +41,8 @@ from ..models.cache import PLAIN, Snapshot
 FORMAT = "monolith-prompt-checkpoint"  # the on-disk format name, kept: files written before the rename still load
 VERSION = "1"
 SUFFIX = ".safetensors"
-_STORED = {mx.float32: ("F32", np.float32), mx.float16: ("F16", np.float16), mx.bfloat16: ("BF16", np.uint16)}
+_STORED = {mx.float32: ("F32", np.float32), mx.float16: ("F16", np.float16), mx.bfloat16: ("BF16", np.uint16),
+           mx.uint32: ("U32", np.uint32)}  # U32: quantized KV rows (QuantizedKVCache.rows)
 
 
 class StateFileError(ValueError):
@@ -50,9 +52,12 @@ class StateFileError(ValueError):
 def identity(model, drafter=None) -> dict[str, str]:
     """What a state file's values depend on besides its tokens."""
     draft = getattr(getattr(drafter, "draft", None), "pack_sha256", None) if drafter is not None else None
-    return {"pack_sha256": str(getattr(model, "pack_sha256", None)), "draft_sha256": str(draft or ""),
-            "dtype": str(model.dtype).replace("mlx.core.", ""), "device": str(mx.default_device()),
-            "mlx": mx.__version__}
+    ident = {"pack_sha256": str(getattr(model, "pack_sha256", None)), "draft_sha256": str(draft or ""),
+             "dtype": str(model.dtype).replace("mlx.core.", ""), "device": str(mx.default_device()),
+             "mlx": mx.__version__}
+    if getattr(model, "kv_bits", None):  # absent without --kv-bits: the files written before it still load
+        ident["kv_bits"] = str(model.kv_bits)
+    return ident
 
 
 def prefix_hash(tokens: Sequence[int]) -> str:
