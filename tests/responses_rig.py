@@ -14,7 +14,7 @@ from monolith.runtime.events import Delta, Finished, Usage
 from monolith.serving.responses_api import parse_request
 from monolith.serving.responses_reply import ResponseFormat
 from monolith.serving.responses_store import ResponseStore
-from monolith.serving.schemas import SamplingDefaults
+from monolith.serving.requests import SamplingDefaults
 
 NAME = "demo"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

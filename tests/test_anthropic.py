@@ -24,7 +24,7 @@ from monolith.serving.anthropic import (
     parse_messages_request,
 )
 from monolith.serving.errors import APIError
-from monolith.serving.schemas import SamplingDefaults
+from monolith.serving.requests import SamplingDefaults
 from monolith.tokenizer import load_tokenizer
 
 MAX_CONTEXT = 1024

@@ -214,7 +214,7 @@ def test_allowed_tools_shows_only_the_allowed(server):
 
 
 def test_parallel_tool_calls_false_makes_a_forced_call_single(server):
-    from monolith.serving.schemas import parse_chat_request  # the grammar it asks for
+    from monolith.serving.openai.requests import parse_chat_request  # the grammar it asks for
 
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [PICK], "tool_choice": "required"}
     assert not parse_chat_request(body).structure.single

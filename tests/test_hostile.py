@@ -251,7 +251,7 @@ QWEN36_OUTPUT_TOKENS = 32768  # Qwen3.6's model card: "an output length of 32,76
     ({"max_new_tokens": "5", "max_length": True}, QWEN36_OUTPUT_TOKENS),
 ])
 def test_the_default_output_cap_is_qwen_s_or_the_checkpoint_s_lower_one(config, cap):
-    from monolith.serving.schemas import SamplingDefaults
+    from monolith.serving.requests import SamplingDefaults
     assert SamplingDefaults.from_generation_config(config).max_tokens == cap
     assert SamplingDefaults.from_generation_config(config, max_output_tokens=3).max_tokens == 3
 

@@ -8,7 +8,7 @@ import pytest
 
 from monolith.serving.anthropic_reply import MessagesFormat
 from monolith.serving.reply_format import Cancellable, ReplyFormat, Resumable, StreamFormat
-from monolith.serving.chat_reply import ChatFormat, CompletionFormat
+from monolith.serving.openai.reply import ChatFormat, CompletionFormat
 from monolith.serving.responses_compact import CompactFormat
 from monolith.serving.responses_reply import ResponseFormat
 

@@ -17,7 +17,7 @@ from monolith.serving.responses_api import parse_request
 from monolith.serving.responses_items import items_to_messages
 from monolith.serving.responses_reply import ResponseFormat
 from monolith.serving.responses_store import ResponseStore
-from monolith.serving.schemas import SamplingDefaults
+from monolith.serving.requests import SamplingDefaults
 
 
 def test_the_split_into_items_and_events_validates_against_the_sdk_types():

@@ -23,7 +23,7 @@ from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.stats import SpecStats
 from monolith.sampling import SamplingParams
-from monolith.serving.schemas import SamplingDefaults
+from monolith.serving.requests import SamplingDefaults
 
 # ------------------------------------------------------------------ metrics, concurrency, cancellation
 

@@ -19,7 +19,7 @@ from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, Usage
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams
-from monolith.serving.chat_reply import ChatFormat
+from monolith.serving.openai.reply import ChatFormat
 from monolith.tokenizer import IncrementalDetokenizer
 
 MESSAGES = [{"role": "user", "content": "Hello there"}]

@@ -4,13 +4,13 @@ endpoints: anthropic_routes.py).
 
 A request is checked here, field by field (an unknown field, block type or value this
 server cannot honour is a 400 naming it), and turned into the OpenAI-shaped chat body
-the rest of the server reads (schemas.parse_chat_request): `system` becomes a system
+the rest of the server reads (requests.parse_chat_body): `system` becomes a system
 message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
 messages, `image` blocks (in a user turn or a tool_result) image items (images.py),
 `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
 functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
 any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
-call), tool -> the named function (both grammar-constrained, schemas.py /
+call), tool -> the named function (both grammar-constrained, ../requests.py /
 structured.py). `thinking` and `output_config` are read by anthropic_options.py,
 `context_management` by context_edits.py.
 
@@ -32,7 +32,7 @@ from .anthropic_options import Thinking, output_format, parse_thinking
 from .context_edits import ContextEdits, parse_context_management
 from .errors import bad
 from .fields import refuse_unknown
-from .schemas import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_request
+from .requests import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_body
 from .tool_specs import chat_tool, named, tool_entries, tool_fields
 
 # accepted and inert: metadata (user_id), cache_control (the prompt cache keeps every
@@ -110,7 +110,7 @@ def _request(body: dict, chat: dict, defaults: SamplingDefaults) -> MessagesRequ
     if response_format is not None:
         chat["response_format"] = response_format
     edits = parse_context_management(body.get("context_management"))
-    req = parse_chat_request(chat, defaults)
+    req = parse_chat_body(chat, defaults)
     eager = frozenset(t["name"] for t in body.get("tools") or () if t.get("eager_input_streaming") is True)
     return MessagesRequest(req, chat["model"], req.tools, thinking, edits, eager)
 

@@ -20,7 +20,7 @@ generation endpoints answer 503 meanwhile. `load` may instead be a models.ModelP
 of several models, loaded when a request names one and unloaded when idle: each
 request asks it for its model (`model_for`) and holds it until the request ends.
 Each generation request is validated
-(schemas.py), rendered and tokenized, then queued in the engine; the handler waits
+(openai/requests.py), rendered and tokenized, then queued in the engine; the handler waits
 for it to start (bounded by the queue timeout) and then either collects the answer or
 streams Server-Sent Events through the API's reply format (the Protocol:
 reply_format.py), with keep-alive comments while nothing else is sent (driving.py). A
@@ -50,7 +50,6 @@ from starlette.routing import Route
 from ..runtime import heap
 from ..runtime.grammar import Grammar
 from . import access, anthropic_routes, page, responses_routes, structured
-from .chat_reply import ChatFormat, CompletionFormat, TokenText, read_json
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad, log_refusal
 from .gauge_history import SAMPLE_SECONDS, GaugeHistory
@@ -59,19 +58,15 @@ from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelPool, ModelSpec, keep_alive_seconds
 from .reasoning import prompt_opens_reasoning
 from .responses_socket import LIMIT_SECONDS
+from .openai import routes as openai_routes
+from .openai.reply import TokenText, read_json
+from .requests import ChatRequest, SamplingDefaults, parse_json_body
 from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
-from .schemas import (
-    ChatRequest,
-    SamplingDefaults,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
 
 log = logging.getLogger("monolith.serve")
-# the APIs beside OpenAI's chat and completions: each module's `routes(handlers)` gives
-# its endpoints (docs/serving.md, "Adding an API")
-API_ROUTES = (anthropic_routes.routes, responses_routes.routes)
+# the APIs: each package's `routes(handlers)` gives its endpoints (docs/serving.md,
+# "Adding an API")
+API_ROUTES = (openai_routes.routes, anthropic_routes.routes, responses_routes.routes)
 TRIM_AFTER_BYTES = 2**20  # a request body this large: hand the freed heap back after it (runtime/heap.py)
 
 
@@ -83,7 +78,7 @@ class ServerConfig:
     keepalive_seconds: float = 5.0  # an SSE comment line when nothing was sent for this long
     max_tokens_limit: int | None = None  # the most tokens a request may generate (None: the context)
     max_output_tokens: int | None = None  # a reply's tokens when the request sets no limit (None: the model's
-    # default, schemas.SamplingDefaults)
+    # default, requests.SamplingDefaults)
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
@@ -192,8 +187,6 @@ def create_app(load: Callable[[], object] | ModelPool, config: ServerConfig,
     routes = [
         Route("/health", handlers.health, methods=["GET"]),
         Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
-        Route("/v1/chat/completions", handlers.endpoint("chat", handlers.chat), methods=["POST"]),
-        Route("/v1/completions", handlers.endpoint("completions", handlers.completions), methods=["POST"]),
         Route("/metrics", handlers.endpoint("metrics", handlers.metrics), methods=["GET"]),
         Route("/metrics/history", handlers.endpoint("metrics", handlers.metrics_history), methods=["GET"]),
         *[route for api_routes in API_ROUTES for route in api_routes(handlers)],
@@ -317,20 +310,6 @@ class _Handlers(Driver):
 
     # ---------------------------------------------------------------- generation
 
-    async def chat(self, request: Request) -> Response:
-        started = time.monotonic()
-        body = await self.read_body(request)
-        model = await self.model_for(request, body)
-        engine = model.engine
-        req = parse_chat_request(body, model.defaults)
-        name = self.model_name(req.model)
-
-        def chat_format(reasoning_open: bool) -> ChatFormat:
-            return ChatFormat(name, model.token_text, req.logprobs is not None, req.tools, reasoning_open,
-                              req.spec)
-
-        return await self.generate_chat(request, engine, req, chat_format, started)
-
     def prompt_images(self, engine, count_only: bool = False) -> ImageLoader:
         """What loads a request's images (images.py), under this server's limits."""
         return ImageLoader(engine.vision, self.state.config.images, count_only, self.state.recent_images)
@@ -346,7 +325,7 @@ class _Handlers(Driver):
                 text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
             except ValueError as e:  # TokenizerError: the template refused the conversation
                 raise bad(str(e), "messages") from None
-            _fits(engine, text, "messages")
+            self.fits(engine, text, "messages")
             reasoning = prompt_opens_reasoning(text)
             constraint = None
             if req.structure is not None:
@@ -376,21 +355,6 @@ class _Handlers(Driver):
                                        prompt.images)
         return job, events, fmt
 
-    async def completions(self, request: Request) -> Response:
-        started = time.monotonic()
-        body = await self.read_body(request)
-        model = await self.model_for(request, body)
-        engine = model.engine
-        req = parse_completion_request(body, model.defaults)
-        name = self.model_name(req.model)
-        if isinstance(req.prompt, str):
-            _fits(engine, req.prompt, "prompt")
-            prompt_ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, req.prompt)
-        else:
-            prompt_ids = req.prompt
-        fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
-        return await self.generate(request, engine, prompt_ids, req, fmt, "prompt", started)
-
     async def read_body(self, request: Request) -> dict:
         """The JSON body; 413 as soon as it is known to exceed the limit (from
         Content-Length, before reading; or while reading a chunked body)."""
@@ -419,6 +383,13 @@ class _Handlers(Driver):
             raise bad("the request body is empty: send a JSON object")
         return parse_json_body(b"".join(chunks))
 
+    @staticmethod
+    def fits(engine, text: str, param: str) -> None:
+        """400 before tokenizing a prompt that cannot fit the context whatever it encodes to."""
+        least = engine.tokenizer.min_tokens(text)
+        if least + 1 > engine.max_context:
+            raise ContextOverflow(least, engine.max_context, param, at_least=True)
+
     def model_name(self, model: str | None) -> str:
         names = self.state.pool.names()
         if model is None:
@@ -429,8 +400,3 @@ class _Handlers(Driver):
         return model
 
 
-def _fits(engine, text: str, param: str) -> None:
-    """400 before tokenizing a prompt that cannot fit the context whatever it encodes to."""
-    least = engine.tokenizer.min_tokens(text)
-    if least + 1 > engine.max_context:
-        raise ContextOverflow(least, engine.max_context, param, at_least=True)

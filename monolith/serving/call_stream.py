@@ -1,4 +1,4 @@
-"""Tool calls streamed in pieces, for every API's stream (chat_reply.py,
+"""Tool calls streamed in pieces, for every API's stream (openai/reply.py,
 anthropic_reply.py, responses_reply.py): the generated text becomes, in order, content
 strings and call pieces.
 

@@ -56,7 +56,7 @@ class Driver:
         cancelled, or if `request`'s client disconnects meanwhile. `images`: the prompt's
         (models.image_inputs.PreparedImage, in prompt order)."""
         limit, max_tokens = self.state.config.max_tokens_limit, req.max_tokens
-        if max_tokens is None:  # the server's default output cap (schemas.SamplingDefaults)
+        if max_tokens is None:  # the server's default output cap (requests.SamplingDefaults)
             max_tokens = self.state.defaults_for(engine).max_tokens
         if limit is not None:
             max_tokens = limit if max_tokens is None else min(max_tokens, limit)

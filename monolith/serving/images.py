@@ -1,5 +1,5 @@
 """Image parts on every API (docs/serving.md, "Images"): one home for what the three
-APIs share once each has read its own part shape (schemas.py: OpenAI `image_url`;
+APIs share once each has read its own part shape (requests.py: OpenAI `image_url`;
 anthropic.py: `image` blocks; responses_items.py: `input_image`).
 
 A part becomes an item of its message's list `content`, `{"type": "image", "image": URL,
@@ -65,7 +65,7 @@ class ImageLimits:
 class ImageItem(dict):
     """An image part as made here: {"type": "image", "image": URL, "param": where}. Its own
     type tells it from anything a client sent (another API's request re-read as a chat
-    request keeps it: schemas.py)."""
+    request keeps it: requests.py)."""
 
 
 class CountedImage(NamedTuple):

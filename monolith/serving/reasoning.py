@@ -27,7 +27,7 @@ class ReasoningSplitter:
     """feed(text) -> (reasoning, content) pieces as they become certain; finish() gives
     what was held back. With `spans` a list, each piece given out is also recorded there
     as (part, start, end): "reasoning" or "content", and where it lies in all the text
-    fed (serving/spec_stream.py cuts how each character came by these)."""
+    fed (serving/openai/speculation.py cuts how each character came by these)."""
 
     def __init__(self, open_at_start: bool = False):
         self.state = "reasoning" if open_at_start else "start"

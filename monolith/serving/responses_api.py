@@ -31,7 +31,7 @@ from .fields import (
 from .responses_items import items_to_messages
 from .responses_store import ResponseStore, input_items
 from .responses_tools import Tools, parse_tools, tool_choice
-from .schemas import MAX_TEMPERATURE, ChatRequest, SamplingDefaults
+from .requests import MAX_TEMPERATURE, ChatRequest, SamplingDefaults
 from .structured import Structure
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",

@@ -20,7 +20,7 @@ from .reasoning import ReasoningSplitter
 from .responses_api import parse_request
 from .responses_seal import seal_summary
 from .responses_store import ResponseStore
-from .schemas import SamplingDefaults
+from .requests import SamplingDefaults
 
 FIELDS = {"model", "input", "previous_response_id", "instructions"}
 # hints that change no summary (`image`: the image context policy; the kept user messages keep their images)

@@ -31,7 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from . import responses_api, responses_reply
 from .errors import APIError, ContextOverflow, bad, log_refusal
-from .schemas import parse_json_body
+from .requests import parse_json_body
 
 log = logging.getLogger("monolith.serve")
 LIMIT_SECONDS = 3600.0  # Open Responses: WebSocket connections are limited to 60 minutes

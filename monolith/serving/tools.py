@@ -60,7 +60,7 @@ class ToolCallParser:
         self.said = False  # whether any content was given out
         self.blanks: list[tuple[str, int]] = []  # blanks held back: (text, where it lies in the text fed)
         # with a list: (start, end) in all the text fed of each piece of content given out
-        # (serving/spec_stream.py cuts how each character came by these)
+        # (serving/openai/speculation.py cuts how each character came by these)
         self.spans: list[tuple[int, int]] | None = None
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:

@@ -1,11 +1,14 @@
-"""Request validation for the OpenAI-compatible endpoints: JSON bodies -> typed requests,
-or an `APIError` whose message names the field (`param`).
+"""The request every API becomes, and the checks of the chat body they share: JSON bodies
+-> typed requests, or an `APIError` whose message names the field (`param`).
 
-Fields a client may send that would change the result but are not implemented
-(penalties, logit_bias, n > 1, echo, audio, ...) are refused naming them, never
-ignored; fields that change nothing (ids, metadata, caching and service hints) are
-accepted. A JSON null means "not given", as the OpenAI API treats it.
-docs/api-fields.md has the table of every field and why.
+`ChatRequest` is what the engine driving runs (`GenerationFields`: what it shares with
+OpenAI's completion request), `SamplingDefaults` what a request gets for the sampling
+fields it leaves out. `parse_chat_body` reads the OpenAI-shaped chat body (messages,
+tools, tool_choice, response_format, sampling fields): OpenAI's chat endpoint checks its
+field policy first (openai/requests.py), Anthropic's Messages turn their request into
+such a body (anthropic/requests.py), the Responses API builds its ChatRequest itself.
+A JSON null means "not given", as the OpenAI API treats it. docs/api-fields.md has the
+table of every field and why.
 """
 
 from __future__ import annotations
@@ -19,15 +22,11 @@ from ..sampling import SamplingError, SamplingParams
 from . import images
 from .errors import bad
 from .fields import (
-    is_int,
     is_name,
     optional,
     positive_int,
     real,
-    refuse_non_neutral,
-    refuse_unknown,
 )
-from .spec_stream import draft_option, spec_option
 from .structured import Structure, response_format
 from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_fields
 
@@ -39,29 +38,11 @@ MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
 DEFAULT_OUTPUT_TOKENS = 32768
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
-# accepted and ignored: ids, metadata, caching and service hints, and a predicted output
-# (a latency hint): none changes what is generated
-INERT_FIELDS = {"user", "safety_identifier", "metadata", "store", "service_tier", "prompt_cache_key",
-                "prompt_cache_options", "prompt_cache_retention", "prediction"}
-# accepted only at the value that means "off" (or the API's default)
-NEUTRAL_VALUES = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {},
-                  "n": 1, "best_of": 1, "echo": False, "suffix": "", "modalities": ["text"], "verbosity": "medium"}
-# refused whatever their value: what they ask for does not exist here
-REFUSED_FIELDS = {"audio": "audio output is not supported", "web_search_options": "there is no web search",
-                  "moderation": "no moderation model runs here",
-                  "functions": "deprecated and not supported: send tools",
-                  "function_call": "deprecated and not supported: send tool_choice"}
-SAMPLING_FIELDS = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-                   "seed", "stop", "logprobs"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "parallel_tool_calls", "chat_template_kwargs", "response_format",
-                                 "reasoning_effort", "monolith"}
 STREAM_OPTIONS = {"include_usage", "include_obfuscation"}  # no obfuscation padding is sent
 # reasoning_effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
 # effort levels, only thinking on or off
 THINKING_BY_EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True,
                       "max": True}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt"}
 # what the renderer sets itself (and `self`, the render method's own argument), and the
 # special token names Hugging Face templates read
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "self", "bos_token", "eos_token",
@@ -117,13 +98,8 @@ class ChatRequest(GenerationFields):
     tools: list[dict] | None  # None when tool calls are off (no tools, or tool_choice "none")
     template_kwargs: dict
     structure: Structure | None = None  # response_format or tool_choice constrains the output
-    spec: bool = False  # monolith.spec: how each token came, in the stream (spec_stream.py)
-    draft: bool = False  # monolith.draft: draft every round whatever the start measured (spec_stream.py)
-
-
-@dataclass(frozen=True)
-class CompletionRequest(GenerationFields):
-    prompt: str | list[int]
+    spec: bool = False  # monolith.spec: how each token came, in the stream (openai/speculation.py)
+    draft: bool = False  # monolith.draft: draft every round whatever the start measured (openai/speculation.py)
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -144,9 +120,10 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> ChatRequest:
-    _check_fields(body, CHAT_FIELDS)
-    fields = _generation_fields(body, defaults, chat=True)
+def parse_chat_body(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> ChatRequest:
+    """The ChatRequest of an OpenAI-shaped chat body whose fields the caller has checked
+    (`spec` and `draft` are OpenAI's extension: openai/requests.py sets them)."""
+    fields = generation_fields(body, defaults, chat=True)
     messages = _messages(body.get("messages"))
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
@@ -161,8 +138,7 @@ def parse_chat_request(body: dict, defaults: SamplingDefaults = SamplingDefaults
         raise bad("response_format and a tool_choice that forces a call cannot both constrain the output",
                   "response_format")
     return ChatRequest(**vars(fields), messages=messages, tools=None if choice == "none" else tools,
-                       template_kwargs=_template_kwargs(body), structure=structure or form, spec=spec_option(body),
-                       draft=draft_option(body))
+                       template_kwargs=_template_kwargs(body), structure=structure or form)
 
 
 def _template_kwargs(body: dict) -> dict:
@@ -208,40 +184,10 @@ def _allowed_tools(choice: dict, tools: list[dict] | None) -> tuple[list[dict] |
     return shown or None, allowed["mode"]
 
 
-def parse_completion_request(body: dict, defaults: SamplingDefaults = SamplingDefaults()) -> CompletionRequest:
-    _check_fields(body, COMPLETION_FIELDS)
-    fields = _generation_fields(body, defaults, chat=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt is empty", "prompt")
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        if min(prompt) < 0:
-            raise bad("prompt token ids must be >= 0", "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("only one prompt per request is supported (batches of prompts are not)", "prompt")
-    elif prompt is None:
-        raise bad("prompt is required", "prompt")
-    else:
-        raise bad("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
-    return CompletionRequest(**vars(fields), prompt=prompt)
-
-
 # ------------------------------------------------------------------ fields
 
 
-def _check_fields(body: dict, known: set[str]) -> None:
-    given = {k for k, v in body.items() if v is not None}  # null: not given
-    refused = sorted(given & set(REFUSED_FIELDS))
-    if refused:
-        raise bad(f"{refused[0]}: {REFUSED_FIELDS[refused[0]]}", refused[0])
-    refuse_unknown(given, set(known) | INERT_FIELDS | set(NEUTRAL_VALUES))
-    refuse_non_neutral(body, NEUTRAL_VALUES, {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported"})
-
-
-def _generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> GenerationFields:
+def generation_fields(body: dict, defaults: SamplingDefaults, chat: bool) -> GenerationFields:
     model = optional(body, "model", str, "a string")
     stream = optional(body, "stream", bool, "true or false") or False
     include_usage = _stream_options(body) and stream

@@ -9,11 +9,11 @@ import json
 import time
 import uuid
 
-from ..runtime.events import Delta, Finished
-from .reasoning import ReasoningSplitter
-from .call_stream import CallStream, Piece
-from .spec_stream import FIELD, SpecPieces, spec_entries, stats_of
-from .tools import ToolCallParser, parse_tool_calls
+from ...runtime.events import Delta, Finished
+from ..reasoning import ReasoningSplitter
+from ..call_stream import CallStream, Piece
+from .speculation import FIELD, SpecPieces, spec_entries, stats_of
+from ..tools import ToolCallParser, parse_tool_calls
 
 NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
 
@@ -53,12 +53,12 @@ class OpenAIEvents:
 
 
 class ChatFormat(OpenAIEvents):
-    """chat.completion and chat.completion.chunk bodies (a StreamFormat: reply_format.py)."""
+    """chat.completion and chat.completion.chunk bodies (a StreamFormat: ../reply_format.py)."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools: list | None,
                  reasoning_open: bool = False, spec: bool = False):
         """`reasoning_open`: the prompt left a think block open (reasoning.py); `spec`: the
-        request's `monolith.spec` (spec_stream.py)."""
+        request's `monolith.spec` (speculation.py)."""
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
@@ -133,7 +133,7 @@ class ChatFormat(OpenAIEvents):
         return chunks + self._pieces(items, include_usage, spec_content)
 
     def _text(self, key: str, text: str, pieces, part: str) -> dict:
-        """A delta of `text` under `key`, with its pieces when the request asked (spec_stream.py)."""
+        """A delta of `text` under `key`, with its pieces when the request asked (speculation.py)."""
         return {key: text, FIELD: spec_entries(pieces, part)} if self.spec else {key: text}
 
     def stream_finish(self, finished: Finished, include_usage: bool) -> list[dict]:
@@ -175,7 +175,7 @@ class ChatFormat(OpenAIEvents):
 
 
 class CompletionFormat(OpenAIEvents):
-    """text_completion bodies (the legacy completions API; a StreamFormat: reply_format.py)."""
+    """text_completion bodies (the legacy completions API; a StreamFormat: ../reply_format.py)."""
 
     def __init__(self, model: str, token_text: TokenText, logprobs: bool):
         self.id = "cmpl-" + uuid.uuid4().hex

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from ..runtime.events import PLAIN, Delta, Finished, merge_pieces
-from .errors import bad
-from .fields import optional, refuse_extra
-from .reasoning import ReasoningSplitter
-from .tools import ToolCallParser
+from ...runtime.events import PLAIN, Delta, Finished, merge_pieces
+from ..errors import bad
+from ..fields import optional, refuse_extra
+from ..reasoning import ReasoningSplitter
+from ..tools import ToolCallParser
 
 FIELD = "monolith"
 

@@ -1,0 +1,60 @@
+"""OpenAI's chat and completions endpoints (app.py routes them: `routes`): POST
+/v1/chat/completions and POST /v1/completions, on the app's handlers (their access
+checks, engine, model names, body reading and engine driving; `model_for` gives the
+request's model). The requests: requests.py; the replies: reply.py."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .reply import ChatFormat, CompletionFormat
+from .requests import parse_chat_request, parse_completion_request
+
+
+def routes(handlers) -> list[Route]:
+    """The routes of OpenAI's chat and completions endpoints on the app's handlers
+    (app._Handlers)."""
+    api = OpenAIRoutes(handlers)
+    return [Route("/v1/chat/completions", handlers.endpoint("chat", api.chat), methods=["POST"]),
+            Route("/v1/completions", handlers.endpoint("completions", api.completions), methods=["POST"])]
+
+
+class OpenAIRoutes:
+    def __init__(self, handlers):
+        self.handlers = handlers
+
+    async def chat(self, request: Request) -> Response:
+        handlers = self.handlers
+        started = time.monotonic()
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        req = parse_chat_request(body, model.defaults)
+        name = handlers.model_name(req.model)
+
+        def chat_format(reasoning_open: bool) -> ChatFormat:
+            return ChatFormat(name, model.token_text, req.logprobs is not None, req.tools, reasoning_open,
+                              req.spec)
+
+        return await handlers.generate_chat(request, engine, req, chat_format, started)
+
+    async def completions(self, request: Request) -> Response:
+        handlers = self.handlers
+        started = time.monotonic()
+        body = await handlers.read_body(request)
+        model = await handlers.model_for(request, body)
+        engine = model.engine
+        req = parse_completion_request(body, model.defaults)
+        name = handlers.model_name(req.model)
+        if isinstance(req.prompt, str):
+            handlers.fits(engine, req.prompt, "prompt")
+            prompt_ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, req.prompt)
+        else:
+            prompt_ids = req.prompt
+        fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
+        return await handlers.generate(request, engine, prompt_ids, req, fmt, "prompt", started)
