@@ -19,7 +19,7 @@ from serving_rig import Scripted, Server, demo_servers
 from monolith.runtime.decoder import SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
-from monolith.serving.anthropic import (
+from monolith.serving.anthropic.requests import (
     parse_count_tokens_request,
     parse_messages_request,
 )

@@ -17,7 +17,7 @@ from anthropic_rig import OPENS_THINKING, TOOLS, client
 from serving_rig import Server, demo_servers
 
 from monolith.runtime.engine import Engine
-from monolith.serving.context_edits import CLEARED_RESULT
+from monolith.serving.anthropic.context_edits import CLEARED_RESULT
 from monolith.tokenizer import load_tokenizer
 
 NAME = "demo"

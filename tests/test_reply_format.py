@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from monolith.serving.anthropic_reply import MessagesFormat
+from monolith.serving.anthropic.reply import MessagesFormat
 from monolith.serving.reply_format import Cancellable, ReplyFormat, Resumable, StreamFormat
 from monolith.serving.openai.reply import ChatFormat, CompletionFormat
 from monolith.serving.responses_compact import CompactFormat

@@ -5,7 +5,7 @@
 - GET / and GET /static/...: the chat page (page.py);
 - POST /v1/chat/completions and /v1/completions (OpenAI);
 - POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
-  anthropic_routes.py);
+  anthropic/routes.py);
 - POST /v1/responses, /v1/responses/input_tokens and /v1/responses/compact; for a
   stored response GET and DELETE /v1/responses/{id}, GET .../{id}/input_items and
   POST .../{id}/cancel (the handlers: responses_routes.py); and a WebSocket at
@@ -49,18 +49,19 @@ from starlette.routing import Route
 
 from ..runtime import heap
 from ..runtime.grammar import Grammar
-from . import access, anthropic_routes, page, responses_routes, structured
+from . import access, page, responses_routes, structured
+from .anthropic import routes as anthropic_routes
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad, log_refusal
 from .gauge_history import SAMPLE_SECONDS, GaugeHistory
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelPool, ModelSpec, keep_alive_seconds
-from .reasoning import prompt_opens_reasoning
-from .responses_socket import LIMIT_SECONDS
 from .openai import routes as openai_routes
 from .openai.reply import TokenText, read_json
+from .reasoning import prompt_opens_reasoning
 from .requests import ChatRequest, SamplingDefaults, parse_json_body
+from .responses_socket import LIMIT_SECONDS
 from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
 
 log = logging.getLogger("monolith.serve")

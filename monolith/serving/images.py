@@ -1,6 +1,6 @@
 """Image parts on every API (docs/serving.md, "Images"): one home for what the three
 APIs share once each has read its own part shape (requests.py: OpenAI `image_url`;
-anthropic.py: `image` blocks; responses_items.py: `input_image`).
+anthropic/requests.py: `image` blocks; responses_items.py: `input_image`).
 
 A part becomes an item of its message's list `content`, `{"type": "image", "image": URL,
 "param": where}` (`image_item`), which the checkpoint's chat template renders as
@@ -112,7 +112,7 @@ def message_content(items: list) -> str | list[dict]:
 
 def chat_image(part, role: str, where: str) -> dict:
     """A chat message's content part that is not text: an `image_url` part, or an image
-    item another API's parser made (anthropic.py re-reads its request as a chat request)."""
+    item another API's parser made (anthropic/requests.py re-reads its request as a chat request)."""
     kind = part.get("type") if isinstance(part, dict) else None
     if isinstance(part, ImageItem):
         return part

@@ -1,6 +1,6 @@
 """What a reply format is: the object app.py drives to turn one request's engine events
 into the API's own reply. Each API brings its own (ChatFormat and CompletionFormat in
-openai/reply.py, MessagesFormat in anthropic_reply.py, ResponseFormat in responses_reply.py,
+openai/reply.py, MessagesFormat in anthropic/reply.py, ResponseFormat in responses_reply.py,
 CompactFormat in responses_compact.py); app.py knows them only through these Protocols.
 
 A handler builds the format once the prompt is encoded, submits the request and waits

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..runtime.grammar import Grammar, GrammarError
-from .errors import APIError, bad
-from .fields import refuse_unknown
-from .structured import THINK_END
+from ...runtime.grammar import Grammar, GrammarError
+from ..errors import APIError, bad
+from ..fields import refuse_unknown
+from ..structured import THINK_END
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 MEDIUM_SHARE = 4  # effort "medium": reasoning up to max_tokens // MEDIUM_SHARE

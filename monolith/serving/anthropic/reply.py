@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import uuid
 
-from ..runtime.events import Delta, Finished
-from .errors import APIError
-from .reasoning import ReasoningSplitter
-from .call_stream import CallStream
-from .tools import ToolCallParser, arguments_object
+from ...runtime.events import Delta, Finished
+from ..errors import APIError
+from ..reasoning import ReasoningSplitter
+from ..call_stream import CallStream
+from ..tools import ToolCallParser, arguments_object
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",

@@ -1,8 +1,8 @@
 """Anthropic's HTTP endpoints (app.py routes them: `routes`): POST /v1/messages and POST
 /v1/messages/count_tokens, on the app's handlers (their access checks, engine, model
-names, body reading and engine driving; `model_for` gives the request's model). The requests: anthropic.py; `thinking` and
-`output_config`: anthropic_options.py; `context_management`: context_edits.py; the
-replies and Anthropic's error body: anthropic_reply.py."""
+names, body reading and engine driving; `model_for` gives the request's model). The requests: requests.py; `thinking` and
+`output_config`: options.py; `context_management`: context_edits.py; the
+replies and Anthropic's error body: reply.py."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import anthropic, anthropic_options, anthropic_reply
+from ..errors import APIError
+from ..structured import grammar_tokenizer
+from . import options, reply, requests
 from .context_edits import edit_context
-from .errors import APIError
-from .structured import grammar_tokenizer
 
 
 def routes(handlers) -> list[Route]:
@@ -29,7 +29,7 @@ def routes(handlers) -> list[Route]:
 
 def error_response(e: APIError) -> JSONResponse:
     """An error as Anthropic's error body."""
-    return JSONResponse(anthropic_reply.error_body(e), status_code=e.status)
+    return JSONResponse(reply.error_body(e), status_code=e.status)
 
 
 class AnthropicRoutes:
@@ -37,22 +37,22 @@ class AnthropicRoutes:
         self.handlers = handlers
 
     async def messages(self, request: Request) -> Response:
-        """Anthropic's Messages API (anthropic.py, anthropic_reply.py)."""
+        """Anthropic's Messages API (requests.py, reply.py)."""
         handlers = self.handlers
         started = time.monotonic()
         body = await handlers.read_body(request)
         model = await handlers.model_for(request, body)
         engine = model.engine
-        req = anthropic.parse_messages_request(body, model.defaults)
+        req = requests.parse_messages_request(body, model.defaults)
         name = handlers.model_name(req.model)
         images = handlers.prompt_images(engine)  # loaded once for the context edits and the prompt
         chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False, images)
         prompt = await handlers.encode_chat(engine, chat, images)
         constraint = prompt.constraint
         if req.thinking.budget is not None:  # a grammar ends the reasoning
-            constraint = anthropic_options.budget_grammar(req.thinking, prompt.reasoning_open, constraint,
+            constraint = options.budget_grammar(req.thinking, prompt.reasoning_open, constraint,
                                                           engine.tokenizer, grammar_tokenizer(engine))
-        fmt = anthropic_reply.MessagesFormat(name, req, prompt.reasoning_open, len(prompt.ids), engine.tokenizer,
+        fmt = reply.MessagesFormat(name, req, prompt.reasoning_open, len(prompt.ids), engine.tokenizer,
                                              applied)
         return await handlers.generate(request, engine, prompt.ids, chat, fmt, "messages", started,
                                        engine.tokenizer.message_ends(prompt.ids), constraint, prompt.images)
@@ -62,7 +62,7 @@ class AnthropicRoutes:
         body = await handlers.read_body(request)
         model = await handlers.model_for(request, body)
         engine = model.engine
-        req = anthropic.parse_count_tokens_request(body, model.defaults)
+        req = requests.parse_count_tokens_request(body, model.defaults)
         handlers.model_name(req.model)
         images = handlers.prompt_images(engine, count_only=True)  # an image's tokens follow from its size
         chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True, images)

@@ -1,6 +1,6 @@
 """Anthropic's Messages API on the chat path: POST /v1/messages and
-/v1/messages/count_tokens: the requests (the replies: anthropic_reply.py; the
-endpoints: anthropic_routes.py).
+/v1/messages/count_tokens: the requests (the replies: reply.py; the
+endpoints: routes.py).
 
 A request is checked here, field by field (an unknown field, block type or value this
 server cannot honour is a 400 naming it), and turned into the OpenAI-shaped chat body
@@ -11,7 +11,7 @@ messages, `image` blocks (in a user turn or a tool_result) image items (images.p
 functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
 any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
 call), tool -> the named function (both grammar-constrained, ../requests.py /
-structured.py). `thinking` and `output_config` are read by anthropic_options.py,
+structured.py). `thinking` and `output_config` are read by options.py,
 `context_management` by context_edits.py.
 
 Accepted and inert (HINTS): `metadata`, `cache_control` at any level (the prompt cache
@@ -27,13 +27,13 @@ import json
 import re
 from dataclasses import dataclass
 
-from . import images
-from .anthropic_options import Thinking, output_format, parse_thinking
+from .. import images
+from ..errors import bad
+from ..fields import refuse_unknown
+from ..requests import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_body
+from ..tool_specs import chat_tool, named, tool_entries, tool_fields
 from .context_edits import ContextEdits, parse_context_management
-from .errors import bad
-from .fields import refuse_unknown
-from .requests import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_body
-from .tool_specs import chat_tool, named, tool_entries, tool_fields
+from .options import Thinking, output_format, parse_thinking
 
 # accepted and inert: metadata (user_id), cache_control (the prompt cache keeps every
 # prefix on its own), service_tier, speed, inference_geo, diagnostics, and the beta's
@@ -44,7 +44,7 @@ COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking
                 "context_management"} | HINTS
 MESSAGE_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
 MAX_TEMPERATURE = 1.0  # Anthropic's range: [0, 1]
-# eager_input_streaming is honoured (anthropic_reply.py); strict, defer_loading,
+# eager_input_streaming is honoured (reply.py); strict, defer_loading,
 # input_examples and allowed_callers change nothing here (a forced call always follows
 # its schema; every tool is in the prompt)
 TOOL_FIELDS = {"name", "description", "input_schema", "type", "cache_control", "eager_input_streaming", "strict",

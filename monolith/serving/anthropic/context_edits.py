@@ -2,7 +2,7 @@
 results and old thinking are cleared from the conversation before it is rendered, and
 what was cleared is reported back (`context_management.applied_edits`).
 
-The edits work on the OpenAI-shaped messages anthropic.py makes of the request (tool
+The edits work on the OpenAI-shaped messages requests.py makes of the request (tool
 results are `tool` messages, tool uses an assistant message's `tool_calls`, thinking its
 `reasoning_content`), in the order the request lists them, each seeing the previous
 one's result. Token counts are the rendered prompt's own (`count(messages)` renders the
@@ -25,9 +25,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .errors import bad
-from .fields import refuse_unknown
-from .images import prompt_ids
+from ..errors import bad
+from ..fields import refuse_unknown
+from ..images import prompt_ids
 
 CLEAR_TOOL_USES = "clear_tool_uses_20250919"
 CLEAR_THINKING = "clear_thinking_20251015"
