@@ -21,7 +21,7 @@ from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
 from .serving.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from .serving.models import ModelSpec, duration
-from .serving.responses_store import STORED_BYTES, STORED_RESPONSES
+from .serving.responses.store import STORED_BYTES, STORED_RESPONSES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_BATCH = 4  # bench/concurrency.py: see README, "Concurrent requests"

@@ -11,9 +11,9 @@ import typing
 from openresponses_spec import check_event
 
 from monolith.runtime.events import Delta, Finished, Usage
-from monolith.serving.responses_api import parse_request
-from monolith.serving.responses_reply import ResponseFormat
-from monolith.serving.responses_store import ResponseStore
+from monolith.serving.responses.requests import parse_request
+from monolith.serving.responses.reply import ResponseFormat
+from monolith.serving.responses.store import ResponseStore
 from monolith.serving.requests import SamplingDefaults
 
 NAME = "demo"

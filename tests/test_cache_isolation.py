@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from monolith.pack.manifest import cache_root
-from monolith.serving import responses_seal
+from monolith.serving.responses import seal
 
 
 def test_the_cache_is_a_directory_of_the_session_not_the_users(private_cache, tmp_path_factory):
@@ -27,14 +27,14 @@ def test_the_cache_is_a_directory_of_the_session_not_the_users(private_cache, tm
 def test_what_monolith_keeps_in_its_cache_lands_in_the_private_one(private_cache):
     cache = private_cache.private.resolve()
     assert cache_root().resolve().is_relative_to(cache)
-    assert responses_seal.key_path().resolve().is_relative_to(cache)
-    sealed = responses_seal.Sealer().seal("probe")  # the key is made on first use: in the private cache
-    assert responses_seal.key_path().is_file() and responses_seal.Sealer().open(sealed, "probe") == "probe"
+    assert seal.key_path().resolve().is_relative_to(cache)
+    sealed = seal.Sealer().seal("probe")  # the key is made on first use: in the private cache
+    assert seal.key_path().is_file() and seal.Sealer().open(sealed, "probe") == "probe"
 
 
 def test_a_command_the_tests_start_inherits_the_private_cache(private_cache):
     code = ("from monolith.pack.manifest import cache_root\n"
-            "from monolith.serving.responses_seal import key_path\n"
+            "from monolith.serving.responses.seal import key_path\n"
             "print(cache_root()); print(key_path())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     for line in out.splitlines():

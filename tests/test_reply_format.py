@@ -9,8 +9,8 @@ import pytest
 from monolith.serving.anthropic.reply import MessagesFormat
 from monolith.serving.reply_format import Cancellable, ReplyFormat, Resumable, StreamFormat
 from monolith.serving.openai.reply import ChatFormat, CompletionFormat
-from monolith.serving.responses_compact import CompactFormat
-from monolith.serving.responses_reply import ResponseFormat
+from monolith.serving.responses.compact import CompactFormat
+from monolith.serving.responses.reply import ResponseFormat
 
 STREAMED = (ChatFormat, CompletionFormat, MessagesFormat, ResponseFormat)
 PROTOCOLS = (ReplyFormat, StreamFormat, Resumable, Cancellable)

@@ -24,8 +24,8 @@ from responses_rig import DELTAS, TOOLS, scripted_reply, validate_event, with_ca
 from serving_rig import Server, assert_error
 
 from monolith.runtime.engine import Engine
-from monolith.serving.responses_items import items_to_messages
-from monolith.serving.responses_seal import key_path
+from monolith.serving.responses.items import items_to_messages
+from monolith.serving.responses.seal import key_path
 
 NAME = "demo"
 ENCRYPTED = ["reasoning.encrypted_content"]

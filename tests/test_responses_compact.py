@@ -14,7 +14,7 @@ import pytest
 from openresponses_spec import check
 from serving_rig import assert_error, demo_servers
 
-from monolith.serving.responses_seal import SEALER, SUMMARY_HEAD, open_summary
+from monolith.serving.responses.seal import SEALER, SUMMARY_HEAD, open_summary
 
 NAME = "demo"
 TURNS = [{"role": "user", "content": "My name is Ada and I like red."},

@@ -1,4 +1,4 @@
-"""The Responses reply format (serving/responses_reply.py) fed scripted deltas, no model:
+"""The Responses reply format (serving/responses/reply.py) fed scripted deltas, no model:
 the split of a reply into items and events validates against the official SDK's types and
 the Open Responses schemas, a reply's items come back as the same chat turn, a failure
 mid-stream is a response.failed event, and the SDK's stream helper rebuilds a reply with
@@ -13,10 +13,10 @@ from responses_rig import DELTAS, NAME, TOOLS, scripted_reply, validate_event, w
 
 from monolith.runtime.events import Delta
 from monolith.serving.errors import APIError
-from monolith.serving.responses_api import parse_request
-from monolith.serving.responses_items import items_to_messages
-from monolith.serving.responses_reply import ResponseFormat
-from monolith.serving.responses_store import ResponseStore
+from monolith.serving.responses.requests import parse_request
+from monolith.serving.responses.items import items_to_messages
+from monolith.serving.responses.reply import ResponseFormat
+from monolith.serving.responses.store import ResponseStore
 from monolith.serving.requests import SamplingDefaults
 
 

@@ -23,8 +23,8 @@ from starlette.routing import Match
 
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
-from monolith.serving.responses_routes import StoredResponses
-from monolith.serving.responses_store import ResponseStore, Stored, encode, input_items
+from monolith.serving.responses.routes import StoredResponses
+from monolith.serving.responses.store import ResponseStore, Stored, encode, input_items
 
 NAME = "demo"
 COMMON = {"model": NAME, "instructions": "You are terse.", "max_output_tokens": 12, "temperature": 0}

@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from monolith.runtime.engine import Engine
-from monolith.serving.responses_socket import LIMIT_SECONDS
+from monolith.serving.responses.websocket import LIMIT_SECONDS
 
 MAX_CONTEXT = 1024
 NAME = "demo"

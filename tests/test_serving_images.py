@@ -26,8 +26,8 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from monolith.models.image_inputs import prepare_image
 from monolith.serving.images import IMAGE_MARK, ImageLimits, ImageLoader, prompt_ids
-from monolith.serving.responses_compact import input_parts
-from monolith.serving.responses_items import items_to_messages
+from monolith.serving.responses.compact import input_parts
+from monolith.serving.responses.items import items_to_messages
 from monolith.tokenizer import load_tokenizer
 
 QWEN_TEMPLATE = Path(__file__).parent / "data" / "qwen3.5" / "chat_template.jinja"

@@ -3,5 +3,5 @@ Anthropic's Messages and OpenAI's Responses APIs (docs/serving.md, which also sa
 adding an API takes). Each API has its requests, its reply format and its routes; they
 share the field checks (fields.py), tools (tool_specs.py; calls read back: tools.py),
 structured output (structured.py) and the engine driving (driving.py). Only the app and
-its endpoints (app.py, driving.py, the *_routes.py, responses_socket.py) import
+its endpoints (app.py, driving.py, the *_routes.py, responses/websocket.py) import
 starlette."""

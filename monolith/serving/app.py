@@ -3,16 +3,17 @@
 
 - GET /health, GET /metrics (and /metrics/history: gauge_history.py), GET /v1/models;
 - GET / and GET /static/...: the chat page (page.py);
-- POST /v1/chat/completions and /v1/completions (OpenAI);
+- POST /v1/chat/completions and /v1/completions (OpenAI; the handlers: openai/routes.py);
 - POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
   anthropic/routes.py);
 - POST /v1/responses, /v1/responses/input_tokens and /v1/responses/compact; for a
   stored response GET and DELETE /v1/responses/{id}, GET .../{id}/input_items and
-  POST .../{id}/cancel (the handlers: responses_routes.py); and a WebSocket at
-  /v1/responses (responses_socket.py), on the same engine driving (driving.py).
+  POST .../{id}/cancel (the handlers: responses/routes.py); and a WebSocket at
+  /v1/responses (responses/websocket.py), on the same engine driving (driving.py).
 
-An API other than OpenAI's chat and completions brings its routes (`API_ROUTES`: each
-module's `routes(handlers)`), its handlers calling the app's (`_Handlers`).
+Each API is a package (openai/, anthropic/, responses/) that brings its routes
+(`API_ROUTES`: each package's `routes(handlers)`), its handlers calling the app's
+(`_Handlers`); it imports the common core here, never another API's package.
 
 `create_app(load, config)` answers at once and runs `load()` (which returns an
 Engine) on a background thread: /health says 503 until it is done, and the
@@ -20,7 +21,7 @@ generation endpoints answer 503 meanwhile. `load` may instead be a models.ModelP
 of several models, loaded when a request names one and unloaded when idle: each
 request asks it for its model (`model_for`) and holds it until the request ends.
 Each generation request is validated
-(openai/requests.py), rendered and tokenized, then queued in the engine; the handler waits
+(its API's requests.py), rendered and tokenized, then queued in the engine; the handler waits
 for it to start (bounded by the queue timeout) and then either collects the answer or
 streams Server-Sent Events through the API's reply format (the Protocol:
 reply_format.py), with keep-alive comments while nothing else is sent (driving.py). A
@@ -49,7 +50,7 @@ from starlette.routing import Route
 
 from ..runtime import heap
 from ..runtime.grammar import Grammar
-from . import access, page, responses_routes, structured
+from . import access, page, structured
 from .anthropic import routes as anthropic_routes
 from .driving import Driver
 from .errors import APIError, ContextOverflow, bad, log_refusal
@@ -61,8 +62,9 @@ from .openai import routes as openai_routes
 from .openai.reply import TokenText, read_json
 from .reasoning import prompt_opens_reasoning
 from .requests import ChatRequest, SamplingDefaults, parse_json_body
-from .responses_socket import LIMIT_SECONDS
-from .responses_store import STORED_BYTES, STORED_RESPONSES, ResponseStore
+from .responses import routes as responses_routes
+from .responses.store import STORED_BYTES, STORED_RESPONSES, ResponseStore
+from .responses.websocket import LIMIT_SECONDS
 
 log = logging.getLogger("monolith.serve")
 # the APIs: each package's `routes(handlers)` gives its endpoints (docs/serving.md,
@@ -83,7 +85,7 @@ class ServerConfig:
     loopback_only: bool = True  # bound to loopback: only loopback Host headers (DNS rebinding)
     allowed_origins: tuple[str, ...] = ()  # browser origins served besides loopback pages ("*": any)
     body_timeout: float = 60.0  # seconds a request body may take to arrive (then 408)
-    websocket_limit_seconds: float = LIMIT_SECONDS  # a /v1/responses WebSocket's life (responses_socket.py)
+    websocket_limit_seconds: float = LIMIT_SECONDS  # a /v1/responses WebSocket's life (responses/websocket.py)
     websocket_clock: Callable[[], float] = time.monotonic  # what measures it (tests bring their own)
     response_store_size: int = STORED_RESPONSES  # the Responses API's stored responses, at most
     response_store_bytes: int = STORED_BYTES  # ... and at most this many bytes of them
@@ -129,7 +131,7 @@ class ServerState:
         self.history = GaugeHistory()  # the status tab's last minutes (gauge_history.py)
         self.created = int(time.time())
         self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
-                                       config.response_store_dir)  # responses_routes.py
+                                       config.response_store_dir)  # responses/routes.py
         self.recent_images = RecentImages()  # images prepared for earlier requests (images.py)
 
     def defaults_for(self, engine) -> SamplingDefaults:
@@ -341,7 +343,7 @@ class _Handlers(Driver):
     async def generate_chat(self, request: Request, engine, req: ChatRequest, make_format, started: float,
                             prompt_param: str = "messages") -> Response:
         """A chat request through the engine, its reply in the format `make_format(reasoning
-        open)` builds (OpenAI's chat.completion here; other APIs bring their own)."""
+        open)` builds (each API brings its own: OpenAI's chat.completion, ...)."""
         job, events, fmt = await self.start_chat(engine, req, make_format, started, prompt_param, request)
         return await self.respond(request, job, events, fmt, req)
 

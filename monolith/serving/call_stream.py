@@ -1,5 +1,5 @@
 """Tool calls streamed in pieces, for every API's stream (openai/reply.py,
-anthropic/reply.py, responses_reply.py): the generated text becomes, in order, content
+anthropic/reply.py, responses/reply.py): the generated text becomes, in order, content
 strings and call pieces.
 
 A call opens (`start`, its id and name, no arguments yet) as soon as its block names it

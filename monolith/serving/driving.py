@@ -1,5 +1,5 @@
 """A request through the engine, for the HTTP app (app.py) and the Responses WebSocket
-(responses_socket.py): submitted, waited on until it has left the queue and resumed
+(responses/websocket.py): submitted, waited on until it has left the queue and resumed
 (`start`), then its reply collected (`respond`) or streamed (`progress`, `stream`)
 through the API's reply format (reply_format.py). Engine events cross from the worker
 thread into asyncio through an `EventBridge`."""
@@ -77,7 +77,7 @@ class Driver:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
         except EngineClosed:
             raise APIError(503, "the server is shutting down", code="shutting_down") from None
-        by_id = isinstance(fmt, Cancellable)  # its response can be cancelled by id (responses_routes.py)
+        by_id = isinstance(fmt, Cancellable)  # its response can be cancelled by id (responses/routes.py)
         if by_id:
             fmt.submitted(job)
         try:

@@ -1,6 +1,6 @@
 """Image parts on every API (docs/serving.md, "Images"): one home for what the three
 APIs share once each has read its own part shape (requests.py: OpenAI `image_url`;
-anthropic/requests.py: `image` blocks; responses_items.py: `input_image`).
+anthropic/requests.py: `image` blocks; responses/items.py: `input_image`).
 
 A part becomes an item of its message's list `content`, `{"type": "image", "image": URL,
 "param": where}` (`image_item`), which the checkpoint's chat template renders as

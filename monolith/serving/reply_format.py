@@ -1,7 +1,7 @@
 """What a reply format is: the object app.py drives to turn one request's engine events
 into the API's own reply. Each API brings its own (ChatFormat and CompletionFormat in
-openai/reply.py, MessagesFormat in anthropic/reply.py, ResponseFormat in responses_reply.py,
-CompactFormat in responses_compact.py); app.py knows them only through these Protocols.
+openai/reply.py, MessagesFormat in anthropic/reply.py, ResponseFormat in responses/reply.py,
+CompactFormat in responses/compact.py); app.py knows them only through these Protocols.
 
 A handler builds the format once the prompt is encoded, submits the request and waits
 until the engine has started it (`start`), then either collects the reply (`_respond`:
@@ -70,7 +70,7 @@ class Resumable(Protocol):
 @runtime_checkable
 class Cancellable(Protocol):
     """A format whose reply can be cancelled by id from another connection
-    (responses_routes.py), and that must know when its handler is done with it."""
+    (responses/routes.py), and that must know when its handler is done with it."""
 
     def submitted(self, job) -> None:
         """The engine took the request as `job` (before it starts)."""

@@ -1,6 +1,6 @@
 """Tools, whichever API sends them: the one home of what every API checks in a tool and
 of how the server holds it. Each API reads its own wire shape (chat's in requests.py,
-Anthropic's in anthropic/requests.py, the Responses API's in responses_tools.py) and calls these:
+Anthropic's in anthropic/requests.py, the Responses API's in responses/tools.py) and calls these:
 
 - `tool_entries`: the entries of a `tools` list, each with its path (`tools[0]`);
 - `tool_fields`: a tool's name (a non-empty string), description (a string, if given)

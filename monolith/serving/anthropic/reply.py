@@ -22,9 +22,9 @@ import json
 import uuid
 
 from ...runtime.events import Delta, Finished
+from ..call_stream import CallStream
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
-from ..call_stream import CallStream
 from ..tools import ToolCallParser, arguments_object
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

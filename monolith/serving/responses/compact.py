@@ -2,9 +2,9 @@
 conversation (a stored `previous_response_id`, then `input`, as for POST /v1/responses)
 goes to the model with a request to summarize it; the reply is a compaction object whose
 `output` is the window to continue from: the user's own messages, verbatim, then one
-`compaction` item holding the summary, sealed (responses_seal.py) so that only this
+`compaction` item holding the summary, sealed (seal.py) so that only this
 server reads it back. Sent back in `input`, that item becomes a user message with the
-summary (responses_items.py), and a later compaction keeps it out of the user messages it
+summary (items.py), and a later compaction keeps it out of the user messages it
 repeats (its summary is summarized again)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import dataclasses
 import time
 import uuid
 
-from ..runtime.events import Delta, Finished
-from ..sampling import SamplingParams
-from .errors import bad
-from .reasoning import ReasoningSplitter
-from .responses_api import parse_request
-from .responses_seal import seal_summary
-from .responses_store import ResponseStore
-from .requests import SamplingDefaults
+from ...runtime.events import Delta, Finished
+from ...sampling import SamplingParams
+from ..errors import bad
+from ..reasoning import ReasoningSplitter
+from ..requests import SamplingDefaults
+from .requests import parse_request
+from .seal import seal_summary
+from .store import ResponseStore
 
 FIELDS = {"model", "input", "previous_response_id", "instructions"}
 # hints that change no summary (`image`: the image context policy; the kept user messages keep their images)

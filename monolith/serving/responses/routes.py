@@ -1,13 +1,13 @@
 """The Responses API's HTTP endpoints (app.py routes them; the WebSocket transport:
-responses_socket.py).
+websocket.py).
 
-`ResponsesRoutes`: POST /v1/responses (the chat path, its reply: responses_reply.py),
+`ResponsesRoutes`: POST /v1/responses (the chat path, its reply: reply.py),
 POST /v1/responses/input_tokens (the prompt tokens a request would take) and POST
-/v1/responses/compact (responses_compact.py), on the app's handlers (their access checks,
+/v1/responses/compact (compact.py), on the app's handlers (their access checks,
 engine, model names, body reading and engine driving).
 
 `StoredResponses`, the endpoints on stored responses (OpenAI's shapes; the store:
-responses_store.py): GET /v1/responses/{id} (status `in_progress` while it is being
+store.py): GET /v1/responses/{id} (status `in_progress` while it is being
 generated); DELETE /v1/responses/{id} ({"id", "object": "response", "deleted": true}); GET
 /v1/responses/{id}/input_items (a cursor page of the request's input items: `limit`
 1-100, default 20; `order` asc or desc, default desc; `after` an item id; `include`
@@ -33,10 +33,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 
-from . import responses_api, responses_compact, responses_reply
-from .errors import APIError, bad
-from .responses_socket import ResponsesSocket
-from .responses_store import ResponseStore
+from ..errors import APIError, bad
+from . import compact, reply, requests
+from .store import ResponseStore
+from .websocket import ResponsesSocket
 
 log = logging.getLogger("monolith.serve")
 
@@ -82,16 +82,16 @@ class ResponsesRoutes:
         self.handlers = handlers
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API on the chat path (responses_api.py, responses_reply.py)."""
+        """OpenAI's Responses API on the chat path (requests.py, reply.py)."""
         handlers = self.handlers
         started = time.monotonic()
         state = handlers.state
         body = await handlers.read_body(request)
         model = await handlers.model_for(request, body)
         engine = model.engine
-        call = responses_api.parse_request(body, model.defaults, state.responses)
+        call = requests.parse_request(body, model.defaults, state.responses)
         name = handlers.model_name(call.request.model)
-        make_format = responses_reply.format_maker(name, call, state.responses, engine.tokenizer)
+        make_format = reply.format_maker(name, call, state.responses, engine.tokenizer)
         response = await handlers.generate_chat(request, engine, call.request, make_format, started, "input")
         if call.tools.omitted:  # hosted tools this server cannot run: left out, and said so
             omitted = ", ".join(dict.fromkeys(call.tools.omitted))
@@ -106,21 +106,21 @@ class ResponsesRoutes:
         body = await handlers.read_body(request)
         model = await handlers.model_for(request, body)
         engine = model.engine
-        call = responses_api.parse_request(body, model.defaults, state.responses)
+        call = requests.parse_request(body, model.defaults, state.responses)
         handlers.model_name(call.request.model)
         prompt = await handlers.encode_chat(engine, call.request, handlers.prompt_images(engine, count_only=True))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.ids)})
 
     async def compact(self, request: Request) -> Response:
-        """POST /v1/responses/compact: the conversation summarized by the model (responses_compact.py)."""
+        """POST /v1/responses/compact: the conversation summarized by the model (compact.py)."""
         handlers = self.handlers
         started = time.monotonic()
         body = await handlers.read_body(request)
         model = await handlers.model_for(request, body)
         engine = model.engine
-        req, kept = responses_compact.parse_compact(body, model.defaults, handlers.state.responses)
+        req, kept = compact.parse_compact(body, model.defaults, handlers.state.responses)
         handlers.model_name(req.model)
-        return await handlers.generate_chat(request, engine, req, lambda opened: responses_compact.CompactFormat(
+        return await handlers.generate_chat(request, engine, req, lambda opened: compact.CompactFormat(
             kept, opened), started, "input")
 
 

@@ -29,9 +29,9 @@ from starlette.responses import JSONResponse
 from starlette.status import WS_1008_POLICY_VIOLATION
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from . import responses_api, responses_reply
-from .errors import APIError, ContextOverflow, bad, log_refusal
-from .requests import parse_json_body
+from ..errors import APIError, ContextOverflow, bad, log_refusal
+from ..requests import parse_json_body
+from . import requests, reply
 
 log = logging.getLogger("monolith.serve")
 LIMIT_SECONDS = 3600.0  # Open Responses: WebSocket connections are limited to 60 minutes
@@ -138,9 +138,9 @@ class _Connection:
         started = time.monotonic()
         model = await handlers.model_for(self.websocket, body)
         engine = model.engine
-        call = responses_api.parse_request(body, model.defaults, self)
+        call = requests.parse_request(body, model.defaults, self)
         name = handlers.model_name(call.request.model)
-        make_format = responses_reply.format_maker(name, call, handlers.state.responses, engine.tokenizer)
+        make_format = reply.format_maker(name, call, handlers.state.responses, engine.tokenizer)
         job, events, fmt = await handlers.start_chat(engine, call.request, make_format, started, "input")
         final = None
         try:

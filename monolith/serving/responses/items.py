@@ -5,21 +5,21 @@ input_text and input_image parts: images.py), `custom_tool_call`,
 `custom_tool_call_output` and `reasoning` items; the items of one assistant turn
 (reasoning, message, calls) become one assistant message. A call of a namespace's tool
 is named as the model saw it (`flat_name`); a custom tool's call has one argument,
-`input`; a reasoning item's `encrypted_content` (responses_seal.py) is opened and stands
+`input`; a reasoning item's `encrypted_content` (seal.py) is opened and stands
 for its text."""
 
 from __future__ import annotations
 
 import json
 
-from . import images
-from .errors import bad
-from .fields import is_name, refuse_extra
-from .responses_seal import SEALER, SUMMARY_HEAD, open_summary
-from .tool_specs import json_arguments
-from .tools import arguments_object
+from .. import images
+from ..errors import bad
+from ..fields import is_name, refuse_extra
+from ..tool_specs import json_arguments
+from ..tools import arguments_object
+from .seal import SEALER, SUMMARY_HEAD, open_summary
 
-SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (responses_tools.py)
+SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (tools.py)
 
 TEXT_PARTS = {"user": "input_text", "system": "input_text", "developer": "input_text", "assistant": "output_text"}
 PHASES = ("commentary", "final_answer")  # an assistant message's phase: accepted, not rendered

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ..runtime.state_file import write_atomically
-from .errors import APIError
+from ...runtime.state_file import write_atomically
+from ..errors import APIError
 
 log = logging.getLogger("monolith.serve")
 

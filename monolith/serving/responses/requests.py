@@ -1,25 +1,25 @@
 """OpenAI's Responses API (POST /v1/responses): a request validated and turned into a
 ChatRequest (`parse_request`). `instructions` becomes the system message; `input` (a
-string, or items: responses_items.py) becomes chat messages; `previous_response_id` puts
+string, or items: items.py) becomes chat messages; `previous_response_id` puts
 the stored conversation (its input and output, not its instructions, as OpenAI does)
-before the new input; `tools` become chat tools (responses_tools.py: function, namespace,
+before the new input; `tools` become chat tools (tools.py: function, namespace,
 custom and hosted tools); `tool_choice` and `text.format` become the grammar the chat
 path already enforces. `include: ["reasoning.encrypted_content"]` seals each reasoning
-item's text into its `encrypted_content` (responses_seal.py). A field sent as `null`
+item's text into its `encrypted_content` (seal.py). A field sent as `null`
 counts as not given. `parallel_tool_calls:
 false` makes a forced call (`tool_choice` required) a single one; under `auto` the
 model's calls are returned as it wrote them. Fields that would change the result and
-are not implemented are refused naming them. The reply: responses_reply.py; the store:
-responses_store.py."""
+are not implemented are refused naming them. The reply: reply.py; the store:
+store.py."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from ..sampling import SamplingError, SamplingParams
-from .errors import bad
-from .fields import (
+from ...sampling import SamplingError, SamplingParams
+from ..errors import bad
+from ..fields import (
     is_name,
     optional,
     positive_int,
@@ -28,11 +28,11 @@ from .fields import (
     refuse_non_neutral,
     refuse_unknown,
 )
-from .responses_items import items_to_messages
-from .responses_store import ResponseStore, input_items
-from .responses_tools import Tools, parse_tools, tool_choice
-from .requests import MAX_TEMPERATURE, ChatRequest, SamplingDefaults
-from .structured import Structure
+from ..requests import MAX_TEMPERATURE, ChatRequest, SamplingDefaults
+from ..structured import Structure
+from .items import items_to_messages
+from .store import ResponseStore, input_items
+from .tools import Tools, parse_tools, tool_choice
 
 FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
           "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning", "include"}

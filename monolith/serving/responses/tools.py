@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import llguidance
 
-from .errors import bad
-from .fields import is_name, refuse_extra
-from .responses_items import flat_name, string_field
-from .tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
-from .tools import arguments_object
+from ..errors import bad
+from ..fields import is_name, refuse_extra
+from ..tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
+from ..tools import arguments_object
+from .items import flat_name, string_field
 
 HOSTED = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from cryptography.fernet import Fernet, InvalidToken
 
-from ..pack.manifest import cache_root
-from .errors import bad
+from ...pack.manifest import cache_root
+from ..errors import bad
 
 KEY_FILE = "responses.key"
 

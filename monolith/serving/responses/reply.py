@@ -1,9 +1,9 @@
 """The Responses API's reply: the generated text split into output items in order, a
 `reasoning` item (the think block, as `reasoning_text` content), `message` items with
-`output_text`, and `function_call` / `custom_tool_call` items (responses_tools.py maps
+`output_text`, and `function_call` / `custom_tool_call` items (tools.py maps
 the model's calls back to the tools as sent). With `include:
 ["reasoning.encrypted_content"]`, a finished reasoning item carries its text sealed
-(responses_seal.py). Streamed, the same split emits the semantic
+(seal.py). Streamed, the same split emits the semantic
 events (`event: TYPE` + `data: {... "type", "sequence_number"}`); the non-streamed reply
 runs the same split over the same deltas, so both give the same output. Whitespace
 between text and a call belongs to neither. A finished response is stored (unless
@@ -16,17 +16,17 @@ import json
 import time
 import uuid
 
-from ..runtime.events import Delta, Finished
-from .errors import APIError
-from .reasoning import ReasoningSplitter
-from .responses_api import ResponsesCall
-from .responses_items import items_to_messages
-from .responses_seal import SEALER
-from .responses_store import ResponseStore
-from .responses_tools import call_item
-from .structured import THINK_END
-from .call_stream import CallStream
-from .tools import ToolCallParser
+from ...runtime.events import Delta, Finished
+from ..call_stream import CallStream
+from ..errors import APIError
+from ..reasoning import ReasoningSplitter
+from ..structured import THINK_END
+from ..tools import ToolCallParser
+from .items import items_to_messages
+from .requests import ResponsesCall
+from .seal import SEALER
+from .store import ResponseStore
+from .tools import call_item
 
 
 class ResponseFormat:
