@@ -18,7 +18,7 @@ import openai
 import pytest
 from serving_rig import MAX_CONTEXT, NAME, TOOLS, Scripted, Server, assert_error, chat_ids, expected
 
-from monolith.runtime import heap
+from monolith.runtime import memory_trim
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.stats import SpecStats
@@ -64,13 +64,13 @@ def _rss() -> int:
 
 
 def test_heap_trim_is_there_with_glibc_and_on_macos():
-    assert heap.trim() == (platform.libc_ver()[0] == "glibc" or sys.platform == "darwin")
+    assert memory_trim.trim() == (platform.libc_ver()[0] == "glibc" or sys.platform == "darwin")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and glibc's arenas")
 def test_heap_trim_hands_back_what_a_thread_freed():
     """The RSS growth bench/fuzz.py saw: memory a worker thread freed stays in its arena
-    (pinned by a few live blocks) until heap.trim()."""
+    (pinned by a few live blocks) until memory_trim.trim()."""
     kept = []
 
     def churn():
@@ -82,14 +82,14 @@ def test_heap_trim_hands_back_what_a_thread_freed():
     worker.start()
     worker.join()
     held = _rss()
-    assert heap.trim()
+    assert memory_trim.trim()
     assert held - _rss() > 64 * 2**20
     assert len(kept) == 200
 
 
 def test_engine_trims_the_heap_when_it_goes_idle(model, tok, monkeypatch):
     trims = []
-    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
+    monkeypatch.setattr(memory_trim, "trim", lambda: trims.append(1) or True)
     engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("ab")))
     try:
         for prompt in ("x", "y"):
@@ -106,7 +106,7 @@ def test_a_large_request_body_trims_the_heap_after_it(server, monkeypatch):
     """Bodies the HTTP layer refuses never reach the engine: the app trims after any
     body of a MiB or more (the fuzz run's multi-MiB prompts), and not after small ones."""
     trims = []
-    monkeypatch.setattr(heap, "trim", lambda: trims.append(1) or True)
+    monkeypatch.setattr(memory_trim, "trim", lambda: trims.append(1) or True)
     big = {"model": NAME, "prompt": "word " * 300_000, "max_tokens": "many"}  # 1.5 MiB, then a 400
     assert_error(server.post("/v1/completions", big), 400, "max_tokens")
     assert len(trims) == 1

@@ -37,7 +37,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from ..sampling import SamplingParams
-from . import heap
+from . import memory_trim
 from .batch import Batch
 from .decoder import PlainDecoder
 from .events import (
@@ -306,7 +306,7 @@ class Engine:
                 for member in batch.members:
                     member.owner.release()
             if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
-                heap.trim()
+                memory_trim.trim()
 
     def _admit(self) -> list[Job]:
         """(Under the lock.) The queued jobs that start now, taken off the queue in order:

@@ -48,7 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..runtime import heap
+from ..runtime import memory_trim
 from ..runtime.grammar import Grammar
 from . import access, page, structured
 from .anthropic import routes as anthropic_routes
@@ -70,7 +70,7 @@ log = logging.getLogger("monolith.serve")
 # the APIs: each package's `routes(handlers)` gives its endpoints (docs/serving.md,
 # "Adding an API")
 API_ROUTES = (openai_routes.routes, anthropic_routes.routes, responses_routes.routes)
-TRIM_AFTER_BYTES = 2**20  # a request body this large: hand the freed heap back after it (runtime/heap.py)
+TRIM_AFTER_BYTES = 2**20  # a request body this large: hand the freed heap back after it (runtime/memory_trim.py)
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ class _Handlers(Driver):
                 self.release(request)  # a stream runs on in the engine, which keeps its model loaded
             self.state.metrics.requests.labels(name, str(response.status_code)).inc()
             if getattr(request.state, "body_bytes", 0) >= TRIM_AFTER_BYTES:  # its copies are freed now
-                heap.trim()
+                memory_trim.trim()
             return response
 
         return run
