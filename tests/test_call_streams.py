@@ -32,7 +32,7 @@ from monolith.runtime.grammar import GrammarTokenizer
 from monolith.serving import structured
 from monolith.serving.call_stream import CallStream, Piece
 from monolith.serving.tool_specs import forced_calls
-from monolith.serving.tools import ToolCallParser, arguments_object, parse_tool_calls
+from monolith.serving.tool_calls import ToolCallParser, arguments_object, parse_tool_calls
 
 NAME = "demo"
 PARAMETERS = {"type": "object", "properties": {"directory": {"type": "string"}}}  # additionalProperties unsaid

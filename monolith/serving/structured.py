@@ -12,9 +12,9 @@ tool_specs.forced_calls) -> a grammar (runtime.grammar).
   `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`
   (parameters in the schema's order, optional ones may be left out). A string
   parameter's value is raw text that keeps its schema (`enum`, `const`, `pattern`,
-  `minLength` / `maxLength`, `format`: serving/raw_text.py) and can never hold a closing
-  tag; other values are JSON. serving/tools.py reads both back as written
-  (`raw_text.is_raw_text` decides which, for both).
+  `minLength` / `maxLength`, `format`: serving/xml_arguments.py) and can never hold a closing
+  tag; other values are JSON. serving/tool_calls.py reads both back as written
+  (`xml_arguments.is_raw_text` decides which, for both).
 
 Whitespace between JSON tokens is bounded: unbounded whitespace lets a weak model loop
 on it until max_tokens. In `response_format` JSON each gap allows one space, or a newline
@@ -40,7 +40,7 @@ import json
 from dataclasses import dataclass
 
 from ..runtime.grammar import Grammar, GrammarError
-from . import raw_text
+from . import xml_arguments
 from .errors import APIError, bad
 from .fields import refuse_extra
 
@@ -189,9 +189,9 @@ def _xml_call(fn: dict, index: int, tokenizer, grammars: dict) -> tuple[str, str
         name = f"param_{index}_{j}"
         if fn["name"] in grammars and key == "input":  # a custom tool's input: its own grammar, raw
             value = f'@{grammars[fn["name"]][0]} "\\n</parameter>\\n"'
-        elif raw_text.is_raw_text(schema):  # the text and its closing tag, one lexeme (below)
+        elif xml_arguments.is_raw_text(schema):  # the text and its closing tag, one lexeme (below)
             value = name.upper()
-            rules.append(f'{value}: ({raw_text.lexeme(schema, where)}) "\\n</parameter>\\n"')
+            rules.append(f'{value}: ({xml_arguments.lexeme(schema, where)}) "\\n</parameter>\\n"')
         else:
             value = f'{_json(_with(schema, definitions), CALL_WHITESPACE, "tools")} "\\n</parameter>\\n"'
         rules.append(f"{name}: {json.dumps(f'<parameter={key}>')} \"\\n\" {value}")
@@ -241,7 +241,7 @@ def _with(schema, definitions: dict):
 
 
 def _check_tag_name(name: str, where: str) -> None:
-    """A name as a tag writes it (`<function=NAME>`, `<parameter=NAME>`) and tools.py reads
+    """A name as a tag writes it (`<function=NAME>`, `<parameter=NAME>`) and tool_calls.py reads
     it back: no `>` or newline, no blank at either end."""
     if not isinstance(name, str) or not name or name != name.strip() or ">" in name or "\n" in name:
         raise bad(f"{where} {name!r} cannot be written in the chat template's XML tool calls "

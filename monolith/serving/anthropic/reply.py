@@ -25,7 +25,7 @@ from ...runtime.events import Delta, Finished
 from ..call_stream import CallStream
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
-from ..tools import ToolCallParser, arguments_object
+from ..tool_calls import ToolCallParser, arguments_object
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",

@@ -12,7 +12,7 @@ import uuid
 from ...runtime.events import Delta, Finished
 from ..call_stream import CallStream, Piece
 from ..reasoning import ReasoningSplitter
-from ..tools import ToolCallParser, parse_tool_calls
+from ..tool_calls import ToolCallParser, parse_tool_calls
 from .speculation import FIELD, SpecPieces, spec_entries, stats_of
 
 NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)

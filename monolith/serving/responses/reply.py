@@ -21,7 +21,7 @@ from ..call_stream import CallStream
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
 from ..structured import THINK_END
-from ..tools import ToolCallParser
+from ..tool_calls import ToolCallParser
 from .items import items_to_messages
 from .requests import ResponsesCall
 from .seal import SEALER

@@ -21,7 +21,7 @@ import re
 import secrets
 from dataclasses import dataclass, replace
 
-from .raw_text import is_raw_text
+from .xml_arguments import is_raw_text
 
 OPENERS = {"<tool_call>": "</tool_call>", "<function=": "</function>"}
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
