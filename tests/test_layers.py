@@ -3,7 +3,10 @@ runtime <- drafter_choice <- engine_setup <- serving, distributed <- the command
 launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves (over
 data_files, where the files shipped beside the code are found). No
 module imports from a higher layer, not even late inside a function, and module imports
-form no loop. In tests/, no test module imports another."""
+form no loop. Inside serving, each API is a package (serving/openai/, anthropic/,
+responses/) over the common core (serving/*.py): no API package imports another, and of
+the core only app.py, which routes them, imports an API package. In tests/, no test
+module imports another."""
 
 from __future__ import annotations
 
@@ -125,4 +128,32 @@ def test_tests_share_code_through_helper_modules_not_test_modules():
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
             found += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not found, "\n".join(found)
+
+
+# serving's subpackages, one per API (docs/architecture.md): each over the common core
+API_PACKAGES = sorted(p.parent.name for p in (ROOT / "serving").glob("*/__init__.py"))
+
+
+def api_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["monolith", "serving"] and len(parts) > 2 and parts[2] in API_PACKAGES else None
+
+
+def test_no_api_package_imports_another_and_the_core_only_routes_them():
+    assert {"openai", "anthropic", "responses"} <= set(API_PACKAGES)
+    found = []
+    for path in FILES:
+        source = module_name(path)
+        if not source.startswith("monolith.serving."):
+            continue
+        own = api_package(source)
+        for target, _ in imports(path):
+            other = api_package(target)
+            if other is None or other == own:
+                continue
+            if own is not None:
+                found.append(f"{source} (API package {own}) imports {target} (API package {other})")
+            elif source != "monolith.serving.app":
+                found.append(f"{source} (the common core) imports {target}: only app.py routes the API packages")
     assert not found, "\n".join(found)
