@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from decoding import plain
 
-from monolith.runtime.drafter import Proposal
+from monolith.runtime.drafter import Drafter, Proposal
 from monolith.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -54,7 +54,7 @@ def assert_same_greedy(model, prompt, got, want):
 # ------------------------------------------------------------------ oracle drafters
 
 
-class SequenceTracker:
+class SequenceTracker(Drafter):
     """Rebuilds the committed tokens from what a drafter sees: the prompt's features
     first, then after each proposal the anchor and the accepted proposals (the kept
     rows: features of a + 1 rows means a proposals were accepted)."""
@@ -81,15 +81,6 @@ class SequenceTracker:
             self.committed += self.pending[:n]
             self.pending = None
         assert len(self.committed) <= self.max_context - 1
-
-    def arrays(self):
-        return []
-
-    def snapshot(self):
-        return None  # an oracle cannot resume: every prompt is prefilled whole
-
-    def restore(self, snapshot, rows):
-        return False
 
     def unknown(self, position):
         """The token at a committed position the drafter was never told (an anchor
@@ -129,7 +120,7 @@ class GreedyOracle(SequenceTracker):
 
 
 
-class ConstantDrafter:
+class ConstantDrafter(Drafter):
     """Proposes token 0 everywhere (timing only)."""
 
     taps, max_proposals = TAPS, GAMMA + 1
@@ -142,12 +133,3 @@ class ConstantDrafter:
 
     def propose(self, anchor, gamma, params, key):
         return Proposal(mx.zeros((gamma,), mx.int32), mx.zeros((gamma, 512)), None)
-
-    def arrays(self):
-        return []
-
-    def snapshot(self):
-        return None
-
-    def restore(self, snapshot, rows):
-        return False

@@ -182,7 +182,7 @@ def measure_cost_curve(model, drafter: Drafter, gamma: int, params: SamplingPara
 def calibrate_cost_scheduler(scheduler: CostScheduler, model, drafter: Drafter, gamma: int, max_context: int) -> None:
     """The cost scheduler's timings (measure_costs) at each of curve_contexts(max_context);
     a sequential drafter's draft is priced per proposal."""
-    proposals = gamma if getattr(drafter, "sequential", False) else None
+    proposals = gamma if drafter.sequential else None
     for i, context in enumerate(curve_contexts(max_context)):
         draft, verify = measure_costs(model, drafter, gamma, SamplingParams(), context)
         if i == 0:
