@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from decoding import plain
 
 from monolith.runtime.drafter import Drafter, Proposal
@@ -18,6 +17,7 @@ TAPS = [0, 2]  # the taps the synthetic draft of the tiny target reads
 PROMPT = [401, 316, 265, 198, 71, 72, 402, 198, 401, 77, 81]  # 11 tokens: crosses chunks of 4
 CHUNK = 4
 NEAR_TIE = 1e-3  # top-1/top-2 logit margin below which float32 kernel noise may part two runs
+NEAR_TIES: list[tuple[int, float]] = []  # (token, margin) of each near-tie parting assert_same_greedy passed
 STATE_TOL = 1e-4  # max |a - b| / max |b| of cache arrays: verify-block vs one-forward kernels
 
 
@@ -44,11 +44,14 @@ def first_parting(model, prompt, got, want) -> tuple[int, float] | None:
 
 
 def assert_same_greedy(model, prompt, got, want):
+    """`got` is `want`, or parts from it only where the target's top two logits lie within
+    NEAR_TIE (float32 kernel noise): that parting is counted in NEAR_TIES (the run's summary
+    gives the count, conftest.py) and passes, as histories.WarmCold counts its near-ties."""
     parting = first_parting(model, prompt, got, want)
     if parting is not None:
         i, margin = parting
         assert margin < NEAR_TIE, f"speculative output parts from plain at token {i} with margin {margin:.4g}"
-        pytest.skip(f"outputs part at a near-tie (token {i}, margin {margin:.3g}): not a bug")
+        NEAR_TIES.append((i, margin))
 
 
 # ------------------------------------------------------------------ oracle drafters
