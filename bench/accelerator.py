@@ -43,10 +43,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from bench.common import batch_decode, machine, machine_note, median_seconds, write
+from bench.common import batch_decode, machine, machine_note, write
 from bench.real_widths import PUBLISHED_DEPTH, folded_taps, pack_stage
 from bench.round_latency import Rig, measure
 from bench.target_forward import WARMUP_STEPS, ours_decode
+from monolith.runtime.calibrate import median_seconds
 
 TARGET, DRAFT = "nvidia-35b", "lithos-dspark"
 

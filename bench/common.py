@@ -21,7 +21,6 @@ import os
 import platform
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import sysconfig
@@ -185,8 +184,6 @@ def batch_decode(decoder, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     """(decode tok/s, each sequence's tokens) of greedy `prompts` stepped as one batch
     (runtime/batch.py, as the engine steps them): the tokens after every sequence's first
     one over the time after the batch's first step (its prefills)."""
-    import time
-
     from monolith.runtime.batch import Batch
     from monolith.runtime.session import Session
     from monolith.sampling import SamplingParams
@@ -203,18 +200,6 @@ def batch_decode(decoder, prompts: list[list[int]], max_tokens: int) -> tuple[fl
         batch.step()
     mx.synchronize()
     return (sum(len(o) for o in outputs) - first) / (time.perf_counter() - start), outputs
-
-
-def median_seconds(fn, repeats: int) -> float:
-    """Median seconds of fn() (which must evaluate its result) over `repeats` runs after one
-    warm-up (compile, allocate)."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def free_port() -> int:

@@ -60,16 +60,7 @@ from bench.step_bytes import (
     state_bytes,
     weight_bytes_total,
 )
-from monolith.kernels import (
-    add_norm,
-    attention,
-    combine,
-    embedding,
-    gated_norm,
-    premix,
-    replay,
-    router,
-)
+from monolith.kernels import KERNELS
 from monolith.kernels import kernel as kernel_module
 from monolith.kernels.kernel import MetalKernel
 from monolith.models.layers import whole_graphs
@@ -196,26 +187,26 @@ def kernel_nodes_when_traced(rows: int = 8) -> dict[str, int]:
     width = c + hv * dv + 2 * hv
     tape = (dense((1, 3 + rows, c), f32), dense((1, rows, hk, dk), f32), dense((1, rows, hv, dv), f32),
             dense((1, rows, hv), f32), dense((1, rows, hv), f32), dense((1, hv, dv, dk), f32))
-    calls = {
+    args = {  # each kernel of monolith.kernels.KERNELS at real shapes
         # (a slice of the vocabulary: the trace writes its constants to a file)
-        "nvfp4_embedding": (embedding, (dense((rows,), mx.int32), dense((1024, 256), mx.uint32),
-                                        dense((1024, 128), mx.uint8), dense((1024,), f32), bf)),
-        "gdn_premix": (premix, (dense((1, rows, width), bf), dense((1, 3, c), f32), dense((c, 4), f32), dense((hv,), f32),
-                                dense((hv,), f32), hk, dk, hv, dv)),
-        "gated_rms_norm": (gated_norm, (dense((1, rows, hv, dv), f32), dense((1, rows, width), bf), dense((dv,), f32),
-                                        1e-6, c)),
-        "moe_router": (router, (dense((rows, 256), f32), 8)),
-        "attention_prologue": (attention, (dense((1, rows, 36 * 256), bf), dense((256,), f32), dense((256,), f32), 5,
-                                           16, 2, 256, 64, 1e7, 1e-6)),
-        "moe_combine": (combine, (dense((rows, 8, 2048), bf), dense((rows, 8), f32), dense((rows, 2048), bf),
-                                  dense((rows, 1), bf), dense((1, rows, 2048), bf), dense((2048,), f32), 1e-6)),
-        "add_rms_norm": (add_norm, (dense((1, rows, 2048), bf), dense((1, rows, 2048), bf), dense((2048,), f32),
-                                    1e-6)),
-        "gdn_replay": (replay, (*tape, 4)),
+        "embedding": (dense((rows,), mx.int32), dense((1024, 256), mx.uint32), dense((1024, 128), mx.uint8),
+                      dense((1024,), f32), bf),
+        "premix": (dense((1, rows, width), bf), dense((1, 3, c), f32), dense((c, 4), f32), dense((hv,), f32),
+                   dense((hv,), f32), hk, dk, hv, dv),
+        "gated_norm": (dense((1, rows, hv, dv), f32), dense((1, rows, width), bf), dense((dv,), f32), 1e-6, c),
+        "router": (dense((rows, 256), f32), 8),
+        "attention": (dense((1, rows, 36 * 256), bf), dense((256,), f32), dense((256,), f32), 5,
+                      16, 2, 256, 64, 1e7, 1e-6),
+        "combine": (dense((rows, 8, 2048), bf), dense((rows, 8), f32), dense((rows, 2048), bf),
+                    dense((rows, 1), bf), dense((1, rows, 2048), bf), dense((2048,), f32), 1e-6),
+        "add_norm": (dense((1, rows, 2048), bf), dense((1, rows, 2048), bf), dense((2048,), f32), 1e-6),
+        "replay": (*tape, 4),
     }
     found = {}
-    for name, (module, args) in calls.items():
-        def traced(module=module, args=args, name=name):
+    for kernel, module in KERNELS.items():
+        name = Path(module.KERNEL.filename).stem  # its body's name, as the results name it
+
+        def traced(module=module, args=args[kernel], name=name):
             outs = module.metal(*args)
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             found[name] = count(*outs)[1]

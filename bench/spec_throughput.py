@@ -29,9 +29,10 @@ import mlx.core as mx
 import numpy as np
 
 from bench.common import PRESETS, corpus_prompts, load_pair
+from monolith.runtime.drafter import Drafter, Proposal
 
 
-class ReplayDrafter:
+class ReplayDrafter(Drafter):
     """Proposes a known continuation of the prompt (the plain greedy output)."""
 
     def __init__(self, taps, sequence, vocab: int, max_proposals: int):
@@ -43,18 +44,7 @@ class ReplayDrafter:
     def observe(self, features):
         self.rows += features.shape[0]
 
-    def arrays(self):
-        return []
-
-    def snapshot(self):
-        return None  # replays a fixed sequence: every prompt is prefilled whole
-
-    def restore(self, snapshot, rows):
-        return False
-
     def propose(self, anchor, gamma, params, key):
-        from monolith.runtime.drafter import Proposal
-
         tokens = (self.sequence[self.rows + 1:self.rows + 1 + gamma] + [0] * gamma)[:gamma]
         q = np.zeros((gamma, self.vocab), np.float32)
         q[np.arange(gamma), tokens] = 1.0

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from bench.common import PRESETS, bytes_touched, count_primitives, median_seconds
+from bench.common import PRESETS, bytes_touched, count_primitives
 from monolith.models.layers import whole_graphs
+from monolith.runtime.calibrate import median_seconds
 from monolith.runtime.prefill import prefill
 
 WARMUP_STEPS = 4

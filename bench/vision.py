@@ -44,10 +44,11 @@ from pathlib import Path
 import mlx.core as mx
 from PIL import Image, ImageDraw
 
-from bench.common import RESULTS, corpus_prompts, machine, machine_note, median_seconds, write
+from bench.common import RESULTS, corpus_prompts, machine, machine_note, write
 from bench.projection import BANDWIDTH, GPU_FLOPS
 from monolith.models.image_inputs import ImageSettings, prepare_image
 from monolith.models.vision import VisionArgs, expected_shapes, tower_of
+from monolith.runtime.calibrate import median_seconds
 from monolith.synth.presets import PRESETS, QWEN36_VISION
 
 REAL_OUT_HIDDEN = PRESETS["qwen3.6-35b-a3b"].hidden_size  # the merger's output: the text model's width

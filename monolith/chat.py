@@ -156,7 +156,7 @@ class Chat:
         return f"monolith chat: {self.name}, {mode}, context {engine.max_context} tokens; /help for commands"
 
     def _drafter(self):
-        return getattr(self.engine.decoder, "drafter", None)
+        return self.engine.decoder.drafter
 
     def attach(self, path: Path) -> str:
         """/image: an image file for the next message."""
@@ -316,7 +316,7 @@ class _Shown:
 
     def __init__(self, chat: Chat, splitter: ReasoningSplitter):
         self.chat, self.splitter = chat, splitter
-        self.styled = getattr(chat.out, "isatty", lambda: False)()
+        self.styled = chat.out.isatty()
         self.reasoned = self.collapsed = self.answered = self.dimmed = False
 
     def feed(self, text: str) -> None:

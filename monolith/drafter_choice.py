@@ -89,7 +89,7 @@ def measure(model, candidate: Candidate, gamma: int, prompts, stops=frozenset(),
     is not run on the calibration prompts."""
     drafter, params = candidate.drafter, SamplingParams()
     top = measure_break_even(model, drafter, gamma, params)
-    sequential = not fixed_gamma and gamma > 1 and getattr(drafter, "sequential", False)
+    sequential = not fixed_gamma and gamma > 1 and drafter.sequential
     one = measure_break_even(model, drafter, 1, params) if sequential else None
     counts = range(1, gamma + 1) if sequential else [gamma]
 

@@ -312,7 +312,7 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     decoder, draft_name, not_drafting = None, None, choice.not_drafting
     if drafter is not None:
         decoder, draft_name, not_drafting = _drafting(args, plan, choice, model, log, fallback, profile, max_batch)
-    drafter = getattr(decoder, "drafter", None)
+    drafter = None if decoder is None else decoder.drafter
     on_request_decoder, on_request_name = on_request(choice, decoder, args, model)
     reserved = None
     if on_request_decoder is not None:  # the caches of requests that ask to draft count too, where they fit

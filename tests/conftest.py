@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,14 @@ def report_measured(request):
     yield
     for label, value in sorted(getattr(request.module, "MEASURED", {}).items()):
         print(f"{label}: {value}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many greedy comparisons passed at a near-tie (oracles.assert_same_greedy)."""
+    oracles = sys.modules.get("oracles")
+    if oracles is not None and oracles.NEAR_TIES:
+        terminalreporter.write_line(f"greedy outputs that parted at a near-tie (passed, counted): "
+                                    f"{len(oracles.NEAR_TIES)} at (token, margin) {oracles.NEAR_TIES}")
 
 
 @pytest.fixture(scope="session")

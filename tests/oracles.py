@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-import pytest
 from decoding import plain
 
-from monolith.runtime.drafter import Proposal
+from monolith.runtime.drafter import Drafter, Proposal
 from monolith.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -18,6 +17,7 @@ TAPS = [0, 2]  # the taps the synthetic draft of the tiny target reads
 PROMPT = [401, 316, 265, 198, 71, 72, 402, 198, 401, 77, 81]  # 11 tokens: crosses chunks of 4
 CHUNK = 4
 NEAR_TIE = 1e-3  # top-1/top-2 logit margin below which float32 kernel noise may part two runs
+NEAR_TIES: list[tuple[int, float]] = []  # (token, margin) of each near-tie parting assert_same_greedy passed
 STATE_TOL = 1e-4  # max |a - b| / max |b| of cache arrays: verify-block vs one-forward kernels
 
 
@@ -44,17 +44,20 @@ def first_parting(model, prompt, got, want) -> tuple[int, float] | None:
 
 
 def assert_same_greedy(model, prompt, got, want):
+    """`got` is `want`, or parts from it only where the target's top two logits lie within
+    NEAR_TIE (float32 kernel noise): that parting is counted in NEAR_TIES (the run's summary
+    gives the count, conftest.py) and passes, as histories.WarmCold counts its near-ties."""
     parting = first_parting(model, prompt, got, want)
     if parting is not None:
         i, margin = parting
         assert margin < NEAR_TIE, f"speculative output parts from plain at token {i} with margin {margin:.4g}"
-        pytest.skip(f"outputs part at a near-tie (token {i}, margin {margin:.3g}): not a bug")
+        NEAR_TIES.append((i, margin))
 
 
 # ------------------------------------------------------------------ oracle drafters
 
 
-class SequenceTracker:
+class SequenceTracker(Drafter):
     """Rebuilds the committed tokens from what a drafter sees: the prompt's features
     first, then after each proposal the anchor and the accepted proposals (the kept
     rows: features of a + 1 rows means a proposals were accepted)."""
@@ -81,15 +84,6 @@ class SequenceTracker:
             self.committed += self.pending[:n]
             self.pending = None
         assert len(self.committed) <= self.max_context - 1
-
-    def arrays(self):
-        return []
-
-    def snapshot(self):
-        return None  # an oracle cannot resume: every prompt is prefilled whole
-
-    def restore(self, snapshot, rows):
-        return False
 
     def unknown(self, position):
         """The token at a committed position the drafter was never told (an anchor
@@ -129,7 +123,7 @@ class GreedyOracle(SequenceTracker):
 
 
 
-class ConstantDrafter:
+class ConstantDrafter(Drafter):
     """Proposes token 0 everywhere (timing only)."""
 
     taps, max_proposals = TAPS, GAMMA + 1
@@ -142,12 +136,3 @@ class ConstantDrafter:
 
     def propose(self, anchor, gamma, params, key):
         return Proposal(mx.zeros((gamma,), mx.int32), mx.zeros((gamma, 512)), None)
-
-    def arrays(self):
-        return []
-
-    def snapshot(self):
-        return None
-
-    def restore(self, snapshot, rows):
-        return False

@@ -20,7 +20,7 @@ from monolith.models.image_inputs import ImageSettings
 from monolith.models.vision import Vision, load_vision_tower
 from monolith.pack import build_pack
 from monolith.runtime.batch import Forward
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder, SpeculativeDecoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
 from monolith.sampling import SamplingParams
@@ -121,15 +121,13 @@ def vision_server(model, tok, vision):
         yield s
 
 
-class Scripted:
+class Scripted(Decoder):
     """A decoder that 'generates' `tokens` and stops with a stop token. It speaks the
-    engine's decoder interface (decoder.SpeculativeDecoder: `steps`, run in the engine's
-    Batch): one round per token, each round a forward of this object instead of a model
+    engine's decoder interface (decoder.Decoder: `steps`, run in the engine's
+    Batch; no logprobs): one round per token, each round a forward of this object instead of a model
     (it sleeps `per_token`), after `delay` seconds of 'prefill'. It resumes with `cached`
     prompt tokens; `fail(call)` (call 1, 2, ...) gives the error a call raises once it has
     resumed, or None."""
-
-    logprobs = False
 
     def __init__(self, tokens, spec=None, delay=0.0, per_token=0.0, cached=0, fail=lambda call: None):
         self.tokens, self.spec, self.delay, self.per_token, self.cached = list(tokens), spec, delay, per_token, cached

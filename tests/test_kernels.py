@@ -15,7 +15,6 @@ import pytest
 from metal_emulator import kernel_source, requires_emulator, run_kernel
 from metal_emulator.kernel_cases import (
     CASES,
-    MODULES,
     as_list,
     assert_matches,
     check_case,
@@ -28,6 +27,7 @@ from metal_emulator.mlx_source import ArgInfo, mlx_generated_source
 
 from monolith import kernels
 from monolith.kernels import (
+    KERNELS,
     add_norm,
     attention,
     combine,
@@ -41,7 +41,6 @@ from monolith.kernels.source import find_body
 from monolith.runtime.prefill import prefill
 
 REPO = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = list(MODULES.values())
 
 
 @requires_emulator
@@ -142,7 +141,7 @@ def _info(x):
     return a.dtype, a.ndim, a.size
 
 
-@pytest.mark.parametrize("kernel", list(MODULES))
+@pytest.mark.parametrize("kernel", list(KERNELS))
 def test_generated_source_is_what_mlx_builds(kernel):
     case = next(c for c in CASES if c.kernel == kernel)
     module = case.module
@@ -163,7 +162,7 @@ def test_metal_kernel_calls_build_one_graph_node_each():
     import io
     import tempfile
 
-    for kernel in MODULES:
+    for kernel in KERNELS:
         case = next(c for c in CASES if c.kernel == kernel)
         args = case.make(np.random.default_rng(16))
         module = case.module
@@ -380,7 +379,7 @@ def test_public_functions_use_the_reference_without_metal(monkeypatch):
     for kernel, fn in public.items():
         case = next(c for c in CASES if c.kernel == kernel)
         args = case.make(rng)
-        for a, b in zip(as_list(fn(*args)), as_list(MODULES[kernel].reference(*args))):
+        for a, b in zip(as_list(fn(*args)), as_list(KERNELS[kernel].reference(*args))):
             assert mx.array_equal(a, b)
 
 
@@ -388,7 +387,7 @@ def test_public_functions_use_the_reference_without_metal(monkeypatch):
 
 
 def test_every_kernel_body_is_in_metal_dir():
-    for module in KERNEL_MODULES:
+    for module in KERNELS.values():
         path = find_body(module.KERNEL.filename)
         assert path == REPO / "metal" / module.KERNEL.filename
 
@@ -425,7 +424,7 @@ def test_bodies_ship_in_the_wheel_and_load_from_an_install(tmp_path):
                     str(wheels), str(src)], check=True, capture_output=True)
     wheel = next(wheels.glob("monolith-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for module in KERNEL_MODULES:
+    for module in KERNELS.values():
         assert any(n.endswith(f".data/data/share/monolith/metal/{module.KERNEL.filename}") for n in names)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -442,7 +441,7 @@ def test_bodies_ship_in_the_wheel_and_load_from_an_install(tmp_path):
               "for name in sys.argv[1:]:\n"
               "    print(m.find_body(name))\n"
               "    assert m.read_body(name).strip()\n")
-    out = subprocess.run([str(py), "-c", script, *[m.KERNEL.filename for m in KERNEL_MODULES]], check=True,
+    out = subprocess.run([str(py), "-c", script, *[m.KERNEL.filename for m in KERNELS.values()]], check=True,
                          capture_output=True, text=True, cwd=tmp_path).stdout.split()
-    assert len(out) == len(KERNEL_MODULES)
+    assert len(out) == len(KERNELS)
     assert all(Path(p).is_relative_to(venv) and "share/monolith/metal" in p for p in out)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from metal_emulator.kernel_cases import CASES, MODULES, as_list, check_case
+from metal_emulator.kernel_cases import CASES, as_list, check_case
 
 from monolith import kernels
+from monolith.kernels import KERNELS
 
 pytestmark = pytest.mark.skipif(not mx.metal.is_available(), reason="Metal is not available on this machine")
 
@@ -29,7 +30,7 @@ def test_public_functions_pick_metal(monkeypatch):
     case = next(c for c in CASES if c.kernel == "router")
     args = case.make(np.random.default_rng(0))
     ids, _ = kernels.moe_route(*args)
-    want_ids, _ = MODULES["router"].reference(*args)
+    want_ids, _ = KERNELS["router"].reference(*args)
     assert mx.array_equal(ids, want_ids)
 
 
@@ -37,5 +38,5 @@ def test_replay_serves_every_length_without_recompiling():
     case = next(c for c in CASES if c.id == "replay-real-all-eight")
     *tape, _ = case.make(np.random.default_rng(1))
     for rows in range(9):
-        got = MODULES["replay"].metal(*tape, rows)
-        check_case(case, list(got), list(MODULES["replay"].reference(*tape, rows)))
+        got = KERNELS["replay"].metal(*tape, rows)
+        check_case(case, list(got), list(KERNELS["replay"].reference(*tape, rows)))

@@ -51,6 +51,7 @@ class Draft:
     def __init__(self, args: DraftArgs, weights: PackWeights, target, draft_to_target: mx.array | None):
         a, w = args, weights
         self.args, self.dtype = a, w.dtype
+        self.pack_sha256: str | None = None  # the pack it was loaded from (loading.py)
         h, self.target_vocab = a.hidden_size, target.args.vocab_size
         if w.has_linear("embed_tokens"):
             self.embed_tokens = Embedding(w.linear("embed_tokens", (self.target_vocab, h)), self.dtype)

@@ -102,7 +102,7 @@ def load_mtp(pack_dir, target_model, dense: bool | None = None, verify: str = "f
     if manifest.get("role") != "target" or not (manifest.get("layout") or {}).get("mtp"):
         raise PackError(f"{pack_dir}: the pack has no MTP head (build the target pack with "
                         "`python -m monolith.pack build --with-mtp`)")
-    if manifest.get("pack_sha256") != getattr(target_model, "pack_sha256", None):
+    if manifest.get("pack_sha256") != target_model.pack_sha256:
         raise PackError(f"{pack_dir}: the MTP head's pack is not the pack the target model was loaded from")
     weights = PackWeights(pack_dir, target_model.dtype, dense, verify)
     head = MTPHead(target_model, weights)

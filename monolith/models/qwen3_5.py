@@ -109,6 +109,7 @@ class Qwen3_5:
         self.args = args
         self.dtype = weights.dtype
         self.kv_bits: int | None = None  # the attention layers' KV stored quantized to these bits (--kv-bits)
+        self.pack_sha256: str | None = None  # the pack it was loaded from (loading.py): what saved states depend on
         self.dense_summary = weights.dense_summary()  # which matrices are dense F32 copies (the CPU)
         h = args.hidden_size
         self.owned = range(args.num_hidden_layers) if layers is None else layers

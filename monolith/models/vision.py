@@ -21,7 +21,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.vision_config import VisionArgs, expected_shapes
 from ..kernels.attention import turn
@@ -223,7 +223,7 @@ class Vision:
 def load_vision_tower(checkpoint, dtype=mx.float32) -> VisionTower:
     """The tower of a checkpoint (a directory or an open monolith.checkpoint Checkpoint)
     from its `model.visual.*` tensors (BF16/F16/F32), cast to `dtype`."""
-    ckpt = open_checkpoint(checkpoint) if not hasattr(checkpoint, "read_float") else checkpoint
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     vision_config = ckpt.config.get("vision_config")
     if not isinstance(vision_config, dict):
         raise CheckpointError(f"{ckpt.path}: config.json has no vision_config")

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from ..models.qwen3_5 import Segment
 from ..sampling import SamplingParams
-from .draft_model import append_waiting
 
 Steps = Generator  # a decoder's steps: yields Forward / Propose, receives their results, returns its outcome
 
@@ -119,9 +118,12 @@ def run_proposals(items: list[Propose]) -> list:
     the greedy sequences' proposals are drawn together (`propose_batch`: one chain, slot
     after slot) and every other sequence draws its own."""
     results = [None] * len(items)
-    append_waiting([r.drafter for r in items if getattr(r.drafter, "waiting", None)])
-    for draft, members in _groups(items, lambda r: getattr(r.drafter, "draft", None)).items():
-        if draft is not None and len(members) > 1 and hasattr(draft, "forward_batch"):
+    groups = _groups(items, lambda r: r.drafter.draft)
+    for draft, members in groups.items():
+        if draft is not None:
+            items[members[0]].drafter.append_together([items[i].drafter for i in members])
+    for draft, members in groups.items():
+        if draft is not None and len(members) > 1:
             hidden = draft.forward_batch([(items[i].drafter.context, items[i].anchor) for i in members])
             for i, h in zip(members, hidden):
                 items[i].extra = {"hidden": h}

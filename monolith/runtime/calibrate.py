@@ -62,6 +62,18 @@ def scratch_rounds(model, drafter: Drafter, gamma: int, params: SamplingParams, 
     return rounds
 
 
+def median_seconds(run, repeats: int) -> float:
+    """Median seconds of run() (which must evaluate its result) over `repeats` runs after
+    one warm-up (compile, allocate); the benches time with it too."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def measure_costs(model, drafter: Drafter, gamma: int, params: SamplingParams, context: int = 64,
                   repeats: int = 5) -> tuple[float, list[float]]:
     """(T_draft, [T_verify(1), ..., T_verify(gamma + 1)]) in seconds: medians of timed
@@ -69,15 +81,6 @@ def measure_costs(model, drafter: Drafter, gamma: int, params: SamplingParams, c
     rounds = scratch_rounds(model, drafter, gamma, params, context, gamma + 2)
     snap = rounds.cache.snapshot()
     key = None if params.greedy else mx.random.key(1)
-
-    def median_seconds(run) -> float:
-        run()  # warm-up
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
 
     def draft():
         p = drafter.propose(rounds.anchor, gamma, params, key)
@@ -91,8 +94,8 @@ def measure_costs(model, drafter: Drafter, gamma: int, params: SamplingParams, c
         block = Block(proposal, None, proposal.tokens[:rows - 1].astype(mx.int32), key)
         mx.eval(rounds.verify(block), block.features, rounds.cache.arrays())
 
-    draft_seconds = median_seconds(draft)
-    verify_seconds = [median_seconds(lambda r=rows: verify(r)) for rows in range(1, gamma + 2)]
+    draft_seconds = median_seconds(draft, repeats)
+    verify_seconds = [median_seconds(lambda r=rows: verify(r), repeats) for rows in range(1, gamma + 2)]
     rounds.cache.restore(snap)
     return draft_seconds, verify_seconds
 
@@ -182,7 +185,7 @@ def measure_cost_curve(model, drafter: Drafter, gamma: int, params: SamplingPara
 def calibrate_cost_scheduler(scheduler: CostScheduler, model, drafter: Drafter, gamma: int, max_context: int) -> None:
     """The cost scheduler's timings (measure_costs) at each of curve_contexts(max_context);
     a sequential drafter's draft is priced per proposal."""
-    proposals = gamma if getattr(drafter, "sequential", False) else None
+    proposals = gamma if drafter.sequential else None
     for i, context in enumerate(curve_contexts(max_context)):
         draft, verify = measure_costs(model, drafter, gamma, SamplingParams(), context)
         if i == 0:

@@ -4,7 +4,9 @@ A decoder is called as `decoder(session, prompt, max_tokens, params, stop_ids, o
 logprobs=None, cancelled=..., boundaries=(), guide=None) -> Outcome`, or as a generator
 of its forwards (`steps`, batch.py: the engine runs it in a Batch with other
 sequences); its arguments were checked at the boundary (events.check_request).
-`PlainDecoder` never drafts; `SpeculativeDecoder` drafts with a DSpark / DFlash drafter.
+`Decoder` declares what the engine reads of a decoder besides that (`logprobs`, `kinds`,
+`drafter`), with the defaults of one that gives none of them (a test's scripted decoder).
+`PlainDecoder` never drafts; `SpeculativeDecoder` drafts with a drafter (drafter.py).
 Both resume, prefill, decode and keep their state the same way:
 
 - the session resumes from its longest restore point or prompt-cache saved state that
@@ -47,7 +49,20 @@ from .scheduler import CostCurve, CostScheduler, Scheduler, StepCosts
 from .session import Session
 
 
-class SpeculativeDecoder:
+class Decoder:
+    """What the engine asks of a decoder (engine.py, jobs.py): `steps(...)` (batch.py),
+    and what it can do."""
+
+    logprobs = False  # gives each token's logprob (a request's `logprobs`)
+    kinds = False  # steps(kinds=True) tells on_token how each token came
+    drafter: Drafter | None = None  # what it drafts with (None: plain steps)
+
+    def steps(self, session: Session, prompt: Sequence[int], max_tokens: int | None, params: SamplingParams,
+              stop_ids, on_token: Callable[[int, TokenLogprob | None], bool], **options) -> Steps:
+        raise NotImplementedError
+
+
+class SpeculativeDecoder(Decoder):
     """The one decode loop; `drafter` None decodes plainly (see PlainDecoder)."""
 
     logprobs = True  # from the target's rows (logprobs.py)

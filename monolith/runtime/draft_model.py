@@ -5,7 +5,7 @@ owns and hands out as its snapshot.
 Observed rows wait (`waiting`) until the context is next used (a proposal, a snapshot,
 its arrays), so that in a batch the rows every sequence observed since its last
 proposal go through the draft's projections in one packed append
-(`append_waiting`, batch.run_proposals)."""
+(`append_together`, batch.run_proposals)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import mlx.core as mx
 
 from ..models.dspark import Proposal
 from ..sampling import SamplingParams
+from .drafter import Forking, Guided
 
 
-class DraftModelDrafter:
-    """A `Drafter` (drafter.py) over a draft model."""
+class DraftModelDrafter(Forking, Guided):
+    """A `Drafter` (drafter.py) over a draft model, also Forking and Guided."""
 
     def __init__(self, draft):
         self.draft = draft
@@ -53,6 +54,12 @@ class DraftModelDrafter:
 
     def arrays(self) -> list[mx.array]:
         return self._context().arrays()
+
+    def make_context(self, max_context: int):
+        return self.draft.make_context(max_context)
+
+    def append_together(self, drafters: list[DraftModelDrafter]) -> None:
+        append_waiting(drafters)
 
     def snapshot(self):
         return None if self.context is None else self._context()

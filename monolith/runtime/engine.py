@@ -54,6 +54,7 @@ from .events import (
 from .grammar import GrammarTokenizer
 from .images import FeatureCache, PromptImages
 from .jobs import EngineClosed, Job, QueueFull, QueueTimeout
+from .pipeline import Pipeline
 from .prompt_cache import PromptCache, common_prefix
 from .session import Session
 
@@ -100,7 +101,7 @@ class Engine:
         self.not_drafting = not_drafting  # why a draft was loaded but the decoder does not draft
         # a decoder that drafts every round, for requests that ask to be drafted (GenerationRequest.draft)
         self.draft_decoder, self.draft_decoder_name = draft_decoder, draft_decoder_name
-        self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(getattr(model.args, "eos_token_ids", ()))
+        self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.args.eos_token_ids)
         self.vocab_size = model.args.vocab_size
         self.prompt_cache = prompt_cache  # shared by every session
         self.session = Session(prompt_cache)  # the first of the sessions for requests without their own
@@ -114,7 +115,7 @@ class Engine:
         self._running: dict[int, Job] = {}  # the jobs in the batch, by id
         self._closed = False
         self.idle_since = time.monotonic()  # when the last running request ended (serving/models.py's keep-alive)
-        if hasattr(model, "on_broken"):  # a pipeline: its watchdog fails the requests of a stuck worker
+        if isinstance(model, Pipeline):  # its watchdog fails the requests of a stuck worker
             model.on_broken.append(self.abandon)
         self._thread = threading.Thread(target=self._work, name="monolith-engine", daemon=True)
         self._thread.start()
@@ -150,14 +151,14 @@ class Engine:
     @property
     def down(self) -> str | None:
         """Why the model cannot serve any more (a pipeline whose rank failed), or None."""
-        return getattr(self.model, "broken", None)
+        return self.model.broken if isinstance(self.model, Pipeline) else None
 
     def new_session(self) -> Session:
         return Session(self.prompt_cache)
 
     @property
     def supports_logprobs(self) -> bool:
-        return getattr(self.decoder, "logprobs", False)
+        return self.decoder.logprobs
 
     @property
     def grammar_tokenizer(self) -> GrammarTokenizer:
@@ -196,7 +197,7 @@ class Engine:
         if self.vision is None:
             raise RequestError("images", "this model takes no images (it has no vision tower, or the server "
                                          "was started with --no-vision)")
-        if getattr(self.model, "on_broken", None) is not None:
+        if isinstance(self.model, Pipeline):
             raise RequestError("images", "images need the whole target on one machine, not a --distributed pipeline")
         return PromptImages(request.prompt_ids, request.images, self.vision, self._features)
 
@@ -266,7 +267,7 @@ class Engine:
         for job in queued:
             job.fail(EngineClosed("the engine was closed"))
         self._thread.join(timeout)
-        store = getattr(self.prompt_cache, "store", None)
+        store = None if self.prompt_cache is None else self.prompt_cache.store
         if store is not None:
             store.close()  # the saved states queued for the disk are written
 
@@ -363,7 +364,7 @@ class Engine:
                 self._running[job.id] = job
             decoder = self.decoder
             if job.request.draft and self.draft_decoder is not None:
-                if getattr(decoder, "drafter", None) is None:
+                if decoder.drafter is None:
                     # drafted on request by a plain server: on a session of its own, without the
                     # prompt cache, whose saved states have no drafter's rows
                     job.session = Session(None)

@@ -117,7 +117,7 @@ class Job:
             args = (self.session, self.prompt, request.max_tokens, request.params, stop_ids, on_token)
             if self.images is not None:
                 options["images"] = self.images
-            if getattr(decoder, "kinds", False):  # how each token came (Delta.spec)
+            if decoder.kinds:  # how each token came (Delta.spec)
                 options["kinds"] = True
             kwargs = dict(logprobs=request.logprobs, cancelled=lambda: self.cancelled, boundaries=request.boundaries,
                           **options)

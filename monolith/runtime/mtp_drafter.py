@@ -29,6 +29,7 @@ from ..models.cache import DraftContext, HybridCache, KVCache
 from ..models.dspark import Proposal
 from ..models.qwen3_5 import EMBEDDING_TAP, FINAL_NORM_TAP
 from ..sampling import NEG_INF, SamplingParams, allowed, filtered_logits
+from .drafter import Forking, Guided
 
 # The target hidden state the head reads: the last layer's output AFTER the target's final
 # norm, as vLLM and llama.cpp feed it at inference (speculators' training data takes it
@@ -37,13 +38,14 @@ HIDDEN_TAP = FINAL_NORM_TAP
 MAX_PROPOSALS = 8  # the head chains any number of steps; a round's proposals stop here
 
 
-class MTPDrafter:
+class MTPDrafter(Forking, Guided):
     """A `Drafter` (drafter.py) over an `MTPHead`, also Forking and Guided."""
+
+    sequential = True  # each proposal is one more head forward (scheduler.py's cost model)
 
     def __init__(self, head, max_proposals: int = MAX_PROPOSALS):
         self.head = head
         self.taps = [EMBEDDING_TAP, HIDDEN_TAP]
-        self.sequential = True  # each proposal is one more head forward (scheduler.py's cost model)
         self.max_proposals = max_proposals
         self.context: DraftContext | None = None
         self.cache: HybridCache | None = None  # the head's KV (the context's first layer), to step the head

@@ -292,7 +292,7 @@ class Rounds:
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         self.sync_drafter()  # drops a queued plain step
         guide = self.guide
-        if gamma and guide is None and getattr(self.drafter, "sequential", False):
+        if gamma and guide is None and self.drafter.sequential:
             gamma = min(gamma, self.scheduler.choose(gamma, None, peers, self.committed))  # a forward each: draft l
         if gamma == 0:  # one row left (or none chosen): a plain decode step
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key,

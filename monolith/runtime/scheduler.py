@@ -172,8 +172,9 @@ class SurvivalScheduler(Scheduler):
     def _grow(self, n: int) -> None:
         if n > self.reached.size:
             pad = n - self.reached.size
-            for name in ("reached", "accepted", "predicted", "observed"):
-                setattr(self, name, np.concatenate([getattr(self, name), np.zeros(pad)]))
+            self.reached, self.accepted, self.predicted, self.observed = (
+                np.concatenate([counts, np.zeros(pad)]) for counts in (self.reached, self.accepted, self.predicted,
+                                                                       self.observed))
 
 
 class ThresholdScheduler(SurvivalScheduler):

@@ -5,7 +5,6 @@ model's own capped by memory) and whether `--max-batch` sequences fit
 
 from __future__ import annotations
 
-from .mtp_drafter import MTPDrafter
 from .prompt_cache import available_memory
 
 CONTEXT_MEMORY_SHARE = 0.5  # a default context's --max-batch caches take at most this share of the free memory
@@ -56,7 +55,7 @@ def choose_context(asked: int | None, model, drafter, max_batch: int, log) -> in
 
 def kv_note(model) -> str:
     """What the sizing log says of --kv-bits (its bytes are counted by sequence_bytes)."""
-    bits = getattr(model, "kv_bits", None)
+    bits = model.kv_bits
     return f" ({bits}-bit KV, {per_token_bytes(model)} bytes a token in the target's cache)" if bits else ""
 
 
@@ -71,11 +70,9 @@ def sequence_bytes(model, drafter, max_context: int) -> int:
     nothing is allocated to count them; quantized ones, --kv-bits, count their packed
     words, scales and biases)."""
     layers = list(model.make_cache(max_context).layers)
-    draft = getattr(drafter, "draft", None)
-    if draft is not None:
-        layers += draft.make_context(max_context).layers
-    if isinstance(drafter, MTPDrafter):
-        layers += drafter.make_context(max_context).layers
+    context = None if drafter is None else drafter.make_context(max_context)
+    if context is not None:
+        layers += context.layers
     return sum(layer.max_nbytes for layer in layers)
 
 

@@ -51,11 +51,11 @@ class StateFileError(ValueError):
 
 def identity(model, drafter=None) -> dict[str, str]:
     """What a state file's values depend on besides its tokens."""
-    draft = getattr(getattr(drafter, "draft", None), "pack_sha256", None) if drafter is not None else None
-    ident = {"pack_sha256": str(getattr(model, "pack_sha256", None)), "draft_sha256": str(draft or ""),
+    draft = None if drafter is None or drafter.draft is None else drafter.draft.pack_sha256
+    ident = {"pack_sha256": str(model.pack_sha256), "draft_sha256": str(draft or ""),
              "dtype": str(model.dtype).replace("mlx.core.", ""), "device": str(mx.default_device()),
              "mlx": mx.__version__}
-    if getattr(model, "kv_bits", None):  # absent without --kv-bits: the files written before it still load
+    if model.kv_bits:  # absent without --kv-bits: the files written before it still load
         ident["kv_bits"] = str(model.kv_bits)
     return ident
 

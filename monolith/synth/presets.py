@@ -3,7 +3,7 @@ sizes; the draft derives its sizes from the target's config (see draft.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 
 # Every matmul input dimension must be a multiple of this: NVFP4 needs K % 16 and
 # MLX's mxfp8 (used for per-tensor FP8) needs K % 32.
@@ -44,10 +44,9 @@ class Preset:
     vision_num_position_embeddings: int = 16
 
     def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name, value in asdict(self).items():
             if isinstance(value, int) and value <= 0:
-                raise ValueError(f"Preset.{f.name} must be positive, got {value}")
+                raise ValueError(f"Preset.{name} must be positive, got {value}")
         k_dims = {
             "hidden_size": self.hidden_size,
             "num_attention_heads * head_dim": self.num_attention_heads * self.head_dim,

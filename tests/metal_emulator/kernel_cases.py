@@ -13,19 +13,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from monolith.kernels import (
-    add_norm,
-    attention,
-    combine,
-    embedding,
-    gated_norm,
-    premix,
-    replay,
-    router,
-)
-
-MODULES = {"embedding": embedding, "premix": premix, "gated_norm": gated_norm, "router": router,
-           "attention": attention, "add_norm": add_norm, "combine": combine, "replay": replay}
+from monolith.kernels import KERNELS, replay
 
 # 35B-A3B shapes
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, ROTARY = 2048, 16, 2, 256, 64
@@ -84,7 +72,7 @@ class Case:
 
     @property
     def module(self):
-        return MODULES[self.kernel]
+        return KERNELS[self.kernel]
 
     @property
     def id(self) -> str:
