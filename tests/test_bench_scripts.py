@@ -68,7 +68,8 @@ RUNS = {
 }
 
 # scripts with a condition of their own
-NEEDS = {"target_forward": "mlx_lm"}  # compares with mlx-lm's decode (the [bench] extra)
+NEEDS = {"target_forward": "mlx_lm",  # compares with mlx-lm's decode (the [bench] extra)
+         "calibration": "mlx_lm"}  # builds mlx-lm's own models to count their primitives
 
 # committed results named otherwise than their run (bench/results/NAME.json and .md): the
 # script run with other flags wrote them, and the run here writes the same structure
