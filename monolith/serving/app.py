@@ -249,6 +249,13 @@ class _Handlers(Driver):
     def authorize(self, request) -> None:
         access.authorize(self.state.config, request)
 
+    async def arrive(self, request: Request) -> tuple[float, dict, LoadedModel]:
+        """A request to an API route as it arrives: (when it did, its JSON body, the model
+        it names, held: `model_for`)."""
+        started = time.monotonic()
+        body = await self.read_body(request)
+        return started, body, await self.model_for(request, body)
+
     async def model_for(self, connection, body: dict) -> LoadedModel:
         """The loaded model a request body names (its "model"; without one the default),
         loaded first if need be (models.ModelPool.hold: 503 during the start-up load, or

@@ -6,8 +6,6 @@ replies and Anthropic's error body: reply.py."""
 
 from __future__ import annotations
 
-import time
-
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,9 +37,7 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (requests.py, reply.py)."""
         handlers = self.handlers
-        started = time.monotonic()
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        started, body, model = await handlers.arrive(request)
         engine = model.engine
         req = requests.parse_messages_request(body, model.defaults)
         name = handlers.model_name(req.model)
@@ -59,8 +55,7 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: Request) -> Response:
         handlers = self.handlers
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        _, body, model = await handlers.arrive(request)
         engine = model.engine
         req = requests.parse_count_tokens_request(body, model.defaults)
         handlers.model_name(req.model)

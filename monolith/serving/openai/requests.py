@@ -17,7 +17,13 @@ from dataclasses import dataclass, replace
 
 from ..errors import bad
 from ..fields import is_int, refuse_non_neutral, refuse_unknown
-from ..requests import ChatRequest, GenerationFields, SamplingDefaults, generation_fields, parse_chat_body
+from ..requests import (
+    ChatRequest,
+    GenerationFields,
+    SamplingDefaults,
+    generation_fields,
+    parse_chat_body,
+)
 from .speculation import draft_option, spec_option
 
 # accepted and ignored: ids, metadata, caching and service hints, and a predicted output

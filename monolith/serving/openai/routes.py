@@ -5,8 +5,6 @@ request's model). The requests: requests.py; the replies: reply.py."""
 
 from __future__ import annotations
 
-import time
-
 import anyio
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,9 +28,7 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request) -> Response:
         handlers = self.handlers
-        started = time.monotonic()
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        started, body, model = await handlers.arrive(request)
         engine = model.engine
         req = parse_chat_request(body, model.defaults)
         name = handlers.model_name(req.model)
@@ -45,9 +41,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         handlers = self.handlers
-        started = time.monotonic()
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        started, body, model = await handlers.arrive(request)
         engine = model.engine
         req = parse_completion_request(body, model.defaults)
         name = handlers.model_name(req.model)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -84,10 +83,8 @@ class ResponsesRoutes:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API on the chat path (requests.py, reply.py)."""
         handlers = self.handlers
-        started = time.monotonic()
         state = handlers.state
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        started, body, model = await handlers.arrive(request)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, state.responses)
         name = handlers.model_name(call.request.model)
@@ -103,8 +100,7 @@ class ResponsesRoutes:
         """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""
         handlers = self.handlers
         state = handlers.state
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        _, body, model = await handlers.arrive(request)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, state.responses)
         handlers.model_name(call.request.model)
@@ -114,9 +110,7 @@ class ResponsesRoutes:
     async def compact(self, request: Request) -> Response:
         """POST /v1/responses/compact: the conversation summarized by the model (compact.py)."""
         handlers = self.handlers
-        started = time.monotonic()
-        body = await handlers.read_body(request)
-        model = await handlers.model_for(request, body)
+        started, body, model = await handlers.arrive(request)
         engine = model.engine
         req, kept = compact.parse_compact(body, model.defaults, handlers.state.responses)
         handlers.model_name(req.model)

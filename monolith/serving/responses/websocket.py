@@ -31,7 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..errors import APIError, ContextOverflow, bad, log_refusal
 from ..requests import parse_json_body
-from . import requests, reply
+from . import reply, requests
 
 log = logging.getLogger("monolith.serve")
 LIMIT_SECONDS = 3600.0  # Open Responses: WebSocket connections are limited to 60 minutes
