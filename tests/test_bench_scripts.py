@@ -36,6 +36,7 @@ RUNS = {
                       ["agent_session.json", "agent_session.md"]),
     "batch_forward": (["--batches", "2", "--context", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
     "calibration": (["--out", "OUT/r.json"], ["r.json"]),
+    "call_graph": (["--out-dir", "OUT"], ["call_graph.json", "call_graph.md"]),
     "concurrency": (["--modes", "plain", "--clients", "1", "--requests", "1", "--max-tokens", "2", "--repeat", "1",
                      "--server-arg=--no-warmup", "--out-dir", "OUT"], ["concurrency.json", "concurrency.md"]),
     "concurrency --soak": (["1", "--modes", "plain", "--soak-max-tokens", "8", "--server-arg=--no-warmup",
@@ -74,6 +75,7 @@ NEEDS = {"target_forward": "mlx_lm",  # compares with mlx-lm's decode (the [benc
 # committed results named otherwise than their run (bench/results/NAME.json and .md): the
 # script run with other flags wrote them, and the run here writes the same structure
 RESULT_RUNS = {
+    "call_graph_before": "call_graph",  # --name call_graph_before, at the commit its notes name (issue 49's before)
     "concurrency_plain_5_lists": "concurrency",  # --modes plain --clients 1,4 --repeat 5, the files renamed
     "concurrency_soak": "concurrency --soak",  # the name --soak writes
     "distributed_mlx_launch": "distributed",  # the name --launcher mlx writes
@@ -90,7 +92,7 @@ SECTIONS = {
 
 
 def modules() -> dict[str, Path]:
-    """bench's modules by dotted name (bench.common, bench.archive.call_graph, ...)."""
+    """bench's modules by dotted name (bench.common, bench.archive.break_even, ...)."""
     found = {}
     for path in BENCH.rglob("*.py"):
         name = ".".join(path.relative_to(REPO).with_suffix("").parts)
