@@ -168,12 +168,12 @@ def prefill_rates(model, lengths, repeats: int) -> list[dict]:
 
 
 def batched(model, drafter, batches, prompt_tokens: int, max_tokens: int, gamma: int) -> list[dict]:
-    from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.runtime.scheduler import make_scheduler
 
     context = prompt_tokens + max_tokens + 64
-    decoders = {"plain": PlainDecoder(model, context),
-                "speculative": SpeculativeDecoder(model, drafter, context, gamma=gamma,
+    decoders = {"plain": Decoder(model, None, context),
+                "speculative": Decoder(model, drafter, context, gamma=gamma,
                                                   scheduler=make_scheduler("fixed"))}
     rows = []
     for mode, decoder in decoders.items():

@@ -260,12 +260,12 @@ def served_decoder(args, model, drafter, gamma: int, max_context: int):
     NVFP4 draft with a Fallback to plain steps, or plain decoding where a round cannot
     pay), and the break-even it measured."""
     from monolith.engine_setup import drafting_decoder
-    from monolith.runtime.decoder import PlainDecoder
+    from monolith.runtime.decoder import Decoder
 
     flags = argparse.Namespace(draft_block_size=gamma, spec_sched=None, spec_threshold=None, max_context=max_context,
                                prefill_chunk_size=512)
     decoder, measured = drafting_decoder(flags, model, drafter, log)
-    return decoder or PlainDecoder(model, max_context), measured.steps
+    return decoder or Decoder(model, None, max_context), measured.steps
 
 
 class Decoders:
@@ -273,15 +273,15 @@ class Decoders:
     always drafting) and the served one."""
 
     def __init__(self, args, model, drafters: dict, gamma: int, max_context: int):
-        from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+        from monolith.runtime.decoder import Decoder
         from monolith.runtime.scheduler import make_scheduler
 
-        self.plain = PlainDecoder(model, max_context)
-        self.drafts = {label: SpeculativeDecoder(model, d, max_context, gamma=gamma, scheduler=make_scheduler("fixed"))
+        self.plain = Decoder(model, None, max_context)
+        self.drafts = {label: Decoder(model, d, max_context, gamma=gamma, scheduler=make_scheduler("fixed"))
                        for label, d in drafters.items()}
         self.served, self.break_even = served_decoder(args, model, drafters["nvfp4"], gamma, max_context)
         log(f"serve's fallback break-even: {self.break_even:.2f} tokens per round"
-            + ("" if isinstance(self.served, SpeculativeDecoder) else " (serve decodes plainly)"))
+            + ("" if self.served.drafter is not None else " (serve decodes plainly)"))
 
 
 def timed_runs(args, prompt: list[int], params: dict, decoders: Decoders) -> dict:

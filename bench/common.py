@@ -185,14 +185,13 @@ def batch_decode(decoder, prompts: list[list[int]], max_tokens: int) -> tuple[fl
     (runtime/batch.py, as the engine steps them): the tokens after every sequence's first
     one over the time after the batch's first step (its prefills)."""
     from monolith.runtime.batch import Batch
-    from monolith.runtime.session import Session
-    from monolith.sampling import SamplingParams
+    from monolith.runtime.generation import Generation, Tokens
 
     outputs: list[list[int]] = [[] for _ in prompts]
     batch = Batch()
     for out, prompt in zip(outputs, prompts):
-        batch.add(decoder.steps(Session(), prompt, max_tokens, SamplingParams(), frozenset(),
-                                lambda token, logprob, out=out: out.append(token) or True))
+        batch.add(decoder.steps(Generation(prompt, max_tokens,
+                                           emitter=Tokens(lambda token, logprob, out=out: out.append(token) or True))))
     batch.step()  # the prefills and every first token
     mx.synchronize()
     start, first = time.perf_counter(), sum(len(o) for o in outputs)

@@ -113,7 +113,7 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
 
     from monolith.engine_setup import load_drafter
     from monolith.models import load_model
-    from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.runtime.engine import run_decoder
     from monolith.runtime.scheduler import make_scheduler
     from monolith.sampling import SamplingParams
@@ -131,9 +131,9 @@ def serve_stage(target_pack: str, draft_pack: str, prompt_tokens: int, max_token
     prompt = mx.random.randint(0, vocab, (prompt_tokens,), key=mx.random.key(7)).tolist()
     params = SamplingParams(temperature=0.0)
     context = prompt_tokens + max_tokens + 16
-    plain = run_decoder(PlainDecoder(model, context), prompt, max_tokens, params)
+    plain = run_decoder(Decoder(model, None, context), prompt, max_tokens, params)
     gamma = min(GAMMA, drafter.max_proposals)
-    spec = run_decoder(SpeculativeDecoder(model, drafter, context, gamma=gamma, scheduler=make_scheduler("fixed")),
+    spec = run_decoder(Decoder(model, drafter, context, gamma=gamma, scheduler=make_scheduler("fixed")),
                        prompt, max_tokens, params)
     out.update(
         first_token_seconds=plain.prefill_seconds,

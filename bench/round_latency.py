@@ -70,10 +70,10 @@ class Rig:
     """A decoder prefilled to `context` rows, and a way back to that state."""
 
     def __init__(self, model, drafter, context: int, gamma: int):
+        from monolith.runtime.generation import Generation
         from monolith.runtime.rounds import Rounds
-        from monolith.sampling import SamplingParams
 
-        self.decoder = Rounds(model, drafter, SamplingParams(), context + 64, gamma)
+        self.decoder = Rounds(model, drafter, Generation(), context + 64, gamma)
         prompt = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
         self.decoder.prefill(np.array(prompt).tolist(), chunk_size=512)
         mx.eval(self.decoder.cache.arrays(), drafter.arrays())

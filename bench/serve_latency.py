@@ -29,7 +29,7 @@ import httpx
 from bench.common import free_port, package_version
 from monolith.models import load_model
 from monolith.pack import build_pack
-from monolith.runtime.decoder import PlainDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import run_decoder
 from monolith.sampling import SamplingParams
 from monolith.synth import PRESETS, Preset, write_target
@@ -88,7 +88,7 @@ def run_http(client: httpx.Client, url: str, prompt: list[int], max_tokens: int)
 
 def run_local(model, prompt: list[int], max_tokens: int, stops, max_context: int) -> dict:
     start = time.perf_counter()
-    result = run_decoder(PlainDecoder(model, max_context), prompt, max_tokens, SamplingParams(), stops)
+    result = run_decoder(Decoder(model, None, max_context), prompt, max_tokens, SamplingParams(), stops)
     end = time.perf_counter()
     return {"ttft": result.prefill_seconds, "decode_seconds": result.decode_seconds,
             "tokens": len(result.token_ids) + (result.finish_reason == "stop"), "wall": end - start,

@@ -75,7 +75,7 @@ def speculative_modes(args, model, drafters: dict, gamma: int, params):
     """A function of the reference continuation giving every speculative mode's (name,
     decoder) on one prompt; the cost schedulers share one calibration per drafter."""
     from monolith.runtime.calibrate import measure_costs
-    from monolith.runtime.decoder import SpeculativeDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.runtime.scheduler import make_scheduler
 
     max_context = args.prompt_tokens + args.max_tokens + 16
@@ -90,10 +90,10 @@ def speculative_modes(args, model, drafters: dict, gamma: int, params):
                 scheduler = make_scheduler(name, drafter.max_proposals)
                 if name == "cost":
                     scheduler.set_costs(*costs[label])
-                yield f"{label}/{name}", SpeculativeDecoder(model, drafter, max_context, gamma=gamma,
+                yield f"{label}/{name}", Decoder(model, drafter, max_context, gamma=gamma,
                                                             scheduler=scheduler)
         replay = ReplayDrafter(taps, reference, model.args.vocab_size, gamma)
-        yield "replay/fixed", SpeculativeDecoder(model, replay, max_context, gamma=gamma,
+        yield "replay/fixed", Decoder(model, replay, max_context, gamma=gamma,
                                                  scheduler=make_scheduler("fixed"))
 
     return modes
@@ -157,7 +157,7 @@ def write_report(args, rows: list[dict], gamma: int) -> None:
 def main() -> None:
     args = parse_args()
     from monolith.engine_setup import load_drafter
-    from monolith.runtime.decoder import PlainDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.sampling import SamplingParams
     from monolith.tokenizer import load_tokenizer
 
@@ -168,7 +168,7 @@ def main() -> None:
                 for label, q in (("bf16", "none"), ("nvfp4", "nvfp4"))}
     gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
     modes = speculative_modes(args, model, drafters, gamma, params)
-    plain_decoder = PlainDecoder(model, args.prompt_tokens + args.max_tokens + 16)
+    plain_decoder = Decoder(model, None, args.prompt_tokens + args.max_tokens + 16)
     rows = [row for index, prompt in enumerate(prompts)
             for row in prompt_rows(args, index, prompt, plain_decoder, modes, params)]
     print_table(args, rows, gamma, params)

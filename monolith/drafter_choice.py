@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .runtime.calibrate import BreakEven, measure_acceptance, measure_break_even, pays
-from .runtime.decoder import SpeculativeDecoder
+from .runtime.decoder import Decoder
 from .runtime.rounds import check_gamma
 from .sampling import SamplingParams
 from .tokenizer import TokenizerError
@@ -149,7 +149,7 @@ def on_request(choice: Choice, decoder, args, model):
         gamma = gamma or check_gamma(args.draft_block_size, drafter.max_proposals)
     except ValueError:
         return None, None
-    return SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma), name
+    return Decoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma), name
 
 
 def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], log,

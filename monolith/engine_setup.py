@@ -32,7 +32,7 @@ from .runtime.calibrate import (
     round_can_pay,
     round_pay_limit,
 )
-from .runtime.decoder import SpeculativeDecoder
+from .runtime.decoder import Decoder
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.engine import Engine
 from .runtime.mtp_drafter import MTPDrafter
@@ -353,7 +353,7 @@ def target_vision(args, target_pack: Path, model, log) -> Vision | None:
 
 
 def _drafting(args, plan: ModelPlan, choice: Choice, model, log, fallback: bool, profile: bool,
-              max_batch: int) -> tuple[SpeculativeDecoder | None, str | None, str | None]:
+              max_batch: int) -> tuple[Decoder | None, str | None, str | None]:
     """(the decoder that drafts or None, the draft's name when it drafts, why the loaded
     draft does not draft otherwise): the break-even says drafting cannot pay here, or
     the demo draft does not suit the flags."""
@@ -420,7 +420,7 @@ def mtp_drafter(target_pack, model, verify: str, log) -> MTPDrafter:
 
 def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: bool = False,
                      max_batch: int = 1, gamma: int | None = None,
-                     measured: BreakEven | None = None) -> tuple[SpeculativeDecoder | None, BreakEven | None]:
+                     measured: BreakEven | None = None) -> tuple[Decoder | None, BreakEven | None]:
     """(the speculative decoder the flags ask for, the break-even measured for its
     fallback or None). The decoder is None when that break-even says a drafted round
     costs about as many plain steps as the tokens it can emit or more (drafting can never
@@ -451,6 +451,6 @@ def drafting_decoder(args, model, drafter, log, fallback: bool = True, profile: 
         costs = measure_step_costs(model, max_batch, gamma + 1)
         log(f"a batch's forward costs {costs.one_row * 1e3:.2f} ms for one row, +{costs.per_row * 1e3:.2f} ms a row "
             f"and +{costs.per_sequence * 1e3:.2f} ms a sequence: a request drafts while that pays for the batch")
-    decoder = SpeculativeDecoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler,
-                                 curve, profile, step_costs=costs)
+    decoder = Decoder(model, drafter, args.max_context, args.prefill_chunk_size, gamma, scheduler, curve)
+    decoder.step_costs, decoder.profile = costs, profile
     return decoder, measured

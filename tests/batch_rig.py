@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
 from monolith.runtime.session import Session
@@ -25,8 +25,8 @@ TEXTS = [
 
 def decoder(kind, model, drafter):
     if kind == "plain":
-        return PlainDecoder(model, MAX_CONTEXT, prefill_chunk_size=32)
-    return SpeculativeDecoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32)
+        return Decoder(model, None, MAX_CONTEXT, prefill_chunk_size=32)
+    return Decoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32)
 
 
 def prompts(tok):

@@ -20,7 +20,7 @@ from monolith.models.image_inputs import ImageSettings
 from monolith.models.vision import Vision, load_vision_tower
 from monolith.pack import build_pack
 from monolith.runtime.batch import Forward
-from monolith.runtime.decoder import Decoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Outcome
 from monolith.sampling import SamplingParams
@@ -129,6 +129,8 @@ class Scripted(Decoder):
     prompt tokens; `fail(call)` (call 1, 2, ...) gives the error a call raises once it has
     resumed, or None."""
 
+    logprobs = False
+
     def __init__(self, tokens, spec=None, delay=0.0, per_token=0.0, cached=0, fail=lambda call: None):
         self.tokens, self.spec, self.delay, self.per_token, self.cached = list(tokens), spec, delay, per_token, cached
         self.fail, self.calls = fail, 0
@@ -139,10 +141,10 @@ class Scripted(Decoder):
     def round(self, token: int) -> Forward:
         return Forward(self, mx.array([token], dtype=mx.int32), None)
 
-    def steps(self, session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False,
-              boundaries=(), guide=None, on_resume=lambda cached: None):
+    def steps(self, generation):
+        prompt, max_tokens, emitter = generation.prompt, generation.max_tokens, generation.emitter
         self.calls += 1
-        on_resume(self.cached)
+        emitter.resumed(self.cached)
         error = self.fail(self.calls)
         if error is not None:  # after resuming: the response has started
             raise error
@@ -151,11 +153,11 @@ class Scripted(Decoder):
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         out = []
         for t in tokens[:limit]:
-            if cancelled():
+            if emitter.cancelled():
                 return Outcome(out, "abort", len(prompt), self.cached, delay, 0.0, len(out))
             yield self.round(t)
             out.append(t)
-            if not on_token(t, None):
+            if not emitter.token(t, None):
                 return Outcome(out, "abort", len(prompt), self.cached, delay, 0.0, len(out))
         done = limit == len(tokens)
         return Outcome(out, "stop" if done else "length", len(prompt), self.cached, delay, 0.01, len(out),
@@ -199,6 +201,6 @@ def demo_servers(pair, name: str = "demo", max_context: int = MAX_CONTEXT):
     model, drafter, tok = pair
     plain = Server(lambda: Engine(model, tok, max_context=max_context), model_names=(name,))
     spec = Server(lambda: Engine(model, tok, max_context=max_context,
-                                 decoder=SpeculativeDecoder(model, drafter, max_context)), model_names=(name,))
+                                 decoder=Decoder(model, drafter, max_context)), model_names=(name,))
     with plain as p, spec as s:
         yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}

@@ -16,7 +16,7 @@ import pytest
 from anthropic_rig import OPENS_THINKING, TOOLS, client
 from serving_rig import Scripted, Server, demo_servers
 
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.serving.anthropic.requests import (
@@ -178,7 +178,7 @@ def thinking_servers(demo_f32):
     tok.chat_template += OPENS_THINKING
     plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
     spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
-                                 decoder=SpeculativeDecoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
+                                 decoder=Decoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
     with plain as p, spec as s:
         yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}, tok
 

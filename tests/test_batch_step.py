@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from batch_rig import MAX_CONTEXT, alone, decoder, prompts, together
 
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import GenerationRequest
 
@@ -91,7 +91,8 @@ def test_the_fallback_sees_the_batch_around_it(demo_f32, monkeypatch):
 
     monkeypatch.setattr(Fallback, "speculate", speculate)
     costs = StepCosts(one_row=1.0, per_row=0.4, per_sequence=0.2)
-    dec = SpeculativeDecoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32, break_even=2.5, step_costs=costs)
+    dec = Decoder(model, drafter, MAX_CONTEXT, prefill_chunk_size=32, break_even=2.5)
+    dec.step_costs = costs
     ps = prompts(tok)[:3]
     want = [alone(model, tok, dec, p, 30)[0] for p in ps]
     assert seen and set(seen) == {(0, 0)}

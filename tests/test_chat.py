@@ -279,13 +279,13 @@ def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_p
 
 
 def test_save_and_load_with_a_draft(tmp_path, synth_pair_f32):
-    from monolith.runtime.decoder import SpeculativeDecoder
+    from monolith.runtime.decoder import Decoder
 
     model, drafter, tok = synth_pair_f32
     saved = tmp_path / "c.safetensors"
 
     def engine():
-        return Engine(model, tok, max_context=512, decoder=SpeculativeDecoder(model, drafter, 512))
+        return Engine(model, tok, max_context=512, decoder=Decoder(model, drafter, 512))
 
     runs = {}
     for name, lines in (("whole", ["Hello there", "Tell me more"]), ("first", ["Hello there", f"/save {saved}"]),

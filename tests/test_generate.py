@@ -1,4 +1,4 @@
-"""Plain decoding (monolith.runtime.decoder.PlainDecoder) and `python -m monolith.generate`: against a
+"""Plain decoding (monolith.runtime.decoder.Decoder without a drafter) and `python -m monolith.generate`: against a
 fake bigram model, subprocess argument errors, and one test with the real model."""
 
 from __future__ import annotations

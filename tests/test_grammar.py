@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from numeric import chi_square_ok
 
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
+from monolith.runtime.generation import Generation, Tokens
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
-from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams, filtered_probs, mask_logits
 from monolith.serving import structured
 from monolith.serving.tool_specs import forced_calls
@@ -43,7 +43,7 @@ def lark(text: str) -> Grammar:
 
 
 def run(decoder, prompt, max_tokens, params, tok, guide):
-    out = decoder(Session(), prompt, max_tokens, params, stops(tok), lambda token, logprob: True, guide=guide)
+    out = decoder(Generation(prompt, max_tokens, params, stops(tok), guide=guide))
     return out
 
 
@@ -88,12 +88,12 @@ def test_forced_tokens_jump_forward_and_greedy_equals_reference(demo):
     want = reference_greedy(model, tok, gt, grammar, prompt, 24)
     assert want[:3] == [2005, 2006, 2007]
     counted = CountingForwards(model)
-    plain = run(PlainDecoder(counted, MAX_CONTEXT), prompt, 24, SamplingParams(), tok, gt.guide(grammar))
+    plain = run(Decoder(counted, None, MAX_CONTEXT), prompt, 24, SamplingParams(), tok, gt.guide(grammar))
     assert plain.token_ids == want
     # the first token comes from the prefill; the two forced after it are verified with
     # it in one forward, which also gives the next: 6 tokens and the stop, 4 forwards
     assert counted.decode_forwards == len(want) - 2
-    spec = run(SpeculativeDecoder(model, drafter, MAX_CONTEXT), prompt, 24, SamplingParams(), tok, gt.guide(grammar))
+    spec = run(Decoder(model, drafter, MAX_CONTEXT), prompt, 24, SamplingParams(), tok, gt.guide(grammar))
     assert spec.token_ids == want
     text = tok.decode(want[3:])
     assert set(text) <= set("abcde ")
@@ -143,7 +143,7 @@ def test_sampled_output_under_a_grammar_follows_plain_constrained_sampling(demo)
     index = {seq: i for i, seq in enumerate(cells)}
     expected = np.array(list(cells.values()))
     spec_counts, plain_counts = np.zeros(len(cells)), np.zeros(len(cells))
-    spec_decoder, plain_decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT), PlainDecoder(model, MAX_CONTEXT)
+    spec_decoder, plain_decoder = Decoder(model, drafter, MAX_CONTEXT), Decoder(model, None, MAX_CONTEXT)
     proposed = accepted = 0
     for seed in range(240):
         seeded = SamplingParams(temperature=1.0, top_k=3, seed=seed)
@@ -241,9 +241,9 @@ def test_greedy_speculation_under_a_grammar_equals_reference_for_draft_kinds(tmp
     grammar = structured.grammar(structured.Structure("json", "test", schema), tok, reasoning_open=False)
     prompt = tok.encode_chat([{"role": "user", "content": "json"}])
     want = reference_greedy(model, tok, gt, grammar, prompt, 40)
-    spec = run(SpeculativeDecoder(model, drafter, MAX_CONTEXT), prompt, 40, SamplingParams(), tok, gt.guide(grammar))
+    spec = run(Decoder(model, drafter, MAX_CONTEXT), prompt, 40, SamplingParams(), tok, gt.guide(grammar))
     assert spec.token_ids == want
-    sampled = run(SpeculativeDecoder(model, drafter, MAX_CONTEXT), prompt, 40,
+    sampled = run(Decoder(model, drafter, MAX_CONTEXT), prompt, 40,
                   SamplingParams(temperature=0.9, seed=1), tok, gt.guide(grammar))
     replay = gt.guide(grammar)  # every sampled token was legal where it stands
     for t in sampled.token_ids:
@@ -283,11 +283,11 @@ def test_logprobs_under_a_grammar_are_the_raw_rows_plain_and_speculative(demo):
     grammar = lark(FORCED)
     prompt = tok.encode_chat([{"role": "user", "content": "Write letters."}])
     got = {}
-    for name, decoder in (("plain", PlainDecoder(model, MAX_CONTEXT)),
-                          ("speculative", SpeculativeDecoder(model, drafter, MAX_CONTEXT))):
+    for name, decoder in (("plain", Decoder(model, None, MAX_CONTEXT)),
+                          ("speculative", Decoder(model, drafter, MAX_CONTEXT))):
         seen = []
-        decoder(Session(), prompt, 12, SamplingParams(), stops(tok), lambda t, lp, seen=seen: seen.append(lp) or True,
-                logprobs=2, guide=gt.guide(grammar))
+        decoder(Generation(prompt, 12, SamplingParams(), stops(tok), logprobs=2, guide=gt.guide(grammar),
+                           emitter=Tokens(lambda t, lp, seen=seen: seen.append(lp) or True)))
         got[name] = seen
     tokens = [lp.token_id for lp in got["plain"]]
     assert [lp.token_id for lp in got["speculative"]] == tokens and tokens[:3] == [2005, 2006, 2007]

@@ -26,7 +26,7 @@ from monolith.generate import main
 from monolith.models import load_model, load_mtp
 from monolith.models.qwen3_5 import FINAL_NORM_TAP
 from monolith.pack import build_pack
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.drafter import Forking, Guided
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Finished, GenerationRequest
@@ -138,7 +138,7 @@ def test_sampled_output_follows_the_target_distribution(mtp):
 def test_batched_equals_alone(mtp):
     model, head, pack = mtp
     tok = load_tokenizer(pack)
-    dec = SpeculativeDecoder(model, MTPDrafter(head), 256, prefill_chunk_size=8, gamma=3)
+    dec = Decoder(model, MTPDrafter(head), 256, prefill_chunk_size=8, gamma=3)
     requests = [GenerationRequest(tuple(p), max_tokens=n) for p, n in zip(PROMPTS, (20, 14, 9))]
     alone = Engine(model, tok, max_context=256, decoder=dec, max_batch=1)
     try:
@@ -164,7 +164,7 @@ def test_prompt_cache_warm_equals_cold(mtp):
     tok = load_tokenizer(pack)
 
     def engine(cache):
-        dec = SpeculativeDecoder(model, MTPDrafter(head), 256, prefill_chunk_size=4, gamma=3)
+        dec = Decoder(model, MTPDrafter(head), 256, prefill_chunk_size=4, gamma=3)
         return Engine(model, tok, max_context=256, decoder=dec, prompt_cache=cache)
 
     warm = engine(PromptCache(64 << 20, 4))
@@ -200,7 +200,7 @@ def test_greedy_under_a_grammar_equals_the_masked_reference(mtp):
             break
         want.append(token)
         guide.push(token)
-    dec = SpeculativeDecoder(model, MTPDrafter(head), 256, gamma=3)
+    dec = Decoder(model, MTPDrafter(head), 256, gamma=3)
     got = dec(Session(), prompt, 30, GREEDY, stops, lambda token, logprob: True, guide=gt.guide(grammar))
     assert got.token_ids == want
     sampled = dec(Session(), prompt, 30, SamplingParams(temperature=1.0, seed=2), stops, lambda t, lp: True,
@@ -246,7 +246,7 @@ def test_the_cost_model_counts_one_head_forward_per_proposal(mtp):
     block.set_costs(8.0, [1.0] * 9)
     sequential.set_costs(8.0, [1.0] * 9, proposals=4)  # 2 s a proposal
     assert block.choose(4, None) == 4 and sequential.choose(4, None) == 1
-    calibrated = SpeculativeDecoder(model, MTPDrafter(head), 128, gamma=4, scheduler=CostScheduler(max_positions=8))
+    calibrated = Decoder(model, MTPDrafter(head), 128, gamma=4, scheduler=CostScheduler(max_positions=8))
     assert calibrated.scheduler.draft_seconds == 0 and calibrated.scheduler.draft_step_seconds > 0
     drafter = Recording(head)
     got = speculate(model, drafter, PROMPTS[0], 16, block_size=4, scheduler=sequential).token_ids

@@ -17,7 +17,8 @@ from oracles import GREEDY, assert_same_greedy
 from serving_rig import Server
 
 from monolith.models.cache import HybridCache, KVCache
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
+from monolith.runtime.generation import Generation, Tokens
 from monolith.runtime.engine import Engine
 from monolith.runtime.prefill import prefill
 from monolith.runtime.prompt_cache import PromptCache
@@ -46,14 +47,14 @@ def loaded(demo_f32):
 def decoder(request, loaded):
     model, drafter, _ = loaded
     if request.param == "plain":
-        return PlainDecoder(model, MAX_CONTEXT, CHUNK)
-    return SpeculativeDecoder(model, drafter, MAX_CONTEXT, CHUNK)
+        return Decoder(model, None, MAX_CONTEXT, CHUNK)
+    return Decoder(model, drafter, MAX_CONTEXT, CHUNK)
 
 
 def run(decoder, session, prompt, boundaries=(), n=NEW, cancelled=lambda: False):
     """One greedy request without stop tokens, as the engine's worker calls a decoder."""
-    return decoder(session, prompt, n, GREEDY, (), lambda token, logprob: True, cancelled=cancelled,
-                   boundaries=boundaries)
+    return decoder(Generation(prompt, n, GREEDY, boundaries=boundaries, session=session,
+                              emitter=Tokens(cancelled=cancelled)))
 
 
 class Contract:
@@ -230,7 +231,7 @@ def test_a_saved_state_of_another_sequence_drops_the_live_points_it_overwrites(l
 def test_a_cancelled_prefill_leaves_only_complete_exact_saved_states(loaded):
     model, _, tok = loaded
     chunk, every = 16, 32
-    decoder = PlainDecoder(model, MAX_CONTEXT, chunk)
+    decoder = Decoder(model, None, MAX_CONTEXT, chunk)
     prompt = tok.encode_chat([system(), user(ASKS[1] + " " + ASKS[3])])
     boundaries = tok.message_ends(prompt)
     stop_at = boundaries[0] + 20  # past the system message and an interval, well before the prompt's end
@@ -269,7 +270,7 @@ def test_a_cancelled_speculative_prefill_stops_between_chunks(loaded):
     token, and the session (cache and draft context) resumes from where it stopped."""
     model, drafter, tok = loaded
     chunk = 16
-    decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT, chunk)
+    decoder = Decoder(model, drafter, MAX_CONTEXT, chunk)
     prompt = tok.encode_chat([system(), user(ASKS[1] + " " + ASKS[3])])
     boundaries = tok.message_ends(prompt)
     stop_at = boundaries[0] + 20
@@ -339,15 +340,15 @@ def test_a_saved_state_copies_its_rows_so_later_updates_stay_in_place():
 # ------------------------------------------------------------------ reporting
 
 
-class Recording(PlainDecoder):
+class Recording(Decoder):
     """Plain decoding that keeps every request's Outcome."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.outcomes = []
 
-    def steps(self, *args, **kw):
-        outcome = yield from super().steps(*args, **kw)
+    def steps(self, generation):
+        outcome = yield from super().steps(generation)
         self.outcomes.append(outcome)
         return outcome
 
@@ -355,7 +356,7 @@ class Recording(PlainDecoder):
 def test_metrics_and_usage_report_the_cache(loaded):
     model, _, tok = loaded
     cache = PromptCache(BIG, save_every=32)
-    decoder = Recording(model, MAX_CONTEXT, CHUNK)
+    decoder = Recording(model, None, MAX_CONTEXT, CHUNK)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder, prompt_cache=cache),
                 model_names=("demo",)) as server:
         client = server.wait_ready().client()

@@ -138,7 +138,7 @@ def test_the_directory_keeps_its_bound(model, tok, tmp_path):
 
 
 def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, synth_pair_f32):
-    from monolith.runtime.decoder import SpeculativeDecoder
+    from monolith.runtime.decoder import Decoder
 
     model, drafter, tok = synth_pair_f32
     directory = tmp_path / "saved-states"
@@ -147,7 +147,7 @@ def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, sy
         prompt_cache = None
         if cache:
             prompt_cache = PromptCache(1 << 30, 32, PromptStore(directory, 1 << 30, identity(model, drafter)))
-        return Engine(model, tok, max_context=512, decoder=SpeculativeDecoder(model, drafter, 512),
+        return Engine(model, tok, max_context=512, decoder=Decoder(model, drafter, 512),
                       prompt_cache=prompt_cache)
 
     first, first_ends = prompt(tok, "List the files.")

@@ -219,16 +219,16 @@ class UntilCancelled(Scripted):
     def __init__(self, tokens):
         super().__init__(tokens, per_token=0.01)
 
-    def steps(self, session, prompt, max_tokens, params, stop_ids, on_token, logprobs=None, cancelled=lambda: False,
-              boundaries=(), guide=None, on_resume=lambda cached: None):
-        on_resume(0)
+    def steps(self, generation):
+        emitter = generation.emitter
+        emitter.resumed(0)
         out = []
         for t in self.tokens:
             out.append(t)
-            on_token(t, None)
-        while not cancelled():
+            emitter.token(t, None)
+        while not emitter.cancelled():
             yield self.round(out[-1])
-        return Outcome(out, "abort", len(prompt), 0, 0.0, 0.0, len(out))
+        return Outcome(out, "abort", len(generation.prompt), 0, 0.0, 0.0, len(out))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ from serving_rig import MAX_CONTEXT, NAME, TOOLS, Scripted, Server, chat_ids, ex
 from monolith.engine_setup import load_drafter
 from monolith.models import load_model
 from monolith.runtime.calibrate import measure_break_even
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
+from monolith.runtime.generation import Generation, Tokens
 from monolith.runtime.engine import Engine
 from monolith.runtime.prefill import prefill
 from monolith.runtime.session import Session
@@ -308,7 +309,7 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(synth_pair):
     model = load_model(target_pack, dtype="float32")
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
-    decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT)
+    decoder = Decoder(model, drafter, MAX_CONTEXT)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Hello there"}]
@@ -327,8 +328,8 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(synth_pair):
         r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
                                            logprobs=True, top_logprobs=2)
         plain_lps = []
-        PlainDecoder(model, MAX_CONTEXT)(Session(), tok.encode_chat(messages), 12, SamplingParams(), (),
-                                         lambda token, lp: plain_lps.append(lp) or True, logprobs=2)
+        Decoder(model, None, MAX_CONTEXT)(Generation(tok.encode_chat(messages), 12, logprobs=2,
+                                                     emitter=Tokens(lambda token, lp: plain_lps.append(lp) or True)))
         entries = r.choices[0].logprobs.content
         assert len(entries) == len(plain_lps) == 12
         assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in plain_lps], abs=1e-4)
@@ -349,7 +350,7 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     model = load_model(target_pack, dtype="float32")
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
-    decoder = SpeculativeDecoder(model, drafter, MAX_CONTEXT,
+    decoder = Decoder(model, drafter, MAX_CONTEXT,
                                  break_even=measure_break_even(model, drafter, 7, SamplingParams()).steps)
     assert decoder.break_even > 1  # a round costs more than one plain step
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
@@ -362,7 +363,7 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     # a session kept after fallback rounds: the draft context caught up with every committed
     # row, so the next turn, which extends prompt + output, resumes with the draft in step
     session, prompt, out = Session(), tok.encode_chat(messages), []
-    decoder(session, prompt, 25, SamplingParams(), [], lambda t, _: out.append(t) or True)  # ends on plain rounds
+    decoder(Generation(prompt, 25, session=session, emitter=Tokens(lambda t, _: out.append(t) or True)))  # ends on plain rounds
     assert session.draft_snapshot.offset == session.cache.offset == len(prompt) + 24
     # ... in order: its K/V equal a context that observed all those rows at once
     committed = prompt + out[:-1]
@@ -379,12 +380,12 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     assert kept is not None and kept.plain_next()
     kept.probe_every, kept.plain_in_a_row = Fallback.MAX_PROBE_EVERY, 0
     longer, again = prompt + out + tok.encode(" and more"), []
-    outcome = decoder(session, longer, 12, SamplingParams(), [], lambda t, _: again.append(t) or True)
+    outcome = decoder(Generation(longer, 12, session=session, emitter=Tokens(lambda t, _: again.append(t) or True)))
     assert outcome.cached_tokens == len(prompt) + 24
     assert again == plain(model, longer, 12, SamplingParams(), [], MAX_CONTEXT).token_ids
     assert session.fallback is kept and outcome.spec.drafts == 0
     # a prompt that does not extend the session starts afresh
-    outcome = decoder(session, tok.encode("Another topic"), 12, SamplingParams(), [], lambda t, _: True)
+    outcome = decoder(Generation(tok.encode("Another topic"), 12, session=session))
     assert outcome.cached_tokens == 0 and outcome.spec.drafts >= 1 and session.fallback is not kept
 
 

@@ -14,7 +14,7 @@ import pytest
 from oracles import GreedyOracle, plain_greedy
 from serving_rig import MAX_CONTEXT, NAME, TOOLS, Server
 
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Delta, Finished, Usage
 from monolith.runtime.session import Session
@@ -76,7 +76,7 @@ def reference(model, tok):
 def oracle_server(model, tok, reference):
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
-    decoder = SpeculativeDecoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
+    decoder = Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
         yield s.wait_ready()
 
@@ -111,7 +111,7 @@ def test_the_decoder_tells_each_token_s_kind_as_planned(model, reference):
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
     seen = []
-    SpeculativeDecoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)(
+    Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)(
         Session(), prompt, N, SamplingParams(), [], lambda t, lp, how: seen.append((t, how)) or True, kinds=True)
     assert seen == list(zip(tokens, plan(N)[0]))
 
@@ -238,7 +238,7 @@ def plain_server_with_a_drafter(model, tok, reference):
     builds where no drafter pays: engine_setup, drafter_choice.on_request)."""
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
-    spare = SpeculativeDecoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
+    spare = Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, draft_decoder=spare,
                                draft_decoder_name="oracle")) as s:
         yield s.wait_ready()

@@ -31,10 +31,11 @@ from oracles import (
 
 from monolith.models.cache import GDNState, KVCache
 from monolith.runtime.accept import accept_greedy, accept_sampled
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.draft_model import DraftModelDrafter
 from monolith.runtime.drafter import Drafter, Forking, Guided, Proposal
 from monolith.runtime.events import ContextLengthError
+from monolith.runtime.generation import Generation, Tokens
 from monolith.runtime.rounds import Rounds
 from monolith.runtime.stats import SpecStats
 from monolith.sampling import SamplingParams, filtered_probs
@@ -208,7 +209,8 @@ def test_decoder_rounds_and_stats(model):
     """The decoder step by step: the accepted count, the emitted tokens and the stats."""
     reference = plain_greedy(model, PROMPT, 30)
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at=2)
-    decoder = Rounds(model, oracle, GREEDY, 64, 4, profile=True)
+    decoder = Rounds(model, oracle, Generation(params=GREEDY), 64, 4)
+    decoder.profile = True
     assert decoder.prefill(PROMPT, 5) == reference[0]
     out = [reference[0]]
     for _ in range(3):
@@ -224,7 +226,7 @@ def test_decoder_rounds_and_stats(model):
                               "spec_decode_num_accepted_tokens_per_pos_total": [3, 3, 0, 0]}
     assert s.draft_seconds > 0 and s.verify_seconds > 0 and s.commit_seconds > 0
     with pytest.raises(ValueError, match="block size must be an integer in 1..8"):
-        SpeculativeDecoder(model, oracle, 64, gamma=9)
+        Decoder(model, oracle, 64, gamma=9)
 
 
 def test_stats_per_position_with_variable_blocks():
@@ -320,21 +322,20 @@ def test_logprobs_with_a_draft_equal_plain(model, error_at, break_even):
     """The logprobs of every emitted token (accepted, corrected, bonus, and, with a
     fallback where rounds of 4 tokens do not pay, plain rounds) come from the target's rows: they equal plain
     decoding's, top tokens included."""
-    from monolith.runtime.decoder import PlainDecoder
-    from monolith.runtime.session import Session
+    from monolith.runtime.decoder import Decoder
 
     max_context = len(PROMPT) + 30
     reference = plain_greedy(model, PROMPT, 30, max_context)
 
     def run(decoder):
         seen = []
-        out = decoder(Session(), PROMPT, 30, GREEDY, frozenset(), lambda token, lp: seen.append(lp) or True,
-                      logprobs=3)
+        out = decoder(Generation(PROMPT, 30, GREEDY, logprobs=3,
+                                 emitter=Tokens(lambda token, lp: seen.append(lp) or True)))
         return out, seen
 
-    want, want_lps = run(PlainDecoder(model, max_context, CHUNK))
+    want, want_lps = run(Decoder(model, None, max_context, CHUNK))
     oracle = GreedyOracle(PROMPT, reference, model.args.vocab_size, error_at)
-    decoder = SpeculativeDecoder(model, oracle, max_context, CHUNK, GAMMA, break_even=break_even)
+    decoder = Decoder(model, oracle, max_context, CHUNK, GAMMA, break_even=break_even)
     assert decoder.logprobs
     got, got_lps = run(decoder)
     assert got.token_ids == want.token_ids

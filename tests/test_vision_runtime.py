@@ -19,7 +19,7 @@ from vision_rig import image_prompt, reference_run
 from monolith.models import load_draft, load_model, load_mtp
 from monolith.models.vision import vision_of
 from monolith.pack import build_pack
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.draft_model import DraftModelDrafter
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Finished, GenerationRequest, RequestError
@@ -51,7 +51,7 @@ def vlm(synth_dir, tmp_path_factory):
 
 
 def engine(vlm, decoder=None, **kw) -> Engine:
-    decoder = decoder or PlainDecoder(vlm["model"], CONTEXT, CHUNK)
+    decoder = decoder or Decoder(vlm["model"], None, CONTEXT, CHUNK)
     return Engine(vlm["model"], vlm["tokenizer"], max_context=CONTEXT, prefill_chunk_size=CHUNK, decoder=decoder,
                   vision=vlm["vision"], **kw)
 
@@ -102,7 +102,7 @@ def test_speculative_decoding_with_an_image_equals_plain(vlm, kind):
     model = vlm["model"]
     drafter = DraftModelDrafter(vlm["draft"]) if kind == "dspark" else MTPDrafter(vlm["head"])
     results = []
-    for decoder in (PlainDecoder(model, CONTEXT, CHUNK), SpeculativeDecoder(model, drafter, CONTEXT, CHUNK)):
+    for decoder in (Decoder(model, None, CONTEXT, CHUNK), Decoder(model, drafter, CONTEXT, CHUNK)):
         eng = engine(vlm, decoder)
         try:
             results.append(run(eng, vlm["tokens"], [vlm["image"]], max_tokens=24))

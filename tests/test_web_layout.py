@@ -13,7 +13,7 @@ from oracles import GreedyOracle, plain_greedy
 from serving_rig import MAX_CONTEXT, Recording, Scripted, Server
 from web_rig import close, expect, open_page, send, set_setting, settle
 
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.serving.gauge_history import PLOTTED
 
 WIDTH = 420
@@ -36,7 +36,7 @@ def plain_with_a_drafter(model, tok):
     prompt = tok.encode_chat([{"role": "user", "content": ASK}])
     oracle = GreedyOracle(prompt, plain_greedy(model, prompt, 64, MAX_CONTEXT), model.args.vocab_size)
     with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, draft_decoder_name="oracle",
-                                  draft_decoder=SpeculativeDecoder(model, oracle, MAX_CONTEXT))) as s:
+                                  draft_decoder=Decoder(model, oracle, MAX_CONTEXT))) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
         yield s

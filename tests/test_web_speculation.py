@@ -21,7 +21,7 @@ from web_rig import (
 )
 
 from monolith.models.image_inputs import prepare_image
-from monolith.runtime.decoder import SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Engine
 
 ASK = "Draft for me"
@@ -34,7 +34,7 @@ def drafting(model, tok):
     prompt = tok.encode_chat([{"role": "user", "content": ASK}])
     oracle = GreedyOracle(prompt, plain_greedy(model, prompt, 64, MAX_CONTEXT), model.args.vocab_size)
     with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
-                               decoder=SpeculativeDecoder(model, oracle, MAX_CONTEXT))) as s:
+                               decoder=Decoder(model, oracle, MAX_CONTEXT))) as s:
         yield s.wait_ready()
 
 

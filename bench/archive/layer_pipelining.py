@@ -33,7 +33,7 @@ MODES = ("plain", "speculative")
 def decoders(max_context: int) -> dict:
     from monolith.engine_setup import load_drafter, load_target
     from monolith.pack.demo import demo_pair
-    from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.runtime.scheduler import FixedScheduler
     from monolith.tokenizer import load_tokenizer
 
@@ -41,8 +41,8 @@ def decoders(max_context: int) -> dict:
     model = load_target(target)
     drafter = load_drafter(draft, model)
     return {"tokenizer": load_tokenizer(target),
-            "plain": PlainDecoder(model, max_context),
-            "speculative": SpeculativeDecoder(model, drafter, max_context, scheduler=FixedScheduler())}
+            "plain": Decoder(model, None, max_context),
+            "speculative": Decoder(model, drafter, max_context, scheduler=FixedScheduler())}
 
 
 def run(decoder, prompts: list[list[int]], max_tokens: int, pipelined: bool) -> tuple[float, list[list[int]]]:

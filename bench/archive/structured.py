@@ -44,9 +44,9 @@ from bench.archive.vocabulary import (  # the 248K vocabulary, built once and ca
 )
 from monolith.engine_setup import load_drafter, load_target
 from monolith.pack.demo import demo_pair
-from monolith.runtime.decoder import PlainDecoder, SpeculativeDecoder
+from monolith.runtime.decoder import Decoder
 from monolith.runtime.grammar import GrammarTokenizer
-from monolith.runtime.session import Session
+from monolith.runtime.generation import Generation
 from monolith.sampling import SamplingParams, mask_logits
 from monolith.serving import structured
 from monolith.tokenizer import load_tokenizer
@@ -156,12 +156,12 @@ def demo_runs(max_tokens: int) -> dict:
     gt = GrammarTokenizer.of(tok, model.args.vocab_size)
     stops = frozenset(tok.eos_token_ids) | frozenset(model.args.eos_token_ids)
     context = 2048
-    plain, spec = PlainDecoder(model, context), SpeculativeDecoder(model, drafter, context)
+    plain, spec = Decoder(model, None, context), Decoder(model, drafter, context)
     table, checked = {}, {"outputs": 0, "valid": 0, "length": 0}
 
     def decode(decoder, prompt, params, grammar):
-        kw = {} if grammar is None else {"guide": gt.guide(grammar)}
-        return decoder(Session(), prompt, max_tokens, params, stops, lambda t, lp: True, **kw)
+        return decoder(Generation(prompt, max_tokens, params, stops,
+                              guide=None if grammar is None else gt.guide(grammar)))
 
     for name, (schema, _) in [("none", (None, None)), *SCHEMAS.items()]:
         grammar = None if schema is None else structured.grammar(structured.Structure("json", "bench", schema), tok,

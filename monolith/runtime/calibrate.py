@@ -33,6 +33,7 @@ import mlx.core as mx
 from ..sampling import SamplingParams
 from .batch import Forward, run_forwards
 from .drafter import Drafter
+from .generation import Generation
 from .rounds import PLAIN_RUN, Block, Rounds
 from .scheduler import CostCurve, CostScheduler, FixedScheduler, StepCosts
 
@@ -56,7 +57,7 @@ def scratch_rounds(model, drafter: Drafter, gamma: int, params: SamplingParams, 
     """A sequence of `context` random prompt rows with room for `extra_rows` more.
     Restarts the drafter: call before the real sequence's `drafter.start`."""
     prompt = mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(0)).tolist()
-    rounds = Rounds(model, drafter, params, context + extra_rows, gamma, FixedScheduler())
+    rounds = Rounds(model, drafter, Generation(params=params), context + extra_rows, gamma, FixedScheduler())
     rounds.prefill(prompt)
     mx.eval(rounds.cache.arrays(), drafter.arrays())
     return rounds
@@ -222,8 +223,7 @@ def measure_acceptance(model, drafter: Drafter, gamma: int, prompts, max_new: in
     `stops`. Restarts the drafter (as scratch_rounds does)."""
     accepted = []
     for prompt in prompts:
-        rounds = Rounds(model, drafter, SamplingParams(), len(prompt) + max_new + gamma + 2, gamma,
-                        FixedScheduler())
+        rounds = Rounds(model, drafter, Generation(), len(prompt) + max_new + gamma + 2, gamma, FixedScheduler())
         latest, emitted = [rounds.prefill(prompt)], 1
         while emitted < max_new and not stops.intersection(latest):
             result = rounds.round(gamma + 1)

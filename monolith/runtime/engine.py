@@ -30,7 +30,6 @@ import atexit
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -39,7 +38,7 @@ import mlx.core as mx
 from ..sampling import SamplingParams
 from . import memory_trim
 from .batch import Batch
-from .decoder import PlainDecoder
+from .decoder import Decoder
 from .events import (
     Delta,
     Event,
@@ -53,7 +52,8 @@ from .events import (
 )
 from .grammar import GrammarTokenizer
 from .images import FeatureCache, PromptImages
-from .jobs import EngineClosed, Job, QueueFull, QueueTimeout
+from .generation import Generation, Tokens
+from .jobs import EngineClosed, Job, JobQueue, QueueTimeout
 from .pipeline import Pipeline
 from .prompt_cache import PromptCache, common_prefix
 from .session import Session
@@ -96,7 +96,7 @@ class Engine:
         self.max_context = max_context
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.decoder = decoder or PlainDecoder(model, max_context, prefill_chunk_size)
+        self.decoder = decoder or Decoder(model, None, max_context, prefill_chunk_size)
         self.draft_name = draft_name  # the draft the decoder drafts with (None: plain decoding)
         self.not_drafting = not_drafting  # why a draft was loaded but the decoder does not draft
         # a decoder that drafts every round, for requests that ask to be drafted (GenerationRequest.draft)
@@ -110,10 +110,9 @@ class Engine:
         self._batch = Batch()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
-        self._queue: deque[Job] = deque()
-        self._lock = threading.Condition()
+        self._queue = JobQueue(max_queue)
+        self._lock = self._queue.lock
         self._running: dict[int, Job] = {}  # the jobs in the batch, by id
-        self._closed = False
         self.idle_since = time.monotonic()  # when the last running request ended (serving/models.py's keep-alive)
         if isinstance(model, Pipeline):  # its watchdog fails the requests of a stuck worker
             model.on_broken.append(self.abandon)
@@ -179,15 +178,9 @@ class Engine:
                                self.max_context, self.supports_logprobs)
         request = replace(request, prompt_ids=tuple(prompt))
         images = self._images(request)
-        job = Job(request, sink, session, self.queue_timeout if timeout is None else timeout, self._drop)
+        job = Job(request, sink, session, self.queue_timeout if timeout is None else timeout, self._queue)
         job.images = images
-        with self._lock:
-            if self._closed:
-                raise EngineClosed("the engine is closed")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
-            self._queue.append(job)
-            self._lock.notify_all()
+        self._queue.put(job)
         return job
 
     def _images(self, request: GenerationRequest) -> PromptImages | None:
@@ -229,11 +222,7 @@ class Engine:
         state: sessions, caches); its result, or its exception raised here."""
         job = Job(None, lambda event: None, None, 1e12)
         job.task = fn
-        with self._lock:
-            if self._closed:
-                raise EngineClosed("the engine is closed")
-            self._queue.append(job)
-            self._lock.notify_all()
+        self._queue.put(job, bounded=False)
         job.done.wait()
         if job.error is not None:
             raise job.error
@@ -249,8 +238,9 @@ class Engine:
         """The model cannot answer any more (a pipeline rank is unreachable) and the worker
         may be stuck in it: fail every running and queued request now, from this thread."""
         with self._lock:
-            self._closed = True
-            jobs, self._queue = list(self._running.values()) + list(self._queue), deque()
+            self._queue.closed = True
+            jobs = list(self._running.values()) + list(self._queue.jobs)
+            self._queue.jobs.clear()
             self._running.clear()
             self._lock.notify_all()
         for job in jobs:
@@ -259,8 +249,9 @@ class Engine:
     def close(self, timeout: float = 30.0) -> None:
         """Cancel the running requests, fail the queued ones, stop the worker."""
         with self._lock:
-            self._closed = True
-            queued, self._queue = list(self._queue), deque()
+            self._queue.closed = True
+            queued = list(self._queue.jobs)
+            self._queue.jobs.clear()
             for job in self._running.values():
                 job.cancel()  # seen at its next token
             self._lock.notify_all()
@@ -272,14 +263,6 @@ class Engine:
             store.close()  # the saved states queued for the disk are written
 
     # ---------------------------------------------------------------- worker
-
-    def _drop(self, job: Job) -> None:
-        with self._lock:
-            try:
-                self._queue.remove(job)
-            except ValueError:
-                return  # running or finished: the worker sees the flag at the next token
-        job.finish_cancelled()
 
     def _work(self) -> None:
         try:
@@ -293,11 +276,11 @@ class Engine:
         batch = self._batch
         while True:
             with self._lock:
-                while not self._queue and not len(batch) and not self._closed:
+                while not self._queue and not len(batch) and not self._queue.closed:
                     self._lock.wait()
-                if self._closed and not len(batch):
+                if self._queue.closed and not len(batch):
                     return
-                admitted = [] if self._closed else self._admit()
+                admitted = [] if self._queue.closed else self._admit()
             for job in admitted:
                 self._start(job)
             worked = bool(admitted or len(batch))
@@ -305,7 +288,7 @@ class Engine:
                 for member in batch.step():
                     self._end(member)
                 for member in batch.members:
-                    member.owner.release()
+                    member.owner.reporter.release()
             if worked and not len(batch) and not self._queue:  # idle now: hand back what the work freed
                 memory_trim.trim()
 
@@ -316,7 +299,7 @@ class Engine:
         hold up the jobs behind it)."""
         taken, busy = [], {id(job.session) for job in self._running.values()}
         room, waiting = self.max_batch - len(self._running), False
-        for job in list(self._queue):
+        for job in list(self._queue.jobs):
             if job.task is not None:
                 starts = not waiting  # in queue order: after the requests ahead of it have started
             elif job.cancelled or time.monotonic() > job.deadline:
@@ -331,7 +314,7 @@ class Engine:
                 else:
                     waiting = True
             if starts:
-                self._queue.remove(job)
+                self._queue.jobs.remove(job)
                 taken.append(job)
         return taken
 
@@ -369,11 +352,17 @@ class Engine:
                     # prompt cache, whose saved states have no drafter's rows
                     job.session = Session(None)
                 decoder = self.draft_decoder
-            steps = job.steps(decoder, self.tokenizer, self.stop_ids,
-                              lambda grammar: self.grammar_tokenizer.guide(grammar))
+            steps = job.steps(decoder, self._generation(job), self.tokenizer)
             member = self._batch.add(steps, job)
             if member.done:  # it ended before its first forward (it failed, or was cancelled)
                 self._end(member)
+
+    def _generation(self, job: Job) -> Generation:
+        """A started request made whole for its decoder, the job's reporter its emitter."""
+        request = job.request
+        guide = None if request.grammar is None else self.grammar_tokenizer.guide(request.grammar)
+        return Generation(job.prompt, request.max_tokens, request.params, self.stop_ids, request.logprobs,
+                          request.boundaries, guide, job.images, job.session, job.reporter)
 
     def _end(self, member) -> None:
         job = member.owner
@@ -383,8 +372,7 @@ class Engine:
                 self.idle_since = time.monotonic()
         if member.error is not None:  # the steps failed outside the decoder (a bug): the request still ends
             job.session.reset()
-            job.release()
-            job.emit(Failed(member.error))
+            job.reporter.failed(member.error)
         job.done.set()
 
 
@@ -405,5 +393,5 @@ def run_decoder(decoder, prompt_ids: Sequence[int], max_tokens: int, params: Sam
             on_token(token_id)
         return True
 
-    return decoder(session or Session(), prompt, max_tokens, params, frozenset(int(t) for t in stop_ids), emit,
-                   logprobs)
+    return decoder(Generation(prompt, max_tokens, params, frozenset(int(t) for t in stop_ids), logprobs,
+                              session=session or Session(), emitter=Tokens(emit)))

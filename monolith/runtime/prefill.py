@@ -9,40 +9,42 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from .batch import Forward, Steps, drive
+from .drafter import Drafter
+from .generation import Generation
 
 
 def prefill_rows(model, tokens: Sequence[int] | mx.array, cache, chunk_size: int = 512, stops: Sequence[int] = (),
-                 taps: tuple = (), observe: Callable[[mx.array], None] | None = None,
-                 bound: Callable[[], None] | None = None, on_stop: Callable[[int], None] | None = None,
-                 cancelled: Callable[[], bool] = lambda: False, images=None) -> Steps:
+                 drafter: Drafter | None = None, on_stop: Callable[[int], None] | None = None,
+                 generation: Generation | None = None) -> Steps:
     """The one prefill: `tokens` through `model` after the rows `cache` holds, in chunks
     ending on multiples of chunk_size from row 0 and at `stops` (positions in the
     sequence), so a prompt prefilled from a saved state runs the same chunks as a cold
-    prefill that saved it. Each chunk's tap features go to `observe`; between chunks
-    `bound()` evaluates the state (default: the cache's; it bounds the graph) and
-    `on_stop(position)` runs once the cache holds the rows up to each stop. Returns the
-    last row's logits [vocab], or None when `cancelled()` turned true between chunks.
-    `images` (images.PromptImages of the whole prompt, whose real ids `tokens` are) gives
-    each chunk its image features and multimodal positions."""
+    prefill that saved it. Each chunk's tap features go to the `drafter` (`observe`);
+    between chunks the state (the cache's, and the drafter's) is evaluated (it bounds the
+    graph) and `on_stop(position)` runs once the cache holds the rows up to each stop.
+    Returns the last row's logits [vocab], or None when the `generation`'s emitter says
+    it was cancelled, between chunks. The generation's images (images.PromptImages of
+    the whole prompt, whose real ids `tokens` are) give each chunk its image features and
+    multimodal positions."""
     begin = cache.offset
     ids = tokens if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.int32)
     total = begin + ids.shape[0]
+    images = None if generation is None else generation.images
+    taps = () if drafter is None else tuple(drafter.taps)
     done, logits = begin, None
     for end in chunk_ends(begin, total, chunk_size, stops):
         last = end == total
         extras = (None, None) if images is None else images.chunk(done, end)
         logits, features = yield Forward(model, ids[done - begin:end - begin], cache, taps,
                                          "last" if last else "none", *extras)
-        if observe is not None:
-            observe(features)
+        if drafter is not None:
+            drafter.observe(features)
         done = end
-        if not last and bound is None:
-            mx.eval(cache.arrays())
-        elif not last:
-            bound()
+        if not last:
+            mx.eval(cache.arrays(), *(() if drafter is None else (drafter.arrays(),)))
         if end in stops and on_stop is not None:
             on_stop(end)
-        if not last and cancelled():
+        if not last and generation is not None and generation.emitter.cancelled():
             return None
     return logits[-1]
 

@@ -56,11 +56,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..models.cache import Snapshot
-from ..sampling import SamplingParams, filtered_probs, key_chain, mask_logits, sample
+from ..sampling import filtered_probs, key_chain, mask_logits, sample
 from .accept import accept_greedy, accept_sampled
 from .batch import Forward, Peers, Propose, Steps, drive
 from .drafter import Drafter, Guided, Proposal
 from .events import TokenLogprob
+from .generation import Generation
 from .logprobs import logprob_arrays, read_logprob, read_verify_logprobs, verify_logprobs
 from .prefill import prefill_rows
 from .fallback import Fallback
@@ -119,19 +120,23 @@ class Rounds:
     """One sequence: the target's cache, the drafter's context, the anchor; `prefill`
     once, then `round` until done (decoder.py runs them)."""
 
-    def __init__(self, model, drafter: Drafter | None, params: SamplingParams, max_context: int, gamma: int = 0,
-                 scheduler: Scheduler | None = None, profile: bool = False, cache=None, logprobs: int | None = None,
-                 guide=None):
+    def __init__(self, model, drafter: Drafter | None, generation: Generation, max_context: int, gamma: int = 0,
+                 scheduler: Scheduler | None = None, cache=None):
         """`drafter` None: plain decoding, every round a plain step (under a grammar, the
         tokens it forces after the anchor are verified with it: jump-forward); `gamma`:
-        the proposals per round, 1..drafter.max_proposals (check_gamma); `logprobs`
-        (None: off; k: with the k likeliest) makes every emitted token carry its
-        TokenLogprob from the target's row that chose it; `guide` (grammar.Guide)
-        constrains the output (see the module doc). `fallback` (a fallback.Fallback, None:
-        none) is the decoder's to set, for a drafting sequence without a grammar."""
+        the proposals per round, 1..drafter.max_proposals (check_gamma). Of the
+        `generation`: its sampling `params`; its `logprobs` (None: off; k: with the k
+        likeliest) make every emitted token carry its TokenLogprob from the target's row
+        that chose it; its `guide` (grammar.Guide) constrains the output (see the module
+        doc); its emitter's `cancelled()` stops the prefill between chunks, and its
+        `images` come with the prefill's rows. `fallback` (a fallback.Fallback, None:
+        none) is the decoder's to set, for a drafting sequence without a grammar;
+        `profile` (set it before the first round) times each round's stages at the price
+        of more host syncs."""
+        guide, params = generation.guide, generation.params
         if guide is not None and drafter is not None and not isinstance(drafter, Guided):
             raise ValueError(f"{drafter!r} cannot propose under a grammar (no propose_guided)")
-        self.model, self.drafter, self.params = model, drafter, params
+        self.model, self.drafter, self.generation, self.params = model, drafter, generation, params
         self.taps = tuple(drafter.taps) if drafter is not None else ()
         self.max_context = max_context
         self.gamma = gamma
@@ -139,14 +144,14 @@ class Rounds:
         self.fallback: Fallback | None = None
         self.unobserved: list[mx.array] = []  # tap features of rows plain rounds committed
         self.queued: Queued | None = None  # a plain step queued for the next plain round
-        self.profile = profile
+        self.profile = False
         self.keys = None if params.greedy else key_chain(params.seed)
         self.cache = model.make_cache(max_context) if cache is None else cache
         self.stats = None  # plain decoding: no speculation to measure
         if drafter is not None:
             self.stats = SpecStats(self.gamma if guide is None else 2 * self.gamma)  # forced positions come on top
         self.anchor: int | None = None
-        self.logprobs = logprobs
+        self.logprobs = generation.logprobs
         self.first_logprob: TokenLogprob | None = None  # the prefill's token's
         self.guide = guide
         if drafter is not None:
@@ -155,24 +160,19 @@ class Rounds:
     def _key(self) -> mx.array | None:
         return None if self.keys is None else next(self.keys)
 
-    def prefill(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
-                on_stop: Callable[[int], None] | None = None,
-                cancelled: Callable[[], bool] = lambda: False) -> int | None:
+    def prefill(self, tokens: Sequence[int], chunk_size: int = 512) -> int | None:
         """`prefill_steps` alone."""
-        return drive(self.prefill_steps(tokens, chunk_size, stops, on_stop, cancelled))
+        return drive(self.prefill_steps(tokens, chunk_size))
 
     def prefill_steps(self, tokens: Sequence[int], chunk_size: int = 512, stops: Sequence[int] = (),
-                      on_stop: Callable[[int], None] | None = None,
-                      cancelled: Callable[[], bool] = lambda: False, images=None) -> Steps:
-        """`prefill_rows` over `tokens` (the prompt past the cached rows; `images`: its
-        images.PromptImages), every row's features handed to the drafter; return the
-        first generated token (the first anchor), or None when `cancelled()` turned true
-        between chunks (the cache and the drafter then hold the rows prefilled so far)."""
-        drafter = self.drafter
-        observe = None if drafter is None else drafter.observe
-        bound = None if drafter is None else (lambda: mx.eval(self.cache.arrays(), drafter.arrays()))
-        row = yield from prefill_rows(self.model, tokens, self.cache, chunk_size, stops, self.taps, observe, bound,
-                                      on_stop, cancelled, images)
+                      on_stop: Callable[[int], None] | None = None) -> Steps:
+        """`prefill_rows` over `tokens` (the prompt past the cached rows; with the
+        generation's images, their real ids), every row's features handed to the drafter;
+        return the first generated token (the first anchor), or None when the generation
+        was cancelled between chunks (the cache and the drafter then hold the rows
+        prefilled so far)."""
+        row = yield from prefill_rows(self.model, tokens, self.cache, chunk_size, stops, self.drafter, on_stop,
+                                      self.generation)
         if row is None:
             return None
         token = sample(row if self.guide is None else mask_logits(row, self.guide.words()), self.params, self._key())

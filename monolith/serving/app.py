@@ -52,7 +52,7 @@ from ..runtime import memory_trim
 from ..runtime.grammar import Grammar
 from . import access, page, structured
 from .anthropic import routes as anthropic_routes
-from .driving import Driver
+from .driving import Driver, Prompt
 from .errors import APIError, ContextOverflow, bad, log_refusal
 from .gauge_history import SAMPLE_SECONDS, GaugeHistory
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
@@ -360,9 +360,9 @@ class _Handlers(Driver):
         format)."""
         prompt = await self.encode_chat(engine, req)
         fmt = make_format(prompt.reasoning_open)
-        job, events = await self.start(engine, prompt.ids, req, fmt, prompt_param, started,
-                                       engine.tokenizer.message_ends(prompt.ids), prompt.constraint, request,
-                                       prompt.images)
+        submitted = Prompt(prompt.ids, prompt_param, engine.tokenizer.message_ends(prompt.ids), prompt.constraint,
+                           prompt.images, req.draft)
+        job, events = await self.start(engine, req, fmt, submitted, started, request)
         return job, events, fmt
 
     async def read_body(self, request: Request) -> dict:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +36,18 @@ from .reply_format import Cancellable, ReplyFormat, Resumable, StreamFormat
 log = logging.getLogger("monolith.serve")
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """An encoded prompt as a handler submits it, with what came with it."""
+
+    ids: Sequence[int]
+    param: str  # the request's field that holds it, named in a 400 ("messages", "prompt", "input")
+    boundaries: tuple[int, ...] = ()  # where its chat messages end (tokenizer.message_ends): prompt-cache saves
+    constraint: Grammar | None = None  # the output's grammar
+    images: tuple = ()  # models.image_inputs.PreparedImage, in prompt order
+    draft: bool = False  # monolith.draft: draft every round (a chat request's, openai/speculation.py)
+
+
 class Driver:
     """The engine driving of the app's handlers (`state`: app.ServerState: its config,
     metrics)."""
@@ -41,38 +55,37 @@ class Driver:
     def __init__(self, state):
         self.state = state
 
-    async def generate(self, request: Request, engine, prompt_ids, req, fmt, prompt_param: str,
-                       started: float, boundaries: list[int] = (), constraint: Grammar | None = None,
-                       images: tuple = ()) -> Response:
-        job, events = await self.start(engine, prompt_ids, req, fmt, prompt_param, started, boundaries, constraint,
-                                       request, images)
+    async def generate(self, request: Request, engine, req, fmt, prompt: Prompt, started: float) -> Response:
+        job, events = await self.start(engine, req, fmt, prompt, started, request)
         return await self.respond(request, job, events, fmt, req)
 
-    async def start(self, engine, prompt_ids, req, fmt, prompt_param: str, started: float,
-                    boundaries: list[int] = (), constraint: Grammar | None = None, request: Request | None = None,
-                    images: tuple = ()):
-        """Submit a request to the engine and wait until it has left the queue (bounded by
-        its deadline) and resumed: (the job, its events). The job is cancelled if this is
-        cancelled, or if `request`'s client disconnects meanwhile. `images`: the prompt's
-        (models.image_inputs.PreparedImage, in prompt order)."""
+    def generation_request(self, engine, req, prompt: Prompt) -> GenerationRequest:
+        """What the engine runs of a parsed request (`req`: its generation fields) and its
+        encoded prompt: the one place a GenerationRequest is made of a request, under the
+        server's output cap."""
         limit, max_tokens = self.state.config.max_tokens_limit, req.max_tokens
         if max_tokens is None:  # the server's default output cap (requests.SamplingDefaults)
             max_tokens = self.state.defaults_for(engine).max_tokens
         if limit is not None:
             max_tokens = limit if max_tokens is None else min(max_tokens, limit)
-        draft = getattr(req, "draft", False)
-        if draft and not engine.can_draft:
+        if prompt.draft and not engine.can_draft:
             raise bad("monolith.draft: this server holds no drafter (start it with a draft: --draft, or the demo "
                       "pair without --no-draft)", "monolith.draft")
-        gen = GenerationRequest(tuple(prompt_ids), max_tokens, req.params, req.stop, req.logprobs,
-                                tuple(boundaries), constraint, tuple(images), draft)
+        return GenerationRequest(tuple(prompt.ids), max_tokens, req.params, req.stop, req.logprobs,
+                                 tuple(prompt.boundaries), prompt.constraint, tuple(prompt.images), prompt.draft)
+
+    async def start(self, engine, req, fmt, prompt: Prompt, started: float, request: Request | None = None):
+        """Submit a request to the engine and wait until it has left the queue (bounded by
+        its deadline) and resumed: (the job, its events). The job is cancelled if this is
+        cancelled, or if `request`'s client disconnects meanwhile."""
+        gen = self.generation_request(engine, req, prompt)
         events = EventBridge(asyncio.get_running_loop(), self.state.metrics, started)
         try:
             job = engine.submit(gen, events.put)
         except ContextLengthError as e:
-            raise ContextOverflow(e.prompt_tokens, e.max_context, prompt_param) from None
+            raise ContextOverflow(e.prompt_tokens, e.max_context, prompt.param) from None
         except RequestError as e:
-            raise bad(str(e), prompt_param if e.field == "prompt" else e.field) from None
+            raise bad(str(e), prompt.param if e.field == "prompt" else e.field) from None
         except QueueFull as e:
             raise APIError(429, f"{e}; retry later", code="queue_full") from None
         except EngineClosed:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..driving import Prompt
 from ..errors import APIError
 from ..structured import grammar_tokenizer
 from . import options, reply, requests
@@ -50,8 +51,9 @@ class AnthropicRoutes:
                                                           engine.tokenizer, grammar_tokenizer(engine))
         fmt = reply.MessagesFormat(name, req, prompt.reasoning_open, len(prompt.ids), engine.tokenizer,
                                              applied)
-        return await handlers.generate(request, engine, prompt.ids, chat, fmt, "messages", started,
-                                       engine.tokenizer.message_ends(prompt.ids), constraint, prompt.images)
+        submitted = Prompt(prompt.ids, "messages", engine.tokenizer.message_ends(prompt.ids), constraint,
+                           prompt.images, chat.draft)
+        return await handlers.generate(request, engine, chat, fmt, submitted, started)
 
     async def count_tokens(self, request: Request) -> Response:
         handlers = self.handlers

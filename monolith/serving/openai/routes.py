@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..driving import Prompt
 from .reply import ChatFormat, CompletionFormat
 from .requests import parse_chat_request, parse_completion_request
 
@@ -51,4 +52,4 @@ class OpenAIRoutes:
         else:
             prompt_ids = req.prompt
         fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
-        return await handlers.generate(request, engine, prompt_ids, req, fmt, "prompt", started)
+        return await handlers.generate(request, engine, req, fmt, Prompt(prompt_ids, "prompt"), started)
