@@ -135,7 +135,7 @@ def join(args: argparse.Namespace, plan, log) -> Rank:
         raise SetupError("--distributed keeps no prompt cache (the KV rows live on several ranks): "
                          "drop --prompt-cache-size / --prompt-cache-dir")
     args.prompt_cache_size = 0
-    if getattr(args, "kv_bits", None):
+    if args.kv_bits:
         raise SetupError("--kv-bits is not available with --distributed (the other ranks' caches are made "
                          "as computed): drop --kv-bits")
     if args.distributed_timeout <= 0:

@@ -162,7 +162,7 @@ class ModelPlan:
 def plan_model(args: argparse.Namespace) -> ModelPlan:
     """Check the model flags (raise SetupError with one line); nothing is loaded. One
     --model only: serve splits several first (serve.model_arguments)."""
-    if len(getattr(args, "models", None) or ()) > 1:
+    if len(args.models or ()) > 1:
         raise SetupError(f"--model is given {len(args.models)} times: only `python -m monolith.serve` serves "
                          "several models")
     for flag, value, least in (("--max-context", args.max_context, 2),
@@ -296,7 +296,7 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
         log(blas)
     sources = sources or resolve_sources(args, plan, log)
     model = load(sources.target_pack, dtype=args.dtype, verify=args.verify_pack)
-    model.kv_bits = getattr(args, "kv_bits", None)
+    model.kv_bits = args.kv_bits
     log(f"loaded the target from {sources.target_pack} ({model.dtype}, {model.dense_summary} weights"
         + (f", {model.kv_bits}-bit KV cache)" if model.kv_bits else ")"))
     tokenizer = load_tokenizer(sources.target_pack)
@@ -344,7 +344,7 @@ def target_vision(args, target_pack: Path, model, log) -> Vision | None:
     """The target's Vision (its tower loads on the first image) where its pack carries
     one; None with --no-vision, for a pipeline (--distributed: no rank holds the tower)
     and for a pack without a tower (built --no-vision, or a text-only checkpoint)."""
-    if args.no_vision or getattr(args, "distributed", False):
+    if args.no_vision or args.distributed:
         return None
     vision = vision_of(target_pack, model.dtype)
     if vision is not None:

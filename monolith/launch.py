@@ -110,7 +110,7 @@ def get(origin: str, path: str, key: str | None = None):
     except urllib.error.HTTPError as e:
         status, body = e.code, e.read()
     except (OSError, http.client.HTTPException) as e:
-        reason = getattr(e, "reason", e)
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
         if isinstance(reason, ConnectionRefusedError):
             return None
         raise LaunchError(not_monolith(origin, f"GET {path}: {reason}")) from None

@@ -295,7 +295,8 @@ def fetch(url: str, limits: ImageLimits, where: str) -> bytes:
                 if time.monotonic() > deadline:
                     raise bad(f"{where}: the image URL took over {limits.fetch_timeout:g} s to fetch", where)
     except (urllib.error.URLError, OSError, ValueError) as e:
-        raise bad(f"{where}: the image URL could not be fetched: {getattr(e, 'reason', e)}", where) from None
+        reason = e.reason if isinstance(e, urllib.error.URLError) else e
+        raise bad(f"{where}: the image URL could not be fetched: {reason}", where) from None
     return b"".join(chunks)
 
 

@@ -44,9 +44,6 @@ INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search
               "message.input_image.image_url", "computer_call_output.output.image_url",
               "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 LIST_PARAMS = ("limit", "order", "after", "include", "include[]")
-STORED_ROUTES = (("/v1/responses/{response_id}", "GET", "get"), ("/v1/responses/{response_id}", "DELETE", "delete"),
-                 ("/v1/responses/{response_id}/input_items", "GET", "input_items"),
-                 ("/v1/responses/{response_id}/cancel", "POST", "cancel"))  # (path, method, handler)
 CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finish it
 
 
@@ -58,8 +55,11 @@ def routes(handlers) -> list[BaseRoute]:
         Route("/v1/responses", handlers.endpoint("responses", posted.responses), methods=["POST"]),
         Route("/v1/responses/input_tokens", handlers.endpoint("responses", posted.input_tokens), methods=["POST"]),
         Route("/v1/responses/compact", handlers.endpoint("responses", posted.compact), methods=["POST"]),
-        *[Route(path, handlers.endpoint("responses", _json(getattr(stored, name))), methods=[method])
-          for path, method, name in STORED_ROUTES],
+        *[Route(path, handlers.endpoint("responses", _json(handler)), methods=[method])
+          for path, method, handler in (("/v1/responses/{response_id}", "GET", stored.get),
+                                        ("/v1/responses/{response_id}", "DELETE", stored.delete),
+                                        ("/v1/responses/{response_id}/input_items", "GET", stored.input_items),
+                                        ("/v1/responses/{response_id}/cancel", "POST", stored.cancel))],
         WebSocketRoute("/v1/responses", ResponsesSocket(handlers, config.websocket_limit_seconds,
                                                         config.websocket_clock).serve),
     ]
