@@ -15,8 +15,9 @@ restore points), so a request whose prompt extends it prefills only the new toke
 the next chat turn, or the same prompt again. A request that brings no session of its
 own runs on one of the engine's `max_batch` sessions (the free one whose tokens share
 the longest prefix with its prompt); all of them share the prompt cache. The
-generation itself is `decoder.steps(session, prompt, ...)` (decoder.PlainDecoder or
-decoder.SpeculativeDecoder), which `Job.steps` wraps in the request's events; events.py
+generation itself is `decoder.steps(generation)` (decoder.Decoder, with or without a
+drafter) on the request made whole (generation.Generation, whose emitter is the job's
+Reporter), which `Job.steps` wraps in the request's first and last events; events.py
 holds the request and event types, textstream.py the released text.
 
 serve, chat, generate and the benchmarks all run requests through an Engine;
