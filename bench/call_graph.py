@@ -33,7 +33,7 @@ MANY_PARAMETERS = 9
 
 
 def _engine(tmp: Path, drafting: bool):
-    from monolith import engine_setup
+    from monolith import engine_setup, model_flags
     from monolith.serve import build_parser
     from monolith.synth import write_pair
 
@@ -43,7 +43,7 @@ def _engine(tmp: Path, drafting: bool):
     if drafting:
         argv += ["--draft", str(tmp / "pair" / "draft"), "--spec-sched", "fixed"]
     args = build_parser().parse_args(argv)
-    return engine_setup.load_engine(args, engine_setup.plan_model(args), lambda m: None)
+    return engine_setup.load_engine(args, model_flags.plan_model(args), lambda m: None)
 
 
 EDGES: set[tuple[str, str]] = set()

@@ -25,13 +25,8 @@ from .blas import preload_openblas
 from .cli import ArgumentParser, print_failure
 from .conversation import Attachment, Conversation
 from .distributed import add_distributed_arguments, join, to_stderr
-from .engine_setup import (
-    NOT_A_BUG,
-    SetupError,
-    add_model_arguments,
-    load_engine,
-    plan_model,
-)
+from .engine_setup import load_engine
+from .model_flags import NOT_A_BUG, SetupError, add_model_arguments, plan_model
 from .models.image_inputs import ImageInputError
 from .runtime.events import (
     ContextLengthError,

@@ -34,7 +34,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .engine_setup import MTP_DRAFT, SetupError, Sources, resolve_sources
+from .engine_setup import Sources, resolve_sources
+from .model_flags import MTP_DRAFT, SetupError
 from .models import load_model
 from .pack import read_manifest, resolve_pack
 from .pack.split import split_layers, target_costs

@@ -155,7 +155,7 @@ def on_request(choice: Choice, decoder, args, model):
 def choose_drafter(args, plan, model, tokenizer, candidates: list[Candidate], log,
                    fallback: bool = True) -> Choice:
     """The drafter a start uses among `candidates`, as the flags (`args`, `plan`: an
-    engine_setup.ModelPlan) say: the one --draft forces; the first where nothing is
+    model_flags.ModelPlan) say: the one --draft forces; the first where nothing is
     measured (generate, a named --spec-sched); else the one with the best expected
     tokens per second, or none (the module doc). Candidates that cannot run as the
     flags ask (a --draft-block-size past their proposals) are left out with a note."""

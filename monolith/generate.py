@@ -12,19 +12,12 @@ import argparse
 import json
 import sys
 
-from .blas import describe as describe_blas, loaded_openblas, preload_openblas
+from .blas import describe as describe_blas
+from .blas import loaded_openblas, preload_openblas
 from .cli import ArgumentParser, print_failure, quiet_when_stdout_closes
 from .distributed import add_distributed_arguments, join
-from .engine_setup import (
-    NOT_A_BUG,
-    SetupError,
-    add_model_arguments,
-    load_drafter,
-    load_engine,
-    load_target,
-    plan_model,
-    resolve_sources,
-)
+from .engine_setup import load_drafter, load_engine, load_target, resolve_sources
+from .model_flags import NOT_A_BUG, SetupError, add_model_arguments, plan_model
 from .runtime.events import ContextLengthError, Finished, GenerationRequest
 from .sampling import SamplingParams, add_sampling_arguments
 from .tokenizer import load_tokenizer

@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 
 from .agents import CLIENTS, Client, Server, Setup
-from .engine_setup import SetupError, plan_model
+from .model_flags import SetupError, plan_model
 from .pack.manifest import cache_root
 from .serve import build_parser as build_serve_parser
 

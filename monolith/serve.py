@@ -18,7 +18,8 @@ from pathlib import Path
 from .blas import preload_openblas
 from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
-from .engine_setup import SetupError, add_model_arguments, load_engine, plan_model
+from .engine_setup import load_engine
+from .model_flags import SetupError, add_model_arguments, plan_model
 from .serving.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from .serving.models import ModelSpec, duration
 from .serving.responses.store import STORED_BYTES, STORED_RESPONSES

@@ -202,7 +202,7 @@ def test_a_loaded_draft_that_does_not_draft_says_so_not_no_draft(tmp_path, monke
     """The break-even check (serve's and chat's, here made to fail as on a Linux CPU)
     turns drafting off: the chat says the draft is loaded and why it does not draft, and
     only an engine without a draft says "no draft"."""
-    from monolith import engine_setup
+    from monolith import engine_setup, model_flags
     from monolith.chat import build_parser
     from monolith.runtime.calibrate import BreakEven
     from monolith.synth import write_pair
@@ -211,7 +211,7 @@ def test_a_loaded_draft_that_does_not_draft_says_so_not_no_draft(tmp_path, monke
     monkeypatch.setattr(engine_setup, "measure_break_even", lambda *a, **k: BreakEven(9.0, (9.0, 9.0, 9.0)))
     args = build_parser().parse_args(["--model", str(target), "--draft", str(draft), "--draft-quantization", "none",
                                       "--dtype", "float32", "--max-context", "256", "--no-warmup"])
-    engine = engine_setup.load_engine(args, engine_setup.plan_model(args), lambda line: None)
+    engine = engine_setup.load_engine(args, model_flags.plan_model(args), lambda line: None)
     try:
         _, text = run_chat(engine, ["Hello", "/stats"], max_tokens=4)
     finally:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from serving_rig import Server
 
-from monolith import engine_setup
+from monolith import engine_setup, model_flags
 from monolith.pack.demo import bundle_dir
 from monolith.runtime import sizing
 from monolith.serve import build_parser
@@ -46,7 +46,7 @@ def start(demo, *argv, draft: bool = True):
                                       *argv, *(["--spec-sched", "fixed"] if draft else ["--no-draft"])])
     logs = []
     sources = engine_setup.Sources(bundle_dir() / "target", ("the loaded draft",) if draft else ())
-    engine = engine_setup.load_engine(args, engine_setup.plan_model(args), logs.append, sources=sources,
+    engine = engine_setup.load_engine(args, model_flags.plan_model(args), logs.append, sources=sources,
                                       load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter,
                                       max_batch=args.max_batch)
     return engine, logs

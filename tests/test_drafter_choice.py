@@ -12,7 +12,8 @@ from oracles import GAMMA, PROMPT, GreedyOracle, plain_greedy
 
 from monolith import drafter_choice
 from monolith.drafter_choice import Candidate, Measured, choose
-from monolith.engine_setup import MTP_DRAFT, SetupError, load_engine, plan_model, resolve_sources
+from monolith.engine_setup import load_engine, resolve_sources
+from monolith.model_flags import MTP_DRAFT, SetupError, plan_model
 from monolith.pack import build_pack
 from monolith.runtime.calibrate import BreakEven, measure_acceptance
 from monolith.runtime.events import GenerationRequest

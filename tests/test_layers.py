@@ -1,6 +1,6 @@
 """The dependency direction: formats <- checkpoint <- pack <- models <-
-runtime <- drafter_choice <- engine_setup <- serving, distributed <- the command-line faces, and the agent
-launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves (over
+runtime <- drafter_choice <- model_flags <- engine_setup <- serving, distributed <- the
+command-line faces, and the agent launcher above serve, with kernels, sampling, tokenizer, cli and agents as leaves (over
 data_files, where the files shipped beside the code are found). No
 module imports from a higher layer, not even late inside a function, and module imports
 form no loop. Inside serving, each API is a package (serving/openai/, anthropic/,
@@ -25,6 +25,7 @@ LAYERS = {
     "models": 4,
     "runtime": 5,
     "drafter_choice": 6,
+    "model_flags": 6.5,
     "engine_setup": 7,
     "serving": 8, "distributed": 8,
     "conversation": 8.5,  # chat's turns, rendered with serving's image marks
@@ -85,6 +86,18 @@ def test_no_import_reaches_up_a_layer():
             if target_unit != source and LAYERS.get(target_unit, 99) >= LAYERS[source]:
                 upward.append(f"{module_name(path)} imports {target}")
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_nothing_in_monolith_imports_bench_or_tests():
+    """bench/ and tests/ sit above every layer: they import monolith, never the other way
+    (bench's own imports form no loop: tests/test_bench_scripts.py)."""
+    found = []
+    for path in FILES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{module_name(path)} imports {n}" for n in names if n.split(".")[0] in ("bench", "tests")]
+    assert not found, "\n".join(found)
 
 
 def test_module_imports_form_no_loop():

@@ -21,8 +21,9 @@ from decoding import plain, speculate
 from numeric import chi_square_ok, sequence_distribution
 from oracles import NEAR_TIE
 
-from monolith.engine_setup import load_engine, plan_model
+from monolith.engine_setup import load_engine
 from monolith.generate import main
+from monolith.model_flags import plan_model
 from monolith.models import load_model, load_mtp
 from monolith.models.qwen3_5 import FINAL_NORM_TAP
 from monolith.pack import build_pack

@@ -16,14 +16,14 @@ import pytest
 from pack_helpers import pack_tensor, run_cli
 
 from monolith import chat, generate, serve
-from monolith.formats import SafetensorsFile
 from monolith.engine_setup import (
     load_drafter,
     load_engine,
     load_target,
-    plan_model,
     resolve_sources,
 )
+from monolith.formats import SafetensorsFile
+from monolith.model_flags import plan_model
 from monolith.pack import (
     PackError,
     build_pack,

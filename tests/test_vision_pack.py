@@ -16,8 +16,9 @@ from pack_helpers import run_cli
 from PIL import Image
 
 from monolith import serve
-from monolith.engine_setup import load_engine, plan_model
+from monolith.engine_setup import load_engine
 from monolith.formats import SafetensorsFile
+from monolith.model_flags import plan_model
 from monolith.models import load_model
 from monolith.models.image_inputs import prepare_image, read_image_settings
 from monolith.models.vision import load_vision_tower, vision_of

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from serving_rig import Server
 
-from monolith import engine_setup
+from monolith import engine_setup, model_flags
 from monolith.pack.demo import bundle_dir
 from monolith.serve import build_parser
 
@@ -35,7 +35,7 @@ def serve_engine(loaded, *argv, target_dir=None, **kw):
     args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--max-context", "1024", *argv])
     drafts = () if "--no-draft" in argv else ("the loaded draft",)
     sources = engine_setup.Sources(target_dir or bundle_dir() / "target", drafts)
-    return engine_setup.load_engine(args, engine_setup.plan_model(args), lambda line: None, sources=sources,
+    return engine_setup.load_engine(args, model_flags.plan_model(args), lambda line: None, sources=sources,
                               load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter, **kw)
 
 
