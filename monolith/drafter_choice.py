@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .runtime.calibrate import BreakEven, measure_acceptance, measure_break_even, pays
 from .runtime.decoder import Decoder
-from .runtime.rounds import check_gamma
+from .runtime.drafter import check_gamma
 from .sampling import SamplingParams
 from .tokenizer import TokenizerError
 

@@ -39,6 +39,7 @@ from .runtime.calibrate import (
 )
 from .runtime.decoder import Decoder
 from .runtime.draft_model import DraftModelDrafter
+from .runtime.drafter import check_gamma
 from .runtime.engine import Engine
 from .runtime.mtp_drafter import MTPDrafter
 from .runtime.prompt_cache import (
@@ -47,7 +48,6 @@ from .runtime.prompt_cache import (
     save_interval,
 )
 from .runtime.prompt_store import PromptStore
-from .runtime.rounds import check_gamma
 from .runtime.scheduler import make_scheduler
 from .runtime.sizing import (
     SizingError,

@@ -39,7 +39,7 @@ def main() -> None:
         round_can_pay,
         round_pay_limit,
     )
-    from monolith.runtime.rounds import check_gamma
+    from monolith.runtime.drafter import check_gamma
     from monolith.sampling import SamplingParams
 
     target, draft = (args.model, args.draft) if args.model else demo_pair()

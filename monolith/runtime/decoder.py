@@ -38,11 +38,11 @@ from collections.abc import Callable
 
 from .batch import Steps, drive
 from .calibrate import calibrate_cost_scheduler
-from .drafter import Drafter, Forking
+from .drafter import Drafter, Forking, check_gamma
 from .events import ACCEPTED, BONUS, CORRECTION, PLAIN, Outcome
-from .generation import Emitter, Generation
-from .rounds import RoundResult, Rounds, check_gamma
 from .fallback import Fallback
+from .generation import Emitter, Generation
+from .rounds import RoundResult, Rounds
 from .scheduler import CostCurve, CostScheduler, Scheduler
 from .session import Session
 

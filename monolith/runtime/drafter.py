@@ -130,3 +130,16 @@ class Guided(Drafter):
                        limit: int) -> Proposal:
         """Up to `limit` proposals under the grammar `guide` (grammar.Guide), which consumes them."""
         raise NotImplementedError
+
+
+DEFAULT_GAMMA = 7  # proposals per round: 8 verify rows
+
+
+def check_gamma(gamma: int | None, max_proposals: int) -> int:
+    """The proposals per round, default min(7, max_proposals)."""
+    if gamma is None:
+        return min(DEFAULT_GAMMA, max_proposals)
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= max_proposals:
+        raise ValueError(f"the draft block size must be an integer in 1..{max_proposals} "
+                         f"(the draft's proposals per block), got {gamma!r}")
+    return gamma

@@ -51,9 +51,9 @@ from .events import (
     TokenLogprob,
     check_request,
 )
+from .generation import Generation, Tokens
 from .grammar import GrammarTokenizer
 from .images import FeatureCache, PromptImages
-from .generation import Generation, Tokens
 from .jobs import EngineClosed, Job, JobQueue, QueueTimeout
 from .pipeline import Pipeline
 from .prompt_cache import PromptCache, common_prefix

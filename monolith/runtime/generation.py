@@ -18,7 +18,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
-from .events import PLAIN, Delta, Event, Failed, Finished, Outcome, Resumed, Started, TokenLogprob, Usage
+from .events import (
+    PLAIN,
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Outcome,
+    Resumed,
+    Started,
+    TokenLogprob,
+    Usage,
+)
 from .session import Session
 from .textstream import TextStream
 

@@ -61,14 +61,18 @@ from .accept import accept_greedy, accept_sampled
 from .batch import Forward, Peers, Propose, Steps, drive
 from .drafter import Drafter, Guided, Proposal
 from .events import TokenLogprob
-from .generation import Generation
-from .logprobs import logprob_arrays, read_logprob, read_verify_logprobs, verify_logprobs
-from .prefill import prefill_rows
 from .fallback import Fallback
+from .generation import Generation
+from .logprobs import (
+    logprob_arrays,
+    read_logprob,
+    read_verify_logprobs,
+    verify_logprobs,
+)
+from .prefill import prefill_rows
 from .scheduler import ALONE, FixedScheduler, Scheduler
 from .stats import SpecStats
 
-DEFAULT_GAMMA = 7  # proposals per round: 8 verify rows
 PLAIN_RUN = 8  # plain steps a fallback round runs at most (tokens reach the caller per round)
 
 
@@ -124,7 +128,7 @@ class Rounds:
                  scheduler: Scheduler | None = None, cache=None):
         """`drafter` None: plain decoding, every round a plain step (under a grammar, the
         tokens it forces after the anchor are verified with it: jump-forward); `gamma`:
-        the proposals per round, 1..drafter.max_proposals (check_gamma). Of the
+        the proposals per round, 1..drafter.max_proposals (drafter.check_gamma). Of the
         `generation`: its sampling `params`; its `logprobs` (None: off; k: with the k
         likeliest) make every emitted token carry its TokenLogprob from the target's row
         that chose it; its `guide` (grammar.Guide) constrains the output (see the module
@@ -394,13 +398,3 @@ class Rounds:
         if self.unobserved and self.drafter is not None:
             rows, self.unobserved = self.unobserved, []
             self.drafter.observe(rows[0] if len(rows) == 1 else mx.concatenate(rows))
-
-
-def check_gamma(gamma: int | None, max_proposals: int) -> int:
-    """The proposals per round, default min(7, max_proposals)."""
-    if gamma is None:
-        return min(DEFAULT_GAMMA, max_proposals)
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= max_proposals:
-        raise ValueError(f"the draft block size must be an integer in 1..{max_proposals} "
-                         f"(the draft's proposals per block), got {gamma!r}")
-    return gamma
