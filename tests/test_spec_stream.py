@@ -15,7 +15,7 @@ from oracles import GreedyOracle, plain_greedy
 from serving_rig import MAX_CONTEXT, NAME, TOOLS, Server
 
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Drafting, Engine
 from monolith.runtime.events import Delta, Finished, Usage
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams
@@ -239,8 +239,8 @@ def plain_server_with_a_drafter(model, tok, reference):
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
     spare = Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, draft_decoder=spare,
-                               draft_decoder_name="oracle")) as s:
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
+                               drafting=Drafting(on_request=spare, on_request_name="oracle"))) as s:
         yield s.wait_ready()
 
 

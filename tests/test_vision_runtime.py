@@ -52,7 +52,7 @@ def vlm(synth_dir, tmp_path_factory):
 
 def engine(vlm, decoder=None, **kw) -> Engine:
     decoder = decoder or Decoder(vlm["model"], None, CONTEXT, CHUNK)
-    return Engine(vlm["model"], vlm["tokenizer"], max_context=CONTEXT, prefill_chunk_size=CHUNK, decoder=decoder,
+    return Engine(vlm["model"], vlm["tokenizer"], max_context=CONTEXT, decoder=decoder,
                   vision=vlm["vision"], **kw)
 
 

@@ -32,6 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from dataclasses import replace
 
 import mlx.core as mx
@@ -77,13 +78,26 @@ def _close_engines() -> None:
         engine.close()
 
 
+@dataclass(frozen=True)
+class Drafting:
+    """What an engine knows of drafting besides its decoder: the draft its decoder drafts
+    with (None: it decodes plainly), why a loaded draft does not draft, and a decoder
+    that drafts every round for the requests that ask (GenerationRequest.draft), with
+    its draft's name."""
+
+    name: str | None = None
+    not_drafting: str | None = None
+    on_request: Decoder | None = None
+    on_request_name: str | None = None
+
+
 class Engine:
     """See the module docstring. `decoder` defaults to plain decoding of `model`."""
 
-    def __init__(self, model, tokenizer, *, max_context: int = 32768, prefill_chunk_size: int = 512,
-                 max_queue: int = 64, queue_timeout: float = 600.0, decoder=None, draft_name: str | None = None,
-                 not_drafting: str | None = None, prompt_cache: PromptCache | None = None, max_batch: int = 1,
-                 vision=None, draft_decoder=None, draft_decoder_name: str | None = None):
+    def __init__(self, model, tokenizer, *, max_context: int = 32768, max_queue: int = 64,
+                 queue_timeout: float = 600.0, decoder: Decoder | None = None,
+                 prompt_cache: PromptCache | None = None, max_batch: int = 1, vision=None,
+                 drafting: Drafting = Drafting()):
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         if max_queue < 1 or queue_timeout <= 0:
@@ -97,11 +111,11 @@ class Engine:
         self.max_context = max_context
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.decoder = decoder or Decoder(model, None, max_context, prefill_chunk_size)
-        self.draft_name = draft_name  # the draft the decoder drafts with (None: plain decoding)
-        self.not_drafting = not_drafting  # why a draft was loaded but the decoder does not draft
+        self.decoder = decoder or Decoder(model, None, max_context)
+        self.draft_name = drafting.name  # the draft the decoder drafts with (None: plain decoding)
+        self.not_drafting = drafting.not_drafting  # why a draft was loaded but the decoder does not draft
         # a decoder that drafts every round, for requests that ask to be drafted (GenerationRequest.draft)
-        self.draft_decoder, self.draft_decoder_name = draft_decoder, draft_decoder_name
+        self.draft_decoder, self.draft_decoder_name = drafting.on_request, drafting.on_request_name
         self.stop_ids = frozenset(tokenizer.eos_token_ids) | frozenset(model.args.eos_token_ids)
         self.vocab_size = model.args.vocab_size
         self.prompt_cache = prompt_cache  # shared by every session
