@@ -31,6 +31,7 @@ from monolith.runtime.decoder import Decoder
 from monolith.runtime.drafter import Forking, Guided
 from monolith.runtime.engine import Engine
 from monolith.runtime.events import Finished, GenerationRequest
+from monolith.runtime.generation import Generation
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.runtime.mtp_drafter import MTPDrafter
 from monolith.runtime.prompt_cache import PromptCache
@@ -202,10 +203,9 @@ def test_greedy_under_a_grammar_equals_the_masked_reference(mtp):
         want.append(token)
         guide.push(token)
     dec = Decoder(model, MTPDrafter(head), 256, gamma=3)
-    got = dec(Session(), prompt, 30, GREEDY, stops, lambda token, logprob: True, guide=gt.guide(grammar))
+    got = dec(Generation(prompt, 30, GREEDY, stops, guide=gt.guide(grammar)))
     assert got.token_ids == want
-    sampled = dec(Session(), prompt, 30, SamplingParams(temperature=1.0, seed=2), stops, lambda t, lp: True,
-                  guide=gt.guide(grammar))
+    sampled = dec(Generation(prompt, 30, SamplingParams(temperature=1.0, seed=2), stops, guide=gt.guide(grammar)))
     replay = gt.guide(grammar)
     for t in sampled.token_ids:  # each sampled token legal where it stands
         assert (int(replay.words()[t // 32]) >> (t % 32)) & 1
