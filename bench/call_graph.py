@@ -24,6 +24,7 @@ import ast
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from bench.common import RESULTS, ROOT, machine, write
@@ -49,17 +50,24 @@ def _engine(tmp: Path, drafting: bool):
 EDGES: set[tuple[str, str]] = set()
 MODULES: set[str] = set()
 TRACING = threading.Event()
+GAUGES = ("keep_gauges",)  # serving/app.py's periodic sampler of the gauges (the metrics page's history)
 
 
 def profile(frame, event, arg):
     """Installed for every thread before the engine's and the app's threads start;
-    counts only while TRACING is set."""
+    counts only while TRACING is set, and not the app's gauge sampler (GAUGES), which
+    runs every few seconds whatever the requests and lands in the window by chance."""
     if event != "call" or not TRACING.is_set():
         return
     callee = frame.f_globals.get("__name__", "")
     caller_frame = frame.f_back
     if not callee.startswith("monolith.") or caller_frame is None:
         return
+    outer = caller_frame
+    while outer is not None:
+        if outer.f_code.co_name in GAUGES:
+            return
+        outer = outer.f_back
     caller = caller_frame.f_globals.get("__name__", "")
     MODULES.add(callee)
     if caller.startswith("monolith.") and caller != callee:
@@ -89,6 +97,8 @@ def trace_request(engine) -> dict:
         body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
                 "temperature": 0}
         client.post("/v1/chat/completions", json=body)  # warm: imports and kernels
+        while engine.busy:  # its job ends on the worker just after its reply: then the traced one resumes it
+            time.sleep(0.01)
         TRACING.set()
         try:
             reply = client.post("/v1/chat/completions", json=body)
