@@ -16,9 +16,8 @@ from serving_rig import MAX_CONTEXT, NAME, TOOLS, Server
 
 from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Drafting, Engine
-from monolith.runtime.events import Delta, Finished, Usage
-from monolith.runtime.session import Session
-from monolith.sampling import SamplingParams
+from monolith.runtime.events import PLAIN, Delta, Finished, Usage
+from monolith.runtime.generation import Emitter, Generation
 from monolith.serving.openai.reply import ChatFormat
 from monolith.tokenizer import IncrementalDetokenizer
 
@@ -107,13 +106,23 @@ def pieces_of(chunks, part: str) -> list[tuple[str, str]]:
     return out
 
 
+class Kinds(Emitter):
+    """Every token with how it came."""
+
+    def __init__(self):
+        self.seen = []
+
+    def token(self, token_id, logprob, kind=PLAIN):
+        self.seen.append((token_id, kind))
+        return True
+
+
 def test_the_decoder_tells_each_token_s_kind_as_planned(model, reference):
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
-    seen = []
-    Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)(
-        Session(), prompt, N, SamplingParams(), [], lambda t, lp, how: seen.append((t, how)) or True, kinds=True)
-    assert seen == list(zip(tokens, plan(N)[0]))
+    kinds = Kinds()
+    Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)(Generation(prompt, N, emitter=kinds))
+    assert kinds.seen == list(zip(tokens, plan(N)[0]))
 
 
 def test_each_token_is_marked_as_the_oracle_planned(oracle_server, tok, reference):
