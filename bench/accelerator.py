@@ -173,8 +173,7 @@ def batched(model, drafter, batches, prompt_tokens: int, max_tokens: int, gamma:
 
     context = prompt_tokens + max_tokens + 64
     decoders = {"plain": Decoder(model, None, context),
-                "speculative": Decoder(model, drafter, context, gamma=gamma,
-                                                  scheduler=make_scheduler("fixed"))}
+                "speculative": Decoder(model, drafter, context, gamma=gamma, scheduler=make_scheduler("fixed"))}
     rows = []
     for mode, decoder in decoders.items():
         for b in batches:

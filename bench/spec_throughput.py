@@ -90,11 +90,9 @@ def speculative_modes(args, model, drafters: dict, gamma: int, params):
                 scheduler = make_scheduler(name, drafter.max_proposals)
                 if name == "cost":
                     scheduler.set_costs(*costs[label])
-                yield f"{label}/{name}", Decoder(model, drafter, max_context, gamma=gamma,
-                                                            scheduler=scheduler)
+                yield f"{label}/{name}", Decoder(model, drafter, max_context, gamma=gamma, scheduler=scheduler)
         replay = ReplayDrafter(taps, reference, model.args.vocab_size, gamma)
-        yield "replay/fixed", Decoder(model, replay, max_context, gamma=gamma,
-                                                 scheduler=make_scheduler("fixed"))
+        yield "replay/fixed", Decoder(model, replay, max_context, gamma=gamma, scheduler=make_scheduler("fixed"))
 
     return modes
 

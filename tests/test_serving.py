@@ -363,7 +363,8 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     # a session kept after fallback rounds: the draft context caught up with every committed
     # row, so the next turn, which extends prompt + output, resumes with the draft in step
     session, prompt, out = Session(), tok.encode_chat(messages), []
-    decoder(Generation(prompt, 25, session=session, emitter=Tokens(lambda t, _: out.append(t) or True)))  # ends on plain rounds
+    # ends on plain rounds
+    decoder(Generation(prompt, 25, session=session, emitter=Tokens(lambda t, _: out.append(t) or True)))
     assert session.draft_snapshot.offset == session.cache.offset == len(prompt) + 24
     # ... in order: its K/V equal a context that observed all those rows at once
     committed = prompt + out[:-1]
