@@ -14,8 +14,8 @@ The default checkpoint is the demo target, which was exported with NVFP4 experts
 BF16 checkpoint here is that export dequantized (`bf16_checkpoint`), so the NVFP4 pack
 (`--quantization nvfp4` of it) differs where the packer quantizes what the export had
 kept in BF16. Give --model a BF16 checkpoint directory to measure a model of your own.
-The task files (YAML and JSON lines) land in --out-dir's accuracy_tasks/ and are the
-tasks `write_tasks` writes for tests/test_lm_eval.py too.
+The task files (YAML and JSON lines, `write_tasks`: tests/test_lm_eval.py writes its
+own with it) land in the scratch directory (--work).
 
     python -m bench.accuracy [--model CKPT] [--items 40] [--ppl-docs 8] [--out-dir bench/results]
 """
@@ -38,6 +38,10 @@ from bench.http_replay import Server
 
 MC_TASK, PPL_TASK = "demo_next_line", "demo_ppl"
 DISTRACTORS = 3
+FLOATS = ("BF16", "F16", "F32")
+DEMO_NOTE = ("checkpoint: the demo target, whose export has NVFP4 experts, dequantized to BF16 (bf16_checkpoint): "
+             "the NVFP4 pack quantizes its experts again (on their grid already) and newly its lm_head and "
+             "attention and gated-DeltaNet projections, so the difference is what NVFP4 costs on those")
 CONTEXT_LINES = 6
 
 
@@ -149,7 +153,8 @@ def metrics(results: dict) -> dict:
 
 def bf16_checkpoint(source: Path, out: Path) -> Path:
     """`source` (any format monolith reads) as a BF16 checkpoint directory: every
-    quantized linear dequantized, the quantization config dropped, the MTP head left out."""
+    quantized linear dequantized, the quantization config and activation scales
+    dropped, the MTP head left out."""
     import mlx.core as mx
 
     from monolith.checkpoint import open_checkpoint
@@ -160,9 +165,10 @@ def bf16_checkpoint(source: Path, out: Path) -> Path:
     for name, spec in ckpt.modules().items():
         if not name.startswith("mtp."):
             tensors[name + ".weight"] = ckpt.dequantize(name)
-            done.update(spec.tensors.values())
+            done.update(t for role, t in spec.tensors.items() if role != "bias")
     for name in ckpt.tensor_names():
-        if name not in done and not name.startswith("mtp.") and ckpt.dtype(name) in ("BF16", "F16", "F32"):
+        scale = name.rsplit(".", 1)[-1] in ("input_scale", "k_scale", "v_scale", "output_scale")
+        if name not in done and not scale and not name.startswith("mtp.") and ckpt.dtype(name) in FLOATS:
             tensors[name] = ckpt.read_float(name)
     mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v).astype(mx.bfloat16) for k, v in tensors.items()},
                         metadata={"format": "pt"})
@@ -179,7 +185,7 @@ def bf16_checkpoint(source: Path, out: Path) -> Path:
 
 def build(checkpoint: Path, pack: Path, quantization: str) -> Path:
     subprocess.run([sys.executable, "-m", "monolith.pack", "build", str(checkpoint), "--out", str(pack),
-                    "--quantization", quantization, "--force"], cwd=ROOT, check=True, capture_output=True)
+                    "--quantization", quantization, "--no-vision", "--force"], cwd=ROOT, check=True, capture_output=True)
     return pack
 
 
@@ -221,7 +227,7 @@ def main() -> None:
         work = args.work or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         sources = heldout_sources()
-        tasks_dir = args.out_dir / "accuracy_tasks"
+        tasks_dir = work / "tasks"
         tasks = write_tasks(tasks_dir, mc_items(sources, args.items), ppl_docs(sources, args.ppl_docs, args.ppl_chars))
         demo = args.model == ROOT / "packs" / "demo" / "target"
         checkpoint = bf16_checkpoint(args.model, work / "bf16-ckpt") if demo else args.model
@@ -229,12 +235,12 @@ def main() -> None:
                 for q, label in (("none", "BF16"), ("nvfp4", "NVFP4"))]
     difference = {task: {m: rows[1][task][m] - rows[0][task][m] for m in rows[0][task]} for task in tasks}
     m = machine()
-    notes = [machine_note(m), f"lm-eval {package_version('lm-eval')}, local-completions, tokenizer_backend=remote, "
-             f"--batch_size {args.batch_size}",
-             f"checkpoint: {'the demo target dequantized to BF16' if demo else args.model}; packs built "
-             "--quantization none (BF16) and nvfp4",
-             f"{PPL_TASK}: {args.ppl_docs} held-out demo-corpus sources, {args.ppl_chars} chars each; "
-             f"{MC_TASK}: {args.items} questions, the true next line among {DISTRACTORS} lines of other sources"]
+    source = (DEMO_NOTE if demo else f"checkpoint: {args.model}") + "; packs built --quantization none and nvfp4"
+    tools = f"lm-eval {package_version('lm-eval')}, local-completions, tokenizer_backend=remote, --batch_size "
+    tools += str(args.batch_size)
+    data = f"{PPL_TASK}: {args.ppl_docs} held-out demo-corpus sources, {args.ppl_chars} chars each; {MC_TASK}: "
+    data += f"{args.items} questions, the true next line among {DISTRACTORS} lines of other sources"
+    notes = [machine_note(m), tools, source, data]
     report = {"machine": m, "notes": notes, "tasks": tasks, "rows": rows, "difference": difference}
     write(report, "accuracy", table(rows, difference), args.out_dir)
 
