@@ -170,8 +170,8 @@ def bf16_checkpoint(source: Path, out: Path) -> Path:
         scale = name.rsplit(".", 1)[-1] in ("input_scale", "k_scale", "v_scale", "output_scale")
         if name not in done and not scale and not name.startswith("mtp.") and ckpt.dtype(name) in FLOATS:
             tensors[name] = ckpt.read_float(name)
-    mx.save_safetensors(str(out / "model.safetensors"), {k: mx.array(v).astype(mx.bfloat16) for k, v in tensors.items()},
-                        metadata={"format": "pt"})
+    bf16 = {name: mx.array(value).astype(mx.bfloat16) for name, value in tensors.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), bf16, metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config.pop("quantization_config", None)
     config.get("text_config", {}).pop("quantization_config", None)
@@ -184,8 +184,10 @@ def bf16_checkpoint(source: Path, out: Path) -> Path:
 
 
 def build(checkpoint: Path, pack: Path, quantization: str) -> Path:
+    """The text-only pack of `checkpoint` at `pack`, built --quantization `quantization`."""
     subprocess.run([sys.executable, "-m", "monolith.pack", "build", str(checkpoint), "--out", str(pack),
-                    "--quantization", quantization, "--no-vision", "--force"], cwd=ROOT, check=True, capture_output=True)
+                    "--quantization", quantization, "--no-vision", "--force"], cwd=ROOT, check=True,
+                   capture_output=True)
     return pack
 
 

@@ -164,6 +164,8 @@ def test_tokenize_and_detokenize_round_trip(server, tokenizer, checkpoint):
                                                             return_dict=False))
     r = server.post("/detokenize", {"tokens": [1, -1]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = server.post("/tokenize", {"prompt": "x", "chat_template": "{{ messages }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
 
 
 def test_lm_eval_finds_the_remote_tokenizer(server, checkpoint):

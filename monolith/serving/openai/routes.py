@@ -1,8 +1,9 @@
 """OpenAI's chat and completions endpoints (app.py routes them: `routes`): POST
 /v1/chat/completions and POST /v1/completions (batched completions: scoring.py), and
-vLLM's /tokenize, /detokenize and /tokenizer_info (tokenization.py), on the app's handlers (their access
-checks, engine, model names, body reading and engine driving; `model_for` gives the
-request's model). The requests: requests.py; the replies: reply.py."""
+vLLM's /tokenize, /detokenize and /tokenizer_info (tokenization.py), on the app's
+handlers (their access checks, engine, model names, body reading and engine driving;
+`model_for` gives the request's model). The requests: requests.py; the replies:
+reply.py."""
 
 from __future__ import annotations
 

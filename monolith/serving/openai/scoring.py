@@ -16,6 +16,8 @@ greedy decoding), so that a client that drops the last entry as the generated on
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,22 +31,33 @@ from .requests import CompletionRequest
 
 async def complete(handlers, request: Request, model, req: CompletionRequest, started: float) -> Response:
     """The text_completion of a batched request: its choices in prompt order, the usage
-    summed over them."""
+    summed over them. The prompts run at once (their completions batch in the engine);
+    one that fails cancels the others."""
     engine = model.engine
     name = handlers.model_name(req.model)
-    choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                          "prompt_tokens_details": {"cached_tokens": 0}}
-    fmt = None
-    for index, prompt in enumerate(req.prompts):
+    formats = [CompletionFormat(name, model.token_text, req.logprobs is not None) for _ in req.prompts]
+
+    async def one(prompt, fmt: CompletionFormat) -> tuple[dict, dict]:
         ids = await prompt_ids(handlers, engine, prompt)
-        fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
-        choice, used = await _choice(handlers, request, model, req, ids, fmt, started)
-        choices.append({"index": index, **choice})
+        return await _choice(handlers, request, model, req, ids, fmt, started)
+
+    tasks = [asyncio.ensure_future(one(prompt, fmt)) for prompt, fmt in zip(req.prompts, formats)]
+    try:
+        answers = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+             "prompt_tokens_details": {"cached_tokens": 0}}
+    for _, used in answers:
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             usage[key] += used[key]
         usage["prompt_tokens_details"]["cached_tokens"] += used["prompt_tokens_details"]["cached_tokens"]
-    return JSONResponse({"id": fmt.id, "object": "text_completion", "created": fmt.created, "model": name,
-                         "choices": choices, "usage": usage})
+    first = formats[0]
+    return JSONResponse({"id": first.id, "object": "text_completion", "created": first.created, "model": name,
+                         "choices": [{"index": i, **choice} for i, (choice, _) in enumerate(answers)],
+                         "usage": usage})
 
 
 async def prompt_ids(handlers, engine, prompt: str | list[int]) -> list[int]:

@@ -69,10 +69,12 @@ class TokenizerRoutes:
                                                  and generation is not False, **chat.template_kwargs)
         except ValueError as e:  # TokenizerError: the template refused the conversation
             raise bad(str(e), "messages") from None
-        if final:
+        if final:  # the text ends where the last message's content does, as transformers cuts it
             last = chat.messages[-1].get("content")
-            if isinstance(last, str) and last and last in text:
-                text = text[:text.rindex(last) + len(last)]
+            if not isinstance(last, str) or not last or last not in text:
+                raise bad("continue_final_message needs a last message whose content is non-empty text",
+                          "continue_final_message")
+            text = text[:text.rindex(last) + len(last)]
         return text
 
     async def detokenize(self, request: Request) -> Response:
