@@ -40,8 +40,8 @@ MC_TASK, PPL_TASK = "demo_next_line", "demo_ppl"
 DISTRACTORS = 3
 FLOATS = ("BF16", "F16", "F32")
 DEMO_NOTE = ("checkpoint: the demo target, whose export has NVFP4 experts, dequantized to BF16 (bf16_checkpoint): "
-             "the NVFP4 pack quantizes its experts again (on their grid already) and newly its lm_head and "
-             "attention and gated-DeltaNet projections, so the difference is what NVFP4 costs on those")
+             "the NVFP4 pack quantizes its experts again (their values came from NVFP4) and newly its lm_head "
+             "and attention and gated-DeltaNet projections, so the difference is mostly what NVFP4 costs on those")
 CONTEXT_LINES = 6
 
 
