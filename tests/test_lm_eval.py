@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from bench.accuracy import MC_TASK, PPL_TASK, run_lm_eval, write_tasks
 from monolith.pack.demo import bundle_dir
 from monolith.runtime.engine import Engine
+from monolith.runtime.scoring import SCORE_CHUNK
 
 NAME = "demo"
 TOL = 2e-3  # logprobs: float32 here and there, the target's NVFP4 weights dequantized alike
@@ -105,6 +106,13 @@ def test_echo_of_token_id_prompts(server, hf, tokenizer, shape):
     assert len(body["choices"]) == (1 if shape == "one list" else 2)
     for ids, choice in zip(prompts, body["choices"]):
         check_echo(choice, ids, hf, tokenizer, 1)
+
+
+def test_a_prompt_longer_than_a_scoring_chunk(server, hf, tokenizer):
+    """Scored in chunks of SCORE_CHUNK rows, each after the cache of the ones before."""
+    ids = tokenizer.encode("\n".join(TEXTS) * 20).ids[:2 * SCORE_CHUNK + 17]
+    assert len(ids) == 2 * SCORE_CHUNK + 17
+    check_echo(complete(server, prompt=ids, echo=True, logprobs=1, max_tokens=0)["choices"][0], ids, hf, tokenizer, 1)
 
 
 def test_echo_with_generated_tokens(server, hf, tokenizer):
