@@ -24,6 +24,7 @@ from monolith.runtime.scoring import SCORE_CHUNK
 NAME = "demo"
 TOL = 2e-3  # logprobs: float32 here and there, the target's NVFP4 weights dequantized alike
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())", "The quick brown fox ünïcode"]
+MEASURED: dict[str, float] = {}  # printed after the module's tests (conftest.report_measured, pytest -s)
 CHAT = "<|im_start|>user\nWhat is the os module for?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
@@ -76,8 +77,12 @@ def check_echo(choice, ids, hf, tokenizer, top: int):
     lp = choice["logprobs"]
     assert len(lp["tokens"]) >= len(ids)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], prompt_logprobs(hf, ids), atol=TOL)
     rows = hf(ids)
+    expected = rows[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], expected, atol=TOL)
+    worst = float(np.max(np.abs(np.array(lp["token_logprobs"][1:len(ids)]) - expected), initial=0.0))
+    MEASURED["echoed logprobs, largest |difference| from transformers"] = max(
+        worst, MEASURED.get("echoed logprobs, largest |difference| from transformers", 0.0))
     for i in range(1, len(ids)):
         likeliest = np.argsort(-rows[i - 1])[:top]
         assert sorted(lp["top_logprobs"][i].values(), reverse=True) == pytest.approx(rows[i - 1][likeliest], abs=TOL)
