@@ -30,6 +30,8 @@ RUNS = {
     "accelerator": (["--preset", "tiny", "--layers", "4", "--contexts", "16", "--prefill", "16", "--batches", "1,2",
                      "--batch-prompt", "8", "--decode-tokens", "2", "--batch-tokens", "2", "--repeats", "1",
                      "--no-mlx-lm", "--work", "OUT/work", "--out-dir", "OUT"], ["accelerator.json", "accelerator.md"]),
+    "accuracy": (["--items", "2", "--ppl-docs", "1", "--ppl-chars", "200", "--max-context", "1024",
+                  "--work", "OUT/work", "--out-dir", "OUT"], ["accuracy.json", "accuracy.md"]),
     "acceptance": (["--prompts", "1", "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "agent_session": (["--prefixes", "64", "--turns", "2", "--new-tokens", "16", "--max-tokens", "2", "--edit-turn",
                        "2", "--decode-tokens", "2", "--servers", "monolith", "--server-arg=--no-warmup", "--out-dir", "OUT"],

@@ -270,8 +270,8 @@ def test_bad_chat_fields_are_400_naming_the_field(server, change, param):
 
 
 @pytest.mark.parametrize("change,param", [({"prompt": ""}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
-                                          ({"prompt": [1, 99999]}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-                                          ({"prompt": 7}, "prompt"), ({"echo": True}, "echo"),
+                                          ({"prompt": [1, 99999]}, "prompt"), ({"prompt": ["a", 5]}, "prompt"),
+                                          ({"prompt": 7}, "prompt"), ({"echo": 1}, "echo"),
                                           ({"best_of": 3}, "best_of"), ({"logprobs": 50}, "logprobs"),
                                           ({"suffix": "end"}, "suffix")])
 def test_bad_completion_fields_are_400(server, change, param):

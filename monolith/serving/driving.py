@@ -108,6 +108,11 @@ class Driver:
             return StreamingResponse(self.stream(job, events, fmt, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(fmt.response(await self.collect(request, job, events, fmt)))
+
+    async def collect(self, request: Request, job, events: EventBridge, fmt: ReplyFormat) -> Finished:
+        """A started request's deltas into `fmt`, until its Finished (returned); the job
+        is cancelled if `request`'s client disconnects meanwhile."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             while True:
@@ -115,7 +120,7 @@ class Driver:
                 if isinstance(event, Delta):
                     fmt.collect(event)
                 elif isinstance(event, Finished):
-                    return JSONResponse(fmt.response(event))
+                    return event
                 elif isinstance(event, Failed):
                     raise engine_error(event.error)
         finally:

@@ -194,15 +194,8 @@ class CompletionFormat(OpenAIEvents):
     def _logprobs(self, lps) -> dict | None:
         if not self.logprobs:
             return None
-        tt = self.token_text
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for lp in lps:
-            token = tt.text(lp.token_id)
-            out["tokens"].append(token)
-            out["token_logprobs"].append(_finite(lp.logprob))
-            out["top_logprobs"].append({tt.text(t): _finite(v) for t, v in lp.top})
-            out["text_offset"].append(self.offset)
-            self.offset += len(token)
+        out = completion_logprobs(self.token_text, lps, self.offset)
+        self.offset += sum(map(len, out["tokens"]))
         return out
 
     def _body(self, text: str, lps, finish_reason, include_usage=False) -> dict:
@@ -230,6 +223,22 @@ class CompletionFormat(OpenAIEvents):
             chunks.append({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                            "choices": [], "usage": usage_of(finished)})
         return chunks
+
+
+def completion_logprobs(token_text: TokenText, lps, offset: int = 0) -> dict:
+    """The legacy completions' logprobs object of TokenLogprobs `lps`, the tokens' text
+    offsets counted from `offset`; an int in place of a TokenLogprob is a token without
+    one (an echoed prompt's first: its logprob and top_logprobs are null)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        bare = isinstance(lp, int)
+        token = token_text.text(lp if bare else lp.token_id)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(None if bare else _finite(lp.logprob))
+        out["top_logprobs"].append(None if bare else {token_text.text(t): _finite(v) for t, v in lp.top})
+        out["text_offset"].append(offset)
+        offset += len(token)
+    return out
 
 
 # ------------------------------------------------------------------ token text for logprobs

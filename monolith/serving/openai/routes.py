@@ -1,16 +1,18 @@
 """OpenAI's chat and completions endpoints (app.py routes them: `routes`): POST
-/v1/chat/completions and POST /v1/completions, on the app's handlers (their access
-checks, engine, model names, body reading and engine driving; `model_for` gives the
-request's model). The requests: requests.py; the replies: reply.py."""
+/v1/chat/completions and POST /v1/completions (batched completions: scoring.py), and
+vLLM's /tokenize, /detokenize and /tokenizer_info (tokenization.py), on the app's
+handlers (their access checks, engine, model names, body reading and engine driving;
+`model_for` gives the request's model). The requests: requests.py; the replies:
+reply.py."""
 
 from __future__ import annotations
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from ..driving import Prompt
+from . import scoring, tokenization
 from .reply import ChatFormat, CompletionFormat
 from .requests import parse_chat_request, parse_completion_request
 
@@ -20,7 +22,8 @@ def routes(handlers) -> list[Route]:
     (app._Handlers)."""
     api = OpenAIRoutes(handlers)
     return [Route("/v1/chat/completions", handlers.endpoint("chat", api.chat), methods=["POST"]),
-            Route("/v1/completions", handlers.endpoint("completions", api.completions), methods=["POST"])]
+            Route("/v1/completions", handlers.endpoint("completions", api.completions), methods=["POST"]),
+            *tokenization.routes(handlers)]
 
 
 class OpenAIRoutes:
@@ -45,11 +48,9 @@ class OpenAIRoutes:
         started, body, model = await handlers.arrive(request)
         engine = model.engine
         req = parse_completion_request(body, model.defaults)
+        if req.batched:
+            return await scoring.complete(handlers, request, model, req, started)
         name = handlers.model_name(req.model)
-        if isinstance(req.prompt, str):
-            handlers.fits(engine, req.prompt, "prompt")
-            prompt_ids = await anyio.to_thread.run_sync(engine.tokenizer.encode, req.prompt)
-        else:
-            prompt_ids = req.prompt
+        prompt_ids = await scoring.prompt_ids(handlers, engine, req.prompts[0])
         fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
         return await handlers.generate(request, engine, req, fmt, Prompt(prompt_ids, "prompt"), started)
