@@ -14,6 +14,7 @@ get_weather; the turn after the result is the model's own."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import subprocess
@@ -25,7 +26,8 @@ import jsonschema
 import ollama
 import pytest
 from client_rig import CLIENTS
-from serving_rig import MAX_CONTEXT, Recording, Server, chat_ids, expected
+from serving_rig import MAX_CONTEXT, Recording, Scripted, Server, chat_ids, expected
+from vision_rig import png
 
 from monolith.runtime.engine import Engine
 from monolith.runtime.prompt_cache import PromptCache
@@ -223,3 +225,45 @@ def test_ollama_js(warm, tmp_path):
     assert out["wrongType"] == {"name": "ResponseError", "message": "messages[0].content: Input should be a valid "
                                 "string", "status": 400}
     assert out["unknownRoute"]["status"] == 501 and "embeddings are not supported" in out["unknownRoute"]["message"]
+
+
+def test_think_switches_the_template_and_reasoning_comes_as_thinking(model, tok):
+    """`think` is the template's enable_thinking; a reply's think block comes back as
+    `thinking`, streamed or not, on /api/chat and /api/generate."""
+    scripted = Scripted(tok.encode("<think>\nweighing it\n</think>\n\nHello there"))
+    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=scripted), model_names=(NAME,)) as s:
+        s.wait_ready()
+        c, engine = ollama.Client(host=s.url), s.app.state.monolith.engine
+        ask = [{"role": "user", "content": "hi"}]
+        for think in (False, True):
+            reply = c.chat(model=NAME, messages=ask, think=think)
+            prompt = tok.decode(engine.submitted[-1].prompt_ids, skip_special_tokens=False)
+            assert prompt == tok.apply_chat_template(ask, None, enable_thinking=think)
+            assert (reply.message.thinking.strip(), reply.message.content) == ("weighing it", "Hello there")
+        parts = list(c.chat(model=NAME, messages=ask, stream=True))
+        assert "".join(p.message.thinking or "" for p in parts) == reply.message.thinking
+        assert "".join(p.message.content for p in parts) == "Hello there"
+        generated = c.generate(model=NAME, prompt="hi", system="Be brief.")
+        assert (generated.thinking, generated.response) == (reply.message.thinking, "Hello there")
+        prompt = tok.decode(engine.submitted[-1].prompt_ids, skip_special_tokens=False)
+        assert prompt == tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": "hi"}], None)
+
+
+def test_images_reach_the_engine(vision_server):
+    """A message's base64 images (Ollama's `images`) are the prompt's images, in order: the
+    ones OpenAI's chat gets from the same bytes as data: URLs."""
+    c = ollama.Client(host=vision_server.url)
+    images = [png(1), png(2)]
+    reply = c.chat(model=NAME, messages=[{"role": "user", "content": "Describe these.", "images": images}],
+                   options=GREEDY)
+    assert reply.done
+    digests = [image.digest for image in vision_server.engine.submitted[-1].images]
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(i).decode()}}
+             for i in images]
+    vision_server.client().chat.completions.create(model=NAME, max_tokens=1, messages=[
+        {"role": "user", "content": parts + [{"type": "text", "text": "Describe these."}]}])
+    assert digests == [image.digest for image in vision_server.engine.submitted[-1].images]
+    assert len(set(digests)) == 2
+    generated = c.generate(model=NAME, prompt="Describe it.", images=[images[0]], options=GREEDY)
+    assert generated.done and len(vision_server.engine.submitted[-1].images) == 1
