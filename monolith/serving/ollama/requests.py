@@ -38,7 +38,8 @@ NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_pe
 HONOURED_OPTIONS = {"num_predict", "num_ctx", "temperature", "top_k", "top_p", "min_p", "seed", "stop"}
 # think's levels: Qwen's template has thinking on or off, no levels
 THINK_LEVELS = ("low", "medium", "high", "max")
-PATH_NAMES = {"num_predict": "max_tokens", "response_format": "format", "chat_template_kwargs": "think"}
+OPTION_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop"}  # OpenAI's names for them
+PATH_NAMES = {"max_tokens": "options.num_predict", "response_format": "format", "chat_template_kwargs": "think"}
 
 
 class Body(BaseModel):
@@ -176,11 +177,14 @@ def parse(kind: type[Body], body: dict) -> Body:
     try:
         return kind.model_validate(_without_nulls(body))
     except ValidationError as e:
-        error = e.errors()[0]
-        where = _path(error["loc"])
-        message = "unsupported field (fields that would change the result are refused, not ignored)" \
-            if error["type"] == "extra_forbidden" else error["msg"]
-        raise bad(f"{where}: {message}", where) from None
+        errors = e.errors()
+        where = _path(errors[0]["loc"])
+        if errors[0]["type"] == "extra_forbidden":
+            raise bad(f"{where}: unsupported field (fields that would change the result are refused, not ignored)",
+                      where) from None
+        # a union's members each say what they want: all of them, for the same field
+        wants = list(dict.fromkeys(error["msg"] for error in errors if _path(error["loc"]) == where))
+        raise bad(f"{where}: {'; or '.join(wants)}", where) from None
 
 
 def _without_nulls(value):
@@ -256,7 +260,7 @@ def _request(req: Generation, messages: list[dict], tools, defaults: SamplingDef
     try:
         chat = parse_chat_body(body, defaults)
     except APIError as e:
-        raise _renamed(e) from None
+        raise renamed(e) from None
     return OllamaRequest(chat, req.stream, options.num_ctx, num_predict)
 
 
@@ -268,18 +272,18 @@ def _check_options(options: Options) -> None:
                       f"options.{name}")
 
 
-def _renamed(e: APIError) -> APIError:
-    """An error of the shared parser, naming the Ollama field it came from."""
+def renamed(e: APIError) -> APIError:
+    """An error of the shared parser or grammar (OpenAI's field names), naming the Ollama
+    field it came from (`e` itself when the names agree)."""
     param = e.param or ""
     head = param.split(".")[0].split("[")[0]
-    if head in ("temperature", "top_p", "top_k", "min_p", "seed", "stop"):
-        name = f"options.{param}"
-    elif head == "top_logprobs" or head == "logprobs" or head.startswith("messages") or head == "tools":
-        name = param
-    else:
-        name = PATH_NAMES.get(head, param)
-    message = e.message if name == param else e.message.replace(param, name, 1)
-    return APIError(e.status, message, name or None, e.code)
+    name = f"options.{param}" if head in OPTION_FIELDS else PATH_NAMES.get(head, param)
+    if name == param:
+        return e
+    message = e.message.replace(param, name, 1)
+    if name not in message:
+        message = f"{name}: {message}"
+    return APIError(e.status, message, name, e.code)
 
 
 def _message(m: Message, where: str, images_at: str | None = None) -> dict:

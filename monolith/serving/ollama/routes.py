@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ..errors import APIError, bad
 from ..structured import check, grammar, grammar_tokenizer
 from . import reply
-from .requests import NamedBody, parse, parse_chat, parse_generate
+from .requests import NamedBody, parse, parse_chat, parse_generate, renamed
 
 GENERATION = {"/api/chat": "POST", "/api/generate": "POST"}
 OTHERS = {"/api/tags": "GET", "/api/show": "POST", "/api/ps": "GET", "/api/version": "GET", "/api/pull": "POST"}
@@ -92,7 +92,10 @@ class OllamaRoutes:
             return JSONResponse(reply.done_without_generating(name, chat, "unload" if slot.keep_alive == 0
                                                               else "load"))
         engine = model.engine
-        prompt = await self._encode(engine, req)
+        try:
+            prompt = await self._encode(engine, req)
+        except APIError as e:  # the grammar's errors name OpenAI's response_format
+            raise renamed(e) from None
         chat_req = replace(req.chat, max_tokens=self._max_tokens(req, engine, len(prompt.ids)))
         fmt = reply.OllamaFormat(name, chat, chat_req.tools, prompt.reasoning_open, model.token_text,
                                  chat_req.logprobs is not None, started, held)
