@@ -31,6 +31,8 @@ from vision_rig import png
 
 from monolith.runtime.engine import Engine
 from monolith.runtime.prompt_cache import PromptCache
+from monolith.serve import build_parser, pulled
+from monolith.serving.models import ModelPool, ModelSpec
 from monolith.serving.structured import grammar
 from monolith.serving.tool_specs import forced_calls
 
@@ -180,6 +182,7 @@ def test_other_routes_and_refusals_are_ollama_errors(warm):
     with pytest.raises(ollama.ResponseError) as e:
         c.pull("llama3.2")
     assert e.value.status_code == 404 and "only the models it was started with" in e.value.error
+    assert [m.model for m in c.list().models] == [NAME]  # nothing was added
     with pytest.raises(ollama.ResponseError) as e:
         client(warm, key="wrong").list()
     assert e.value.status_code == 401 and isinstance(e.value.error, str)
@@ -267,3 +270,28 @@ def test_images_reach_the_engine(vision_server):
     assert len(set(digests)) == 2
     generated = c.generate(model=NAME, prompt="Describe it.", images=[images[0]], options=GREEDY)
     assert generated.done and len(vision_server.engine.submitted[-1].images) == 1
+
+
+def test_pull_adds_a_model_only_when_the_server_allows_it(model, tok):
+    """With --allow-pull (the pool's `pull`) a name not configured is added, loaded and
+    served; its progress comes as Ollama's status lines."""
+    pool = ModelPool([ModelSpec((NAME,), lambda: Engine(model, tok, max_context=MAX_CONTEXT))])
+    pool.pull = lambda name: ModelSpec((name,), lambda: Engine(model, tok, max_context=MAX_CONTEXT))
+    with Server(pool) as s:
+        c = ollama.Client(host=s.wait_ready().url)
+        statuses = [p.status for p in c.pull("other", stream=True)]
+        assert statuses[0] == "pulling manifest" and "resolving, packing and loading other" in statuses
+        assert statuses[-1] == "success"
+        assert [m.model for m in c.list().models] == [NAME, "other"]
+        assert c.chat(model="other", messages=[{"role": "user", "content": "hi"}], options=GREEDY).done
+        assert c.pull("other").status == "success"  # again: already there
+
+
+def test_allow_pull_plans_the_name_as_a_model_of_its_own(tmp_path):
+    """serve's --allow-pull: a pulled name is --model NAME with the server's other flags, no
+    draft (its flags checked as plan_model checks them)."""
+    args = build_parser().parse_args(["--allow-pull", "--draft-block-size", "4", "--max-context", "2048"])
+    (model_args, plan), size = pulled(args, str(tmp_path), lambda *a: a)
+    assert model_args.model == str(tmp_path) and model_args.no_draft and model_args.draft is None
+    assert plan.target == str(tmp_path) and model_args.max_context == 2048 and size() == 0
+    assert build_parser().parse_args([]).allow_pull is False

@@ -211,15 +211,31 @@ class OllamaRoutes:
         is downloaded on a client's word."""
         body = await self.handlers.read_body(request)
         req = parse(NamedBody, body)
-        name, names = self._name(req.model_name), self.handlers.state.pool.names()
-        if name not in names:
-            raise APIError(404, f"pull {name!r}: this server pulls only the models it was started with "
-                                f"({', '.join(names)}); start it with that model to serve it", "model")
+        pool = self.handlers.state.pool
+        name = self._name(req.model_name)
+        if name not in pool.names():
+            await self._add(name)
         if not req.stream:
             held = await self.handlers.model_for(request, {"model": name})
             self._remember(name, held.engine)
             return JSONResponse({"status": "success"})
         return StreamingResponse(self._pulling(name), media_type=reply.MEDIA_TYPE)
+
+    async def _add(self, name: str) -> None:
+        """A model not configured, added to the pool when the server allows it (serve's
+        --allow-pull: `pool.pull` makes its ModelSpec: a hub id or a local checkpoint,
+        resolved, packed and loaded as --model would be); else a 404."""
+        pool = self.handlers.state.pool
+        if pool.pull is None:
+            raise APIError(404, f"pull {name!r}: this server pulls only the models it was started with "
+                                f"({', '.join(pool.names())}); start it with that model, or with --allow-pull to "
+                                "let clients add models", "model")
+        try:
+            spec = await anyio.to_thread.run_sync(pool.pull, name)
+        except ValueError as e:  # its flags' check (engine_setup.SetupError)
+            raise bad(f"pull {name!r}: {e}", "model") from None
+        if name not in pool.names():  # another pull of the same name may have added it meanwhile
+            pool.add(spec)
 
     async def _pulling(self, name: str):
         yield reply.json_line({"status": "pulling manifest"})
