@@ -187,6 +187,9 @@ def test_other_routes_and_refusals_are_ollama_errors(warm):
         client(warm, key="wrong").list()
     assert e.value.status_code == 401 and isinstance(e.value.error, str)
     auth = {"Authorization": f"Bearer {KEY}"}
+    for headers in ({"Origin": "https://evil.example"}, {"Host": "evil.example"}):  # access.py's checks
+        r = httpx.post(warm.url + "/api/chat", json={"model": NAME, "messages": []}, headers={**auth, **headers})
+        assert r.status_code == 403 and set(r.json()) == {"error"}, r.text
     for method, path, status in (("GET", "/api/nothing", 404), ("GET", "/api/chat", 405), ("DELETE", "/api/delete", 501)):
         r = httpx.request(method, warm.url + path, headers=auth)
         assert r.status_code == status and set(r.json()) == {"error"} and path in r.json()["error"], r.text

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import APIError, bad
+from ..errors import APIError, ContextOverflow, bad
 from ..structured import check, grammar, grammar_tokenizer
 from . import reply
 from .requests import NamedBody, parse, parse_chat, parse_generate, renamed
@@ -96,10 +96,11 @@ class OllamaRoutes:
             prompt = await self._encode(engine, req)
         except APIError as e:  # the grammar's errors name OpenAI's response_format
             raise renamed(e) from None
-        chat_req = replace(req.chat, max_tokens=self._max_tokens(req, engine, len(prompt.ids)))
+        param = "messages" if chat else "prompt"
+        chat_req = replace(req.chat, max_tokens=self._max_tokens(req, engine, len(prompt.ids), param))
         fmt = reply.OllamaFormat(name, chat, chat_req.tools, prompt.reasoning_open, model.token_text,
                                  chat_req.logprobs is not None, started, held)
-        return await self._drive(request, engine, prompt, chat_req, fmt, started, "messages" if chat else "prompt")
+        return await self._drive(request, engine, prompt, chat_req, fmt, started, param)
 
     async def _encode(self, engine, req):
         """The prompt: the chat rendered with the model's template (app.py's encode_chat),
@@ -119,11 +120,13 @@ class OllamaRoutes:
         ids, constraint = await anyio.to_thread.run_sync(encode)
         return _Raw(ids, False, constraint, ())
 
-    def _max_tokens(self, req, engine, prompt_tokens: int) -> int | None:
+    def _max_tokens(self, req, engine, prompt_tokens: int, param: str) -> int | None:
         """num_predict, within num_ctx (prompt and reply together) when that is set
         below the server's context; None: the server's default cap."""
         context = min(req.num_ctx or engine.max_context, engine.max_context)
         room = context - prompt_tokens
+        if room < 1 and context == engine.max_context:
+            raise ContextOverflow(prompt_tokens, context, param)
         if room < 1:
             raise bad(f"the prompt is {prompt_tokens} tokens, which leaves no room for a reply in options.num_ctx "
                       f"{context}", "options.num_ctx")
