@@ -39,6 +39,7 @@ HONOURED_OPTIONS = {"num_predict", "num_ctx", "temperature", "top_k", "top_p", "
 # think's levels: Qwen's template has thinking on or off, no levels
 THINK_LEVELS = ("low", "medium", "high", "max")
 OPTION_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop"}  # OpenAI's names for them
+TYPE_TAGS = {"str", "bool", "int", "float"}  # a union member's tag in pydantic's error locations
 PATH_NAMES = {"max_tokens": "options.num_predict", "response_format": "format", "chat_template_kwargs": "think"}
 
 
@@ -163,7 +164,7 @@ class NamedBody(Body):
 @dataclass(frozen=True)
 class OllamaRequest:
     """A chat or generate request for the engine: the shared ChatRequest (`chat`: None for
-    a raw prompt or a load/unload request), and what only Ollama has."""
+    a request with no prompt, Ollama's load or unload), and what only Ollama has."""
 
     chat: ChatRequest | None
     stream: bool
@@ -196,13 +197,14 @@ def _without_nulls(value):
 
 
 def _path(loc) -> str:
+    """An error's place as the 400 names it (`messages[0].content`): pydantic's location
+    without the union members' tags (`str`, `list[str]`, `literal['', 'json']`, ...)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in ("function-after", "str", "bool", "int", "float", "list[int]", "list[str]") and \
-                not str(part).startswith(("literal[", "dict[")):
-            out += f".{part}" if out else str(part)
+        elif part.isidentifier() and part not in TYPE_TAGS:
+            out += f".{part}" if out else part
     return out or "body"
 
 
@@ -217,9 +219,10 @@ def parse_chat(body: dict, defaults: SamplingDefaults) -> OllamaRequest:
 
 def parse_generate(body: dict, defaults: SamplingDefaults) -> OllamaRequest:
     req = parse(GenerateBody, body)
-    for name in ("suffix", "template"):
-        if getattr(req, name):
-            raise bad(f"{name} is not supported: {'there is no fill-in-the-middle' if name == 'suffix' else 'the model is rendered with its own chat template'}", name)
+    if req.suffix:
+        raise bad("suffix is not supported: there is no fill-in-the-middle", "suffix")
+    if req.template:
+        raise bad("template is not supported: the checkpoint's own chat template renders the prompt", "template")
     if req.context:
         raise bad("context is not supported (deprecated by Ollama): send the conversation to /api/chat", "context")
     for name in ("width", "height", "steps"):
