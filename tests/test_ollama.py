@@ -5,7 +5,8 @@ text equals the engine's own greedy decode, a tool turn with the result sent bac
 JSON-schema `format` whose output validates (jsonschema), /api/tags, /api/ps, /api/show,
 /api/version, Ollama-shaped errors the clients print, and warm == cold: a conversation
 resent with an edited reply gets from a server with a prompt cache what a server with
-none answers.
+none answers. Then speculation (the demo pair: drafting == plain) and batching (each of
+four requests at once is its own greedy decode) through the same API.
 
 The tiny model is too weak to choose a tool, so the engine forces the call (test-only,
 as tests/client_rig.py's proxy does for the agent clients): a request whose prompt asks
@@ -19,6 +20,7 @@ import json
 import shutil
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -26,7 +28,15 @@ import jsonschema
 import ollama
 import pytest
 from client_rig import CLIENTS
-from serving_rig import MAX_CONTEXT, Recording, Scripted, Server, chat_ids, expected
+from serving_rig import (
+    MAX_CONTEXT,
+    Recording,
+    Scripted,
+    Server,
+    chat_ids,
+    demo_servers,
+    expected,
+)
 from vision_rig import png
 
 from monolith.runtime.engine import Engine
@@ -298,3 +308,31 @@ def test_allow_pull_plans_the_name_as_a_model_of_its_own(tmp_path):
     assert model_args.model == str(tmp_path) and model_args.no_draft and model_args.draft is None
     assert plan.target == str(tmp_path) and model_args.max_context == 2048 and size() == 0
     assert build_parser().parse_args([]).allow_pull is False
+
+
+def test_speculation_changes_nothing(demo_f32):
+    """On the demo pair, greedy: the drafting server's Ollama replies are the plain one's,
+    streamed and not."""
+    ask = [{"role": "user", "content": "Write a haiku about caches."}]
+    options = {"temperature": 0, "num_predict": 24}
+    with demo_servers(demo_f32, "demo") as servers:
+        replies = {}
+        for kind, server in servers.items():
+            c = ollama.Client(host=server.url)
+            whole = c.chat(model="demo", messages=ask, options=options, think=False).message.content
+            parts = c.chat(model="demo", messages=ask, options=options, think=False, stream=True)
+            assert "".join(p.message.content for p in parts) == whole
+            replies[kind] = whole
+        assert replies["plain"] == replies["speculative"] and replies["plain"]
+
+
+def test_batched_requests_are_each_the_greedy_decode(model, tok):
+    """Four Ollama chats at once on a server that batches four: each is its own greedy
+    decode."""
+    asks = ["Say hello.", "Name a colour.", "Count to three.", "What is a cache?"]
+    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, max_batch=4), model_names=(NAME,)) as s:
+        c = ollama.Client(host=s.wait_ready().url)
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda text: c.chat(model=NAME, messages=[{"role": "user", "content": text}],
+                                                        options=GREEDY).message.content, asks))
+    assert replies == [said(model, tok, text) for text in asks]
