@@ -6,8 +6,8 @@ given", as in Ollama's own server.
 The field policy (docs/api-fields.md, "Ollama"): what changes the result and can be
 honoured is (`options` mapped onto our sampling: `num_predict`, `num_ctx`,
 `temperature`, `top_k`, `top_p`, `min_p`, `seed`, `stop`); what changes nothing here is
-accepted (`INERT_OPTIONS`: threads, GPUs, batch size, memory mapping, and the options that
-only matter with a penalty that is off); what would change the result and is not
+accepted (`Options`' inert ones: threads, GPUs, batch size, memory mapping, and the
+options that only matter with a penalty that is off); what would change the result and is not
 implemented is refused, unless at its neutral value (`NEUTRAL_OPTIONS`, the penalties
 and mirostat; `suffix`, `template`, `context`, image generation's fields). A chat or
 generate request becomes the OpenAI-shaped chat body every API shares
@@ -26,19 +26,11 @@ from ..errors import APIError, bad
 from ..images import image_item, message_content
 from ..requests import ChatRequest, SamplingDefaults, parse_chat_body
 
-# accepted, no effect here: how Ollama's runner uses the machine, and what only matters
-# with a penalty or mirostat that is off
-INERT_OPTIONS = {"numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
-                 "use_mmap", "use_mlock", "embedding_only", "num_thread", "num_keep", "repeat_last_n",
-                 "penalize_newline", "mirostat_tau", "mirostat_eta"}
 # accepted only at the value that means "off": no penalty, no mirostat, no tail-free or
 # typical sampling (sampling.py has none of them)
 NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
                    "tfs_z": 1.0, "typical_p": 1.0}
-HONOURED_OPTIONS = {"num_predict", "num_ctx", "temperature", "top_k", "top_p", "min_p", "seed", "stop"}
-# think's levels: Qwen's template has thinking on or off, no levels
-THINK_LEVELS = ("low", "medium", "high", "max")
-OPTION_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop"}  # OpenAI's names for them
+OPTION_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop"}  # the shared body's, from `options`
 TYPE_TAGS = {"str", "bool", "int", "float"}  # a union member's tag in pydantic's error locations
 PATH_NAMES = {"max_tokens": "options.num_predict", "response_format": "format", "chat_template_kwargs": "think"}
 
@@ -51,6 +43,9 @@ class Body(BaseModel):
 
 
 class Options(Body):
+    """Ollama's runner options: honoured, neutral only (NEUTRAL_OPTIONS), or inert."""
+
+    # honoured
     num_predict: int | None = None
     num_ctx: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
