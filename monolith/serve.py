@@ -19,7 +19,7 @@ from .blas import preload_openblas
 from .cli import ArgumentParser, byte_size
 from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import load_engine
-from .model_flags import SetupError, add_model_arguments, plan_model
+from .model_flags import SPECULATIVE_FLAGS, SetupError, add_model_arguments, plan_model
 from .serving.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from .serving.models import ModelSpec, duration
 from .serving.responses.store import STORED_BYTES, STORED_RESPONSES
@@ -90,6 +90,10 @@ def build_parser() -> ArgumentParser:
                         help="the most memory the loaded models may take, e.g. 48G: loading another first unloads "
                              "the least recently used idle ones (default with several models: 90%% of the memory "
                              "free at start, logged)")
+    models.add_argument("--allow-pull", action="store_true",
+                        help="let clients add a model with Ollama's POST /api/pull: a hub id or a local checkpoint "
+                             "directory, resolved, packed and loaded as --model with it would be, no draft "
+                             "(default: /api/pull readies only the models given here)")
     ap.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_distributed_arguments(ap)
     return ap
@@ -159,6 +163,8 @@ def check_server_options(args) -> None:
             raise SetupError(f"{flag} must be at least 1, got {value}")
     if not args.queue_timeout > 0:
         raise SetupError(f"--queue-timeout must be positive, got {args.queue_timeout}")
+    if args.allow_pull and args.distributed:
+        raise SetupError("--allow-pull adds models on this machine: it does not go with --distributed")
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
         if not value > 0:
             raise SetupError(f"{flag} must be positive, got {value}")
@@ -224,6 +230,8 @@ def serve(args, models: list, names: list[tuple[str, ...]]) -> int:
     plan = models[0][1]
     pool = model_pool(args, [ModelSpec(each, loader(*model), _size_of(model[1])) for each, model in zip(names, models)],
                       log.info)
+    if args.allow_pull:
+        pool.pull = lambda name: ModelSpec((name,), *pulled(args, name, loader))
     try:
         app = create_app(pool, server_config(args, plan, tuple(n for each in names for n in each)), on_load_failure)
     except OSError as e:  # the stored responses' directory
@@ -242,6 +250,20 @@ def serve(args, models: list, names: list[tuple[str, ...]]) -> int:
     if failures:
         return _failed(str(failures[0]).replace("\n", " "))
     return 0 if server.started else 1
+
+
+def pulled(args, name: str, loader) -> tuple:
+    """(its load, its size) of a model a client pulls (--allow-pull): `name` as --model,
+    the server's other model flags, no draft, no pack or revision of another model's;
+    ValueError with one line when its flags do not plan."""
+    cleared = {flag: None for flag in (*SPECULATIVE_FLAGS, *ONE_MODEL_FLAGS, "draft", "draft_for")}
+    model_args = argparse.Namespace(**vars(args) | cleared | {"model": name, "models": [name], "no_draft": True,
+                                                              "distributed": False})
+    try:
+        plan = plan_model(model_args)
+    except SetupError as e:
+        raise ValueError(str(e)) from None
+    return loader(model_args, plan), _size_of(plan)
 
 
 def model_pool(args, specs: list, log):

@@ -1,6 +1,7 @@
 """docs/api-fields.md, kept true: every top-level field of the official SDKs' request
 types (openai chat, completions and responses; anthropic messages and count_tokens,
-beta included) has a row in its API's table, and each row's field, sent to a live
+beta included; ollama's chat and generate requests, their options and messages) has a
+row in its API's table, and each row's field, sent to a live
 server through the official client with the value in SAMPLES (tests/api_field_samples.py),
 is accepted or refused (a 400 naming it) as the row's mark says (on a server whose model
 takes images). Then what the newly
@@ -9,20 +10,25 @@ switch, the tools sent alone)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 from anthropic.types import message_count_tokens_params, message_create_params
 from anthropic.types.beta import message_count_tokens_params as beta_count_params
 from anthropic.types.beta import message_create_params as beta_create_params
 from api_field_samples import CHAT, COMPLETION, MESSAGES, RESPONSES, SAMPLES
+from ollama import _types as ollama_types  # the client's typed requests
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 from serving_rig import NAME
+from vision_rig import png
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api-fields.md"
 MARKS = ("honoured", "accepted, no effect", "refused")
@@ -52,11 +58,11 @@ def server(vision_server):
 
 
 def table(api: str) -> dict[str, str]:
-    """The rows of an API's table: field -> mark."""
+    """The rows of an API's table (`api`: a key of TITLES, or a table's title): field -> mark."""
     rows, inside = {}, False
     for line in DOC.read_text(encoding="utf-8").splitlines():
         if line.startswith("## "):
-            inside = line[3:].startswith(TITLES[api])
+            inside = line[3:].startswith(TITLES.get(api, api))
         match = ROW.match(line) if inside else None
         if match:
             field, mark = match.group(1), match.group(2).strip()
@@ -239,3 +245,71 @@ def test_stream_options_without_stream(server):
     reply = server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=1, stream_options={"include_usage": True})
     assert reply.usage.completion_tokens == 1
+
+
+# ------------------------------------------------------------------ Ollama
+
+OLLAMA = "Ollama"
+OLLAMA_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": False,
+               "options": {"num_predict": 2}}
+OLLAMA_GENERATE = {"model": NAME, "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+CALLED = [{"role": "user", "content": "weather?"},
+          {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                            "arguments": {"city": "Paris"}}}]},
+          {"role": "tool", "content": "11 degrees", "tool_name": "get_weather", "tool_call_id": "call_1"}]
+OPTION_SAMPLES = {"num_predict": 3, "num_ctx": 512, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.05,
+                  "seed": 3, "stop": ["\n"], "repeat_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                  "mirostat": 1, "tfs_z": 0.9, "typical_p": 0.7, "repeat_last_n": 64, "penalize_newline": True,
+                  "mirostat_tau": 5.0, "mirostat_eta": 0.1, "num_keep": 4, "num_batch": 512, "num_thread": 8,
+                  "num_gpu": 99, "main_gpu": 0, "low_vram": False, "numa": False, "use_mmap": True,
+                  "use_mlock": False, "f16_kv": True, "logits_all": False, "vocab_only": False,
+                  "embedding_only": False}
+
+
+def ollama_samples() -> dict:
+    """field -> (endpoint, the fields sent over the base body's)."""
+    image = base64.b64encode(png(1)).decode()
+    chat = {"model": {"model": NAME}, "stream": {"stream": True}, "keep_alive": {"keep_alive": "5m"},
+            "format": {"format": "json"}, "think": {"think": "high"}, "logprobs": {"logprobs": True},
+            "top_logprobs": {"logprobs": True, "top_logprobs": 2}, "options": {"options": {"temperature": 0.5}},
+            "messages": {}, "messages[].role": {"messages": [{"role": "system", "content": "s"},
+                                                             {"role": "user", "content": "hi"}]},
+            "messages[].content": {}, "messages[].images": {"messages": [{"role": "user", "content": "x",
+                                                                          "images": [image]}]},
+            "messages[].thinking": {"messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "a", "thinking": "t"},
+                                                 {"role": "user", "content": "and?"}]},
+            "messages[].tool_calls": {"messages": CALLED}, "messages[].tool_name": {"messages": CALLED},
+            "messages[].tool_call_id": {"messages": CALLED}, "tools": {"tools": [PICK]}}
+    generate = {"prompt": {}, "system": {"system": "Be brief."}, "images": {"images": [image]},
+                "raw": {"raw": True}, "suffix": {"suffix": "end"}, "template": {"template": "{{ .Prompt }}"},
+                "context": {"context": [1, 2]}, "width": {"width": 64}, "height": {"height": 64},
+                "steps": {"steps": 4}}
+    out = {field: ("/api/chat", body) for field, body in chat.items()}
+    out.update({field: ("/api/generate", body) for field, body in generate.items()})
+    out.update({f"options.{name}": ("/api/chat", {"options": {name: value}}) for name, value in OPTION_SAMPLES.items()})
+    return out
+
+
+def test_every_ollama_field_has_a_row_and_a_sample():
+    fields = set(ollama_types.ChatRequest.model_fields) | set(ollama_types.GenerateRequest.model_fields)
+    fields |= {f"options.{name}" for name in ollama_types.Options.model_fields}
+    fields |= {f"messages[].{name}" for name in ollama_types.Message.model_fields}
+    rows = table(OLLAMA)
+    assert not sorted(fields - set(rows)), f"docs/api-fields.md's Ollama table has no row for {sorted(fields - set(rows))}"
+    assert set(rows) == set(ollama_samples())
+
+
+@pytest.mark.parametrize("field, mark", list(table(OLLAMA).items()))
+def test_ollama_row(server, field, mark):
+    path, sample = ollama_samples()[field]
+    base = OLLAMA_CHAT if path == "/api/chat" else OLLAMA_GENERATE
+    body = {**base, **sample, "options": {**base["options"], **sample.get("options", {})}}
+    reply = httpx.post(server.url + path, json=body, timeout=60)
+    if mark == "refused":
+        assert reply.status_code == 400, f"{field} is marked refused but was accepted"
+        assert set(reply.json()) == {"error"} and reply.json()["error"].startswith(field.replace("[]", "[0]"))
+        return
+    assert reply.status_code == 200, f"{field} is marked {mark!r} but was refused: {reply.text}"
+    lines = [json.loads(line) for line in reply.text.splitlines() if line]
+    assert lines[-1]["done"] and not any("error" in line for line in lines), reply.text

@@ -9,9 +9,10 @@
 - POST /v1/responses, /v1/responses/input_tokens and /v1/responses/compact; for a
   stored response GET and DELETE /v1/responses/{id}, GET .../{id}/input_items and
   POST .../{id}/cancel (the handlers: responses/routes.py); and a WebSocket at
-  /v1/responses (responses/websocket.py), on the same engine driving (driving.py).
+  /v1/responses (responses/websocket.py), on the same engine driving (driving.py);
+- Ollama's API under /api/ (/api/chat, /api/generate, /api/tags, ...: ollama/routes.py).
 
-Each API is a package (openai/, anthropic/, responses/) that brings its routes
+Each API is a package (openai/, anthropic/, responses/, ollama/) that brings its routes
 (`API_ROUTES`: each package's `routes(handlers)`), its handlers calling the app's
 (`_Handlers`); it imports the common core here, never another API's package.
 
@@ -27,7 +28,7 @@ streams Server-Sent Events through the API's reply format (the Protocol:
 reply_format.py), with keep-alive comments while nothing else is sent (driving.py). A
 client that disconnects cancels its request. Access (Host, Origin, API key) is checked
 first (access.py). Errors come as the API's own error body (Anthropic's on the
-/v1/messages routes, OpenAI's elsewhere).
+/v1/messages routes, Ollama's under /api/, OpenAI's elsewhere).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from .gauge_history import SAMPLE_SECONDS, GaugeHistory
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
 from .metrics import CONTENT_TYPE, Metrics
 from .models import ModelPool, ModelSpec, keep_alive_seconds
+from .ollama import routes as ollama_routes
 from .openai import routes as openai_routes
 from .openai.reply import TokenText, read_json
 from .reasoning import prompt_opens_reasoning
@@ -69,7 +71,7 @@ from .responses.websocket import LIMIT_SECONDS
 log = logging.getLogger("monolith.serve")
 # the APIs: each package's `routes(handlers)` gives its endpoints (docs/serving.md,
 # "Adding an API")
-API_ROUTES = (openai_routes.routes, anthropic_routes.routes, responses_routes.routes)
+API_ROUTES = (openai_routes.routes, anthropic_routes.routes, responses_routes.routes, ollama_routes.routes)
 TRIM_AFTER_BYTES = 2**20  # a request body this large: hand the freed heap back after it (runtime/memory_trim.py)
 
 

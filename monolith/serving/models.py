@@ -104,6 +104,9 @@ class ModelPool:
         self.max_loaded, self.budget = max_loaded, budget
         self.load_timeout, self.check_every = load_timeout, check_every
         self.prepare: Callable[[object], object] = lambda engine: engine
+        # what makes a ModelSpec of a model a client asks to pull that is not configured (the
+        # Ollama API's /api/pull, with serve's --allow-pull; None: only configured models)
+        self.pull: Callable[[str], ModelSpec] | None = None
         self.status, self.error = "loading", None  # the start-up load of the default model: -> ready / failed
         self._load_lock: asyncio.Lock | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -118,6 +121,17 @@ class ModelPool:
 
     def loaded(self) -> list[Slot]:
         return [slot for slot in self.slots if slot.served is not None]
+
+    def add(self, spec: ModelSpec) -> Slot:
+        """Serve one more model from now on (not loaded yet); a 400 when one of its names
+        is taken."""
+        taken = sorted(set(spec.names) & set(self.by_name))
+        if taken:
+            raise bad(f"the model name {taken[0]!r} is already served", "model")
+        slot = Slot(spec, self.keep_alive)
+        self.slots.append(slot)
+        self.by_name.update({name: slot for name in spec.names})
+        return slot
 
     # ---------------------------------------------------------------- start and stop
 

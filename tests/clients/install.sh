@@ -1,6 +1,6 @@
 #!/bin/sh
-# Installs the pinned agent clients that tests/test_agent_clients.py runs: the Node ones
-# from package-lock.json where npm exists (the tests skip them, saying so, elsewhere), and
+# Installs the pinned agent clients that tests/test_agent_clients.py runs (and ollama-js,
+# which tests/test_ollama.py runs): the Node ones from package-lock.json where npm exists (the tests skip them, saying so, elsewhere), and
 # Aider in its own virtual environment (.aider-venv), because its exact pins conflict
 # with the test extras. A second run reuses the Aider environment.
 set -e
