@@ -82,16 +82,17 @@ def cases(data, seed: int, count: int) -> list[dict]:
     out = []
     for t in data.build(seed, held=True, count=count):
         kind, messages = t["kind"], t["messages"]
+        first = 1 if messages[0]["role"] == "system" else 0  # the first user message's index
         if kind == "source":
             continue
         if kind in ("tool_call", "tool_answer"):  # the call
-            call = messages[1]["tool_calls"][0]["function"]
-            out.append({**t, "kind": "tool", "messages": messages[:2],
+            call = messages[first + 1]["tool_calls"][0]["function"]
+            out.append({**t, "kind": "tool", "messages": messages[:first + 2],
                         "expect": {"tool": call["name"], "arguments": call["arguments"]}})
             if kind == "tool_answer":
-                out.append({**t, "messages": messages[:4]})
+                out.append({**t, "messages": messages[:first + 4]})
         else:
-            out.append({**t, "messages": messages[:2]})
+            out.append({**t, "messages": messages[:first + 2]})
     return out
 
 

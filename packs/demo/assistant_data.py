@@ -11,6 +11,7 @@ never imported) and a fixed set of tool shapes. Deterministic under a seed.
   assistant calls the right tool with the argument the question names, gets a result
   (role tool) and answers from it. Stdlib questions and small talk with tools offered are
   answered without a call.
+- two in five transcripts open with a short system message;
 - every assistant turn is rendered by the pair's own chat template (`render`), so it ends
   with the template's end-of-turn token; a quarter of the final turns carry a short,
   closed reasoning block (thinking on), a fifth are rendered with thinking off.
@@ -38,6 +39,10 @@ import tools_data
 
 THINK_SHARE = 0.25  # final assistant turns with a reasoning block
 NO_THINK_SHARE = 0.2  # transcripts rendered with enable_thinking=False
+SYSTEM_SHARE = 0.4  # transcripts that open with a system message
+SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a helpful assistant. Be brief.",
+                  "You are a coding assistant.", "Answer in one or two sentences.",
+                  "You are an agent in a software project. Use the tools when they help."]
 MAX_SENTENCE = 160  # characters: longer first sentences are not asked about
 STOP_WORDS = frozenset("""this that with from into when then than also which will would should there their
     them they these those have been being other such only each every given return returns true false none
@@ -250,6 +255,8 @@ def build(seed: int = 0, held: bool = False, count: int | None = None) -> list[d
             t = source_transcript(with_source[rng.randrange(len(with_source))])
         else:
             t = smalltalk_transcript(rng)
+        if rng.random() < SYSTEM_SHARE:
+            t["messages"].insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
         out.append(think(rng, t))
     return out
 

@@ -163,8 +163,14 @@ def tool_transcript(rng: random.Random, pool, held: bool) -> dict:
     if rng.random() < 0.7:
         messages += [{"role": "tool", "content": result}, {"role": "assistant", "content": answer}]
         return {"kind": "tool_answer", "messages": messages, "tools": tools, "kwargs": {},
-                "expect": {"key_words": [w for w in answer.replace("`", " ").split() if len(w) > 3][:4]}}
+                "expect": {"key_words": answer_words(answer)}}
     return {"kind": "tool_call", "messages": messages, "tools": tools, "kwargs": {}, "expect": expect}
+
+
+def answer_words(answer: str) -> list[str]:
+    """The words of an answer from a tool's result that carry the result (4+ characters)."""
+    words = [w.strip("`.,:;'").lower() for w in answer.split()]
+    return [w for w in words if len(w) > 3][:4]
 
 
 def no_tool_transcript(rng: random.Random, t: dict) -> dict:
