@@ -31,6 +31,7 @@ Writes the JSON (default bench/results/demo.json): settings, machine, "summary",
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -50,13 +51,15 @@ def log(message: str) -> None:
 
 
 def load_data():
-    """packs/demo/assistant_data.py (its directory on sys.path, as the recipe imports it)."""
-    sys.path.insert(0, str(DEMO))
-    try:
-        import assistant_data
-    finally:
-        sys.path.remove(str(DEMO))
-    return assistant_data
+    """packs/demo/assistant_data.py, with the recipe's modules it imports by their plain
+    names (corpus, tools_data), as the recipe runs them."""
+    for name in ("corpus", "tools_data", "assistant_data"):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, DEMO / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+    return sys.modules["assistant_data"]
 
 
 def load(pair: Path):
@@ -124,7 +127,10 @@ def reply(model, tokenizer, data, case: dict, max_tokens: int) -> dict:
 
 
 def judge(row: dict, case: dict) -> dict:
+    """The row with every judgement (None where it does not apply to the case's kind)."""
     expect = case["expect"]
+    row.update(expected=None, valid_call=None, exact_call=None, key_words=None, key_share=None, key_pass=None,
+               no_call=None)
     if row["kind"] == "tool":
         row.update(valid_call=valid_call(row["calls"], expect["tool"], case["tools"]),
                    exact_call=bool(row["calls"]) and row["calls"][0]["name"] == expect["tool"]
