@@ -11,11 +11,11 @@ import json
 
 import jsonschema
 import pytest
+from test_demo_recipe import DEMO, import_stage
 
 from monolith.serving.reasoning import ReasoningSplitter
 from monolith.serving.tool_calls import parse_tool_calls
 from monolith.tokenizer import load_tokenizer
-from test_demo_recipe import DEMO, import_stage
 
 END = "<|im_end|>"
 

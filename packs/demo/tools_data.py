@@ -122,7 +122,8 @@ def argument_and_result(rng: random.Random, kind: str, pool, held: bool) -> tupl
     if kind == "search":
         line = rng.randint(2, 900)
         path = f"src/{f.module}.py"
-        return f.name, f"{path}:{line}: def {f.name}({', '.join(f.args)}):", f"`{f.name}` is in `{path}` at line {line}."
+        found = f"{path}:{line}: def {f.name}({', '.join(f.args)}):"
+        return f.name, found, f"`{f.name}` is in `{path}` at line {line}."
     if kind == "run":
         command = rng.choice(COMMANDS).format(module=f.module)
         output = rng.choice(OUTPUTS)

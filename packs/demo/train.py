@@ -1,11 +1,15 @@
 """Train the demo target (and, later, its DSpark draft) on the CPU with MLX.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/train.py --out build/demo [--steps 1200] [--seed 0]
+        python packs/demo/train.py --out build/demo [--steps 2400] [--seed 0] [--chat-share 0.5]
+            [--tokenizer packs/demo/target/tokenizer.json | train]
 
 Stages (each skipped when its output exists, unless --force):
-  1. tokenizer  -> OUT/tokenizer.json (+ config files)
-  2. target     -> OUT/target_train.npz, OUT/target_log.json (loss curve, tok/s)
+  1. tokenizer  -> OUT/tokenizer.json (the bundled pair's, kept; + config files in OUT/tok)
+                   and OUT/tokens.npz: the corpus's files, then the chat transcripts of
+                   assistant_data.py rendered by the pair's chat template
+  2. target     -> OUT/target_train.npz, OUT/target_log.json (loss curve, tok/s; held-out
+                   cross-entropy of the corpus and of the transcripts)
   3. export     -> OUT/target-bf16/ (BF16, fused experts) and OUT/target/ (ModelOpt NVFP4)
   4. check      -> logits of our runtime (load_model on the BF16 checkpoint) vs the
                    training forward on held-out text: they must agree.
@@ -67,7 +71,8 @@ def stage_tokenizer(out: Path, force: bool, tokenizer: Path | None = None, seed:
         tj = tokenizer.read_text(encoding="utf-8") if tokenizer is not None else demo_tok.train(train_docs)
         demo_tok.write(out / "tok", tj)
         tj_path.write_text(tj, encoding="utf-8")
-        log(f"tokenizer: {f'copied from {tokenizer}' if tokenizer is not None else 'trained'} in {time.time() - t:.1f}s")
+        how = f"copied from {tokenizer}" if tokenizer is not None else "trained"
+        log(f"tokenizer: {how} in {time.time() - t:.1f}s")
     tj = tj_path.read_text(encoding="utf-8")
     cache = out / "tokens.npz"
     if force or not cache.exists():
@@ -75,8 +80,10 @@ def stage_tokenizer(out: Path, force: bool, tokenizer: Path | None = None, seed:
     z = dict(np.load(cache))
     info["train_tokens"], info["heldout_tokens"] = int(z["train"].size), int(z["held"].size)
     info["chat"] = {"source": "assistant_data.py (stdlib questions, tool transcripts)", "seed": seed,
-                    "train_transcripts": int(z["chat_starts"].size), "heldout_transcripts": int(z["held_chat_starts"].size),
-                    "train_tokens": int(z["train"].size - z["chat_starts"][0]), "heldout_tokens": int(z["held_chat"].size)}
+                    "train_transcripts": int(z["chat_starts"].size),
+                    "heldout_transcripts": int(z["held_chat_starts"].size),
+                    "train_tokens": int(z["train"].size - z["chat_starts"][0]),
+                    "heldout_tokens": int(z["held_chat"].size)}
     return tj, z, info
 
 
@@ -138,7 +145,8 @@ def loss_fn(P, batch, p):
 def eval_loss(P, data, p, n=8, seed=1, starts=None):
     """Cross-entropy on n held-out rows (from transcript starts when `starts` is given)."""
     rows = batch_rows(np.random.default_rng(seed), data, starts, n, 1.0)
-    return float(sum(float(loss_fn(P, mx.array(rows[i:i + 4]), p)[1]) for i in range(0, n, 4)) / len(range(0, n, 4)))
+    chunks = [rows[i:i + BATCH] for i in range(0, n, BATCH)]
+    return sum(float(loss_fn(P, mx.array(c), p)[1]) for c in chunks) / len(chunks)
 
 
 def stage_target(out: Path, z: dict, seed: int, steps: int, force: bool, chat_share: float = CHAT_SHARE):
@@ -147,8 +155,8 @@ def stage_target(out: Path, z: dict, seed: int, steps: int, force: bool, chat_sh
     train_ids, held_ids = z["train"], z["held"]
     ckpt = out / "target_train.npz"
     if ckpt.exists() and not force:
-        z = np.load(ckpt)
-        return {k: mx.array(z[k]) for k in z.files}
+        saved = np.load(ckpt)
+        return {k: mx.array(saved[k]) for k in saved.files}
     p = PRESET
     mx.random.seed(seed)
     P = M.init_params(p, seed)
