@@ -84,7 +84,7 @@ def test_every_assistant_turn_ends_with_the_end_of_turn_token(data, tokenizer, t
 def test_reasoning_is_short_and_closed(data, tokenizer, transcripts):
     thinking = [t for t in transcripts if t["messages"][-1].get("reasoning_content")]
     off = [t for t in transcripts if t["kwargs"].get("enable_thinking") is False]
-    assert len(thinking) > len(transcripts) // 8 and len(off) > len(transcripts) // 10
+    assert len(thinking) > len(transcripts) // 20 and len(off) > len(transcripts) // 10
     for t in thinking:
         _, reply = data.render(tokenizer, t)
         assert reply.startswith("<think>\n") and reply.count("</think>") == 1

@@ -13,7 +13,7 @@ never imported) and a fixed set of tool shapes. Deterministic under a seed.
   answered without a call.
 - two in five transcripts open with a short system message;
 - every assistant turn is rendered by the pair's own chat template (`render`), so it ends
-  with the template's end-of-turn token; a quarter of the final turns carry a short,
+  with the template's end-of-turn token; a tenth of the final turns carry a short,
   closed reasoning block (thinking on), a fifth are rendered with thinking off.
 
 The split follows corpus.py: functions of a held-out file (corpus.held_out) are never in
@@ -37,7 +37,10 @@ from pathlib import Path
 import corpus
 import tools_data
 
-THINK_SHARE = 0.25  # final assistant turns with a reasoning block
+# final assistant turns with a reasoning block: few enough that a greedy reply to the default
+# prompt (which thinking on renders alike) answers directly; `<think>` is one token, while
+# direct answers begin with many different ones
+THINK_SHARE = 0.1
 NO_THINK_SHARE = 0.2  # transcripts rendered with enable_thinking=False
 SYSTEM_SHARE = 0.4  # transcripts that open with a system message
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a helpful assistant. Be brief.",
@@ -222,14 +225,14 @@ def think(rng: random.Random, t: dict) -> dict:
 
 
 def reasoning_for(t: dict) -> str:
-    question = next(m["content"] for m in reversed(t["messages"]) if m["role"] == "user")
+    """A short reasoning block for the transcript's final turn."""
     last = t["messages"][-1]
     if last.get("tool_calls"):
-        name = last["tool_calls"][0]["function"]["name"]
-        return f"The user asks: {question} The `{name}` tool can do that, so I call it."
+        return f"The `{last['tool_calls'][0]['function']['name']}` tool can do that, so I call it."
     if t["kind"] == "tool_answer":
         return "The tool returned its result. I answer from it."
-    return f"The user asks: {question} I answer briefly."
+    function = t["expect"].get("function")
+    return f"The user asks about `{function}`. I answer briefly." if function else "I answer briefly."
 
 
 def build(seed: int = 0, held: bool = False, count: int | None = None) -> list[dict]:

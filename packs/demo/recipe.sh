@@ -10,13 +10,14 @@
 set -e
 OUT=${1:?usage: recipe.sh OUT}
 HERE=$(dirname "$0")
+REPO=$(cd "$HERE/../.." && pwd)
 BLAS=/usr/lib/x86_64-linux-gnu/libopenblas.so.0
 [ -e "$BLAS" ] && export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}"
 mkdir -p "$OUT"
 python "$HERE/train.py" --out "$OUT" --steps 2400 --seed 0 > "$OUT/train.log" 2>&1
 python "$HERE/draft.py" --out "$OUT" --generations 1200 --corpus-windows 2400 --steps 7000 --qat-steps 1500 --seed 0 > "$OUT/draft.log" 2>&1
 python "$HERE/mtp.py" --out "$OUT" --windows 800 --steps 800 --seed 0 > "$OUT/mtp.log" 2>&1
-python "$HERE/../../bench/acceptance.py" --pair "$OUT" --json "$OUT/acceptance.json" > "$OUT/acceptance.log" 2>&1
-python "$HERE/../../bench/demo.py" --pair "$OUT" --label "recipe output $OUT" --json "$OUT/demo.json" > "$OUT/demo.log" 2>&1
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" python -m bench.acceptance --pair "$OUT" --json "$OUT/acceptance.json" > "$OUT/acceptance.log" 2>&1
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" python -m bench.demo --pair "$OUT" --label "recipe output $OUT" --json "$OUT/demo.json" > "$OUT/demo.log" 2>&1
 tail -n 8 "$OUT/acceptance.log"
 tail -n 10 "$OUT/demo.log"
