@@ -43,6 +43,7 @@ RUNS = {
                      "--server-arg=--no-warmup", "--out-dir", "OUT"], ["concurrency.json", "concurrency.md"]),
     "concurrency --soak": (["1", "--modes", "plain", "--soak-max-tokens", "8", "--server-arg=--no-warmup",
                             "--out-dir", "OUT"], ["concurrency_soak.json", "concurrency_soak.md"]),
+    "demo": (["--count", "3", "--max-tokens", "4", "--json", "OUT/r.json"], ["r.json"]),
     "distributed": (["--max-tokens", "4", "--repeats", "1", "--out-dir", "OUT"], ["distributed.json"]),
     "fuzz": (["--requests", "20", "--clients", "1", "--waves", "0", "--port", "0",
               "--out-dir", "OUT"], ["fuzz.json", "fuzz.md"]),
@@ -80,6 +81,7 @@ RESULT_RUNS = {
     "call_graph_before": "call_graph",  # --name call_graph_before, at the commit its notes name (issue 49's before)
     "concurrency_plain_5_lists": "concurrency",  # --modes plain --clients 1,4 --repeat 5, the files renamed
     "concurrency_soak": "concurrency --soak",  # the name --soak writes
+    "demo_baseline": "demo",  # --label ... --json bench/results/demo_baseline.json: the pair before issue 53
     "distributed_mlx_launch": "distributed",  # the name --launcher mlx writes
     "fuzz_no_prompt_cache": "fuzz",  # --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache
     "fuzz_waves_prompt_cache_256M": "fuzz",  # --server-arg=--prompt-cache-size=256M --out ...

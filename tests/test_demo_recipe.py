@@ -19,7 +19,8 @@ from monolith.synth import write_target
 from monolith.synth.values import as_bf16
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
-RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer", "mtp", "mtp_mirror")
+RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer", "mtp", "mtp_mirror",
+                  "assistant_data", "tools_data")
 
 
 def import_stage(stage: str):

@@ -110,6 +110,9 @@ def origin(out: Path) -> dict:
         info["acceptance"] = {**{k: data.get(k) for k in keep}, "summary": {
             mode: {k: v for k, v in s.items() if k in ("tau", "same_as_plain", "speedup")}
             for mode, s in data.get("summary", {}).items() if isinstance(s, dict)}}
+    path = out / "demo.json"  # bench/demo.py: the assistant measures
+    if path.is_file():
+        info["demo"] = {k: v for k, v in json.loads(path.read_text()).items() if k in ("settings", "summary")}
     return info
 
 

@@ -55,18 +55,18 @@ INDEX = "model.safetensors.index.json"
 
 
 def train_stream(out: Path, target: Path) -> np.ndarray:
-    """The corpus's training token stream: OUT/tokens.npz "train" (train.py), or rebuilt
-    from the training files with the target's tokenizer as train.py builds it."""
+    """The training token stream: OUT/tokens.npz "train" (train.py), or rebuilt as
+    train.py builds it (the corpus's training files and chat transcripts, seed 0) with the
+    target's tokenizer and chat template."""
     if (out / "tokens.npz").is_file():
         return np.load(out / "tokens.npz")["train"]
     import corpus
-    from tokenizers import Tokenizer
 
-    train_docs, _, info = corpus.load()
-    tk = Tokenizer.from_file(str(target / "tokenizer.json"))
-    sep = tk.token_to_id("<|endoftext|>")
-    ids = np.array([t for doc in train_docs for t in [*tk.encode(doc).ids, sep]], dtype=np.int32)
-    log(f"rows: training stream rebuilt from the corpus (sha256 {info['sha256'][:16]}..., {ids.size} tokens)")
+    train_docs, held_docs, info = corpus.load()
+    ids = T.token_streams((target / "tokenizer.json").read_text(encoding="utf-8"), target, train_docs, held_docs,
+                          0)["train"]
+    log(f"rows: training stream rebuilt from the corpus (sha256 {info['sha256'][:16]}...) and transcripts, "
+        f"{ids.size} tokens")
     return ids
 
 

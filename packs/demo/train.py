@@ -1,11 +1,15 @@
 """Train the demo target (and, later, its DSpark draft) on the CPU with MLX.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libopenblas.so.0 \
-        python packs/demo/train.py --out build/demo [--steps 1200] [--seed 0]
+        python packs/demo/train.py --out build/demo [--steps 2400] [--seed 0] [--chat-share 0.5]
+            [--tokenizer packs/demo/target/tokenizer.json | train]
 
 Stages (each skipped when its output exists, unless --force):
-  1. tokenizer  -> OUT/tokenizer.json (+ config files)
-  2. target     -> OUT/target_train.npz, OUT/target_log.json (loss curve, tok/s)
+  1. tokenizer  -> OUT/tokenizer.json (the bundled pair's, kept; + config files in OUT/tok)
+                   and OUT/tokens.npz: the corpus's files, then the chat transcripts of
+                   assistant_data.py rendered by the pair's chat template
+  2. target     -> OUT/target_train.npz, OUT/target_log.json (loss curve, tok/s; held-out
+                   cross-entropy of the corpus and of the transcripts)
   3. export     -> OUT/target-bf16/ (BF16, fused experts) and OUT/target/ (ModelOpt NVFP4)
   4. check      -> logits of our runtime (load_model on the BF16 checkpoint) vs the
                    training forward on held-out text: they must agree.
@@ -27,6 +31,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+import assistant_data  # noqa: E402
 import corpus  # noqa: E402
 import model as M  # noqa: E402
 import tokenizer as demo_tok  # noqa: E402
@@ -42,8 +47,10 @@ PRESET = Preset(
     shared_expert_intermediate_size=128, vocab_size=2048, rope_theta=10_000.0, partial_rotary_factor=0.25,
     max_position_embeddings=262_144, lm_head_gain=1.0,
 )
-SEQ_LEN = 256
-BATCH = 8
+SEQ_LEN = 512  # a tool transcript (the template's tools block, the call, the result, the answer) fits
+BATCH = 4
+CHAT_SHARE = 0.5  # rows that start at a chat transcript (assistant_data.py)
+BUNDLED_TOKENIZER = Path(__file__).parent / "target" / "tokenizer.json"
 AUX_COEF = 0.01
 
 
@@ -54,34 +61,76 @@ def log(*a):
 # ----------------------------------------------------------------- stage 1: tokenizer
 
 
-def stage_tokenizer(out: Path, force: bool):
+def stage_tokenizer(out: Path, force: bool, tokenizer: Path | None = None, seed: int = 0):
+    """OUT/tokenizer.json (a copy of `tokenizer`, or trained on the corpus when None) and
+    OUT/tokens.npz, the token streams (`token_streams`)."""
     train_docs, held_docs, info = corpus.load()
     tj_path = out / "tokenizer.json"
     if force or not tj_path.exists():
         t = time.time()
-        tj = demo_tok.train(train_docs)
+        tj = tokenizer.read_text(encoding="utf-8") if tokenizer is not None else demo_tok.train(train_docs)
         demo_tok.write(out / "tok", tj)
         tj_path.write_text(tj, encoding="utf-8")
-        log(f"tokenizer: trained in {time.time() - t:.1f}s")
+        how = f"copied from {tokenizer}" if tokenizer is not None else "trained"
+        log(f"tokenizer: {how} in {time.time() - t:.1f}s")
     tj = tj_path.read_text(encoding="utf-8")
-    from tokenizers import Tokenizer
-
-    tk = Tokenizer.from_str(tj)
-    ids = demo_tok.special_ids(tj)
-    sep = ids["<|endoftext|>"]
-
-    def stream(docs):
-        toks = []
-        for d in docs:
-            toks += tk.encode(d).ids + [sep]
-        return np.array(toks, dtype=np.int32)
-
     cache = out / "tokens.npz"
     if force or not cache.exists():
-        np.savez(cache, train=stream(train_docs), held=stream(held_docs))
-    z = np.load(cache)
+        np.savez(cache, **token_streams(tj, out / "tok", train_docs, held_docs, seed))
+    z = dict(np.load(cache))
     info["train_tokens"], info["heldout_tokens"] = int(z["train"].size), int(z["held"].size)
-    return tj, z["train"], z["held"], info
+    info["chat"] = {"source": "assistant_data.py (stdlib questions, tool transcripts)", "seed": seed,
+                    "train_transcripts": int(z["chat_starts"].size),
+                    "heldout_transcripts": int(z["held_chat_starts"].size),
+                    "train_tokens": int(z["train"].size - z["chat_starts"][0]),
+                    "heldout_tokens": int(z["held_chat"].size)}
+    return tj, z, info
+
+
+def token_streams(tj: str, tokenizer_dir: Path, train_docs, held_docs, seed: int) -> dict[str, np.ndarray]:
+    """"train": the corpus's training files, then the training chat transcripts
+    (assistant_data.build, rendered by the pair's chat template from `tokenizer_dir`),
+    each followed by <|endoftext|>; "chat_starts": where each transcript starts in it;
+    "held": the held-out files; "held_chat", "held_chat_starts": the held-out transcripts."""
+    from tokenizers import Tokenizer
+
+    from monolith.tokenizer import load_tokenizer
+
+    tk = Tokenizer.from_str(tj)
+    sep = demo_tok.special_ids(tj)["<|endoftext|>"]
+    chat = load_tokenizer(tokenizer_dir)
+
+    def stream(texts, base=0):
+        toks, starts = [], []
+        for text in texts:
+            starts.append(base + len(toks))
+            toks += tk.encode(text, add_special_tokens=False).ids + [sep]
+        return np.array(toks, dtype=np.int32), np.array(starts, dtype=np.int64)
+
+    def rendered(held):
+        return ["".join(assistant_data.render(chat, t)) for t in assistant_data.build(seed, held=held)]
+
+    docs, _ = stream(train_docs)
+    chats, starts = stream(rendered(False), docs.size)
+    held_chat, held_starts = stream(rendered(True))
+    return {"train": np.concatenate([docs, chats]), "chat_starts": starts, "held": stream(held_docs)[0],
+            "held_chat": held_chat, "held_chat_starts": held_starts}
+
+
+def batch_rows(rng, data: np.ndarray, starts: np.ndarray | None, n: int, chat_share: float) -> np.ndarray:
+    """n rows of SEQ_LEN + 1 tokens: each, with probability chat_share, from the start of
+    a chat transcript (packed with the ones after it), else from a random place before the
+    first transcript (the corpus's files)."""
+    rows = []
+    corpus_end = data.size if starts is None else int(starts[0])
+    for _ in range(n):
+        if starts is not None and rng.random() < chat_share:
+            s = int(starts[rng.integers(0, starts.size)])
+        else:
+            s = int(rng.integers(0, corpus_end - SEQ_LEN - 1))
+        s = min(s, data.size - SEQ_LEN - 1)
+        rows.append(data[s:s + SEQ_LEN + 1])
+    return np.stack(rows)
 
 
 # ----------------------------------------------------------------- stage 2: target
@@ -93,18 +142,21 @@ def loss_fn(P, batch, p):
     return ce + AUX_COEF * aux, ce
 
 
-def eval_loss(P, data, p, n=8, seed=1):
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, data.size - SEQ_LEN - 1, size=n)
-    batch = mx.array(np.stack([data[s:s + SEQ_LEN + 1] for s in starts]))
-    return float(loss_fn(P, batch, p)[1])
+def eval_loss(P, data, p, n=8, seed=1, starts=None):
+    """Cross-entropy on n held-out rows (from transcript starts when `starts` is given)."""
+    rows = batch_rows(np.random.default_rng(seed), data, starts, n, 1.0)
+    chunks = [rows[i:i + BATCH] for i in range(0, n, BATCH)]
+    return sum(float(loss_fn(P, mx.array(c), p)[1]) for c in chunks) / len(chunks)
 
 
-def stage_target(out: Path, train_ids, held_ids, seed: int, steps: int, force: bool):
+def stage_target(out: Path, z: dict, seed: int, steps: int, force: bool, chat_share: float = CHAT_SHARE):
+    """AdamW on rows of the training stream (a chat_share of them from transcript starts);
+    every 100 steps the held-out cross-entropy of the corpus and of the transcripts."""
+    train_ids, held_ids = z["train"], z["held"]
     ckpt = out / "target_train.npz"
     if ckpt.exists() and not force:
-        z = np.load(ckpt)
-        return {k: mx.array(z[k]) for k in z.files}
+        saved = np.load(ckpt)
+        return {k: mx.array(saved[k]) for k in saved.files}
     p = PRESET
     mx.random.seed(seed)
     P = M.init_params(p, seed)
@@ -123,8 +175,7 @@ def stage_target(out: Path, train_ids, held_ids, seed: int, steps: int, force: b
         frac = step / steps
         lr = lr_peak * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         opt.learning_rate = mx.array(lr)
-        starts = rng.integers(0, train_ids.size - SEQ_LEN - 1, size=BATCH)
-        batch = mx.array(np.stack([train_ids[s:s + SEQ_LEN + 1] for s in starts]))
+        batch = mx.array(batch_rows(rng, train_ids, z["chat_starts"], BATCH, chat_share))
         (loss, ce), grads = step_fn(P, batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         P = opt.apply_gradients(grads, P)
@@ -135,16 +186,21 @@ def stage_target(out: Path, train_ids, held_ids, seed: int, steps: int, force: b
             dt = time.time() - t0
             entry = {"step": step, "seconds": round(dt, 1), "tokens": tokens, "train_ce": round(float(ce), 4),
                      "lr": lr, "tok_s": round(tokens / dt, 1)}
-            if step % 100 == 0:
+            if step % 100 == 0 or step == 1:
                 entry["heldout_ce"] = round(eval_loss(P, held_ids, p), 4)
+                entry["heldout_chat_ce"] = round(held_chat_ce(P, z, p), 4)
             curve.append(entry)
             log(json.dumps(entry))
     final = {"steps": step, "tokens": tokens, "seconds": time.time() - t0, "heldout_ce": eval_loss(P, held_ids, p, 16),
-             "params": int(n_params), "active_params": int(active)}
+             "heldout_chat_ce": held_chat_ce(P, z, p, 16), "params": int(n_params), "active_params": int(active)}
     log("target done: " + json.dumps(final))
     (out / "target_log.json").write_text(json.dumps({"final": final, "curve": curve}, indent=1) + "\n")
     np.savez(ckpt, **{k: np.array(v) for k, v in P.items()})
     return P
+
+
+def held_chat_ce(P, z: dict, p, n=8) -> float:
+    return eval_loss(P, z["held_chat"], p, n, starts=z["held_chat_starts"])
 
 
 # ----------------------------------------------------------------- stage 3: export
@@ -213,13 +269,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1200, help="training steps of 8 x 256 tokens")
+    ap.add_argument("--steps", type=int, default=2400, help=f"training steps of {BATCH} x {SEQ_LEN} tokens")
+    ap.add_argument("--chat-share", type=float, default=CHAT_SHARE, help="rows that start at a chat transcript")
+    ap.add_argument("--tokenizer", type=Path, default=BUNDLED_TOKENIZER,
+                    help="tokenizer.json to keep (default: the bundled pair's); 'train' trains one on the corpus")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    tj, train_ids, held_ids, info = stage_tokenizer(args.out, args.force)
+    tokenizer = None if str(args.tokenizer) == "train" else args.tokenizer
+    tj, z, info = stage_tokenizer(args.out, args.force, tokenizer, args.seed)
+    held_ids = z["held"]
     log("corpus: " + json.dumps(info))
-    P = stage_target(args.out, train_ids, held_ids, args.seed, args.steps, args.force)
+    P = stage_target(args.out, z, args.seed, args.steps, args.force, args.chat_share)
     bf16 = export_target(P, args.out, tj, "bf16")
     nvfp4 = export_target(P, args.out, tj, "nvfp4")
     check_runtime(P, bf16, held_ids)
