@@ -11,7 +11,7 @@ import json
 
 import jsonschema
 import pytest
-from test_demo_recipe import DEMO, import_stage
+from demo_stages import DEMO, import_stage
 
 from monolith.serving.reasoning import ReasoningSplitter
 from monolith.serving.tool_calls import parse_tool_calls

@@ -5,36 +5,16 @@ quantization-aware training sees exactly what the NVFP4 export decodes to, and a
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from demo_stages import DEMO, import_stage
 
 from monolith.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from monolith.runtime import engine
 from monolith.synth import write_target
 from monolith.synth.values import as_bf16
-
-DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
-RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer", "mtp", "mtp_mirror",
-                  "assistant_data", "tools_data")
-
-
-def import_stage(stage: str):
-    """packs/demo/<stage>.py, imported as the recipe runs it (its directory on sys.path),
-    then its top-level module names taken back out of sys.modules."""
-    saved = {name: sys.modules.pop(name) for name in RECIPE_MODULES if name in sys.modules}
-    sys.path.insert(0, str(DEMO))
-    try:
-        return importlib.import_module(stage)
-    finally:
-        sys.path.remove(str(DEMO))
-        for name in RECIPE_MODULES:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
 
 
 @pytest.fixture(scope="module")
