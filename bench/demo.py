@@ -102,14 +102,14 @@ def cases(data, seed: int, count: int) -> list[dict]:
 def reply(model, tokenizer, data, case: dict, max_tokens: int) -> dict:
     """The target's greedy reply to the case's prompt, read as the server reads it."""
     from monolith.runtime import engine
-    from monolith.runtime.decoder import PlainDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.sampling import SamplingParams
     from monolith.serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
     from monolith.serving.tool_calls import parse_tool_calls
 
     prompt, _ = data.render(tokenizer, case)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    decoder = PlainDecoder(model, len(ids) + max_tokens + 8)
+    decoder = Decoder(model, None, len(ids) + max_tokens + 8)
     r = engine.run_decoder(decoder, ids, max_tokens, SamplingParams(temperature=0.0), tokenizer.eos_token_ids)
     text = tokenizer.decode(r.token_ids)
     splitter = ReasoningSplitter(prompt_opens_reasoning(prompt))

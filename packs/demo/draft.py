@@ -82,11 +82,11 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
         return done[:count]
     from monolith.engine_setup import load_target
     from monolith.runtime import engine
-    from monolith.runtime.decoder import PlainDecoder
+    from monolith.runtime.decoder import Decoder
     from monolith.sampling import SamplingParams
 
     model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
-    decoder = PlainDecoder(model, PROMPT_LEN + GEN_LEN + 16)
+    decoder = Decoder(model, None, PROMPT_LEN + GEN_LEN + 16)
     config = json.loads((out / "target-bf16" / "generation_config.json").read_text())
     rng = np.random.default_rng(seed + 1)
     seqs, t0, gen_tokens = [], time.time(), 0
