@@ -14,7 +14,7 @@ from serving_rig import MAX_CONTEXT, Recording, Scripted, Server
 from web_rig import close, expect, open_page, send, set_setting, settle
 
 from monolith.runtime.decoder import SpeculativeDecoder
-from monolith.serving.gauge_history import PLOTTED
+from monolith.serving.metrics import PLOTTED
 
 WIDTH = 420
 ASK = "Draft for me"
