@@ -28,7 +28,7 @@ from .fields import (
     real,
 )
 from .structured import Structure, response_format
-from .tool_specs import forced_calls, json_arguments, named, tool_entries, tool_fields
+from .tools.specs import forced_calls, json_arguments, named, tool_entries, tool_fields
 
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature

@@ -8,7 +8,7 @@ the rest of the server reads (requests.parse_chat_body): `system` becomes a syst
 message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
 messages, `image` blocks (in a user turn or a tool_result) image items (images.py),
 `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
-functions with `parameters` (the checks every API shares: tool_specs.py); `tool_choice`
+functions with `parameters` (the checks every API shares: tools/specs.py); `tool_choice`
 any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
 call), tool -> the named function (both grammar-constrained, ../requests.py /
 structured.py). `thinking` and `output_config` are read by options.py,
@@ -31,7 +31,7 @@ from .. import images
 from ..errors import bad
 from ..fields import refuse_unknown
 from ..requests import MAX_STOP_STRINGS, ChatRequest, SamplingDefaults, parse_chat_body
-from ..tool_specs import chat_tool, named, tool_entries, tool_fields
+from ..tools.specs import chat_tool, named, tool_entries, tool_fields
 from .context_edits import ContextEdits, parse_context_management
 from .options import Thinking, output_format, parse_thinking
 

@@ -18,7 +18,7 @@ from ...runtime.events import PLAIN, Delta, Finished, merge_pieces
 from ..errors import bad
 from ..fields import optional, refuse_extra
 from ..reasoning import ReasoningSplitter
-from ..tool_calls import ToolCallParser
+from ..tools.calls import ToolCallParser
 
 FIELD = "monolith"
 

@@ -15,8 +15,8 @@ import json
 from .. import images
 from ..errors import bad
 from ..fields import is_name, refuse_extra
-from ..tool_calls import arguments_object
-from ..tool_specs import json_arguments
+from ..tools.calls import arguments_object
+from ..tools.specs import json_arguments
 from .seal import SEALER, SUMMARY_HEAD, open_summary
 
 SEPARATOR = "."  # a namespace's tool as the model sees it: NAMESPACE.NAME (tools.py)

@@ -31,8 +31,8 @@ import llguidance
 
 from ..errors import bad
 from ..fields import is_name, refuse_extra
-from ..tool_calls import arguments_object
-from ..tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
+from ..tools.calls import arguments_object
+from ..tools.specs import chat_tool, forced_calls, named, tool_entries, tool_fields
 from .items import flat_name, string_field
 
 HOSTED = frozenset({

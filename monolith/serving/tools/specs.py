@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 
-from .errors import bad
-from .structured import Structure
+from ..errors import bad
+from ..structured import Structure
 
 
 def tool_entries(value, shape: str) -> list[tuple[str, object]]:
