@@ -19,8 +19,8 @@ it is. Objects nested in a body are `Strict` models: a field they do not declare
 refused naming it. `policy(model)` lists a body's declared fields with their marks (the
 rows of docs/api-fields.md's tables).
 
-The helpers below `parse` (`refuse_unknown`, `refuse_extra`, `is_name`, `optional`) are
-for the parts of a body still read by hand (an image part, a schema, a context edit)."""
+The helpers at the end (`refuse_unknown`, `refuse_extra`, `is_name`) are for the parts
+of a body still read by hand (an image part, a schema, a context edit, a Responses item)."""
 
 from __future__ import annotations
 
@@ -258,19 +258,3 @@ def is_name(value, names) -> bool:
     """`value` is one of `names` (strings): a number, list or object never is (and a list
     or object, unhashable, is never looked up in a set or dict)."""
     return isinstance(value, str) and value in names
-
-
-def is_int(value) -> bool:
-    """An integer, not a boolean (JSON's true is not 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def optional(body: dict, name: str, kind, want: str, param: str | None = None):
-    """`body[name]` if it is a `kind` (`want` words it for the 400), None if not given."""
-    value = body.get(name)
-    if value is None:
-        return None
-    ok = is_int(value) if kind is int else isinstance(value, kind)
-    if not ok:
-        raise bad(f"{param or name} must be {want}, got {json.dumps(value)[:60]}", param or name)
-    return value

@@ -35,7 +35,7 @@ from ..requests import THINKING_BY_EFFORT, ChatRequest, SamplingDefaults, sampli
 from ..structured import Structure
 from .items import items_to_messages
 from .store import ResponseStore, input_items
-from .tools import Tools, parse_tools, tool_choice
+from .tools import Tool, ToolChoice, Tools, parse_tools, tool_choice
 
 ENCRYPTED = "reasoning.encrypted_content"
 # `include` values about items this server never writes (hosted tools' calls, input images)
@@ -72,8 +72,8 @@ class ResponsesBody(Body):
     model: Text | None = None
     input: Text | list[Any]  # items.py reads the items
     instructions: Text | None = None
-    tools: list[Any] | None = None  # tools.py reads them
-    tool_choice: Any = None  # tools.py reads it
+    tools: list[Tool] | None = None  # tools.py
+    tool_choice: ToolChoice | None = None  # tools.py
     max_output_tokens: Positive | None = None
     temperature: Real | None = None
     top_p: Real | None = None
