@@ -141,12 +141,13 @@ def _same(value, neutral) -> bool:
 # ------------------------------------------------------------------ a wrong type, named by its path
 
 
-def parse(model: type[BaseModel], value):
-    """`value` validated as a `model`, or the 400 naming the first fault's path."""
+def parse(model: type[BaseModel], value, where: str = ""):
+    """`value` validated as a `model`, or the 400 naming the first fault's path (after
+    `where`, the path of `value` in its body)."""
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        raise refusal(e.errors(include_url=False), value) from None
+        raise refusal(e.errors(include_url=False), value, where) from None
 
 
 WANTS = {"string_type": "a string", "bool_type": "true or false", "int_type": "an integer",
@@ -155,10 +156,10 @@ WANTS = {"string_type": "a string", "bool_type": "true or false", "int_type": "a
          "finite_number": "a finite number", "none_required": "null", "string_too_short": "a non-empty string"}
 
 
-def refusal(errors: list[dict], body) -> APIError:
+def refusal(errors: list[dict], body, where: str = "") -> APIError:
     """The 400 for pydantic's `errors` about `body`: the deepest fault (an alternative of
     a union that does not apply fails less deep), its param the path in the body."""
-    located = [(_path(e["loc"], body, e["type"]), e) for e in errors]
+    located = [(([where] if where else []) + _path(e["loc"], body, e["type"]), e) for e in errors]
     extra = [(path, e) for path, e in located if e["type"] == "extra_forbidden"]
     if extra:  # a field an object does not declare, all of that object's named at once
         parent = extra[0][0][:-1]

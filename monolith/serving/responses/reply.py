@@ -22,7 +22,7 @@ from ..reasoning import ReasoningSplitter
 from ..structured import THINK_END
 from ..tools.call_stream import CallStream
 from ..tools.calls import ToolCallParser
-from .items import items_to_messages
+from .items import output_messages
 from .requests import ResponsesCall
 from .seal import SEALER
 from .store import ResponseStore
@@ -211,7 +211,7 @@ class ResponseFormat:
 
     def conversation(self) -> list[dict]:
         """The conversation so far as chat messages: the request's and the output."""
-        return self.call.history + items_to_messages(self.items, "output")
+        return self.call.history + output_messages(self.items)
 
     # ---------------------------------------------------------------- the format interface
 
