@@ -24,6 +24,7 @@ of a body still read by hand (an image part, a schema, a context edit, a Respons
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
@@ -93,6 +95,18 @@ class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
 
+def by_type(tags, implied: str | None = None) -> Discriminator:
+    """A union's member chosen by an object's `type`: `tags` maps a type to its member's
+    tag (a collection: each type is its own tag); an object of no type has the type
+    `implied` when given; any other value is the "other" member's (it refuses it)."""
+    tags = tags if isinstance(tags, dict) else {tag: tag for tag in tags}
+
+    def tag(value) -> str:
+        kind = value.get("type", implied) if isinstance(value, dict) else None
+        return tags.get(kind, "other") if isinstance(kind, str) else "other"
+    return Discriminator(tag)
+
+
 class Body(BaseModel):
     """A request body, its field policy declared on its fields (above)."""
 
@@ -109,6 +123,7 @@ class Body(BaseModel):
         return given
 
 
+@functools.cache
 def policy(model: type[BaseModel]) -> dict[str, Policy]:
     """The declared fields of a body (by their JSON names) and their policy."""
     out = {}
@@ -164,10 +179,9 @@ def refusal(errors: list[dict], body, where: str = "") -> APIError:
     if extra:  # a field an object does not declare, all of that object's named at once
         parent = extra[0][0][:-1]
         names = sorted(str(path[-1]) for path, _ in extra if path[:-1] == parent)
-        at = _param(parent)
-        raise_at = _param([*parent, names[0]])
-        return bad(f"{at or 'the body'} has unsupported field{'s' if len(names) > 1 else ''}: "
-                   f"{', '.join(names)} (fields that would change the result are refused, not ignored)", raise_at)
+        return bad(f"{_param(parent) or 'the body'} has unsupported field{'s' if len(names) > 1 else ''}: "
+                   f"{', '.join(names)} (fields that would change the result are refused, not ignored)",
+                   _param([*parent, names[0]]))
     deepest = max(len(path) for path, _ in located)
     path, first = next((path, e) for path, e in located if len(path) == deepest)
     param = _param(path)

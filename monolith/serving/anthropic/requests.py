@@ -4,9 +4,10 @@ endpoints: routes.py).
 
 A request is parsed here into its typed body (`MessagesBody`, `CountTokensBody`: an
 unknown field, block type or value this server cannot honour is a 400 naming it), and
-turned into the chat request the rest of the server reads (../requests.py): `system`
-becomes a system message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool`
-messages, `image` blocks (in a user turn or a tool_result) image items (images.py),
+turned into the chat request the rest of the server reads (../requests.py's
+`chat_request`, without an OpenAI-shaped body in between): `system` becomes a system
+message, `tool_use` blocks assistant `tool_calls`, `tool_result` blocks `tool` messages,
+`image` blocks (in a user turn or a tool_result) image items (images.py),
 `thinking` blocks `reasoning_content`; `tools` with `input_schema` become
 functions with `parameters` (the checks every API shares: tools/specs.py); `tool_choice`
 any -> "required" (with `disable_parallel_tool_use`: `parallel_tool_calls` false, one
@@ -14,8 +15,8 @@ call), tool -> the named function (both grammar-constrained, ../requests.py /
 structured.py). `thinking` and `output_config` are read by options.py,
 `context_management` by context_edits.py.
 
-Accepted and inert (declared so on the body): `metadata`, `cache_control` at any level (the prompt cache
-keeps every prefix on its own, and usage reports its hits exactly), `service_tier`,
+Accepted and inert (declared so on the body): `metadata`, `cache_control` at any level
+(the prompt cache keeps every prefix on its own, and usage reports its hits exactly), `service_tier`,
 `speed`, `inference_geo`, `diagnostics`, `billing_policy`, `fallbacks`,
 `fallback_credit_token`. Claude Code's `x-anthropic-billing-header:` line
 at the start of the system prompt is dropped: it changes on every request and would
@@ -27,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Field, Tag, model_validator
 
 from .. import images
 from ..errors import bad
@@ -40,6 +41,7 @@ from ..fields import (
     Real,
     Strict,
     Text,
+    by_type,
     inert,
     parse,
 )
@@ -108,16 +110,9 @@ class OtherBlock(Strict, extra="allow"):
                          "must be a content block object")
 
 
-def _kind(tags: tuple[str, ...]):
-    def kind(block) -> str:
-        tag = block.get("type") if isinstance(block, dict) else None
-        return tag if isinstance(tag, str) and tag in tags else "other"
-    return kind
-
-
 # a text or image block (an image: images.py reads it)
 MediaBlock = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[Object, Tag("image")]
-                       | Annotated[OtherBlock, Tag("other")], Discriminator(_kind(("text", "image")))]
+                       | Annotated[OtherBlock, Tag("other")], by_type(("text", "image"))]
 
 
 class ToolResultBlock(Strict):
@@ -134,7 +129,7 @@ BLOCKS = ("text", "image", "tool_result", "thinking", "redacted_thinking", "tool
 Block = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[Object, Tag("image")]
                   | Annotated[ToolResultBlock, Tag("tool_result")] | Annotated[ThinkingBlock, Tag("thinking")]
                   | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")] | Annotated[ToolUseBlock, Tag("tool_use")]
-                  | Annotated[OtherBlock, Tag("other")], Discriminator(_kind(BLOCKS))]
+                  | Annotated[OtherBlock, Tag("other")], by_type(BLOCKS)]
 
 
 class Message(Strict):

@@ -29,6 +29,7 @@ from ..fields import (
     Real,
     Strict,
     Text,
+    by_type,
     inert,
     neutral,
     parse,
@@ -115,13 +116,9 @@ class TextPart(Strict, extra="ignore"):  # other keys (prompt_cache_breakpoint, 
     text: Text
 
 
-def _part_kind(part) -> str:
-    return "text" if isinstance(part, dict) and part.get("type") == "text" else "other"
-
-
 # a text part, or another part (an image: images.py reads it)
 ContentPart = Annotated[Annotated[TextPart, Tag("text")] | Annotated[Object, Tag("other")],
-                        Discriminator(_part_kind)]
+                        by_type({"text": "text"})]
 
 
 class CalledFunction(Strict, extra="ignore"):
@@ -169,9 +166,9 @@ class AllowedChoice(Strict, extra="ignore"):
 
 
 def _choice_kind(choice) -> str:
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
-        return "allowed"
-    return "named" if isinstance(choice, dict) else "mode"
+    if not isinstance(choice, dict):
+        return "mode"
+    return "allowed" if choice.get("type") == "allowed_tools" else "named"
 
 
 ToolChoice = Annotated[Annotated[Literal["auto", "none", "required"], Tag("mode")] | Annotated[NamedChoice, Tag("named")]

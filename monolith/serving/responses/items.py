@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, RootModel, Tag, model_validator
+from pydantic import Field, RootModel, Tag, model_validator
 
 from .. import images
 from ..errors import bad
-from ..fields import Object, Strict, Text, parse
+from ..fields import Object, Strict, Text, by_type, parse
 from ..tools.calls import arguments_object
 from ..tools.specs import json_arguments
 from .seal import SEALER, SUMMARY_HEAD, open_summary
@@ -54,19 +54,12 @@ class VideoPart(Strict, extra="allow"):
         raise ValueError(f"video input ({part['type']!r} parts) is not supported; send images")
 
 
-def _kind(tags: dict):
-    def kind(value) -> str:
-        tag = value.get("type", "message" if "role" in value else None) if isinstance(value, dict) else None
-        return tags.get(tag, "other") if isinstance(tag, str) else "other"
-    return kind
-
-
 PARTS = {"input_text": "text", "reasoning_text": "text", "summary_text": "text", "output_text": "output",
          "input_image": "image", **{kind: "video" for kind in images.VIDEO_PARTS}}
 # a content part (an image: images.py reads it)
 Part = Annotated[Annotated[TextPart, Tag("text")] | Annotated[OutputText, Tag("output")]
                  | Annotated[Object, Tag("image")] | Annotated[VideoPart, Tag("video")]
-                 | Annotated[OtherPart, Tag("other")], Discriminator(_kind(PARTS))]
+                 | Annotated[OtherPart, Tag("other")], by_type(PARTS)]
 
 
 class Message(Strict):
@@ -129,7 +122,7 @@ ITEMS = {"message": "message", "function_call": "call", "custom_tool_call": "cal
 Item = Annotated[Annotated[Message, Tag("message")] | Annotated[Call, Tag("call")]
                  | Annotated[CallOutput, Tag("output")] | Annotated[Reasoning, Tag("reasoning")]
                  | Annotated[Compaction, Tag("compaction")] | Annotated[OtherItem, Tag("other")],
-                 Discriminator(_kind(ITEMS))]
+                 by_type(ITEMS, implied="message")]
 
 
 class Items(RootModel[list[Item]]):

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import llguidance
-from pydantic import Discriminator, Field, Tag
+from pydantic import Field, Tag
 
 from ..errors import bad
-from ..fields import Flag, Object, Strict, Text
+from ..fields import Flag, Object, Strict, Text, by_type
 from ..tools.calls import arguments_object
 from ..tools.specs import chat_tool, check_parameters, forced_calls, named
 from .items import flat_name
@@ -76,17 +76,8 @@ class OtherTool(Strict, extra="allow"):
     type: Literal["function", "custom", "namespace", "a hosted tool's type"]
 
 
-def _kind(tags: tuple[str, ...]):
-    def kind(tool) -> str:
-        tag = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(tag, str) and tag in HOSTED and "hosted" in tags:
-            return "hosted"
-        return tag if isinstance(tag, str) and tag in tags else "other"
-    return kind
-
-
 Member = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
-                   | Annotated[OtherTool, Tag("other")], Discriminator(_kind(("function", "custom")))]
+                   | Annotated[OtherTool, Tag("other")], by_type(("function", "custom"))]
 
 
 class NamespaceTool(Strict):
@@ -101,7 +92,8 @@ class NamespaceTool(Strict):
 # a tool of the `tools` list: a hosted tool is echoed as sent
 Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
                  | Annotated[NamespaceTool, Tag("namespace")] | Annotated[Object, Tag("hosted")]
-                 | Annotated[OtherTool, Tag("other")], Discriminator(_kind(("function", "custom", "namespace", "hosted")))]
+                 | Annotated[OtherTool, Tag("other")], by_type({"function": "function", "custom": "custom", "namespace": "namespace",
+                                                              **dict.fromkeys(HOSTED, "hosted")})]
 
 
 class NamedChoice(Strict, extra="allow"):
