@@ -136,16 +136,25 @@ def policy(model: type[BaseModel]) -> dict[str, Policy]:
 def check_policy(model: type[BaseModel], given: dict) -> None:
     """The 400 for the first field of `given` (the body's fields as sent) that the
     model's policy refuses: a refused field, an unknown one, one off its neutral value."""
-    rules = policy(model)
-    stopped = sorted(k for k in given if k in rules and rules[k].mark == REFUSED and rules[k].neutral is _UNSET)
+    rules, refusing, neutrals = _rules(model)
+    stopped = sorted(refusing.intersection(given))
     if stopped:
         raise bad(f"{stopped[0]}: {rules[stopped[0]].why}", stopped[0])
-    refuse_unknown(given, rules)
-    for name, rule in rules.items():
-        value = given.get(name)
-        if rule.neutral is not _UNSET and value is not None and not _same(value, rule.neutral):
+    if not rules.keys() >= given.keys():
+        refuse_unknown(given, rules)
+    for name in sorted(neutrals.intersection(given)):
+        rule, value = rules[name], given[name]
+        if value is not None and not _same(value, rule.neutral):
             what = rule.wording or f"{name} is not supported (only {json.dumps(rule.neutral)})"
             raise bad(f"{what}, got {json.dumps(value)[:60]}", name)
+
+
+@functools.cache
+def _rules(model: type[BaseModel]) -> tuple[dict[str, Policy], frozenset[str], frozenset[str]]:
+    """(the policy, the fields refused whatever their value, those accepted at a neutral value)."""
+    rules = policy(model)
+    refusing = frozenset(k for k, r in rules.items() if r.mark == REFUSED and r.neutral is _UNSET)
+    return rules, refusing, frozenset(k for k, r in rules.items() if r.neutral is not _UNSET)
 
 
 def _same(value, neutral) -> bool:
