@@ -56,7 +56,13 @@ from ..requests import (
 from ..structured import response_format
 from ..tools.specs import chat_tool, check_parameters, named
 from .context_edits import ContextEdits, parse_context_management
-from .options import Thinking, output_format, parse_thinking
+from .options import (
+    OutputConfig,
+    Thinking,
+    ThinkingConfig,
+    output_format,
+    parse_thinking,
+)
 
 MAX_TEMPERATURE = 1.0  # Anthropic's range: [0, 1]
 CACHE = "the prompt cache is automatic"
@@ -178,8 +184,8 @@ class CountTokensBody(Body):
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: Any = None  # options.py reads it
-    output_config: Any = None  # options.py reads it
+    thinking: ThinkingConfig | None = None  # options.py
+    output_config: OutputConfig | None = None  # options.py
     context_management: Any = None  # context_edits.py reads it
     # metadata, caching, service and billing hints (this server never declines a request,
     # so never falls back)
@@ -237,8 +243,7 @@ def _request(given: CountTokensBody, fields: GenerationFields) -> MessagesReques
     tools = _tools(given.tools)
     choice, single = _tool_choice(given.tool_choice, tools)
     max_tokens = getattr(given, "max_tokens", None)
-    thinking = parse_thinking({"thinking": given.thinking, "output_config": given.output_config,
-                               "max_tokens": max_tokens}, messages[-1]["role"] == "tool")
+    thinking = parse_thinking(given.thinking, given.output_config, max_tokens, messages[-1]["role"] == "tool")
     kwargs = {} if thinking.switch is None else {"enable_thinking": thinking.switch}
     form = response_format(output_format(given.output_config))
     edits = parse_context_management(given.context_management)
