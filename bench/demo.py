@@ -12,7 +12,7 @@ renders for the messages before it (the pair's chat template, the transcript's t
 template arguments), and the reply is decoded greedily up to --max-tokens, stopping at
 the tokenizer's end-of-sequence ids. The reply's reasoning is split off with the server's
 ReasoningSplitter, and its calls read from the rest with the server's parse_tool_calls
-(serving/tool_calls.py) over the tools offered. Measures:
+(serving/tools/calls.py) over the tools offered. Measures:
 - stdlib: the share of questions about a held-out function whose reply contains at least
   half of the docstring's key words (assistant_data.key_words: its first sentence's
   first four words of 4+ letters, stop words left out), and the mean share of key words;
@@ -105,7 +105,7 @@ def reply(model, tokenizer, data, case: dict, max_tokens: int) -> dict:
     from monolith.runtime.decoder import Decoder
     from monolith.sampling import SamplingParams
     from monolith.serving.reasoning import ReasoningSplitter, prompt_opens_reasoning
-    from monolith.serving.tool_calls import parse_tool_calls
+    from monolith.serving.tools.calls import parse_tool_calls
 
     prompt, _ = data.render(tokenizer, case)
     ids = tokenizer.encode(prompt, add_special_tokens=False)

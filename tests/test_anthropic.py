@@ -346,7 +346,7 @@ def test_hostile_fields_never_5xx(servers, change):
     ({"type": "object", "properties": {}, "required": [1]}, "tools[0].input_schema.required"),
 ])
 def test_a_tool_schema_the_call_parser_cannot_read_is_a_400_naming_input_schema(schema, param):
-    """The parameter-schema checks every API shares (tool_specs.py), named in Anthropic's fields."""
+    """The parameter-schema checks every API shares (tools/specs.py), named in Anthropic's fields."""
     body = {"model": NAME, "messages": HELLO, "tools": [{"name": "get_weather", "input_schema": schema}]}
     for parse, extra in ((parse_messages_request, {"max_tokens": 5}), (parse_count_tokens_request, {})):
         with pytest.raises(APIError) as caught:

@@ -1,7 +1,9 @@
 """docs/api-fields.md, kept true: every top-level field of the official SDKs' request
 types (openai chat, completions and responses; anthropic messages and count_tokens,
 beta included; ollama's chat and generate requests, their options and messages) has a
-row in its API's table, and each row's field, sent to a live
+row in its API's table; each top-level row's mark is the policy the API's typed body
+declares (serving/fields.py's markers), and every field a body declares has its row
+(completions: its rows are declared); and each row's field, sent to a live
 server through the official client with the value in SAMPLES (tests/api_field_samples.py),
 is accepted or refused (a 400 naming it) as the row's mark says (on a server whose model
 takes images). Then what the newly
@@ -30,6 +32,11 @@ from openai.types.responses import response_create_params
 from serving_rig import NAME
 from vision_rig import png
 
+from monolith.serving.anthropic.requests import MessagesBody
+from monolith.serving.fields import REFUSED, policy
+from monolith.serving.openai.requests import ChatBody, CompletionBody
+from monolith.serving.responses.requests import ResponsesBody
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api-fields.md"
 MARKS = ("honoured", "accepted, no effect", "refused")
 TITLES = {"chat": "OpenAI chat completions", "completions": "OpenAI completions",
@@ -49,6 +56,8 @@ SDK_TYPES = {
                   response_create_params.ResponseCreateParamsNonStreaming],
 }
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+?) \|")
+BODIES = {"chat": ChatBody, "completions": CompletionBody, "messages": MessagesBody, "responses": ResponsesBody}
+NOT_IN_BODY = {"keep_alive"}  # read before the body is parsed (app.model_for)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +90,27 @@ def test_every_sdk_field_has_a_row(api):
     rows = table(api)
     missing = sorted(sdk_fields(api) - set(rows))
     assert not missing, f"docs/api-fields.md's {TITLES[api]} table has no row for {missing}"
+
+
+def top_rows(api: str) -> dict[str, str]:
+    """The rows of an API's table about a top-level field of the body (not the SDK's
+    headers: their rows say the SDK sends them "not in the body")."""
+    header = {m.group(1) for m in map(ROW.match, DOC.read_text(encoding="utf-8").splitlines())
+              if m and "not in the body" in m.string}
+    return {field: mark for field, mark in table(api).items()
+            if re.fullmatch(r"\w+", field) and field not in NOT_IN_BODY | header}
+
+
+@pytest.mark.parametrize("api", list(TITLES))
+def test_every_top_level_row_is_the_declared_policy(api):
+    declared = {field: rule.mark for field, rule in policy(BODIES[api]).items()}
+    rows = top_rows(api)
+    wrong = {field: (mark, declared.get(field, f"undeclared: {REFUSED}")) for field, mark in rows.items()
+             if declared.get(field, REFUSED) != mark}
+    assert not wrong, f"docs/api-fields.md's {TITLES[api]} rows (mark, declared): {wrong}"
+    if api != "completions":  # its table lists its own fields, not those it shares with chat
+        missing = sorted(set(declared) - set(rows))
+        assert not missing, f"docs/api-fields.md's {TITLES[api]} table has no row for the declared {missing}"
 
 
 # ------------------------------------------------------------------ each row, live

@@ -58,6 +58,8 @@ RUNS = {
                       "--max-tokens", "2", "--json", "OUT/r.json"], ["r.json"]),
     "real_widths": (["--preset", "tiny", "--layers", "1", "--prompt-tokens", "8", "--max-tokens", "2",
                      "--pairs", "nvidia-35b:lithos-dspark", "--work", "OUT/work", "--json", "OUT/r.json"], ["r.json"]),
+    "request_parse": (["--iterations", "20", "--repeats", "1", "--out-dir", "OUT"],
+                      ["request_parse.json", "request_parse.md"]),
     "round_latency": (["--contexts", "16", "--repeats", "1", "--json", "OUT/r.json"], ["r.json"]),
     "schema_fuzz": (["--requests", "14", "--clients", "1", "--port", "0", "--out-dir", "OUT"],
                     ["schema_fuzz.json", "schema_fuzz.md"]),

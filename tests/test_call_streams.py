@@ -30,9 +30,13 @@ from serving_rig import Server
 from monolith.runtime.engine import Engine
 from monolith.runtime.grammar import GrammarTokenizer
 from monolith.serving import structured
-from monolith.serving.call_stream import CallStream, Piece
-from monolith.serving.tool_specs import forced_calls
-from monolith.serving.tool_calls import ToolCallParser, arguments_object, parse_tool_calls
+from monolith.serving.tools.call_stream import CallStream, Piece
+from monolith.serving.tools.calls import (
+    ToolCallParser,
+    arguments_object,
+    parse_tool_calls,
+)
+from monolith.serving.tools.specs import forced_calls
 
 NAME = "demo"
 PARAMETERS = {"type": "object", "properties": {"directory": {"type": "string"}}}  # additionalProperties unsaid

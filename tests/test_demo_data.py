@@ -14,7 +14,7 @@ import pytest
 from demo_stages import DEMO, import_stage
 
 from monolith.serving.reasoning import ReasoningSplitter
-from monolith.serving.tool_calls import parse_tool_calls
+from monolith.serving.tools.calls import parse_tool_calls
 from monolith.tokenizer import load_tokenizer
 
 END = "<|im_end|>"

@@ -22,8 +22,8 @@ from monolith.runtime.generation import Generation, Tokens
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.sampling import SamplingParams, filtered_probs, mask_logits
 from monolith.serving import structured
-from monolith.serving.tool_specs import forced_calls
-from monolith.serving.tool_calls import parse_tool_calls
+from monolith.serving.tools.calls import parse_tool_calls
+from monolith.serving.tools.specs import forced_calls
 
 MAX_CONTEXT = 256
 
@@ -185,7 +185,7 @@ def test_the_constraint_starts_after_the_reasoning(demo):
 
 def test_qwen35_xml_tool_calls(demo):
     """A template that writes <function=...> (Qwen3.5/3.6) gets calls in that format, which
-    serving/tool_calls.py reads back into arguments valid for the schema."""
+    serving/tools/calls.py reads back into arguments valid for the schema."""
     _, _, tok, gt = demo
     xml_tok = SimpleNamespace(chat_template="... <function=NAME> ...", token_to_id=tok.token_to_id)
     tools = [{"type": "function", "function": {"name": "move", "parameters": {"type": "object", "properties": {

@@ -14,7 +14,7 @@ from serving_rig import MAX_CONTEXT, NAME, Scripted, Server, assert_error
 
 from monolith.runtime.engine import Engine
 from monolith.serving.timeouts import timed_h11
-from monolith.serving.tool_calls import ToolCallParser
+from monolith.serving.tools.calls import ToolCallParser
 from monolith.tokenizer import load_tokenizer
 
 CHAT = "/v1/chat/completions"

@@ -144,8 +144,9 @@ def test_tests_share_code_through_helper_modules_not_test_modules():
     assert not found, "\n".join(found)
 
 
-# serving's subpackages, one per API (docs/architecture.md): each over the common core
-API_PACKAGES = sorted(p.parent.name for p in (ROOT / "serving").glob("*/__init__.py"))
+# serving's subpackages, one per API (docs/architecture.md), each with its endpoints
+# (routes.py) over the common core; a subpackage without endpoints (tools/) is core
+API_PACKAGES = sorted(p.parent.name for p in (ROOT / "serving").glob("*/routes.py"))
 
 
 def api_package(module: str) -> str | None:

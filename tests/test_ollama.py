@@ -44,7 +44,7 @@ from monolith.runtime.prompt_cache import PromptCache
 from monolith.serve import build_parser, pulled
 from monolith.serving.models import ModelPool, ModelSpec
 from monolith.serving.structured import grammar
-from monolith.serving.tool_specs import forced_calls
+from monolith.serving.tools.specs import forced_calls
 
 KEY = "ollama-test-key"
 NAME = "tiny"

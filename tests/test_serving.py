@@ -23,7 +23,7 @@ from monolith.runtime.prefill import prefill
 from monolith.runtime.session import Session
 from monolith.runtime.textstream import TextStream
 from monolith.sampling import SamplingParams
-from monolith.serving.tool_calls import ToolCallParser, parse_tool_calls
+from monolith.serving.tools.calls import ToolCallParser, parse_tool_calls
 from monolith.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 # ------------------------------------------------------------------ chat and completions

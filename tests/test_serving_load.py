@@ -254,7 +254,7 @@ BAD_CHAT = [
     ({"frobnicate": True}, "frobnicate"),
     ({"response_format": {"type": "regex"}}, "response_format.type"),
     ({"tool_choice": "any", "tools": TOOLS}, "tool_choice"),
-    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
 ]
@@ -270,7 +270,7 @@ def test_bad_chat_fields_are_400_naming_the_field(server, change, param):
 
 
 @pytest.mark.parametrize("change,param", [({"prompt": ""}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
-                                          ({"prompt": [1, 99999]}, "prompt"), ({"prompt": ["a", 5]}, "prompt"),
+                                          ({"prompt": [1, 99999]}, "prompt"), ({"prompt": ["a", 5]}, "prompt[0]"),
                                           ({"prompt": 7}, "prompt"), ({"echo": 1}, "echo"),
                                           ({"best_of": 3}, "best_of"), ({"logprobs": 50}, "logprobs"),
                                           ({"suffix": "end"}, "suffix")])

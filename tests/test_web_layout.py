@@ -15,7 +15,7 @@ from web_rig import close, expect, open_page, send, set_setting, settle
 
 from monolith.runtime.decoder import Decoder
 from monolith.runtime.engine import Drafting
-from monolith.serving.gauge_history import PLOTTED
+from monolith.serving.metrics import PLOTTED
 
 WIDTH = 420
 ASK = "Draft for me"

@@ -95,7 +95,7 @@ def gt(xml_model):
 def grammar_of(tools, tok, single=False):
     """The grammar of a forced call: tool_choice "required" (`single`: a named tool's)."""
     from monolith.serving import structured
-    from monolith.serving.tool_specs import forced_calls
+    from monolith.serving.tools.specs import forced_calls
 
     return structured.grammar(forced_calls(tools, single=single), tok, reasoning_open=False)
 
@@ -131,7 +131,7 @@ def test_the_helper_writes_what_the_template_renders(xml_model):
 
 
 def test_raw_text_keeps_its_schema_and_reads_back_exactly(xml_model, gt):
-    from monolith.serving.tool_calls import parse_tool_calls
+    from monolith.serving.tools.calls import parse_tool_calls
 
     _, tok = xml_model
     grammar = grammar_of([SHOP], tok)
@@ -159,7 +159,7 @@ def test_the_no_closing_tag_regex_is_exactly_the_texts_without_one():
     import random
     import re
 
-    from monolith.serving.xml_arguments import CLOSING_TAGS, _avoiding
+    from monolith.serving.tools.xml_arguments import CLOSING_TAGS, _avoiding
 
     regex = re.compile(_avoiding(CLOSING_TAGS), re.DOTALL)
     pieces = ["<", "/", ">", "a", "\n", *(t[:i] for t in CLOSING_TAGS for i in range(1, len(t) + 1)),
@@ -316,7 +316,7 @@ def random_text(gt, tok, grammar, rng, steps=300) -> str | None:
 def test_random_paths_through_a_format_are_valid(xml_model, gt, name):
     import numpy as np
 
-    from monolith.serving.tool_calls import parse_tool_calls
+    from monolith.serving.tools.calls import parse_tool_calls
 
     _, tok = xml_model
     tool = one_parameter({"type": "string", "format": name})

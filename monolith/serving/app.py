@@ -1,7 +1,7 @@
 """The HTTP app (starlette) that serves the OpenAI, Anthropic and Responses APIs
 (docs/serving.md is the contract). `create_app` routes:
 
-- GET /health, GET /metrics (and /metrics/history: gauge_history.py), GET /v1/models;
+- GET /health, GET /metrics (and /metrics/history: metrics.py), GET /v1/models;
 - GET / and GET /static/...: the chat page (page.py);
 - POST /v1/chat/completions and /v1/completions (OpenAI; the handlers: openai/routes.py);
 - POST /v1/messages and /v1/messages/count_tokens (Anthropic; the handlers:
@@ -55,9 +55,8 @@ from . import access, page, structured
 from .anthropic import routes as anthropic_routes
 from .driving import Driver, Prompt
 from .errors import APIError, ContextOverflow, bad, log_refusal
-from .gauge_history import SAMPLE_SECONDS, GaugeHistory
 from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
-from .metrics import CONTENT_TYPE, Metrics
+from .metrics import CONTENT_TYPE, SAMPLE_SECONDS, GaugeHistory, Metrics
 from .models import ModelPool, ModelSpec, keep_alive_seconds
 from .ollama import routes as ollama_routes
 from .openai import routes as openai_routes
@@ -130,7 +129,7 @@ class ServerState:
         pool.prepare = lambda engine: LoadedModel.of(engine, config.max_output_tokens)
         self.metrics = Metrics()
         self.metrics.bind(pool)
-        self.history = GaugeHistory()  # the status tab's last minutes (gauge_history.py)
+        self.history = GaugeHistory()  # the status tab's last minutes
         self.created = int(time.time())
         self.responses = ResponseStore(config.response_store_size, config.response_store_bytes,
                                        config.response_store_dir)  # responses/routes.py
@@ -173,7 +172,7 @@ def create_app(load: Callable[[], object] | ModelPool, config: ServerConfig,
     pool = load if isinstance(load, ModelPool) else ModelPool([ModelSpec(config.model_names, load)])
     state = ServerState(config, pool)
 
-    async def keep_gauges():  # the status tab's last minutes (gauge_history.py)
+    async def keep_gauges():  # the status tab's last minutes
         while True:
             if state.engine is not None:
                 state.history.take(state.metrics.render)

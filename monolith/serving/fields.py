@@ -1,17 +1,263 @@
-"""The field policy every API shares (docs/api-fields.md): a field the server does not
-know is refused, not ignored, with a 400 naming it (its `param`): at the top of a body
-(`refuse_unknown`) or inside one of its objects (`refuse_extra`); a field accepted only
-at its neutral value (the one that means "off", or the API's default) is refused at any
-other (`refuse_non_neutral`). And a field's value checked against the type it must have
-(`optional`, `positive_int`, `real`): JSON null counts as not given."""
+"""The field policy every API shares (docs/api-fields.md), declared on the typed request
+bodies each API parses its JSON body into (pydantic models, `Body`), and the 400 a body
+gets when it breaks it.
+
+A body's fields are declared as pydantic fields; a field's policy is a marker in its
+`Annotated` metadata: no marker, it is honoured; `inert(why)`: accepted, no effect
+(metadata, ids, client and caching hints: still of the type declared); `neutral(value,
+why)`: refused, but accepted at the value that means "off" (or the API's default);
+`refused(why)`: refused whatever its value. A field the body does not declare is refused
+too (a typo must not pass as a default). `Body`'s own check runs before the fields'
+types are: refused fields first, then unknown ones, then neutral ones, each a 400 naming
+the field (`param`). JSON null counts as not given, except that a body whose
+`nulls_given` is true (Anthropic's) refuses an unknown field even when it is null.
+
+`parse(model, body)` validates a body (or any object) against a model: a value of the
+wrong type anywhere is a 400 whose `param` is its path (`messages[2].content[0].text`)
+and whose message says what it must be; a validator's own `bad(...)` passes through as
+it is. Objects nested in a body are `Strict` models: a field they do not declare is
+refused naming it. `policy(model)` lists a body's declared fields with their marks (the
+rows of docs/api-fields.md's tables).
+
+The helpers at the end (`refuse_unknown`, `refuse_extra`, `is_name`) are for the parts
+of a body still read by hand (an image part, a schema, a context edit, a Responses item)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-import numbers
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
-from .errors import bad
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from .errors import APIError, bad
+
+HONOURED, INERT, REFUSED = "honoured", "accepted, no effect", "refused"
+_UNSET = object()
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A field's mark (HONOURED, INERT, REFUSED) and why; a refused field with a
+    `neutral` value accepts that value (`wording`: what the 400 says instead of the
+    default)."""
+
+    mark: str
+    why: str = ""
+    neutral: Any = _UNSET
+    wording: str | None = None
+
+
+def inert(why: str) -> Policy:
+    return Policy(INERT, why)
+
+
+def refused(why: str) -> Policy:
+    return Policy(REFUSED, why)
+
+
+def neutral(value, why: str, wording: str | None = None) -> Policy:
+    return Policy(REFUSED, why, value, wording)
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value):
+        raise ValueError("must be a finite number")
+    return value
+
+
+# the JSON types a body's fields take (strict: "1" is no integer, true is no 1)
+Text = StrictStr
+Flag = StrictBool
+Integer = StrictInt
+Positive = Annotated[StrictInt, Field(ge=1)]
+Real = Annotated[float, Field(strict=True), AfterValidator(_finite)]
+Object = dict[str, Any]
+
+
+class Strict(BaseModel):
+    """An object nested in a body: its fields' types strict, a field it does not
+    declare refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+def by_type(tags, implied: str | None = None) -> Discriminator:
+    """A union's member chosen by an object's `type`: `tags` maps a type to its member's
+    tag (a collection: each type is its own tag); an object of no type has the type
+    `implied` when given; any other value is the "other" member's (it refuses it)."""
+    tags = tags if isinstance(tags, dict) else {tag: tag for tag in tags}
+
+    def tag(value) -> str:
+        kind = value.get("type", implied) if isinstance(value, dict) else None
+        return tags.get(kind, "other") if isinstance(kind, str) else "other"
+    return Discriminator(tag)
+
+
+class Body(BaseModel):
+    """A request body, its field policy declared on its fields (above)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    nulls_given: ClassVar[bool] = False  # a null field counts as sent (an unknown one is refused)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy(cls, body):
+        if not isinstance(body, dict):
+            return body
+        given = {k: v for k, v in body.items() if v is not None}
+        check_policy(cls, body if cls.nulls_given else given)
+        return given
+
+
+@functools.cache
+def policy(model: type[BaseModel]) -> dict[str, Policy]:
+    """The declared fields of a body (by their JSON names) and their policy."""
+    out = {}
+    for name, info in model.model_fields.items():
+        marks = [m for m in info.metadata if isinstance(m, Policy)]
+        out[info.alias or name] = marks[0] if marks else Policy(HONOURED)
+    return out
+
+
+def check_policy(model: type[BaseModel], given: dict) -> None:
+    """The 400 for the first field of `given` (the body's fields as sent) that the
+    model's policy refuses: a refused field, an unknown one, one off its neutral value."""
+    rules, refusing, neutrals = _rules(model)
+    stopped = sorted(refusing.intersection(given))
+    if stopped:
+        raise bad(f"{stopped[0]}: {rules[stopped[0]].why}", stopped[0])
+    if not rules.keys() >= given.keys():
+        refuse_unknown(given, rules)
+    for name in sorted(neutrals.intersection(given)):
+        rule, value = rules[name], given[name]
+        if value is not None and not _same(value, rule.neutral):
+            what = rule.wording or f"{name} is not supported (only {json.dumps(rule.neutral)})"
+            raise bad(f"{what}, got {json.dumps(value)[:60]}", name)
+
+
+@functools.cache
+def _rules(model: type[BaseModel]) -> tuple[dict[str, Policy], frozenset[str], frozenset[str]]:
+    """(the policy, the fields refused whatever their value, those accepted at a neutral value)."""
+    rules = policy(model)
+    refusing = frozenset(k for k, r in rules.items() if r.mark == REFUSED and r.neutral is _UNSET)
+    return rules, refusing, frozenset(k for k, r in rules.items() if r.neutral is not _UNSET)
+
+
+def _same(value, neutral) -> bool:
+    """Equal as JSON values: numbers alike (0 and 0.0), booleans apart from numbers."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+# ------------------------------------------------------------------ a wrong type, named by its path
+
+
+def parse(model: type[BaseModel], value, where: str = ""):
+    """`value` validated as a `model`, or the 400 naming the first fault's path (after
+    `where`, the path of `value` in its body)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise refusal(e.errors(include_url=False), value, where) from None
+
+
+WANTS = {"string_type": "a string", "bool_type": "true or false", "int_type": "an integer",
+         "int_from_float": "an integer", "float_type": "a number", "dict_type": "an object",
+         "model_type": "an object", "model_attributes_type": "an object", "list_type": "a list",
+         "finite_number": "a finite number", "none_required": "null", "string_too_short": "a non-empty string"}
+
+
+def refusal(errors: list[dict], body, where: str = "") -> APIError:
+    """The 400 for pydantic's `errors` about `body`: the deepest fault (an alternative of
+    a union that does not apply fails less deep), its param the path in the body."""
+    located = [(([where] if where else []) + _path(e["loc"], body, e["type"]), e) for e in errors]
+    extra = [(path, e) for path, e in located if e["type"] == "extra_forbidden"]
+    if extra:  # a field an object does not declare, all of that object's named at once
+        parent = extra[0][0][:-1]
+        names = sorted(str(path[-1]) for path, _ in extra if path[:-1] == parent)
+        return bad(f"{_param(parent) or 'the body'} has unsupported field{'s' if len(names) > 1 else ''}: "
+                   f"{', '.join(names)} (fields that would change the result are refused, not ignored)",
+                   _param([*parent, names[0]]))
+    deepest = max(len(path) for path, _ in located)
+    path, first = next((path, e) for path, e in located if len(path) == deepest)
+    param = _param(path)
+    kind = first["type"]
+    if kind == "missing":
+        return bad(f"{param} is required", param)
+    wants = []
+    for p, e in located:
+        want = WANTS.get(e["type"]) or _constraint(e)
+        if p == path and want and want not in wants:
+            wants.append(want)
+    if not wants:
+        reason = str(first["msg"]).removeprefix("Value error, ")
+        return bad(f"{param} {reason}" if reason.startswith("must be ") else f"{param}: {reason}", param)
+    got = json.dumps(first.get("input"), default=str)[:60]
+    return bad(f"{param} must be {' or '.join(wants)}, got {got}", param)
+
+
+def _constraint(error: dict) -> str | None:
+    ctx = error.get("ctx") or {}
+    kind = error["type"]
+    if kind == "literal_error":
+        return f"one of {ctx['expected']}" if " or " in ctx["expected"] else ctx["expected"]
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        sign = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        return f"{'an integer' if isinstance(bound, int) else 'a number'} {sign} {bound}"
+    if kind == "too_short":
+        return "a non-empty list" if ctx.get("min_length") == 1 else f"a list of at least {ctx.get('min_length')}"
+    if kind == "too_long":
+        return f"{'an object' if isinstance(error.get('input'), dict) else 'a list'} of at most {ctx.get('max_length')}"
+    return None
+
+
+def _path(loc: tuple, body, kind: str) -> list:
+    """The path of `loc` in `body`: pydantic's location less the labels of union
+    members (a member's type, a tagged member's tag), which name no field of the body.
+    A label may also be a key of the object it labels (a text block's tag, "text"): the
+    reading that ends at the location's last element, then the longest, is taken."""
+    return _walk(loc, 0, body, kind in ("missing", "extra_forbidden"))[1]
+
+
+def _walk(loc: tuple, i: int, value, named_last: bool) -> tuple[tuple[bool, int], list]:
+    """((whether the last element was read, elements read), the path) of loc[i:] in `value`."""
+    if i == len(loc):
+        return (True, 0), []
+    key, last = loc[i], i == len(loc) - 1
+    skip = ((False, 0), []) if last or not isinstance(key, str) else _walk(loc, i + 1, value, named_last)
+    if (isinstance(value, list) and isinstance(key, int) and 0 <= key < len(value)) or (
+            isinstance(value, dict) and key in value):
+        inner = value[key]
+    elif last and named_last and isinstance(value, dict):  # a field missing, or one not declared
+        return (True, 1), [key]
+    else:
+        return skip
+    (read_last, n), rest = _walk(loc, i + 1, inner, named_last)
+    return max(((read_last, n + 1), [key, *rest]), skip, key=lambda r: r[0])
+
+
+def _param(path: list) -> str:
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
+# ------------------------------------------------------------------ what is read by hand
 
 
 def refuse_unknown(given, known, where: str = "") -> None:
@@ -22,21 +268,6 @@ def refuse_unknown(given, known, where: str = "") -> None:
         names = ", ".join(f"{where}{k}" for k in unknown)
         raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''}: {names} (fields that would change the "
                   "result are refused, not ignored)", f"{where}{unknown[0]}")
-
-
-def refuse_non_neutral(body: dict, neutral_values: dict, wording: dict | None = None) -> None:
-    """A 400 for the first field of `neutral_values` that `body` gives at another value;
-    `wording` may say, for a field, what is supported instead of the default wording."""
-    for name, neutral in neutral_values.items():
-        value = body.get(name)
-        if value is not None and not _same(value, neutral):
-            what = (wording or {}).get(name, f"{name} is not supported (only {json.dumps(neutral)})")
-            raise bad(f"{what}, got {json.dumps(value)[:60]}", name)
-
-
-def _same(value, neutral) -> bool:
-    """Equal as JSON values: numbers alike (0 and 0.0), booleans apart from numbers."""
-    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 def refuse_extra(value: dict, allowed, at: str, label: str | None = None) -> None:
@@ -51,35 +282,3 @@ def is_name(value, names) -> bool:
     """`value` is one of `names` (strings): a number, list or object never is (and a list
     or object, unhashable, is never looked up in a set or dict)."""
     return isinstance(value, str) and value in names
-
-
-def is_int(value) -> bool:
-    """An integer, not a boolean (JSON's true is not 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def optional(body: dict, name: str, kind, want: str, param: str | None = None):
-    """`body[name]` if it is a `kind` (`want` words it for the 400), None if not given."""
-    value = body.get(name)
-    if value is None:
-        return None
-    ok = is_int(value) if kind is int else isinstance(value, kind)
-    if not ok:
-        raise bad(f"{param or name} must be {want}, got {json.dumps(value)[:60]}", param or name)
-    return value
-
-
-def positive_int(body: dict, name: str) -> int | None:
-    value = optional(body, name, int, "an integer >= 1")
-    if value is not None and value < 1:
-        raise bad(f"{name} must be an integer >= 1, got {value}", name)
-    return value
-
-
-def real(body: dict, name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise bad(f"{name} must be a finite number, got {json.dumps(value)[:60]}", name)
-    return float(value)

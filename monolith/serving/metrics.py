@@ -7,9 +7,19 @@ switches between drafted and plain rounds, by direction and reason. With several
 (serving/models.py) the queue and prompt-cache series add up the loaded models' (a
 model's counters leave the sums when it is unloaded), and `ModelCollector` gives each
 configured model's loaded state, last load time and cache bytes, labelled by model.
+
+`GaugeHistory` keeps the last few minutes of the gauges the chat page's status tab plots
+(static/status.js), so that the tab has its plots the moment it opens: every
+SAMPLE_SECONDS a task of the app reads the counters and gauges of `/metrics` that the
+plots need and keeps the last KEEP readings; GET /metrics/history answers them as JSON,
+each with how many seconds ago it was taken. The page turns consecutive readings into
+points as it does its own scrapes (tok/s from the token counter's growth).
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
 
 import mlx.core as mx
 from prometheus_client import (
@@ -29,6 +39,10 @@ from ..runtime.fallback import SWITCHES
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+SAMPLE_SECONDS = 2.0  # as the page polls (status.js POLL_MS)
+KEEP = 150  # 5 minutes, as a plot keeps (status.js KEEP)
+PLOTTED = ("monolith_generation_tokens_total", "spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total",
+           "monolith_num_requests_waiting", "monolith_num_requests_running", "monolith_prompt_cache_bytes")
 
 
 class Metrics:
@@ -180,3 +194,33 @@ class MemoryCollector:
             metric = GaugeMetricFamily(f"monolith_mlx_{name}", doc)
             metric.add_metric([], value)
             yield metric
+
+
+# ------------------------------------------------------------------ the status tab's last minutes
+
+
+def plotted_values(text: str) -> dict[str, float]:
+    """The PLOTTED series of a Prometheus text exposition (unlabelled lines only)."""
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in PLOTTED:
+            values[name] = float(value)
+    return values
+
+
+class GaugeHistory:
+    def __init__(self, keep: int = KEEP):
+        self.samples: deque[tuple[float, dict[str, float]]] = deque(maxlen=keep)
+
+    def add(self, values: dict[str, float], at: float | None = None) -> None:
+        self.samples.append((time.monotonic() if at is None else at, values))
+
+    def take(self, render) -> None:
+        """One reading of `render()` (Metrics.render: the exposition's bytes)."""
+        self.add(plotted_values(render().decode()))
+
+    def as_json(self) -> dict:
+        now = time.monotonic()
+        return {"interval_seconds": SAMPLE_SECONDS,
+                "samples": [{"seconds_ago": round(now - at, 3), "values": values} for at, values in self.samples]}

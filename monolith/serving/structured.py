@@ -1,5 +1,5 @@
 """Structured output: `response_format` and a forcing `tool_choice` (its Structure:
-tool_specs.forced_calls) -> a grammar (runtime.grammar).
+tools.specs.forced_calls) -> a grammar (runtime.grammar).
 
 - `{"type": "json_object"}`: any JSON object; `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}`: an instance of the schema (enforced
@@ -12,8 +12,8 @@ tool_specs.forced_calls) -> a grammar (runtime.grammar).
   `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`
   (parameters in the schema's order, optional ones may be left out). A string
   parameter's value is raw text that keeps its schema (`enum`, `const`, `pattern`,
-  `minLength` / `maxLength`, `format`: serving/xml_arguments.py) and can never hold a closing
-  tag; other values are JSON. serving/tool_calls.py reads both back as written
+  `minLength` / `maxLength`, `format`: serving/tools/xml_arguments.py) and can never hold a closing
+  tag; other values are JSON. serving/tools/calls.py reads both back as written
   (`xml_arguments.is_raw_text` decides which, for both).
 
 Whitespace between JSON tokens is bounded: unbounded whitespace lets a weak model loop
@@ -40,9 +40,9 @@ import json
 from dataclasses import dataclass
 
 from ..runtime.grammar import Grammar, GrammarError
-from . import xml_arguments
 from .errors import APIError, bad
 from .fields import refuse_extra
+from .tools import xml_arguments
 
 WHITESPACE = r"(?:\n[ \t]{0,20}| )?"
 CALL_WHITESPACE = r"[ \n]?"
@@ -241,7 +241,7 @@ def _with(schema, definitions: dict):
 
 
 def _check_tag_name(name: str, where: str) -> None:
-    """A name as a tag writes it (`<function=NAME>`, `<parameter=NAME>`) and tool_calls.py reads
+    """A name as a tag writes it (`<function=NAME>`, `<parameter=NAME>`) and tools/calls.py reads
     it back: no `>` or newline, no blank at either end."""
     if not isinstance(name, str) or not name or name != name.strip() or ">" in name or "\n" in name:
         raise bad(f"{where} {name!r} cannot be written in the chat template's XML tool calls "

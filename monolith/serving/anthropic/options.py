@@ -25,15 +25,33 @@ text must follow, enforced by the grammar as `response_format` is on the chat en
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from ...runtime.grammar import Grammar, GrammarError
 from ..errors import APIError, bad
-from ..fields import refuse_unknown
+from ..fields import Object, Positive, Strict
 from ..structured import THINK_END
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 MEDIUM_SHARE = 4  # effort "medium": reasoning up to max_tokens // MEDIUM_SHARE
-THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+
+
+class ThinkingConfig(Strict):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Positive | None = None  # of "enabled" only
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: Annotated[Object, Field(alias="schema")]
+
+
+class OutputConfig(Strict):
+    effort: Literal[EFFORTS] | None = None
+    format: OutputFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -44,25 +62,23 @@ class Thinking:
     show: bool = True  # thinking.display is not "omitted"
 
 
-def parse_thinking(body: dict, ends_with_tool_result: bool) -> Thinking:
+def parse_thinking(value: ThinkingConfig | None, config: OutputConfig | None, max_tokens: int | None,
+                   ends_with_tool_result: bool) -> Thinking:
     """The Thinking of a request's `thinking` and `output_config.effort`."""
-    value = body.get("thinking")
-    effort = _effort(body.get("output_config"))
-    max_tokens = body.get("max_tokens")
-    if value is not None and (not isinstance(value, dict) or value.get("type") not in THINKING_TYPES):
-        raise bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"}, "
-                  "{\"type\": \"between_tools\"} or {\"type\": \"disabled\"}", "thinking")
-    kind = "adaptive" if value is None else value["type"]
-    refuse_unknown(value or {}, {"type", "display"} | ({"budget_tokens"} if kind == "enabled" else set()), "thinking.")
-    show = _display(value or {})
+    effort = config.effort if config is not None else None
+    kind = "adaptive" if value is None else value.type
+    show = value is None or value.display != "omitted"
+    if value is not None and value.budget_tokens is not None and kind != "enabled":
+        raise bad("unsupported field: thinking.budget_tokens (only \"enabled\" thinking takes a budget)",
+                  "thinking.budget_tokens")
     if kind == "disabled":
         return Thinking(False, show=show)
     if kind == "between_tools":
         return Thinking(ends_with_tool_result, show=show)
     if kind == "enabled":
-        budget = value.get("budget_tokens")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise bad(f"thinking.budget_tokens must be an integer >= 1, got {budget!r}", "thinking.budget_tokens")
+        budget = value.budget_tokens
+        if budget is None:
+            raise bad("thinking.budget_tokens must be an integer >= 1, got None", "thinking.budget_tokens")
         below = max_tokens is not None and budget < max_tokens
         return Thinking(True, budget if below else None, below, show)
     if effort is None:
@@ -72,41 +88,11 @@ def parse_thinking(body: dict, ends_with_tool_result: bool) -> Thinking:
     return Thinking(effort != "low", show=show)
 
 
-def _effort(config) -> str | None:
-    if config is None:
-        return None
-    effort = config.get("effort") if isinstance(config, dict) else None
-    if effort is not None and effort not in EFFORTS:
-        raise bad(f"output_config.effort must be one of {', '.join(EFFORTS)}, got {str(effort)[:40]!r}",
-                  "output_config.effort")
-    return effort
-
-
-def _display(value: dict) -> bool:
-    display = value.get("display")
-    if display not in (None, "summarized", "omitted"):
-        raise bad(f"thinking.display must be \"summarized\" or \"omitted\", got {str(display)[:40]!r}",
-                  "thinking.display")
-    return display != "omitted"
-
-
-def output_format(config) -> dict | None:
+def output_format(config: OutputConfig | None) -> dict | None:
     """The chat body's `response_format` for `output_config` (None: free text)."""
-    if config is None:
+    if config is None or config.format is None:
         return None
-    if not isinstance(config, dict):
-        raise bad("output_config must be an object like {\"effort\": \"high\"}", "output_config")
-    refuse_unknown(config, {"effort", "format"}, "output_config.")
-    value = config.get("format")
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("type") != "json_schema":
-        raise bad("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                  "output_config.format")
-    refuse_unknown(value, {"type", "schema"}, "output_config.format.")
-    if not isinstance(value.get("schema"), dict):
-        raise bad("output_config.format.schema must be a JSON schema object", "output_config.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": value["schema"]}}
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": config.format.schema_}}
 
 
 def budget_grammar(thinking: Thinking, reasoning_open: bool, constraint: Grammar | None, tokenizer,

@@ -5,7 +5,7 @@ Content blocks come in the order the model wrote them: `thinking` from the reaso
 split (with `thinking.display: "omitted"` the block stays empty), `text`, `tool_use`
 with the parsed input. A tool whose `eager_input_streaming` is set has its block opened
 as soon as the call names it and its input streamed as `input_json_delta` pieces while
-the call is written; other calls are sent whole when they end (call_stream.py). A call
+the call is written; other calls are sent whole when they end (tools/tools/call_stream.py). A call
 cut by max_tokens is still a tool_use block, its input the members written so far, and
 the message stops with `max_tokens`; its markup is never text. Usage: `input_tokens`
 (prompt tokens that were prefilled), `cache_read_input_tokens` (the prompt cache's hits:
@@ -22,10 +22,10 @@ import json
 import uuid
 
 from ...runtime.events import Delta, Finished
-from ..call_stream import CallStream
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
-from ..tool_calls import ToolCallParser, arguments_object
+from ..tools.call_stream import CallStream
+from ..tools.calls import ToolCallParser, arguments_object
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -126,7 +126,7 @@ class MessagesFormat:
         return events
 
     def _content(self, items: list) -> list[dict]:
-        """Text and call pieces in order (call_stream.py): a call is a tool_use block, its
+        """Text and call pieces in order (tools/tools/call_stream.py): a call is a tool_use block, its
         input streamed as input_json_delta pieces; its `input` the arguments as an object
         (for a call cut short, the members written: tools.arguments_object)."""
         events = []

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from ...runtime.events import Delta, Finished
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
-from ..tool_calls import ToolCall, ToolCallParser
+from ..tools.calls import ToolCall, ToolCallParser
 
 NS = 1_000_000_000
 MEDIA_TYPE = "application/x-ndjson"

@@ -10,8 +10,8 @@ accepted (`Options`' inert ones: threads, GPUs, batch size, memory mapping, and 
 options that only matter with a penalty that is off); what would change the result and is not
 implemented is refused, unless at its neutral value (`NEUTRAL_OPTIONS`, the penalties
 and mirostat; `suffix`, `template`, `context`, image generation's fields). A chat or
-generate request becomes the OpenAI-shaped chat body every API shares
-(../requests.py's `parse_chat_body`): the model's own chat template renders it, tools
+generate request becomes the ChatRequest every API builds (../requests.py's
+`chat_request`): the model's own chat template renders it, tools
 and `format` go through the same grammar (../structured.py) as OpenAI's `tools` and
 `response_format`."""
 
@@ -24,7 +24,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import APIError, bad
 from ..images import image_item, message_content
-from ..requests import ChatRequest, SamplingDefaults, parse_chat_body
+from ..requests import (
+    ChatRequest,
+    GenerationFields,
+    SamplingDefaults,
+    chat_request,
+    sampling,
+    stop_strings,
+    template_kwargs,
+)
+from ..structured import response_format
+from ..tools.specs import check_parameters
 
 # accepted only at the value that means "off": no penalty, no mirostat, no tail-free or
 # typical sampling (sampling.py has none of them)
@@ -105,7 +115,7 @@ class Message(Body):
 
 class Tool(Body):
     type: Literal["function"] = "function"
-    function: dict[str, Any]  # name, description, parameters: checked as OpenAI's (../tool_specs.py)
+    function: dict[str, Any]  # name, description, parameters: checked as OpenAI's (../tools/specs.py)
 
 
 class Generation(Body):
@@ -237,29 +247,39 @@ def parse_generate(body: dict, defaults: SamplingDefaults) -> OllamaRequest:
 
 
 def _request(req: Generation, messages: list[dict], tools, defaults: SamplingDefaults) -> OllamaRequest:
-    """The OpenAI-shaped chat body of `req`, read by the parser every API shares; its
-    errors name Ollama's fields."""
+    """The shared ChatRequest of `req` (../requests.py's pieces, as every API builds it);
+    errors of the shared pieces name Ollama's fields."""
     options = req.options or Options()
     _check_options(options)
-    body: dict = {"model": req.model, "messages": messages, "tools": tools, "stream": req.stream,
-                  "temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k,
-                  "min_p": options.min_p, "seed": None if options.seed is None or options.seed < 0 else options.seed,
-                  "stop": options.stop or None, "logprobs": req.logprobs, "top_logprobs": req.top_logprobs}
-    if req.format == "json":
-        body["response_format"] = {"type": "json_object"}
-    elif isinstance(req.format, dict):
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": req.format}}
-    if req.think is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": req.think is not False}
     num_predict = options.num_predict
     if num_predict is not None and (num_predict == 0 or num_predict < -2):
         raise bad(f"options.num_predict must be >= 1, or -1 / -2 (up to the context), got {num_predict}",
                   "options.num_predict")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    for i, tool in enumerate(tools or ()):
+        check_parameters(tool["function"].get("parameters") or {}, f"tools[{i}].function.parameters")
     try:
-        chat = parse_chat_body(body, defaults)
+        seed = None if options.seed is None or options.seed < 0 else options.seed
+        params = sampling(defaults, options.temperature, options.top_p, options.top_k, options.min_p, seed)
+        fields = GenerationFields(req.model, req.stream, False, None, params, stop_strings(options.stop or None),
+                                  (req.top_logprobs or 0) if req.logprobs else None)
+        thinking = None if req.think is None else req.think is not False
+        chat = chat_request(fields, messages, tools, form=response_format(_response_format(req.format)),
+                            kwargs=template_kwargs(None, thinking, "think"), form_param="format")
     except APIError as e:
         raise renamed(e) from None
     return OllamaRequest(chat, req.stream, options.num_ctx, num_predict)
+
+
+def _response_format(form) -> dict | None:
+    """Ollama's `format` as the response_format of the same output ("json": any JSON
+    object; a schema: that schema)."""
+    if form == "json":
+        return {"type": "json_object"}
+    if isinstance(form, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": form}}
+    return None
 
 
 def _check_options(options: Options) -> None:

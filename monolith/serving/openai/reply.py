@@ -10,9 +10,9 @@ import time
 import uuid
 
 from ...runtime.events import Delta, Finished
-from ..call_stream import CallStream, Piece
 from ..reasoning import ReasoningSplitter
-from ..tool_calls import ToolCallParser, parse_tool_calls
+from ..tools.call_stream import CallStream, Piece
+from ..tools.calls import ToolCallParser, parse_tool_calls
 from .speculation import FIELD, SpecPieces, spec_entries, stats_of
 
 NEG_INF_LOGPROB = -9999.0  # what OpenAI reports for an impossible token (JSON has no -inf)
@@ -122,7 +122,7 @@ class ChatFormat(OpenAIEvents):
 
     def _split(self, pieces: tuple[str, str], include_usage: bool) -> list[dict]:
         """Chunks for a (reasoning, content) pair: the reasoning as delta.reasoning_content,
-        the content through the tool-call parser (call_stream.py)."""
+        the content through the tool-call parser (tools/tools/call_stream.py)."""
         reasoning, text = pieces
         items = [text] if self.calls is None else self.calls.feed(text)
         spec_reasoning, spec_content = self.pieces.take() if self.pieces is not None else ((), ())
@@ -153,7 +153,7 @@ class ChatFormat(OpenAIEvents):
         return chunks
 
     def _pieces(self, items: list, include_usage: bool, spec=()) -> list[dict]:
-        """The content of `items` (call_stream.py) as one chunk (a chat message holds its
+        """The content of `items` (tools/tools/call_stream.py) as one chunk (a chat message holds its
         content and its calls apart), then the calls: a call's first chunk has its index,
         id, type, name and arguments "", the next ones its arguments as written."""
         chunks = []

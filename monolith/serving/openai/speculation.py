@@ -15,35 +15,10 @@ from __future__ import annotations
 from bisect import bisect_right
 
 from ...runtime.events import PLAIN, Delta, Finished, merge_pieces
-from ..errors import bad
-from ..fields import optional, refuse_extra
 from ..reasoning import ReasoningSplitter
-from ..tool_calls import ToolCallParser
+from ..tools.calls import ToolCallParser
 
-FIELD = "monolith"
-
-
-def spec_option(body: dict) -> bool:
-    """Whether the request asks for speculation in the stream (`monolith.spec`); a 400
-    naming the culprit for anything but an object holding at most booleans `spec` and
-    `draft`."""
-    value = body.get(FIELD)
-    if value is None:
-        return False
-    if not isinstance(value, dict):
-        raise bad(f"{FIELD} must be an object such as {{\"spec\": true}}", FIELD)
-    refuse_extra(value, {"spec", "draft"}, FIELD)
-    return bool(optional(value, "spec", bool, "true or false", f"{FIELD}.spec"))
-
-
-def draft_option(body: dict) -> bool:
-    """Whether the request asks to be drafted whatever the server measured at start
-    (`monolith.draft`; checked with `spec_option`): honoured where the server holds a
-    drafter (driving.py refuses it with a 400 where it holds none)."""
-    value = body.get(FIELD)
-    if not isinstance(value, dict):
-        return False
-    return bool(optional(value, "draft", bool, "true or false", f"{FIELD}.draft"))
+FIELD = "monolith"  # the request's option (requests.MonolithOptions) and the reply's key
 
 
 def stats_of(finished: Finished) -> dict:

@@ -16,12 +16,34 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import bad
-from ..fields import is_int, optional, refuse_unknown
-from ..requests import parse_chat_body
+from ..fields import Body, Flag, Integer, Object, Text, parse
+from .requests import parse_chat_request
 
-PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
-CHAT_FIELDS = {"model", "messages", "add_special_tokens", "return_token_strs", "add_generation_prompt",
-               "continue_final_message", "chat_template_kwargs", "tools"}
+
+class PromptBody(Body):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: Flag = True
+    return_token_strs: Flag = False
+
+
+class ChatPromptBody(Body):
+    """A chat to render and tokenize: its messages, tools and template switches are read
+    as a chat completion's are (requests.py)."""
+
+    model: Text | None = None
+    messages: list[Object]
+    tools: list[Object] | None = None
+    chat_template_kwargs: Object | None = None
+    add_special_tokens: Flag = False
+    return_token_strs: Flag = False
+    add_generation_prompt: Flag | None = None
+    continue_final_message: Flag = False
+
+
+class DetokenizeBody(Body):
+    model: Text | None = None
+    tokens: list[Integer]
 
 
 def routes(handlers) -> list[Route]:
@@ -38,32 +60,26 @@ class TokenizerRoutes:
     async def tokenize(self, request: Request) -> Response:
         _, body, model = await self.handlers.arrive(request)
         tokenizer = model.engine.tokenizer
-        strs = optional(body, "return_token_strs", bool, "true or false") or False
         if "messages" in body:
-            refuse_unknown({k for k, v in body.items() if v is not None}, CHAT_FIELDS)
-            special = optional(body, "add_special_tokens", bool, "true or false") or False
-            text = await anyio.to_thread.run_sync(self._render, tokenizer, body)
+            req = parse(ChatPromptBody, body)
+            text = await anyio.to_thread.run_sync(self._render, tokenizer, req)
         else:
-            refuse_unknown({k for k, v in body.items() if v is not None}, PROMPT_FIELDS)
-            text = body.get("prompt")
-            if not isinstance(text, str):
-                raise bad("prompt must be a string (or send messages)", "prompt")
-            special = optional(body, "add_special_tokens", bool, "true or false")
-            special = True if special is None else special
+            req = parse(PromptBody, body)
+            text = req.prompt
+        special, strs = req.add_special_tokens, req.return_token_strs
         ids = await anyio.to_thread.run_sync(lambda: tokenizer.encode(text, add_special_tokens=special))
         return JSONResponse({"count": len(ids), "max_model_len": model.engine.max_context, "tokens": ids,
                              "token_strs": [model.token_text.text(t) for t in ids] if strs else None})
 
     @staticmethod
-    def _render(tokenizer, body: dict) -> str:
+    def _render(tokenizer, req: ChatPromptBody) -> str:
         """The chat prompt text of a /tokenize body with messages."""
-        generation = optional(body, "add_generation_prompt", bool, "true or false")
-        final = optional(body, "continue_final_message", bool, "true or false") or False
+        generation, final = req.add_generation_prompt, req.continue_final_message
         if final and generation:
             raise bad("continue_final_message and add_generation_prompt cannot both be true",
                       "continue_final_message")
-        chat = parse_chat_body({"messages": body["messages"], "tools": body.get("tools"),
-                                "chat_template_kwargs": body.get("chat_template_kwargs")})
+        chat = parse_chat_request({"messages": req.messages, "tools": req.tools,
+                                   "chat_template_kwargs": req.chat_template_kwargs})
         try:
             text = tokenizer.apply_chat_template(chat.messages, chat.tools, add_generation_prompt=not final
                                                  and generation is not False, **chat.template_kwargs)
@@ -79,10 +95,7 @@ class TokenizerRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         _, body, model = await self.handlers.arrive(request)
-        refuse_unknown({k for k, v in body.items() if v is not None}, {"model", "tokens"})
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
-            raise bad("tokens must be a list of token ids", "tokens")
+        tokens = parse(DetokenizeBody, body).tokens
         vocab = model.engine.vocab_size
         wrong = next((t for t in tokens if not 0 <= t < vocab), None)
         if wrong is not None:

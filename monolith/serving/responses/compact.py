@@ -12,20 +12,35 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from typing import Annotated, Any
 
 from ...runtime.events import Delta, Finished
 from ...sampling import SamplingParams
-from ..errors import bad
+from ..fields import Body, Text, inert, parse
 from ..reasoning import ReasoningSplitter
 from ..requests import SamplingDefaults
 from .requests import parse_request
 from .seal import seal_summary
 from .store import ResponseStore
 
-FIELDS = {"model", "input", "previous_response_id", "instructions"}
-# hints that change no summary (`image`: the image context policy; the kept user messages keep their images)
-INERT_FIELDS = {"prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
-                "service_tier", "image"}
+
+class CompactBody(Body):
+    """A compaction request: its conversation, and hints that change no summary
+    (`image`: the image context policy; the kept user messages keep their images)."""
+
+    model: Text  # required by the Open Responses specification
+    input: Any = None  # as a response's (requests.py)
+    previous_response_id: Any = None
+    instructions: Any = None
+    prompt_cache_key: Annotated[Any, inert("the prompt cache is automatic")] = None
+    prompt_cache_retention: Annotated[Any, inert("the prompt cache is automatic")] = None
+    prompt_cache_options: Annotated[Any, inert("the prompt cache is automatic")] = None
+    safety_identifier: Annotated[Any, inert("an end-user id")] = None
+    service_tier: Annotated[Any, inert("one tier here")] = None
+    image: Annotated[Any, inert("the kept user messages keep their images")] = None
+
+
+FIELDS = ("model", "input", "previous_response_id", "instructions")  # what the response's parser reads
 SUMMARY_TOKENS = 1024  # the most tokens a summary may take
 ASK = ("Summarize our conversation so far for your own later use, so that it can continue from the summary "
        "alone: the user's goals and constraints, what was decided and done, facts and tool results that still "
@@ -34,12 +49,7 @@ ASK = ("Summarize our conversation so far for your own later use, so that it can
 
 def parse_compact(body: dict, defaults: SamplingDefaults, store: ResponseStore):
     """(the summary's ChatRequest, the user messages the window keeps)."""
-    if body.get("model") is None:  # required by the Open Responses specification
-        raise bad("model is required", "model")
-    unknown = sorted(set(body) - FIELDS - INERT_FIELDS)
-    if unknown:
-        raise bad(f"unsupported field{'s' if len(unknown) > 1 else ''} for compaction: {', '.join(unknown)}",
-                  unknown[0])
+    parse(CompactBody, body)
     call = parse_request({k: v for k, v in body.items() if k in FIELDS}, defaults, store)
     kept = [m["content"] for m in call.history if m["role"] == "user" and not m.get("compaction")]
     ask = call.request.messages + [{"role": "user", "content": ASK}]

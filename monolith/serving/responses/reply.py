@@ -17,12 +17,12 @@ import time
 import uuid
 
 from ...runtime.events import Delta, Finished
-from ..call_stream import CallStream
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
 from ..structured import THINK_END
-from ..tool_calls import ToolCallParser
-from .items import items_to_messages
+from ..tools.call_stream import CallStream
+from ..tools.calls import ToolCallParser
+from .items import output_messages
 from .requests import ResponsesCall
 from .seal import SEALER
 from .store import ResponseStore
@@ -57,7 +57,7 @@ class ResponseFormat:
         return self._route(reasoning, content)
 
     def _route(self, reasoning: str, content: str, final: bool = False) -> list[dict]:
-        """The reasoning, then the content's text and call pieces in order (call_stream.py;
+        """The reasoning, then the content's text and call pieces in order (tools/call_stream.py;
         `final`: the end of the text)."""
         events = self._reasoning(reasoning) if reasoning else []
         if self.calls is None:
@@ -109,7 +109,7 @@ class ResponseFormat:
         return [self._at({"type": "response.output_text.delta", "content_index": 0, "delta": text, "logprobs": []})]
 
     def _call(self, piece) -> list[dict]:
-        """A call's piece (call_stream.py): its item added at the start, its arguments as
+        """A call's piece (tools/tools/call_stream.py): its item added at the start, its arguments as
         `response.function_call_arguments.delta` events, and at the end their `.done` and
         the item, `incomplete` when the call was cut (a custom tool's input comes whole
         at the end)."""
@@ -211,7 +211,7 @@ class ResponseFormat:
 
     def conversation(self) -> list[dict]:
         """The conversation so far as chat messages: the request's and the output."""
-        return self.call.history + items_to_messages(self.items, "output")
+        return self.call.history + output_messages(self.items)
 
     # ---------------------------------------------------------------- the format interface
 

@@ -14,44 +14,93 @@ store.py."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from ...sampling import SamplingError, SamplingParams
+from pydantic import Field
+
 from ..errors import bad
 from ..fields import (
-    is_name,
-    optional,
-    positive_int,
-    real,
-    refuse_extra,
-    refuse_non_neutral,
-    refuse_unknown,
+    Body,
+    Flag,
+    Positive,
+    Real,
+    Strict,
+    Text,
+    inert,
+    neutral,
+    parse,
 )
-from ..requests import MAX_TEMPERATURE, ChatRequest, SamplingDefaults
+from ..requests import THINKING_BY_EFFORT, ChatRequest, SamplingDefaults, sampling
 from ..structured import Structure
 from .items import items_to_messages
 from .store import ResponseStore, input_items
-from .tools import Tools, parse_tools, tool_choice
+from .tools import Tool, ToolChoice, Tools, parse_tools, tool_choice
 
-FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-          "text", "stream", "store", "metadata", "parallel_tool_calls", "previous_response_id", "reasoning", "include"}
-# reasoning.effort -> Qwen's thinking switch (the template's enable_thinking): Qwen has no
-# effort levels, only thinking on or off
-THINKING = {"none": False, "minimal": False, "low": True, "medium": True, "high": True, "xhigh": True, "max": True}
-# ids, client hints and caching hints: they change nothing generated; max_tool_calls bounds
-# calls to hosted tools, which run nowhere here
-INERT_FIELDS = {"user", "safety_identifier", "prompt_cache_key", "service_tier", "client_metadata",
-                "prompt_cache_retention", "prompt_cache_options", "stream_options", "max_tool_calls"}
-NEUTRAL_VALUES = {"truncation": "disabled", "background": False, "top_logprobs": 0, "presence_penalty": 0.0,
-                  "frequency_penalty": 0.0}
 ENCRYPTED = "reasoning.encrypted_content"
 # `include` values about items this server never writes (hosted tools' calls, input images)
 INERT_INCLUDES = {"file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
                   "message.input_image.image_url", "computer_call_output.output.image_url",
                   "code_interpreter_call.outputs"}
-VERBOSITY = ("low", "medium", "high")
-FORMAT_KEYS = {"type", "name", "schema", "strict", "description"}
+CACHE = "the prompt cache is automatic"
+
+
+class Reasoning(Strict):
+    """`effort` switches Qwen's thinking (none / minimal: off; low and up: on); `summary`
+    "auto" or null (the reply's reasoning item carries the reasoning itself as
+    reasoning_text; this server writes no separate summaries, so "concise" and
+    "detailed" are refused)."""
+
+    effort: Literal[tuple(THINKING_BY_EFFORT)] | None = None
+    summary: Text | None = None
+
+
+class Format(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = None
+    schema_: Annotated[Any, Field(alias="schema")] = None
+    strict: Flag | None = None
+    description: Text | None = None
+
+
+class TextOptions(Strict):
+    format: Format | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint Qwen has no switch for: accepted
+
+
+class ResponsesBody(Body):
+    model: Text | None = None
+    input: Text | list[Any]  # items.py reads the items
+    instructions: Text | None = None
+    tools: list[Tool] | None = None  # tools.py
+    tool_choice: ToolChoice | None = None  # tools.py
+    max_output_tokens: Positive | None = None
+    temperature: Real | None = None
+    top_p: Real | None = None
+    text: TextOptions | None = None
+    stream: Flag = False
+    store: Flag = True
+    metadata: Annotated[dict[str, Text], Field(max_length=16)] | None = None  # echoed
+    parallel_tool_calls: Flag = True
+    previous_response_id: Text | None = None
+    reasoning: Reasoning | None = None
+    include: list[Text] = Field(default_factory=list)
+    # ids, client hints and caching hints: they change nothing generated
+    user: Annotated[Any, inert("an end-user id")] = None
+    safety_identifier: Annotated[Text | None, inert("an end-user id; echoed")] = None
+    prompt_cache_key: Annotated[Text | None, inert(CACHE + "; echoed")] = None
+    service_tier: Annotated[Any, inert("one tier here")] = None
+    client_metadata: Annotated[Any, inert("client metadata; nothing is stored")] = None
+    prompt_cache_retention: Annotated[Any, inert("entries live until the cache needs the room")] = None
+    prompt_cache_options: Annotated[Any, inert(CACHE)] = None
+    stream_options: Annotated[Any, inert("nothing to obfuscate")] = None
+    max_tool_calls: Annotated[Positive | None, inert("bounds calls to hosted tools, which run nowhere here")] = None
+    # accepted only at the value that means "off" (or the API's default)
+    truncation: Annotated[Any, neutral("disabled", "the input is never truncated")] = None
+    background: Annotated[Any, neutral(False, "no background responses")] = None
+    top_logprobs: Annotated[Any, neutral(0, "logprobs are not written in this API")] = None
+    presence_penalty: Annotated[Any, neutral(0.0, "penalties are not implemented")] = None
+    frequency_penalty: Annotated[Any, neutral(0.0, "penalties are not implemented")] = None
 
 
 @dataclass(frozen=True)
@@ -66,107 +115,61 @@ class ResponsesCall:
 
 
 def parse_request(body: dict, defaults: SamplingDefaults, store: ResponseStore) -> ResponsesCall:
-    body = {key: value for key, value in body.items() if value is not None}
-    _check_fields(body)
-    model = optional(body, "model", str, "a string")
-    stream = optional(body, "stream", bool, "true or false") or False
-    keep = optional(body, "store", bool, "true or false")
-    parallel = optional(body, "parallel_tool_calls", bool, "true or false")
-    parallel = True if parallel is None else parallel
-    max_tokens = positive_int(body, "max_output_tokens")
-    temperature = real(body, "temperature", defaults.temperature)
-    if temperature > MAX_TEMPERATURE:
-        raise bad(f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {temperature}", "temperature")
-    top_p = real(body, "top_p", defaults.top_p)
-    try:
-        params = SamplingParams(temperature, top_p, defaults.top_k, defaults.min_p)
-    except SamplingError as e:
-        raise bad(str(e), e.field) from None
-    instructions = optional(body, "instructions", str, "a string")
-    previous = optional(body, "previous_response_id", str, "a string")
+    given = parse(ResponsesBody, body)
+    params = sampling(defaults, given.temperature, given.top_p)
+    previous = given.previous_response_id
     history = list(store.get(previous, "previous_response_id")[1]) if previous is not None else []
-    history += _input(body.get("input"), history)
-    tools = parse_tools(body.get("tools"))
-    choice, structure = tool_choice(body.get("tool_choice"), tools, parallel)
-    text, form_structure = _text(body.get("text"))
+    history += _input(given.input, history)
+    tools = parse_tools(given.tools)
+    choice, structure = tool_choice(given.tool_choice, tools, given.parallel_tool_calls)
+    text, form_structure = _text(given.text)
     if form_structure is not None and structure is not None:
         raise bad("text.format and a tool_choice that forces a call cannot both constrain the output", "text.format")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + history
-    reasoning, template_kwargs = _reasoning(body.get("reasoning"))
-    request = ChatRequest(model=model, stream=stream, include_usage=False, max_tokens=max_tokens, params=params,
-                          stop=(), logprobs=None, messages=messages,
-                          tools=None if choice == "none" or not tools.chat else tools.chat,
+    messages = ([{"role": "system", "content": given.instructions}] if given.instructions else []) + history
+    reasoning, template_kwargs = _reasoning(given.reasoning)
+    request = ChatRequest(model=given.model, stream=given.stream, include_usage=False,
+                          max_tokens=given.max_output_tokens, params=params, stop=(), logprobs=None,
+                          messages=messages, tools=None if choice == "none" or not tools.chat else tools.chat,
                           template_kwargs=template_kwargs, structure=structure or form_structure)
-    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "metadata": _metadata(body),
-            "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": temperature,
-            "top_p": top_p, "text": text, "tool_choice": choice, "tools": tools.echo,
-            "truncation": "disabled", "reasoning": reasoning, **_settings_echo(body)}
-    return ResponsesCall(request, history, echo, keep is not False,
-                         input_items(body["input"]) if keep is not False else [], tools,
-                         _include(body.get("include", [])))
+    echo = {"instructions": given.instructions, "max_output_tokens": given.max_output_tokens,
+            "metadata": _metadata(given.metadata), "parallel_tool_calls": given.parallel_tool_calls,
+            "previous_response_id": previous, "temperature": params.temperature, "top_p": params.top_p,
+            "text": text, "tool_choice": choice, "tools": tools.echo, "truncation": "disabled",
+            "reasoning": reasoning, "presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0,
+            "background": False, "service_tier": "default", "max_tool_calls": given.max_tool_calls,
+            "safety_identifier": given.safety_identifier, "prompt_cache_key": given.prompt_cache_key}
+    return ResponsesCall(request, history, echo, given.store, input_items(given.input) if given.store else [], tools,
+                         _include(given.include))
 
 
-def _include(value) -> bool:
+def _include(values: list[str]) -> bool:
     """Whether `include` asks for encrypted reasoning. Values about items this server
     never writes are accepted; logprobs (not written in this API) are refused."""
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise bad("include must be a list of strings", "include")
-    for v in value:
+    for v in values:
         if v != ENCRYPTED and v not in INERT_INCLUDES:
             why = "logprobs are not written in this API" if v == "message.output_text.logprobs" else "unknown"
             raise bad(f"include value {v!r} is not supported ({why})", "include")
-    return ENCRYPTED in value
+    return ENCRYPTED in values
 
 
-def _settings_echo(body: dict) -> dict:
-    """The response object's fields for settings this server holds fixed or only echoes."""
-    max_calls = body.get("max_tool_calls")
-    if max_calls is not None and (type(max_calls) is not int or max_calls < 1):
-        raise bad(f"max_tool_calls must be an integer >= 1, got {json.dumps(max_calls)[:60]}", "max_tool_calls")
-    echo = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "top_logprobs": 0, "background": False,
-            "service_tier": "default", "max_tool_calls": max_calls}
-    for name in ("safety_identifier", "prompt_cache_key"):
-        echo[name] = optional(body, name, str, "a string")
-    return echo
-
-
-def _reasoning(value) -> tuple[dict, dict]:
-    """(the response's `reasoning` echo, the chat template's kwargs) of `reasoning`:
-    `effort` switches Qwen's thinking (none / minimal: off; low and up: on); `summary`
-    "auto" or null (the reply's reasoning item carries the reasoning itself as
-    reasoning_text; this server writes no separate summaries, so "concise" and
-    "detailed" are refused)."""
+def _reasoning(value: Reasoning | None) -> tuple[dict, dict]:
+    """(the response's `reasoning` echo, the chat template's kwargs) of `reasoning`."""
     if value is None:
         return {"effort": None, "summary": None}, {}
-    if not isinstance(value, dict):
-        raise bad("reasoning must be an object like {\"effort\": \"medium\"}", "reasoning")
-    unknown = sorted(set(value) - {"effort", "summary"})
-    if unknown:
-        raise bad(f"reasoning.{unknown[0]} is not supported", f"reasoning.{unknown[0]}")
-    effort, summary = value.get("effort"), value.get("summary")
-    if effort is not None and not is_name(effort, THINKING):
-        raise bad(f"reasoning.effort must be one of {', '.join(THINKING)}, got {effort!r}", "reasoning.effort")
-    if summary not in (None, "auto"):
-        raise bad(f"reasoning.summary {summary!r} is not supported (this server writes no reasoning summaries; "
-                  "the reasoning comes back whole as reasoning_text): use \"auto\" or null", "reasoning.summary")
-    kwargs = {} if effort is None else {"enable_thinking": THINKING[effort]}
-    return {"effort": effort, "summary": summary}, kwargs
+    if value.summary not in (None, "auto"):
+        raise bad(f"reasoning.summary {value.summary!r} is not supported (this server writes no reasoning "
+                  "summaries; the reasoning comes back whole as reasoning_text): use \"auto\" or null",
+                  "reasoning.summary")
+    kwargs = {} if value.effort is None else {"enable_thinking": THINKING_BY_EFFORT[value.effort]}
+    return {"effort": value.effort, "summary": value.summary}, kwargs
 
 
-def _check_fields(body: dict) -> None:
-    refuse_unknown(body, FIELDS | INERT_FIELDS | set(NEUTRAL_VALUES))
-    refuse_non_neutral(body, NEUTRAL_VALUES)
-
-
-def _metadata(body: dict) -> dict:
-    value = optional(body, "metadata", dict, "an object of strings") or {}
-    if len(value) > 16:
-        raise bad(f"metadata has {len(value)} keys; at most 16", "metadata")
-    for key, item in value.items():
-        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+def _metadata(value: dict | None) -> dict:
+    for key, item in (value or {}).items():
+        if len(key) > 64 or len(item) > 512:
             raise bad("metadata keys must be strings of at most 64 characters and values strings of at most 512",
                       f"metadata.{key[:64]}")
-    return dict(value)
+    return dict(value or {})
 
 
 def _input(value, history: list[dict]) -> list[dict]:
@@ -174,52 +177,31 @@ def _input(value, history: list[dict]) -> list[dict]:
         if not value:
             raise bad("input is empty", "input")
         return [{"role": "user", "content": value}]
-    if value is None:
-        raise bad("input is required", "input")
-    if not isinstance(value, list) or not value:
+    if not value:
         raise bad("input must be a non-empty string or a non-empty list of input items", "input")
     return items_to_messages(value, "input", {c.get("id") for m in history for c in m.get("tool_calls", ())})
 
 
-def _text(value) -> tuple[dict, Structure | None]:
-    """(`text` as the response reports it, the Structure text.format asks for or None).
-    `verbosity` is a hint to OpenAI's models that Qwen has no switch for: accepted."""
+def _text(value: TextOptions | None) -> tuple[dict, Structure | None]:
+    """(`text` as the response reports it, the Structure text.format asks for or None)."""
     if value is None:
         return {"format": {"type": "text"}}, None
-    if not isinstance(value, dict):
-        raise bad("text must be an object like {\"format\": {\"type\": \"json_schema\", ...}}", "text")
-    refuse_extra(value, {"format", "verbosity"}, "text")
-    verbosity = value.get("verbosity")
-    if verbosity is not None and verbosity not in VERBOSITY:
-        raise bad(f"text.verbosity must be one of {', '.join(VERBOSITY)}, got {json.dumps(verbosity)[:40]}",
-                  "text.verbosity")
-    form, structure = _format(value.get("format"))
-    return {"format": form, **({"verbosity": verbosity} if verbosity else {})}, structure
+    form, structure = _format(value.format)
+    return {"format": form, **({"verbosity": value.verbosity} if value.verbosity else {})}, structure
 
 
-def _format(form) -> tuple[dict, Structure | None]:
+def _format(form: Format | None) -> tuple[dict, Structure | None]:
     """(text.format as the response reports it, the Structure it asks for or None)."""
-    if form is None:
+    extra = sorted(form.model_fields_set - {"type"}) if form is not None and form.type != "json_schema" else []
+    if extra:  # text and json_object take no other field
+        raise bad(f"text.format has unsupported field(s): {', '.join(extra)}", f"text.format.{extra[0]}")
+    if form is None or form.type == "text":
         return {"type": "text"}, None
-    if not isinstance(form, dict):
-        raise bad("text.format must be an object", "text.format")
-    kind = form.get("type")
-    refuse_extra(form, {"type"} if kind in ("text", "json_object") else FORMAT_KEYS, "text.format")
-    if kind == "text":
-        return {"type": "text"}, None
-    if kind == "json_object":
+    if form.type == "json_object":
         return {"type": "json_object"}, Structure("json", "text.format", {"type": "object"})
-    if kind != "json_schema":
-        raise bad(f"text.format.type must be \"text\", \"json_object\" or \"json_schema\", got "
-                  f"{json.dumps(kind)[:60]}", "text.format.type")
-    schema = form.get("schema")
-    if not isinstance(schema, dict):
+    if not isinstance(form.schema_, dict):
         raise bad("text.format.schema must be a JSON schema (an object)", "text.format.schema")
-    for key, want in (("name", str), ("description", str), ("strict", bool)):
-        if form.get(key) is not None and not isinstance(form[key], want):
-            raise bad(f"text.format.{key} must be a {want.__name__}", f"text.format.{key}")
     # echoed as the specification's response object has it: the schema itself is not repeated
-    echo = {"type": "json_schema", "name": form.get("name") or "response", "description": form.get("description"),
-            "schema": None, "strict": bool(form.get("strict"))}
-    return echo, Structure("json", "text.format.schema", schema)
-
+    echo = {"type": "json_schema", "name": form.name or "response", "description": form.description,
+            "schema": None, "strict": bool(form.strict)}
+    return echo, Structure("json", "text.format.schema", form.schema_)

@@ -26,23 +26,82 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 import llguidance
+from pydantic import Field, Tag
 
 from ..errors import bad
-from ..fields import is_name, refuse_extra
-from ..tool_calls import arguments_object
-from ..tool_specs import chat_tool, forced_calls, named, tool_entries, tool_fields
-from .items import flat_name, string_field
+from ..fields import Flag, Object, Strict, Text, by_type
+from ..tools.calls import arguments_object
+from ..tools.specs import chat_tool, check_parameters, forced_calls, named
+from .items import flat_name
 
 HOSTED = frozenset({
     "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
     "code_interpreter", "image_generation", "computer", "computer_use", "computer_use_preview", "local_shell",
     "shell", "mcp", "apply_patch", "tool_search", "programmatic_tool_calling"})
-FUNCTION_KEYS = {"type", "name", "description", "parameters", "strict"}
-CUSTOM_KEYS = {"type", "name", "description", "format"}
-NAMESPACE_KEYS = {"type", "name", "description", "tools"}
 INPUT = "input"  # a custom tool's one parameter, as the model sees it
+NAME = Annotated[Text, Field(min_length=1)]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: NAME
+    description: Text | None = None
+    parameters: Object | None = None
+    strict: Flag | None = None  # echoed; a forced call follows the schema whatever it says
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class GrammarFormat(Strict):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: NAME
+
+
+class CustomTool(Strict):
+    type: Literal["custom"]
+    name: NAME
+    description: Text | None = None
+    format: Annotated[TextFormat | GrammarFormat, Field(discriminator="type")] | None = None
+
+
+class OtherTool(Strict, extra="allow"):
+    """A tool of a type this API does not have: refused naming its type."""
+
+    type: Literal["function", "custom", "namespace", "a hosted tool's type"]
+
+
+Member = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
+                   | Annotated[OtherTool, Tag("other")], by_type(("function", "custom"))]
+
+
+class NamespaceTool(Strict):
+    """Codex's group of a server's tools: each seen by the model as NAMESPACE.NAME."""
+
+    type: Literal["namespace"]
+    name: NAME
+    description: Text | None = None
+    tools: Annotated[list[Member], Field(min_length=1)]
+
+
+# a tool of the `tools` list: a hosted tool is echoed as sent
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[CustomTool, Tag("custom")]
+                 | Annotated[NamespaceTool, Tag("namespace")] | Annotated[Object, Tag("hosted")]
+                 | Annotated[OtherTool, Tag("other")], by_type({"function": "function", "custom": "custom", "namespace": "namespace",
+                                                              **dict.fromkeys(HOSTED, "hosted")})]
+
+
+class NamedChoice(Strict, extra="allow"):
+    type: Text
+    name: Any = None
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedChoice
 
 
 @dataclass
@@ -54,96 +113,61 @@ class Tools:
     omitted: list = field(default_factory=list)  # the hosted tools' types, left out
 
 
-def parse_tools(value) -> Tools:
+def parse_tools(value: list | None) -> Tools:
     tools = Tools()
-    for at, tool in tool_entries(value, "tool objects"):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if is_name(kind, HOSTED):
-            tools.omitted.append(kind)
+    for i, tool in enumerate(value or ()):
+        at = f"tools[{i}]"
+        if isinstance(tool, dict):  # a hosted tool
+            tools.omitted.append(tool["type"])
             tools.echo.append(dict(tool))
-        elif kind == "namespace":
-            _namespace(tool, at, tools)
-        elif kind in ("function", "custom"):
-            tools.echo.append(_tool(tool, at, None, tools))
+        elif isinstance(tool, NamespaceTool):
+            echo = [_tool(member, f"{at}.tools[{j}]", tool.name, tools) for j, member in enumerate(tool.tools)]
+            tools.echo.append({"type": "namespace", "name": tool.name, "description": tool.description or "",
+                               "tools": echo})
         else:
-            raise bad(f"{at}.type must be function, custom, namespace or a hosted tool's type, got "
-                      f"{json.dumps(kind)[:60]}", f"{at}.type")
+            tools.echo.append(_tool(tool, at, None, tools))
     return tools
 
 
-def _namespace(tool: dict, at: str, tools: Tools) -> None:
-    refuse_extra(tool, NAMESPACE_KEYS, at)
-    name = string_field(tool, "name", at)
-    if tool.get("description") is not None and not isinstance(tool["description"], str):
-        raise bad(f"{at}.description must be a string", f"{at}.description")
-    inner = tool.get("tools")
-    if not isinstance(inner, list) or not inner:
-        raise bad(f"{at}.tools must be a non-empty list of function or custom tools", f"{at}.tools")
-    echo = []
-    for j, member in enumerate(inner):
-        where = f"{at}.tools[{j}]"
-        kind = member.get("type") if isinstance(member, dict) else None
-        if kind not in ("function", "custom"):
-            raise bad(f"{where}.type must be function or custom, got {json.dumps(kind)[:60]}", f"{where}.type")
-        echo.append(_tool(member, where, name, tools))
-    tools.echo.append({"type": "namespace", "name": name, "description": tool.get("description") or "", "tools": echo})
-
-
-def _tool(tool: dict, at: str, namespace: str | None, tools: Tools) -> dict:
+def _tool(tool: FunctionTool | CustomTool, at: str, namespace: str | None, tools: Tools) -> dict:
     """A function or custom tool: its echo; its chat tool is added to `tools`."""
-    kind = tool["type"]
-    refuse_extra(tool, FUNCTION_KEYS if kind == "function" else CUSTOM_KEYS, at)
-    name, description, parameters = tool_fields(tool, at, "parameters" if kind == "function" else None)
-    seen = flat_name(name, namespace)
+    seen = flat_name(tool.name, namespace)
     if seen in tools.named:
         raise bad(f"{at}.name: a tool the model sees as {seen!r} is given twice", f"{at}.name")
-    tools.named[seen] = (kind, name, namespace)
-    if kind == "function":
-        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
-            raise bad(f"{at}.strict must be true or false", f"{at}.strict")
-        parameters = parameters or {"type": "object", "properties": {}}
-        echo = {"type": "function", "name": name, "description": description, "parameters": parameters,
-                "strict": tool.get("strict")}
+    tools.named[seen] = (tool.type, tool.name, namespace)
+    if isinstance(tool, FunctionTool):
+        parameters = tool.parameters or {"type": "object", "properties": {}}
+        check_parameters(parameters, f"{at}.parameters")
+        echo = {"type": "function", "name": tool.name, "description": tool.description, "parameters": parameters,
+                "strict": tool.strict}
     else:
-        form, parameters = _custom(tool, at, seen, tools)
-        echo = {"type": "custom", "name": name, "description": description, "format": form}
-    tools.chat.append(chat_tool(name=seen, parameters=parameters, description=description))
+        form, parameters = _custom(tool.format or TextFormat(type="text"), f"{at}.format", seen, tools)
+        echo = {"type": "custom", "name": tool.name, "description": tool.description, "format": form}
+    tools.chat.append(chat_tool(name=seen, parameters=parameters, description=tool.description))
     return echo
 
 
-def _custom(tool: dict, at: str, seen: str, tools: Tools) -> tuple[dict, dict]:
+def _custom(form: TextFormat | GrammarFormat, where: str, seen: str, tools: Tools) -> tuple[dict, dict]:
     """(the format echo, the one-string parameters the model sees)."""
-    form = tool.get("format") or {"type": "text"}
-    where = f"{at}.format"
-    if not isinstance(form, dict) or form.get("type") not in ("text", "grammar"):
-        raise bad(f"{where} must be {{\"type\": \"text\"}} or {{\"type\": \"grammar\", \"syntax\": \"lark\" | "
-                  "\"regex\", \"definition\": ...}", where)
-    refuse_extra(form, {"type"} if form["type"] == "text" else {"type", "syntax", "definition"}, where)
     text = {"type": "string", "description": "The tool's input, as free-form text (not JSON)."}
-    if form["type"] == "grammar":
-        syntax = form.get("syntax")
-        if syntax not in ("lark", "regex"):
-            raise bad(f"{where}.syntax must be \"lark\" or \"regex\", got {json.dumps(syntax)[:60]}",
-                      f"{where}.syntax")
-        definition = string_field(form, "definition", where)
-        lark = definition if syntax == "lark" else None
-        pattern = f"^(?:{definition})$"  # the whole input matches (a JSON schema's pattern is a search)
+    if isinstance(form, GrammarFormat):
+        lark = form.definition if form.syntax == "lark" else None
+        pattern = f"^(?:{form.definition})$"  # the whole input matches (a JSON schema's pattern is a search)
         grammar = lark or json.dumps({"grammars": [{"json_schema": {"type": "string", "pattern": pattern}}]})
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
         if failed:
-            raise bad(f"{where}.definition: llguidance cannot read this {syntax}: "
+            raise bad(f"{where}.definition: llguidance cannot read this {form.syntax}: "
                       f"{(messages or ['invalid'])[0].splitlines()[0][:300]}", f"{where}.definition")
         if lark:
             tools.grammars[seen] = lark
             text["description"] = f"The tool's input, as text in this Lark grammar:\n{lark}"
         else:
             text["pattern"] = pattern
-        form = {"type": "grammar", "syntax": syntax, "definition": definition}
     parameters = {"type": "object", "properties": {INPUT: text}, "required": [INPUT], "additionalProperties": False}
-    return form, parameters
+    return form.model_dump(), parameters
 
 
-def tool_choice(choice, tools: Tools, parallel: bool):
+def tool_choice(choice: str | NamedChoice | None, tools: Tools, parallel: bool):
     """(tool_choice as the response reports it, the Structure it forces or None)."""
     if choice is None or choice in ("auto", "none"):
         return choice or "auto", None
@@ -151,19 +175,17 @@ def tool_choice(choice, tools: Tools, parallel: bool):
         if not tools.chat:
             raise bad("tool_choice \"required\" needs tools the model can call", "tool_choice")
         return choice, forced_calls(tools.chat, single=not parallel, grammars=tools.grammars)
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if isinstance(choice, dict) and not isinstance(kind, str):
-        raise bad(f"tool_choice.type must be a string, got {json.dumps(kind)[:60]}", "tool_choice.type")
-    if is_name(kind, HOSTED):
-        raise bad(f"tool_choice forces the hosted tool {kind!r}, which this server cannot run", "tool_choice.type")
-    if kind in ("function", "custom") and set(choice) <= {"type", "name"}:
-        name = choice.get("name")
-        if not isinstance(name, str) or tools.named.get(name, (None,))[0] != kind:
-            raise bad(f"tool_choice names {kind} tool {json.dumps(name)[:60]}, which is not in tools",
+    if choice.type in HOSTED:
+        raise bad(f"tool_choice forces the hosted tool {choice.type!r}, which this server cannot run",
+                  "tool_choice.type")
+    given = choice.model_dump(exclude_unset=True)
+    if choice.type in ("function", "custom") and set(given) <= {"type", "name"}:
+        if not isinstance(choice.name, str) or tools.named.get(choice.name, (None,))[0] != choice.type:
+            raise bad(f"tool_choice names {choice.type} tool {json.dumps(choice.name)[:60]}, which is not in tools",
                       "tool_choice.name")
-        return dict(choice), forced_calls(named(tools.chat, name), single=True, grammars=tools.grammars)
+        return given, forced_calls(named(tools.chat, choice.name), single=True, grammars=tools.grammars)
     raise bad("tool_choice must be \"auto\", \"none\", \"required\", {\"type\": \"function\", \"name\": ...} or "
-              f"{{\"type\": \"custom\", \"name\": ...}}, got {json.dumps(choice)[:80]}", "tool_choice")
+              f"{{\"type\": \"custom\", \"name\": ...}}, got {json.dumps(given)[:80]}", "tool_choice")
 
 
 def call_item(call, tools: Tools) -> dict:

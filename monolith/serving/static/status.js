@@ -89,7 +89,7 @@ function chartElements(container) {
 }
 
 // Starts polling; the plots draw into `container`, first with the last minutes the
-// server kept (/metrics/history, monolith/serving/gauge_history.py)
+// server kept (/metrics/history, monolith/serving/metrics.py)
 export async function startStatus(container) {
   const charts = chartElements(container);
   let before = null, beforeAt = 0;

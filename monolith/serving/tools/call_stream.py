@@ -3,7 +3,7 @@ anthropic/reply.py, responses/reply.py): the generated text becomes, in order, c
 strings and call pieces.
 
 A call opens (`start`, its id and name, no arguments yet) as soon as its block names it
-(serving/tool_calls.py, `ToolCallParser.writing`), its arguments follow as they are written
+(serving/tools/calls.py, `ToolCallParser.writing`), its arguments follow as they are written
 (`arguments` pieces), and it closes (`end`, with the whole call) when its block does.
 Joined, a call's pieces are exactly its arguments (`ToolCall.arguments`), so a client
 that adds them up gets the call the non-streamed reply has. A call whose tool does not
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .tool_calls import ToolCall, ToolCallParser
+from .calls import ToolCall, ToolCallParser
 
 
 class Piece(NamedTuple):

@@ -1,11 +1,10 @@
 """Tools, whichever API sends them: the one home of what every API checks in a tool and
-of how the server holds it. Each API reads its own wire shape (chat's in requests.py,
-Anthropic's in anthropic/requests.py, the Responses API's in responses/tools.py) and calls these:
+of how the server holds it. Each API types its own wire shape (chat's in requests.py,
+Anthropic's in anthropic/requests.py, the Responses API's in responses/tools.py: a name
+a non-empty string, a description a string) and calls these:
 
-- `tool_entries`: the entries of a `tools` list, each with its path (`tools[0]`);
-- `tool_fields`: a tool's name (a non-empty string), description (a string, if given)
-  and parameter schema (an object whose `properties` and `required` the tool-call
-  parser can read: `check_parameters`), each refused with a 400 naming it under the
+- `check_parameters`: a tool's parameter schema is an object whose `properties` and
+  `required` the tool-call parser can read, refused with a 400 naming it under the
   API's own path (`tools[0].function.parameters`, `tools[0].input_schema`, ...);
 - `chat_tool`: the tool as the chat path holds it and the template shows it, OpenAI's
   {"type": "function", "function": {"name", "description", "parameters"}};
@@ -19,36 +18,8 @@ from __future__ import annotations
 
 import json
 
-from .errors import bad
-from .structured import Structure
-
-
-def tool_entries(value, shape: str) -> list[tuple[str, object]]:
-    """(path, entry) for each entry of a `tools` list (None: no tools); a 400 if `tools`
-    is not a list (`shape` words what its entries must be)."""
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise bad(f"tools must be a list of {shape}", "tools")
-    return [(f"tools[{i}]", tool) for i, tool in enumerate(value)]
-
-
-def tool_fields(tool: dict, at: str, schema_key: str | None = "parameters",
-                schema_required: bool = False) -> tuple[str, str | None, dict | None]:
-    """(name, description, parameter schema) of the tool object at `at`, checked; the
-    schema is `tool[schema_key]` (None: the tool has none, as a custom tool)."""
-    name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad(f"{at}.name must be a non-empty string", f"{at}.name")
-    schema = tool.get(schema_key) if schema_key else None
-    if schema_key:
-        if (schema is not None or schema_required) and not isinstance(schema, dict):
-            raise bad(f"{at}.{schema_key} must be a JSON schema object", f"{at}.{schema_key}")
-        check_parameters(schema or {}, f"{at}.{schema_key}")
-    description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise bad(f"{at}.description must be a string", f"{at}.description")
-    return name, description, schema
+from ..errors import bad
+from ..structured import Structure
 
 
 def check_parameters(schema: dict, at: str) -> None:

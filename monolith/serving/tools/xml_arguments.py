@@ -12,7 +12,7 @@ module does not implement (`anyOf`, `$ref`, `not`...), are refused with a 400 na
 parameter: ignoring them would change what the call may hold. Keywords that do not apply
 to strings, and annotations, change nothing.
 
-The text can never hold the tags that would end it early for serving/tool_calls.py:
+The text can never hold the tags that would end it early for serving/tools/calls.py:
 `</parameter>`, `</function>` and `</tool_call>`.
 """
 
@@ -22,7 +22,7 @@ import json
 
 import llguidance
 
-from .errors import bad
+from ..errors import bad
 
 CLOSING_TAGS = ("</parameter>", "</function>", "</tool_call>")
 UNSUPPORTED = ("allOf", "anyOf", "oneOf", "not", "$ref", "$dynamicRef", "if", "then", "else")
