@@ -4,6 +4,12 @@ computed (F32 on this CPU; BF16 on a Mac, where the ratios are given too).
     python -m bench.kv_quant [--models demo,skeleton] [--contexts 8192,32768] [--tokens 512]
                              [--prefill-tokens 2048] [--bits 8,4] [--out-dir bench/results]
 
+The defaults run every point the results hold. The quality columns are deterministic;
+the tok/s columns are only as good as the machine was quiet, so the report records the
+load average over the run (rerun the defaults on a quiet machine for speed). On Linux the script re-executes itself with
+OpenBLAS preloaded, as serve does (monolith.blas; MONOLITH_OPENBLAS=0 keeps MLX's bundled
+BLAS, about 30x slower products), and the report says which BLAS ran.
+
 Per model and context N: the context (the demo's corpus text, tokenized, for the demo;
 random ids for the skeleton) is prefilled once with the cache as computed; a greedy
 continuation of --tokens tokens is decoded from it (decode tok/s), then for each --bits
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -35,6 +42,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from monolith.blas import describe, preload_openblas
 from monolith.models import load_model
 from monolith.models.cache import KVCache
 from monolith.models.kv_quant import QuantizedKVCache
@@ -170,7 +178,8 @@ def run_context(model, tokens, n: int, count: int, bits_list, prefill_tokens: in
                      "forced_top1_agreement": float((logp.argmax(-1) == ref_logp.argmax(-1)).mean()),
                      "mean_kl": float(kl.mean()), "max_kl": float(kl.max())})
         del cache
-    return rows
+    load = os.getloadavg()[0]
+    return [{**row, "load_average": load} for row in rows]
 
 
 def real_35b(bits_list) -> list[dict]:
@@ -188,9 +197,12 @@ def real_35b(bits_list) -> list[dict]:
 
 def markdown(report: dict) -> str:
     lines = ["# KV cache quantization (--kv-bits)", "", report["note"], "",
+             (f"Machine: {report['machine']}; {report['blas']}. The load column is the machine's 1-minute load "
+             "average after each context's runs: above the core count, other work shared the CPU and the tok/s "
+             "columns are low and noisy (read them as \"no large change\", not as ratios)."), "",
              ("| model | context | kv bits | bytes/token | vs as computed | held bytes/row | prefill tok/s | "
-              "decode tok/s | greedy equal | first difference | forced top-1 | mean KL | max KL |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "decode tok/s | load | greedy equal | first difference | forced top-1 | mean KL | max KL |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, rows in report["models"].items():
         base = {r["context"]: r["bytes_per_token"] for r in rows if r["kv_bits"] is None}
         for r in rows:
@@ -198,7 +210,7 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {model} | {r['context']} | {r['kv_bits'] or 'none (F32)'} | {r['bytes_per_token']} | "
                 f"{r['bytes_per_token'] / base[r['context']]:.3f} | {r['held_bytes_per_row']:.0f} | "
-                f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+                f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['load_average']:.1f} | "
                 + (f"{r['greedy_equal']:.3f} | {r['greedy_first_difference']} | {r['forced_top1_agreement']:.4f} | "
                    f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |" if q else "| | | | |"))
     lines += ["", "Qwen3.6-35B-A3B at BF16 (a Mac), counted:", "",
@@ -208,6 +220,11 @@ def markdown(report: dict) -> str:
     for r in report["real_35b"]:
         lines.append(f"| {r['kv_bits'] or 'none (BF16)'} | {r['bytes_per_token']} | "
                      f"{r['bytes_per_token'] / base:.3f} | {r['sequence_gb_at_262144']:.2f} |")
+    lines += ["", ("On this CPU MLX's quantized matmul is not faster than the F32 matmul it replaces; the gain here is "
+              "memory. \"greedy equal\" counts equal tokens position by position over the free-running "
+              "continuation, so after a first difference the rest no longer line up (a near-tie decided the other "
+              "way shifts everything after it); \"forced top-1\" and the KL are teacher-forced over the reference "
+              "continuation, so each position is judged on its own.")]
     return "\n".join(lines) + "\n"
 
 
@@ -223,17 +240,21 @@ def main(argv=None) -> None:
     ap.add_argument("--work", help="where the skeleton is written (default: a temporary directory)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if argv is None:
+        preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     bits_list = [int(b) for b in args.bits.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}, {mx.default_device()}",
+    report = {"machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus, mlx {mx.__version__}, "
+                         f"{mx.default_device()}",
+              "blas": describe() or "the platform's BLAS",
               "note": (f"On this CPU the cache as computed is F32, so the ratios are against F32; on a Mac (BF16) "
                        f"8 bits is about half. {args.tokens} greedy tokens per context (the skeleton: "
                        f"{args.skeleton_tokens or args.tokens} at {args.skeleton_contexts or args.contexts}); "
-                       f"prefill timed on "
-                       f"{args.prefill_tokens} tokens. The skeleton: 35B KV widths (2 KV heads x 256), hidden 2048, "
-                       "a gated DeltaNet then attention, 4 query heads, dense MLP 1024, vocabulary 8192, random "
-                       "weights (see the script's docstring)."),
+                       f"prefill timed on {args.prefill_tokens} fresh tokens. The skeleton: 35B KV widths (2 KV "
+                       "heads x 256), hidden 2048, a gated DeltaNet at the 35B's widths then attention, 4 query "
+                       "heads, dense MLP 1024, vocabulary 8192, random weights (see the script's docstring)."),
               "settings": vars(args), "models": {}, "real_35b": real_35b(bits_list)}
+    out = Path(args.out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         for name in args.models.split(","):
@@ -243,10 +264,14 @@ def main(argv=None) -> None:
             sizes = [int(c) for c in args.skeleton_contexts.split(",")] if skeleton and args.skeleton_contexts \
                 else contexts
             count = args.skeleton_tokens if skeleton and args.skeleton_tokens else args.tokens
-            report["models"][name] = [row for n in sizes
-                                      for row in run_context(model, tokens, n, count, bits_list, args.prefill_tokens)]
-            print(markdown({**report, "models": {name: report["models"][name]}}), flush=True)
-    out = Path(args.out_dir)
+            rows = report["models"][name] = []
+            for n in sizes:
+                rows += run_context(model, tokens, n, count, bits_list, args.prefill_tokens)
+                write(report, out)  # after each context: a long run stopped early keeps what it measured
+            print(markdown({**report, "models": {name: rows}}), flush=True)
+
+
+def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "kv_quant.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "kv_quant.md").write_text(markdown(report))

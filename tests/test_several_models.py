@@ -3,9 +3,9 @@ distinct tiny synthetic targets served by name, the second loaded when a request
 it; unloaded when idle past the keep-alive (its memory freed) and loaded again on the
 next request; never unloaded under a request (raced deterministically: the unloader's
 pass is called while a request is held at a known point); --max-loaded-models and the
-memory budget (least recently used idle model first); the
-404 of an unknown name on every API; /v1/models and /metrics. No verdict here depends
-on timing: waits are bounded polls of a state that must come."""
+memory budget (least recently used idle model first); the 404 of an unknown name on
+every API; /v1/models and /metrics. No verdict here depends on timing: waits are
+bounded polls of a state that must come."""
 
 from __future__ import annotations
 
