@@ -7,8 +7,8 @@ through one ModelPool, their requests interleaved.
   model through the pool, each request preceded by the same prompt to the default model;
   each model's greedy replies equal a cold engine's of that model. The prompt cache is
   on, both models' states in one --prompt-cache-dir (each model must resume only its
-  own); half way the second model is unloaded (its disk states stay valid) and the pool
-  loads it again on the next request. Batched: four clients at once.
+  own); half way the second model is unloaded and the pool loads it again on the next
+  request, which resumes from its disk states. Batched: four clients at once.
 - batching: concurrent HTTP requests to both models, each model running several at
   once, each reply equal to its own model's plain greedy output.
 
