@@ -224,7 +224,8 @@ def markdown(report: dict) -> str:
               "memory. \"greedy equal\" counts equal tokens position by position over the free-running "
               "continuation, so after a first difference the rest no longer line up (a near-tie decided the other "
               "way shifts everything after it); \"forced top-1\" and the KL are teacher-forced over the reference "
-              "continuation, so each position is judged on its own.")]
+              "continuation, so each position is judged on its own; a mean KL within F32 rounding of zero may print "
+              "slightly negative.")]
     return "\n".join(lines) + "\n"
 
 
