@@ -199,7 +199,9 @@ def markdown(report: dict) -> str:
     lines = ["# KV cache quantization (--kv-bits)", "", report["note"], "",
              (f"Machine: {report['machine']}; {report['blas']}. The load column is the machine's 1-minute load "
              "average after each context's runs: above the core count, other work shared the CPU and the tok/s "
-             "columns are low and noisy (read them as \"no large change\", not as ratios)."), "",
+             "columns are low and noisy (read them as \"no large change\", not as ratios); `python -m bench.kv_quant` "
+              "with its defaults reruns every row, on a quiet machine for the speed columns (the quality columns "
+              "are deterministic for a given machine and BLAS)."), "",
              ("| model | context | kv bits | bytes/token | vs as computed | held bytes/row | prefill tok/s | "
               "decode tok/s | load | greedy equal | first difference | forced top-1 | mean KL | max KL |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
