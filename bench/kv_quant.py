@@ -7,9 +7,10 @@ computed (F32 by default; BF16, a Mac's, with --dtype bfloat16).
 
 Writes kv_quant.json/.md (F32) or kv_quant_bfloat16.json/.md.
 
-The defaults run every point the results hold. The quality columns are deterministic;
-the tok/s columns are only as good as the machine was quiet, so the report records the
-load average over the run (rerun the defaults on a quiet machine for speed). On Linux the script re-executes itself with
+The defaults (and --dtype bfloat16) run every point the results hold. The quality
+columns are deterministic for a given machine and BLAS; the tok/s columns are only as
+good as the machine was quiet, so the report records the load average over the run
+(rerun on a quiet machine for speed). On Linux the script re-executes itself with
 OpenBLAS preloaded, as serve does (monolith.blas; MONOLITH_OPENBLAS=0 keeps MLX's bundled
 BLAS, about 30x slower products), and the report says which BLAS ran.
 
@@ -29,7 +30,7 @@ Models: the bundled demo target and a synthetic skeleton at Qwen3.6-35B-A3B's
 attention widths (hidden 2048, 2 KV heads x 256, the gated DeltaNet at its widths) cut
 to stay affordable on a 2-core CPU: 2 layers (a gated DeltaNet, then attention), 4
 query heads instead of 16 (the KV side, which is what is quantized, is the 35B's), a
-dense MLP of 1024, a 8192-token vocabulary, random weights. Writes kv_quant.json/.md.
+dense MLP of 1024, a 8192-token vocabulary, random weights.
 """
 
 from __future__ import annotations
