@@ -1,8 +1,18 @@
 """--kv-bits: what the quantized KV cache saves and what it costs, against the cache as
-computed (F32 on this CPU; BF16 on a Mac, where the ratios are given too).
+computed (F32 by default; BF16, a Mac's, with --dtype bfloat16).
 
     python -m bench.kv_quant [--models demo,skeleton] [--contexts 8192,32768] [--tokens 512]
-                             [--prefill-tokens 2048] [--bits 8,4] [--out-dir bench/results]
+                             [--prefill-tokens 2048] [--bits 8,4] [--dtype float32|bfloat16]
+                             [--out-dir bench/results]
+
+Writes kv_quant.json/.md (F32) or kv_quant_bfloat16.json/.md.
+
+The defaults (and --dtype bfloat16) run every point the results hold. The quality
+columns are deterministic for a given machine and BLAS; the tok/s columns are only as
+good as the machine was quiet, so the report records the load average over the run
+(rerun on a quiet machine for speed). On Linux the script re-executes itself with
+OpenBLAS preloaded, as serve does (monolith.blas; MONOLITH_OPENBLAS=0 keeps MLX's bundled
+BLAS, about 30x slower products), and the report says which BLAS ran.
 
 Per model and context N: the context (the demo's corpus text, tokenized, for the demo;
 random ids for the skeleton) is prefilled once with the cache as computed; a greedy
@@ -16,17 +26,18 @@ top-1 agreement and the mean KL(reference || quantized) of the next-token distri
 Prefill tok/s is timed on --prefill-tokens fresh tokens per setting. Memory: the bytes
 a token takes in the target's KV caches (counted, and measured from the arrays held).
 
-Models: the bundled demo target (F32) and a synthetic skeleton at Qwen3.6-35B-A3B's
+Models: the bundled demo target and a synthetic skeleton at Qwen3.6-35B-A3B's
 attention widths (hidden 2048, 2 KV heads x 256, the gated DeltaNet at its widths) cut
 to stay affordable on a 2-core CPU: 2 layers (a gated DeltaNet, then attention), 4
 query heads instead of 16 (the KV side, which is what is quantized, is the 35B's), a
-dense MLP of 1024, a 8192-token vocabulary, random weights. Writes kv_quant.json/.md.
+dense MLP of 1024, a 8192-token vocabulary, random weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import tempfile
 import time
@@ -35,6 +46,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from monolith.blas import describe, preload_openblas
 from monolith.models import load_model
 from monolith.models.cache import KVCache
 from monolith.models.kv_quant import QuantizedKVCache
@@ -42,19 +54,20 @@ from monolith.runtime.prefill import prefill
 from monolith.runtime.sizing import per_token_bytes
 
 RESULTS = Path(__file__).parent / "results"
+DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 # Qwen3.6-35B-A3B (docs/target.md): 10 attention layers of 2 KV heads x 256; 30 gated DeltaNet states
 REAL_35B = {"attention_layers": 10, "kv_heads": 2, "head_dim": 256, "context": 262144,
             "gdn_state_bytes": 30 * 4 * (3 * 8192 + 32 * 128 * 128)}
 
 
-def load_demo():
+def load_demo(dtype: str):
     from monolith.engine_setup import load_target
     from monolith.pack.demo import demo_pair
     from monolith.synth.tokenizer import corpus_text
     from monolith.tokenizer import load_tokenizer
 
     target, _ = demo_pair()
-    model = load_target(target, dtype="float32")
+    model = load_target(target, dtype=dtype)
     ids = load_tokenizer(target).encode(corpus_text())
 
     def tokens(n: int, seed: int) -> list[int]:
@@ -64,7 +77,7 @@ def load_demo():
     return model, tokens
 
 
-def load_skeleton(work: Path):
+def load_skeleton(work: Path, dtype: str):
     from monolith.pack import build_pack
     from monolith.synth import write_target
     from monolith.synth.presets import Preset
@@ -75,7 +88,7 @@ def load_skeleton(work: Path):
                     max_position_embeddings=262144)
     pack = build_pack(write_target(work / "skeleton", preset=preset, dense=True), work / "skeleton.pack",
                       role="target")
-    model = load_model(pack, dtype="float32")
+    model = load_model(pack, dtype=dtype)
 
     def tokens(n: int, seed: int) -> list[int]:
         return np.random.default_rng(seed).integers(0, preset.vocab_size, n).tolist()
@@ -170,7 +183,8 @@ def run_context(model, tokens, n: int, count: int, bits_list, prefill_tokens: in
                      "forced_top1_agreement": float((logp.argmax(-1) == ref_logp.argmax(-1)).mean()),
                      "mean_kl": float(kl.mean()), "max_kl": float(kl.max())})
         del cache
-    return rows
+    load = os.getloadavg()[0]
+    return [{**row, "load_average": load} for row in rows]
 
 
 def real_35b(bits_list) -> list[dict]:
@@ -187,18 +201,24 @@ def real_35b(bits_list) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
+    computed = DTYPES[report.get("dtype", "float32")]
     lines = ["# KV cache quantization (--kv-bits)", "", report["note"], "",
+             (f"Machine: {report['machine']}; {report['blas']}. The load column is the machine's 1-minute load "
+             "average after each context's runs: above the core count, other work shared the CPU and the tok/s "
+             "columns are low and noisy (read them as \"no large change\", not as ratios); `python -m bench.kv_quant` "
+              "with its defaults reruns every row, on a quiet machine for the speed columns (the quality columns "
+              "are deterministic for a given machine and BLAS)."), "",
              ("| model | context | kv bits | bytes/token | vs as computed | held bytes/row | prefill tok/s | "
-              "decode tok/s | greedy equal | first difference | forced top-1 | mean KL | max KL |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "decode tok/s | load | greedy equal | first difference | forced top-1 | mean KL | max KL |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, rows in report["models"].items():
         base = {r["context"]: r["bytes_per_token"] for r in rows if r["kv_bits"] is None}
         for r in rows:
             q = r["kv_bits"] is not None
             lines.append(
-                f"| {model} | {r['context']} | {r['kv_bits'] or 'none (F32)'} | {r['bytes_per_token']} | "
+                f"| {model} | {r['context']} | {r['kv_bits'] or f'none ({computed})'} | {r['bytes_per_token']} | "
                 f"{r['bytes_per_token'] / base[r['context']]:.3f} | {r['held_bytes_per_row']:.0f} | "
-                f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+                f"{r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | {r['load_average']:.1f} | "
                 + (f"{r['greedy_equal']:.3f} | {r['greedy_first_difference']} | {r['forced_top1_agreement']:.4f} | "
                    f"{r['mean_kl']:.2e} | {r['max_kl']:.2e} |" if q else "| | | | |"))
     lines += ["", "Qwen3.6-35B-A3B at BF16 (a Mac), counted:", "",
@@ -208,6 +228,12 @@ def markdown(report: dict) -> str:
     for r in report["real_35b"]:
         lines.append(f"| {r['kv_bits'] or 'none (BF16)'} | {r['bytes_per_token']} | "
                      f"{r['bytes_per_token'] / base:.3f} | {r['sequence_gb_at_262144']:.2f} |")
+    lines += ["", ("On this CPU MLX's quantized matmul is not faster than the matmul it replaces; the gain here is "
+              "memory. \"greedy equal\" counts equal tokens position by position over the free-running "
+              "continuation, so after a first difference the rest no longer line up (a near-tie decided the other "
+              "way shifts everything after it); \"forced top-1\" and the KL are teacher-forced over the reference "
+              "continuation, so each position is judged on its own; a mean KL within rounding of zero may print "
+              "slightly negative.")]
     return "\n".join(lines) + "\n"
 
 
@@ -220,36 +246,47 @@ def main(argv=None) -> None:
     ap.add_argument("--skeleton-contexts", help="the skeleton's contexts (default --contexts)")
     ap.add_argument("--skeleton-tokens", type=int, help="the skeleton's greedy tokens (default --tokens)")
     ap.add_argument("--bits", default="8,4")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the compute and cache dtype")
     ap.add_argument("--work", help="where the skeleton is written (default: a temporary directory)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
+    if argv is None:
+        preload_openblas()  # re-executes this command once with OpenBLAS, where one is installed
     bits_list = [int(b) for b in args.bits.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    report = {"machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__}, {mx.default_device()}",
-              "note": (f"On this CPU the cache as computed is F32, so the ratios are against F32; on a Mac (BF16) "
-                       f"8 bits is about half. {args.tokens} greedy tokens per context (the skeleton: "
+    report = {"machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} cpus, mlx {mx.__version__}, "
+                         f"{mx.default_device()}",
+              "blas": describe() or "the platform's BLAS",
+              "dtype": args.dtype,
+              "note": (f"The cache as computed is {DTYPES[args.dtype]}, the reference of the ratios and the "
+                       f"agreement (a Mac's is BF16, where 8 bits is about half). {args.tokens} greedy tokens per context (the skeleton: "
                        f"{args.skeleton_tokens or args.tokens} at {args.skeleton_contexts or args.contexts}); "
-                       f"prefill timed on "
-                       f"{args.prefill_tokens} tokens. The skeleton: 35B KV widths (2 KV heads x 256), hidden 2048, "
-                       "a gated DeltaNet then attention, 4 query heads, dense MLP 1024, vocabulary 8192, random "
-                       "weights (see the script's docstring)."),
+                       f"prefill timed on {args.prefill_tokens} fresh tokens. The skeleton: 35B KV widths (2 KV "
+                       "heads x 256), hidden 2048, a gated DeltaNet at the 35B's widths then attention, 4 query "
+                       "heads, dense MLP 1024, vocabulary 8192, random weights (see the script's docstring)."),
               "settings": vars(args), "models": {}, "real_35b": real_35b(bits_list)}
+    out = Path(args.out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         for name in args.models.split(","):
-            model, tokens = load_demo() if name == "demo" else load_skeleton(work)
+            model, tokens = load_demo(args.dtype) if name == "demo" else load_skeleton(work, args.dtype)
             check_last_attention(model)
             skeleton = name == "skeleton"
             sizes = [int(c) for c in args.skeleton_contexts.split(",")] if skeleton and args.skeleton_contexts \
                 else contexts
             count = args.skeleton_tokens if skeleton and args.skeleton_tokens else args.tokens
-            report["models"][name] = [row for n in sizes
-                                      for row in run_context(model, tokens, n, count, bits_list, args.prefill_tokens)]
-            print(markdown({**report, "models": {name: report["models"][name]}}), flush=True)
-    out = Path(args.out_dir)
+            rows = report["models"][name] = []
+            for n in sizes:
+                rows += run_context(model, tokens, n, count, bits_list, args.prefill_tokens)
+                write(report, out)  # after each context: a long run stopped early keeps what it measured
+            print(markdown({**report, "models": {name: rows}}), flush=True)
+
+
+def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_quant.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "kv_quant.md").write_text(markdown(report))
+    name = "kv_quant" if report["dtype"] == "float32" else f"kv_quant_{report['dtype']}"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

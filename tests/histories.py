@@ -209,6 +209,24 @@ def render_arguments(arguments: dict, form: int):
 # ------------------------------------------------------------------ warm against cold
 
 
+def serve_engine(loaded, *argv, target_dir=None, **kw):
+    """An Engine made as `python -m monolith.serve ARGV` makes it, on already loaded
+    (model, drafter, tokenizer), by default the demo pair's (no pack is read again);
+    the tokenizer is read from `target_dir`. It runs argv's --max-batch sequences at
+    once, as serve's does (one when argv gives none)."""
+    from monolith import engine_setup, model_flags
+    from monolith.pack.demo import bundle_dir
+    from monolith.serve import build_parser
+
+    model, drafter, _ = loaded
+    args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--max-context", "1024", *argv])
+    drafts = () if "--no-draft" in argv else ("the loaded draft",)
+    sources = engine_setup.Sources(target_dir or bundle_dir() / "target", drafts)
+    kw.setdefault("max_batch", args.max_batch if "--max-batch" in argv else 1)
+    return engine_setup.load_engine(args, model_flags.plan_model(args), lambda line: None, sources=sources,
+                                    load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter, **kw)
+
+
 @dataclass
 class Mismatch:
     kind: str

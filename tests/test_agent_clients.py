@@ -2,6 +2,11 @@
 against a live `python -m monolith.serve` on the demo pair, completes a two-turn task: a
 plain turn, then a turn with a tool call, the tool's result and the answer after it.
 
+The server has two models configured (serve's --model given twice, docs/serving.md,
+"Several models"): first the demo target without its draft, the default, loaded at
+start; then the demo pair as `monolith-demo`, the name every client asks for, so each
+client's requests name the non-default model, loaded when the first of them comes.
+
 The demo model is too weak to choose a tool by itself, so the harness forces the call: a
 test-only proxy (tests/client_rig.py, not part of the product) sits between the client and
 the server, narrows the client's file-reading tool's schema to the note's path on every
@@ -32,6 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from client_rig import (
     CLIENTS,
@@ -46,6 +52,10 @@ from client_rig import (
     words,
 )
 
+from monolith.pack.demo import bundle_dir
+
+DEFAULT_MODEL = "monolith-demo-plain"  # the server's first model: the clients name the other
+AUTH = {"Authorization": f"Bearer {KEY}"}
 TASK = "Read the secret note with your file tool and tell me what it says."
 AIDER = CLIENTS / ".aider-venv" / "bin" / "aider"
 MEASURED: dict = {}
@@ -54,7 +64,12 @@ MEASURED: dict = {}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Claude Code's system prompt and tools are about 32.7K tokens: more than the default context
-    with DemoServer(tmp_path_factory.mktemp("server"), "--max-context", "65536") as s:
+    demo = bundle_dir()
+    two_models = ["--model", demo / "target", "--model", demo / "target", "--draft", demo / "draft",
+                  "--served-model-name", DEFAULT_MODEL, MODEL]
+    with DemoServer(tmp_path_factory.mktemp("server"), "--max-context", "65536", *two_models) as s:
+        listed = {m["id"]: m["loaded"] for m in httpx.get(s.url + "/v1/models", headers=AUTH).json()["data"]}
+        assert listed == {DEFAULT_MODEL: True, MODEL: False}  # the clients' model loads on their first request
         yield s
 
 

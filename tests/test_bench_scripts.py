@@ -87,6 +87,7 @@ RESULT_RUNS = {
     "distributed_mlx_launch": "distributed",  # the name --launcher mlx writes
     "fuzz_no_prompt_cache": "fuzz",  # --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache
     "fuzz_waves_prompt_cache_256M": "fuzz",  # --server-arg=--prompt-cache-size=256M --out ...
+    "kv_quant_bfloat16": "kv_quant",  # the name --dtype bfloat16 writes
 }
 
 # top-level keys a committed result has that the run here leaves out: what only a larger

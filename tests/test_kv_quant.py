@@ -208,3 +208,32 @@ def test_a_state_file_resumes_only_under_its_own_bits(model, tok, tmp_path):
         assert run(bits, "Read it.").usage.cached_tokens == 0
     resumed = run(8, "Read it.")
     assert resumed.usage.cached_tokens > 0 and resumed.token_ids == cold
+
+
+def test_serve_kv_bits_stores_a_served_sequence_in_the_counted_bytes(model, tok, pack):
+    """serve's --kv-bits reaches the engine's caches: the same request served with and
+    without it leaves the same rows, held in bits / 8 / itemsize + 2 / group of the bytes
+    (measured from the arrays held; a group of 64 on the 35B, 32 on this tiny target
+    whose head_dim is not a multiple of 64: on a Mac's BF16, 8 bits about half)."""
+    from histories import serve_engine
+
+    held = {}
+    for bits in (None, "8", "4"):
+        engine = serve_engine((model, None, tok), "--no-draft", *(("--kv-bits", bits) if bits else ()),
+                              target_dir=pack)
+        try:
+            engine.run_request(GenerationRequest(tuple(PROMPT), 8))
+            caches = [s.cache for s in engine._sessions if s.cache is not None and s.cache.offset]
+            assert len(caches) == 1
+            layers = caches[0].row_layers
+            assert all(type(layer) is (KVCache if bits is None else QuantizedKVCache) for layer in layers)
+            held[bits] = (layers[0].allocated, sum(a.nbytes for layer in layers for a in layer.arrays()),
+                          getattr(layers[0], "group_size", None))
+        finally:
+            engine.close()
+            model.kv_bits = None  # load_engine set it on the shared model
+    itemsize = mx.zeros((), model.dtype).itemsize
+    assert held["8"][0] == held["4"][0] == held[None][0]  # the same rows
+    for bits in (8, 4):
+        _, nbytes, group = held[str(bits)]
+        assert nbytes / held[None][1] == bits / 8 / itemsize + 2 / group

@@ -2,9 +2,10 @@
 distinct tiny synthetic targets served by name, the second loaded when a request names
 it; unloaded when idle past the keep-alive (its memory freed) and loaded again on the
 next request; never unloaded under a request (raced deterministically: the unloader's
-pass is called while a request is held at a known point); --max-loaded-models; the
-404 of an unknown name on every API; /v1/models and /metrics. No verdict here depends
-on timing: waits are bounded polls of a state that must come."""
+pass is called while a request is held at a known point); --max-loaded-models and the
+memory budget (least recently used idle model first); the 404 of an unknown name on
+every API; /v1/models and /metrics. No verdict here depends on timing: waits are
+bounded polls of a state that must come."""
 
 from __future__ import annotations
 
@@ -238,3 +239,26 @@ class Gated(Scripted):
         if self.rounds == 2:
             self.entered.set()
             assert self.gate.wait(60)
+
+
+def test_the_memory_budget_unloads_the_least_recently_used_idle_one(pack, other_pack):
+    """A budget that holds one model's measured footprint but not two: loading the other
+    unloads the idle one first, each time (the second's size: its pack's bytes, as serve
+    gives it before its first load)."""
+    def size() -> int:
+        return sum(f.stat().st_size for f in other_pack.rglob("*.safetensors"))
+
+    pool = ModelPool([ModelSpec(("a",), loader(pack)), ModelSpec(("b",), loader(other_pack), size)],
+                     check_every=3600.0)
+    with Server(pool, model_names=pool.names()) as s:
+        s.wait_ready()
+        a = pool.by_name["a"]
+        assert a.footprint > 0 and size() > 0
+        pool.budget = a.footprint + size() - 1
+        assert complete(s, "b").status_code == 200
+        assert loaded(s) == {"a": False, "b": True}
+        assert complete(s, "a").status_code == 200
+        assert loaded(s) == {"a": True, "b": False}
+        pool.budget = a.footprint + pool.by_name["b"].footprint  # both fit: nothing unloaded
+        assert complete(s, "b").status_code == 200
+        assert loaded(s) == {"a": True, "b": True}

@@ -16,27 +16,15 @@ import random
 
 import httpx
 import pytest
+from histories import serve_engine
 from serving_rig import Server
 
-from monolith import engine_setup, model_flags
+from monolith import engine_setup
 from monolith.pack.demo import bundle_dir
-from monolith.serve import build_parser
 
 TURN1 = [{"role": "user", "content": "What does os.path.join do?"}]
 MAX_TOKENS = 24
 MEASURED: dict = {}
-
-
-def serve_engine(loaded, *argv, target_dir=None, **kw):
-    """An Engine made as `python -m monolith.serve ARGV` makes it, on already loaded
-    (model, drafter, tokenizer), by default the demo pair's (no pack is read again);
-    the tokenizer is read from `target_dir`."""
-    model, drafter, _ = loaded
-    args = build_parser().parse_args(["--dtype", "float32", "--no-warmup", "--max-context", "1024", *argv])
-    drafts = () if "--no-draft" in argv else ("the loaded draft",)
-    sources = engine_setup.Sources(target_dir or bundle_dir() / "target", drafts)
-    return engine_setup.load_engine(args, model_flags.plan_model(args), lambda line: None, sources=sources,
-                              load=lambda *a, **k: model, load_draft=lambda *a, **k: drafter, **kw)
 
 
 def chat(server, messages, stream=False):

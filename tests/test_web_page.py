@@ -246,3 +246,34 @@ def test_a_server_without_the_speculation_field_still_chats(browser, scripted, t
     assert ["monolith" in body for body in bodies] == [True, False, False]
     assert [m["finish"] for m in current_messages(page)[1::2]] == ["stop", "stop"]
     close(page, tmp_path, "no-extension")
+
+
+def test_the_model_picker_lists_the_configured_models_and_sends_the_pick(browser, model, tok, tmp_path):
+    """Two models configured: the picker lists both, the second "(not loaded)"; picked, it
+    names the request's model, which loads it and answers with its own reply."""
+    from monolith.serving.models import ModelPool, ModelSpec
+
+    engines = {}
+
+    def load(name, text):
+        def make():
+            engines[name] = Recording(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode(text)))
+            return engines[name]
+        return make
+
+    pool = ModelPool([ModelSpec(("first",), load("first", "From the first.")),
+                      ModelSpec(("second",), load("second", "From the second."))])
+    with Server(pool, model_names=pool.names()) as s:
+        s.wait_ready()
+        page = open_page(browser, s)
+        options = page.locator("#model-pick option")
+        expect(options).to_have_text(["first", "second (not loaded)"])
+        expect(page.locator("#model-pick")).to_have_value("first")
+        page.select_option("#model-pick", "second")
+        send(page, "Hi")
+        settle(page)
+        expect(page.locator(".message.assistant .content")).to_have_text("From the second.")
+        assert len(engines["second"].submitted) == 1 and engines["first"].submitted == []
+        page.focus("#model-pick")  # the loaded states as they are now
+        expect(options).to_have_text(["first", "second"])
+        close(page, tmp_path, "two models")
