@@ -293,3 +293,22 @@ class WarmCold:
         with concurrent.futures.ThreadPoolExecutor(clients) as pool:
             for future in [pool.submit(case.play, self.ask) for case in cases]:
                 future.result()
+
+
+def synthetic_pair(root, dense: bool, seed: int):
+    """A synthetic target (dense or MoE) and a DSpark draft for it under `root`, loaded in
+    float32 with their packs in root/cache: (its checkpoint directory, (model, drafter,
+    tokenizer))."""
+    import pytest
+
+    from monolith import engine_setup
+    from monolith.synth import write_draft, write_target
+    from monolith.tokenizer import load_tokenizer
+
+    target = write_target(root / "target", dense=dense, seed=seed)
+    draft = write_draft(root / "draft", target, seed=seed)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MONOLITH_CACHE", str(root / "cache"))
+        model = engine_setup.load_target(target, dtype="float32")
+        drafter = engine_setup.load_drafter(draft, model, dtype="float32", quantization="none")
+    return target, (model, drafter, load_tokenizer(target))

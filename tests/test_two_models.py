@@ -23,10 +23,9 @@ import threading
 import time
 
 import pytest
-from histories import Ask, Histories, WarmCold, serve_engine
+from histories import Ask, Histories, WarmCold, serve_engine, synthetic_pair
 from serving_rig import Server, expected
 
-from monolith import engine_setup
 from monolith.serving.models import ModelPool, ModelSpec
 
 DEFAULT, SECOND = "monolith-demo", "synth"
@@ -39,17 +38,7 @@ def synth(tmp_path_factory):
     """A dense synthetic target and a DSpark draft for it, float32: (its checkpoint
     directory, (model, drafter, tokenizer)). Its ids are all below the demo's vocabulary,
     so any prompt of its can go to the demo too."""
-    from monolith.synth import write_draft, write_target
-    from monolith.tokenizer import load_tokenizer
-
-    root = tmp_path_factory.mktemp("second")
-    target = write_target(root / "target", dense=True, seed=7)
-    draft = write_draft(root / "draft", target, seed=7)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MONOLITH_CACHE", str(root / "cache"))
-        model = engine_setup.load_target(target, dtype="float32")
-        drafter = engine_setup.load_drafter(draft, model, dtype="float32", quantization="none")
-    return target, (model, drafter, load_tokenizer(target))
+    return synthetic_pair(tmp_path_factory.mktemp("second"), True, 7)
 
 
 def two_models(demo_f32, synth, argv, on_load=lambda name, engine: engine) -> ModelPool:

@@ -16,10 +16,9 @@ import random
 
 import httpx
 import pytest
-from histories import serve_engine
+from histories import serve_engine, synthetic_pair
 from serving_rig import Server
 
-from monolith import engine_setup
 from monolith.pack.demo import bundle_dir
 
 TURN1 = [{"role": "user", "content": "What does os.path.join do?"}]
@@ -145,17 +144,7 @@ def test_warm_equals_cold_on_the_demo_pair(demo_f32, mode, tmp_path):
 def synthetic(request, tmp_path_factory):
     """A synthetic target (MoE or dense) and a DSpark draft for it, float32: (its
     checkpoint directory, (model, drafter, tokenizer))."""
-    from monolith.synth import write_draft, write_target
-    from monolith.tokenizer import load_tokenizer
-
-    root = tmp_path_factory.mktemp(request.param)
-    target = write_target(root / "target", dense=request.param == "dense", seed=5)
-    draft = write_draft(root / "draft", target, seed=5)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MONOLITH_CACHE", str(root / "cache"))
-        model = engine_setup.load_target(target, dtype="float32")
-        drafter = engine_setup.load_drafter(draft, model, dtype="float32", quantization="none")
-    return target, (model, drafter, load_tokenizer(target))
+    return synthetic_pair(tmp_path_factory.mktemp(request.param), request.param == "dense", 5)
 
 
 @pytest.mark.parametrize("mode", ["plain + prompt cache", "drafting + prompt cache", "drafting + 4 clients batched"])
