@@ -19,7 +19,7 @@ from .context_edits import edit_context
 
 
 def routes(handlers) -> list[Route]:
-    """The routes of Anthropic's endpoints on the app's handlers (app._Handlers)."""
+    """The routes of Anthropic's endpoints on the app's handlers (handlers.Handlers)."""
     api = AnthropicRoutes(handlers)
     return [Route("/v1/messages", handlers.endpoint("messages", api.messages, error_response), methods=["POST"]),
             Route("/v1/messages/count_tokens", handlers.endpoint("count_tokens", api.count_tokens, error_response),

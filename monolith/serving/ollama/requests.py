@@ -120,7 +120,7 @@ class Tool(Body):
 
 class Generation(Body):
     """What /api/chat and /api/generate share. `keep_alive` is taken out of the body
-    before (app.py's `model_for`: models.keep_alive_seconds)."""
+    before (handlers.py's `model_for`: models.keep_alive_seconds)."""
 
     model: str | None = None
     stream: bool = True

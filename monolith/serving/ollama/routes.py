@@ -39,7 +39,7 @@ NOT_HERE = {  # Ollama's endpoints this server does not have: why
 
 
 def routes(handlers) -> list[Route]:
-    """The routes of Ollama's API on the app's handlers (app._Handlers)."""
+    """The routes of Ollama's API on the app's handlers (handlers.Handlers)."""
     api = OllamaRoutes(handlers)
 
     def endpoint(name, handler):
@@ -104,7 +104,7 @@ class OllamaRoutes:
         return await self._drive(request, engine, prompt, chat_req, fmt, started, param)
 
     async def _encode(self, engine, req):
-        """The prompt: the chat rendered with the model's template (app.py's encode_chat),
+        """The prompt: the chat rendered with the model's template (handlers.py's encode_chat),
         or a raw prompt's own tokens."""
         if req.raw_prompt is None:
             return await self.handlers.encode_chat(engine, req.chat)
@@ -149,7 +149,7 @@ class OllamaRoutes:
         return StreamingResponse(handlers.stream(job, events, fmt, False), media_type=reply.MEDIA_TYPE)
 
     async def _arrive(self, request: Request):
-        """(when it arrived, its body, its model held, the model's name): app.py's arrive,
+        """(when it arrived, its body, its model held, the model's name): handlers.py's arrive,
         with Ollama's `name:latest` read as `name` when the server has no such name."""
         started = time.monotonic()
         body = await self.handlers.read_body(request)
@@ -274,7 +274,7 @@ class OllamaRoutes:
 
 
 class _Raw(NamedTuple):
-    """A raw prompt as app.py's EncodedChat has it."""
+    """A raw prompt as handlers.py's EncodedChat has it."""
 
     ids: list[int]
     reasoning_open: bool

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,7 +50,7 @@ CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finis
 
 def routes(handlers) -> list[BaseRoute]:
     """The routes of the Responses API's endpoints and its WebSocket on the app's handlers
-    (app._Handlers)."""
+    (handlers.Handlers)."""
     posted, stored, config = ResponsesRoutes(handlers), StoredResponses(handlers.state.responses), handlers.state.config
     return [
         Route("/v1/responses", handlers.endpoint("responses", posted.responses), methods=["POST"]),
@@ -75,7 +76,7 @@ def _json(handler):
 
 
 class ResponsesRoutes:
-    """The POST endpoints of the Responses API, on the app's handlers (app._Handlers)."""
+    """The POST endpoints of the Responses API, on the app's handlers (handlers.Handlers)."""
 
     def __init__(self, handlers):
         self.handlers = handlers
@@ -114,8 +115,8 @@ class ResponsesRoutes:
         engine = model.engine
         req, kept = compact.parse_compact(body, model.defaults, handlers.state.responses)
         handlers.model_name(req.model)
-        return await handlers.generate_chat(request, engine, req, lambda opened: compact.CompactFormat(
-            kept, opened), started, "input")
+        return await handlers.generate_chat(request, engine, req, partial(compact.CompactFormat, kept), started,
+                                            "input")
 
 
 class StoredResponses:

@@ -126,7 +126,7 @@ class _Connection:
             failure = _api_error(e)
             await self._send(_error(failure))
         finally:
-            self.handlers.release(self.websocket)  # the turn's model (app.model_for)
+            self.handlers.release(self.websocket)  # the turn's model (handlers.model_for)
         if failure is not None:
             self._forget(previous)
         self.handlers.state.metrics.requests.labels("responses", str(failure.status if failure else 200)).inc()
