@@ -20,9 +20,10 @@ from starlette.routing import Route
 
 from ..driving import Prompt
 from ..errors import APIError, ContextOverflow, bad
+from ..fields import parse
 from ..structured import check, grammar, grammar_tokenizer
 from . import reply
-from .requests import NamedBody, parse, parse_chat, parse_generate, renamed
+from .requests import NamedBody, parse_chat, parse_generate, renamed
 
 GENERATION = {"/api/chat": "POST", "/api/generate": "POST"}
 OTHERS = {"/api/tags": "GET", "/api/show": "POST", "/api/ps": "GET", "/api/version": "GET", "/api/pull": "POST"}
