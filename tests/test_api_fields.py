@@ -58,7 +58,7 @@ SDK_TYPES = {
 }
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+?) \|")
 BODIES = {"chat": ChatBody, "completions": CompletionBody, "messages": MessagesBody, "responses": ResponsesBody}
-NOT_IN_BODY = {"keep_alive"}  # read before the body is parsed (app.model_for)
+NOT_IN_BODY = {"keep_alive"}  # read before the body is parsed (handlers.model_for)
 
 
 @pytest.fixture(scope="module")

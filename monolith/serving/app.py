@@ -52,7 +52,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..runtime import memory_trim
-from . import page
+from . import access, page
 from .anthropic import routes as anthropic_routes
 from .errors import APIError, ContextOverflow, log_refusal
 from .handlers import Handlers
@@ -213,8 +213,8 @@ class Endpoints(Handlers):
 
         async def run(request: Request) -> Response:
             try:
-                self.check_origin(request)
-                self.authorize(request)
+                access.check_origin(self.state.config, request)
+                access.authorize(self.state.config, request)
                 response = await handler(request)
             except ContextOverflow as e:  # each API words it as its own
                 response = render(log_refusal(f"{request.method} {request.url.path}", e.worded_for(name)))
@@ -237,7 +237,7 @@ class Endpoints(Handlers):
 
     async def health(self, request: Request) -> Response:
         try:
-            self.check_origin(request)
+            access.check_origin(self.state.config, request)
         except APIError as e:
             return error_response(e)
         state, engine = self.state, self.state.engine

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..runtime.grammar import Grammar
-from . import access, structured
+from . import structured
 from .driving import Driver, Prompt
 from .errors import APIError, ContextOverflow, bad
 from .images import ImageLoader, prompt_ids
@@ -40,35 +40,30 @@ class Handlers(Driver):
     by: access, the body, the model and its name, a chat request run (`state`:
     app.ServerState)."""
 
-    def check_origin(self, request) -> None:
-        access.check_origin(self.state.config, request)
-
-    def authorize(self, request) -> None:
-        access.authorize(self.state.config, request)
-
-    async def arrive(self, request: Request) -> tuple[float, dict, object]:
+    async def arrive(self, request: Request) -> tuple[float, dict, object, str]:
         """A request to an API route as it arrives: (when it did, its JSON body, the model
-        it names, held: `model_for`)."""
+        it names, held, and that model's name: `model_for`)."""
         started = time.monotonic()
         body = await self.read_body(request)
-        return started, body, await self.model_for(request, body)
+        model, name = await self.model_for(request, body)
+        return started, body, model, name
 
-    async def model_for(self, connection, body: dict):
-        """The loaded model a request body names (its "model"; without one the default),
-        loaded first if need be (models.ModelPool.hold: 503 during the start-up load, or
-        when it cannot load), and held until `release(connection)`: the endpoint does
-        that when its handler returns. An unknown name is a 404. Takes the body's
-        `keep_alive` (our extension) out of it."""
+    async def model_for(self, connection, body: dict) -> tuple[object, str]:
+        """The loaded model a request body names (its "model"; without one the default)
+        and the name it is served under, loaded first if need be (models.ModelPool.hold:
+        503 during the start-up load, or when it cannot load), and held until
+        `release(connection)`: the endpoint does that when its handler returns. An
+        unknown name is a 404. Takes the body's `keep_alive` (our extension) out of it."""
         keep_alive = keep_alive_seconds(body.pop("keep_alive", None)) if isinstance(body, dict) else None
         model = body.get("model") if isinstance(body, dict) else None
-        pool = self.state.pool
-        lease = await pool.hold(self.model_name(model if isinstance(model, str) else None), keep_alive)
+        name = self.model_name(model if isinstance(model, str) else None)
+        lease = await self.state.pool.hold(name, keep_alive)
         leases = getattr(connection.state, "leases", [])
         connection.state.leases = leases + [lease]
         engine = lease.served.engine
         if engine.down:
             raise APIError(503, f"the model is unavailable: {engine.down}", code="model_unavailable")
-        return lease.served
+        return lease.served, name
 
     def release(self, connection) -> None:
         """Let go of the models `model_for` gave `connection`'s request."""
@@ -128,12 +123,11 @@ class Handlers(Driver):
         Content-Length, before reading; or while reading a chunked body)."""
         limit = self.state.config.max_request_bytes
         length = request.headers.get("content-length")
-        too_big = APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
         if length is not None:
             if not length.isdigit():
                 raise bad("invalid Content-Length header")
             if int(length) > limit:
-                raise too_big
+                raise _too_big(limit)
         chunks, size = [], 0
         timeout = self.state.config.body_timeout
         try:
@@ -141,7 +135,7 @@ class Handlers(Driver):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
-                        raise too_big
+                        raise _too_big(limit)
                     chunks.append(chunk)
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {timeout:g} s",
@@ -166,3 +160,7 @@ class Handlers(Driver):
             raise APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(names)}",
                            "model", "model_not_found")
         return model
+
+
+def _too_big(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")

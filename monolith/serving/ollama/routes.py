@@ -156,8 +156,7 @@ class OllamaRoutes:
         body = await self.handlers.read_body(request)
         if isinstance(body.get("model"), str):
             body["model"] = self._name(body["model"])
-        held = await self.handlers.model_for(request, body)
-        name = self.handlers.model_name(body.get("model") if isinstance(body.get("model"), str) else None)
+        held, name = await self.handlers.model_for(request, body)
         self._remember(name, held.engine)
         return started, body, held, name
 
@@ -203,7 +202,7 @@ class OllamaRoutes:
         """A model's description; the model is loaded for it if it was not."""
         body = await self.handlers.read_body(request)
         name = self._name(parse(NamedBody, body).model_name)
-        held = await self.handlers.model_for(request, {"model": name})
+        held, _ = await self.handlers.model_for(request, {"model": name})
         self._remember(name, held.engine)
         return JSONResponse(reply.show_body(held.engine, self.facts[name], self.seen[name]))
 
@@ -221,7 +220,7 @@ class OllamaRoutes:
         if name not in pool.names():
             await self._add(name)
         if not req.stream:
-            held = await self.handlers.model_for(request, {"model": name})
+            held, _ = await self.handlers.model_for(request, {"model": name})
             self._remember(name, held.engine)
             return JSONResponse({"status": "success"})
         return StreamingResponse(self._pulling(name), media_type=reply.MEDIA_TYPE)

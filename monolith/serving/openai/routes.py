@@ -34,10 +34,9 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request) -> Response:
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         req = parse_chat_request(body, model.defaults)
-        name = handlers.model_name(req.model)
 
         # the format, given whether the prompt opens a reasoning block (made by the handlers, no call back here)
         chat_format = partial(ChatFormat, name, model.token_text, req.logprobs is not None, req.tools, spec=req.spec)
@@ -45,12 +44,11 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         req = parse_completion_request(body, model.defaults)
         if req.batched:
-            return await scoring.complete(handlers, request, model, req, started)
-        name = handlers.model_name(req.model)
+            return await scoring.complete(handlers, request, model, name, req, started)
         prompt_ids = await scoring.prompt_ids(handlers, engine, req.prompts[0])
         fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
         return await handlers.generate(request, engine, req, fmt, Prompt(prompt_ids, "prompt"), started)

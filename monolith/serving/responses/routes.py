@@ -85,10 +85,9 @@ class ResponsesRoutes:
         """OpenAI's Responses API on the chat path (requests.py, reply.py)."""
         handlers = self.handlers
         state = handlers.state
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, state.responses)
-        name = handlers.model_name(call.request.model)
         make_format = reply.format_maker(name, call, state.responses, engine.tokenizer)
         response = await handlers.generate_chat(request, engine, call.request, make_format, started, "input")
         if call.tools.omitted:  # hosted tools this server cannot run: left out, and said so
@@ -101,20 +100,18 @@ class ResponsesRoutes:
         """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""
         handlers = self.handlers
         state = handlers.state
-        _, body, model = await handlers.arrive(request)
+        _, body, model, _ = await handlers.arrive(request)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, state.responses)
-        handlers.model_name(call.request.model)
         prompt = await handlers.encode_chat(engine, call.request, handlers.prompt_images(engine, count_only=True))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.ids)})
 
     async def compact(self, request: Request) -> Response:
         """POST /v1/responses/compact: the conversation summarized by the model (compact.py)."""
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, _ = await handlers.arrive(request)
         engine = model.engine
         req, kept = compact.parse_compact(body, model.defaults, handlers.state.responses)
-        handlers.model_name(req.model)
         return await handlers.generate_chat(request, engine, req, partial(compact.CompactFormat, kept), started,
                                             "input")
 
