@@ -1,10 +1,10 @@
 """The handlers every API's routes call (serving/NAME/routes.py), on the engine driving
-of driving.py: access checks, the request's body and its model (held until the request
-ends), the model's name, and a chat request encoded (template, images, grammar) and run
-(`generate_chat`). app.py wraps each route's handler (`endpoint`: the checks, the API's
-error body, request counts) and builds the state they read (app.ServerState: the config,
-the model pool, metrics, the images seen before); a request runs one way, app -> the
-API's routes -> these handlers -> driving -> the engine."""
+of driving.py: the request's body, its model (held until the request ends) and the name
+it is served under, and a chat request encoded (template, images, grammar) and run
+(`generate_chat`). app.py wraps each route's handler (`endpoint`: the access checks, the
+API's error body, request counts) and builds the state they read (app.ServerState: the
+config, the model pool, metrics, the images seen before); a request runs one way, app ->
+the API's routes -> these handlers -> driving -> the engine."""
 
 from __future__ import annotations
 
@@ -34,11 +34,9 @@ class EncodedChat(NamedTuple):
     images: tuple  # models.image_inputs.PreparedImage in prompt order (CountedImage when counting)
 
 
-
 class Handlers(Driver):
     """What each API's routes (app.API_ROUTES) and the Responses WebSocket reach the app
-    by: access, the body, the model and its name, a chat request run (`state`:
-    app.ServerState)."""
+    by: the body, the model and its name, a chat request run (`state`: app.ServerState)."""
 
     async def arrive(self, request: Request) -> tuple[float, dict, object, str]:
         """A request to an API route as it arrives: (when it did, its JSON body, the model
