@@ -3,7 +3,7 @@ types (openai chat, completions and responses; anthropic messages and count_toke
 beta included; ollama's chat and generate requests, their options and messages) has a
 row in its API's table; each top-level row's mark is the policy the API's typed body
 declares (serving/fields.py's markers), and every field a body declares has its row
-(completions: its rows are declared); and each row's field, sent to a live
+(completions: its rows are declared; Ollama: its `options` too); and each row's field, sent to a live
 server through the official client with the value in SAMPLES (tests/api_field_samples.py),
 is accepted or refused (a 400 naming it) as the row's mark says (on a server whose model
 takes images). Then what the newly
@@ -34,6 +34,7 @@ from vision_rig import png
 
 from monolith.serving.anthropic.requests import MessagesBody
 from monolith.serving.fields import REFUSED, policy
+from monolith.serving.ollama import requests as ollama_requests
 from monolith.serving.openai.requests import ChatBody, CompletionBody
 from monolith.serving.responses.requests import ResponsesBody
 
@@ -57,7 +58,7 @@ SDK_TYPES = {
 }
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+?) \|")
 BODIES = {"chat": ChatBody, "completions": CompletionBody, "messages": MessagesBody, "responses": ResponsesBody}
-NOT_IN_BODY = {"keep_alive"}  # read before the body is parsed (app.model_for)
+NOT_IN_BODY = {"keep_alive"}  # read before the body is parsed (handlers.model_for)
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +329,20 @@ def test_every_ollama_field_has_a_row_and_a_sample():
     rows = table(OLLAMA)
     assert not sorted(fields - set(rows)), f"docs/api-fields.md's Ollama table has no row for {sorted(fields - set(rows))}"
     assert set(rows) == set(ollama_samples())
+
+
+def test_every_ollama_top_level_and_option_row_is_the_declared_policy():
+    """As test_every_top_level_row_is_the_declared_policy, for Ollama's two bodies and
+    their `options` (a body nested in them, its fields' policy declared on it)."""
+    declared = {field: rule.mark for body in (ollama_requests.ChatBody, ollama_requests.GenerateBody)
+                for field, rule in policy(body).items()}
+    declared |= {f"options.{field}": rule.mark for field, rule in policy(ollama_requests.Options).items()}
+    rows = {field: mark for field, mark in table(OLLAMA).items()
+            if re.fullmatch(r"(options\.)?\w+", field) and field not in NOT_IN_BODY}
+    wrong = {field: (mark, declared.get(field, f"undeclared: {REFUSED}")) for field, mark in rows.items()
+             if declared.get(field, REFUSED) != mark}
+    assert not wrong, f"docs/api-fields.md's Ollama rows (mark, declared): {wrong}"
+    assert not sorted(set(declared) - set(rows)), f"no row for the declared {sorted(set(declared) - set(rows))}"
 
 
 @pytest.mark.parametrize("field, mark", list(table(OLLAMA).items()))

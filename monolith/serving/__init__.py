@@ -4,6 +4,6 @@ adding an API takes). Each API is a package (openai/, anthropic/, responses/) wi
 requests, its reply format and its routes; they share the common core here: the request
 every API becomes (requests.py), the field checks (fields.py), tools (tools/: their
 checks, the calls read back and streamed, XML tool arguments), structured output
-(structured.py) and the engine driving
-(driving.py). No API package imports another. Only the app and its endpoints (app.py,
-driving.py, page.py, each API's routes.py, responses/websocket.py) import starlette."""
+(structured.py), the handlers every API's routes call (handlers.py) and the engine
+driving (driving.py). No API package imports another. Only the app and its endpoints (app.py,
+handlers.py, driving.py, page.py, each API's routes.py, responses/websocket.py) import starlette."""

@@ -13,8 +13,10 @@
 - Ollama's API under /api/ (/api/chat, /api/generate, /api/tags, ...: ollama/routes.py).
 
 Each API is a package (openai/, anthropic/, responses/, ollama/) that brings its routes
-(`API_ROUTES`: each package's `routes(handlers)`), its handlers calling the app's
-(`_Handlers`); it imports the common core here, never another API's package.
+(`API_ROUTES`: each package's `routes(handlers)`), its handlers calling the common ones
+(handlers.py); it imports the common core, never another API's package nor this module.
+A request runs one way: the route's wrapper here (`Endpoints.endpoint`) -> the API's
+handler -> handlers.py -> driving.py -> the engine.
 
 `create_app(load, config)` answers at once and runs `load()` (which returns an
 Engine) on a background thread: /health says 503 until it is done, and the
@@ -50,19 +52,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..runtime import memory_trim
-from ..runtime.grammar import Grammar
-from . import access, page, structured
+from . import access, page
 from .anthropic import routes as anthropic_routes
-from .driving import Driver, Prompt
-from .errors import APIError, ContextOverflow, bad, log_refusal
-from .images import ImageLimits, ImageLoader, RecentImages, prompt_ids
+from .errors import APIError, ContextOverflow, log_refusal
+from .handlers import Handlers
+from .images import ImageLimits, RecentImages
 from .metrics import CONTENT_TYPE, SAMPLE_SECONDS, GaugeHistory, Metrics
-from .models import ModelPool, ModelSpec, keep_alive_seconds
+from .models import ModelPool, ModelSpec
 from .ollama import routes as ollama_routes
 from .openai import routes as openai_routes
 from .openai.reply import TokenText, read_json
-from .reasoning import prompt_opens_reasoning
-from .requests import ChatRequest, SamplingDefaults, parse_json_body
+from .requests import SamplingDefaults
 from .responses import routes as responses_routes
 from .responses.store import STORED_BYTES, STORED_RESPONSES, ResponseStore
 from .responses.websocket import LIMIT_SECONDS
@@ -92,15 +92,6 @@ class ServerConfig:
     response_store_bytes: int = STORED_BYTES  # ... and at most this many bytes of them
     response_store_dir: str | None = None  # where they survive a restart (None: memory only)
     images: ImageLimits = ImageLimits()  # what a request's images may be (images.py)
-
-
-class EncodedChat(NamedTuple):
-    """A chat request ready for the engine (`encode_chat`)."""
-
-    ids: list[int]  # the prompt, each image's <|image_pad|> run expanded
-    reasoning_open: bool  # the prompt opens a reasoning block
-    constraint: Grammar | None  # the output's grammar
-    images: tuple  # models.image_inputs.PreparedImage in prompt order (CountedImage when counting)
 
 
 class LoadedModel(NamedTuple):
@@ -187,7 +178,7 @@ def create_app(load: Callable[[], object] | ModelPool, config: ServerConfig,
         await pool.close()
         await anyio.to_thread.run_sync(state.responses.close)  # the stored responses queued for the disk
 
-    handlers = _Handlers(state)
+    handlers = Endpoints(state)
     routes = [
         Route("/health", handlers.health, methods=["GET"]),
         Route("/v1/models", handlers.endpoint("models", handlers.models), methods=["GET"]),
@@ -212,11 +203,9 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-
-class _Handlers(Driver):
-    """The endpoints (and what each API's routes, API_ROUTES, and the Responses WebSocket
-    reach them by: access, the engine, the model, the body), on the engine driving of
-    driving.py."""
+class Endpoints(Handlers):
+    """The handlers (handlers.py) with what the app adds: the wrapper of every route's
+    handler (`endpoint`) and the app's own endpoints."""
 
     def endpoint(self, name: str, handler, render: Callable[[APIError], Response] = error_response):
         """Authorization, error bodies for every failure (`render`: OpenAI's shape unless
@@ -224,8 +213,8 @@ class _Handlers(Driver):
 
         async def run(request: Request) -> Response:
             try:
-                self.check_origin(request)
-                self.authorize(request)
+                access.check_origin(self.state.config, request)
+                access.authorize(self.state.config, request)
                 response = await handler(request)
             except ContextOverflow as e:  # each API words it as its own
                 response = render(log_refusal(f"{request.method} {request.url.path}", e.worded_for(name)))
@@ -244,47 +233,11 @@ class _Handlers(Driver):
 
         return run
 
-    def check_origin(self, request) -> None:
-        access.check_origin(self.state.config, request)
-
-    def authorize(self, request) -> None:
-        access.authorize(self.state.config, request)
-
-    async def arrive(self, request: Request) -> tuple[float, dict, LoadedModel]:
-        """A request to an API route as it arrives: (when it did, its JSON body, the model
-        it names, held: `model_for`)."""
-        started = time.monotonic()
-        body = await self.read_body(request)
-        return started, body, await self.model_for(request, body)
-
-    async def model_for(self, connection, body: dict) -> LoadedModel:
-        """The loaded model a request body names (its "model"; without one the default),
-        loaded first if need be (models.ModelPool.hold: 503 during the start-up load, or
-        when it cannot load), and held until `release(connection)`: the endpoint does
-        that when its handler returns. An unknown name is a 404. Takes the body's
-        `keep_alive` (our extension) out of it."""
-        keep_alive = keep_alive_seconds(body.pop("keep_alive", None)) if isinstance(body, dict) else None
-        model = body.get("model") if isinstance(body, dict) else None
-        pool = self.state.pool
-        lease = await pool.hold(self.model_name(model if isinstance(model, str) else None), keep_alive)
-        leases = getattr(connection.state, "leases", [])
-        connection.state.leases = leases + [lease]
-        engine = lease.served.engine
-        if engine.down:
-            raise APIError(503, f"the model is unavailable: {engine.down}", code="model_unavailable")
-        return lease.served
-
-    def release(self, connection) -> None:
-        """Let go of the models `model_for` gave `connection`'s request."""
-        for lease in getattr(connection.state, "leases", ()):
-            lease.release()
-        connection.state.leases = []
-
     # ---------------------------------------------------------------- simple endpoints
 
     async def health(self, request: Request) -> Response:
         try:
-            self.check_origin(request)
+            access.check_origin(self.state.config, request)
         except APIError as e:
             return error_response(e)
         state, engine = self.state, self.state.engine
@@ -318,96 +271,3 @@ class _Handlers(Driver):
 
     async def metrics_history(self, request: Request) -> Response:
         return JSONResponse(self.state.history.as_json())
-
-    # ---------------------------------------------------------------- generation
-
-    def prompt_images(self, engine, count_only: bool = False) -> ImageLoader:
-        """What loads a request's images (images.py), under this server's limits."""
-        return ImageLoader(engine.vision, self.state.config.images, count_only, self.state.recent_images)
-
-    async def encode_chat(self, engine, req: ChatRequest, images: ImageLoader | None = None) -> EncodedChat:
-        """A chat request's prompt ids, images and grammar, on a worker thread (the
-        template, the images, the tokenizer and a grammar's check take time). `images`:
-        what loads them (default: `prompt_images`)."""
-        images = images or self.prompt_images(engine)
-
-        def encode() -> EncodedChat:
-            try:
-                text = engine.tokenizer.apply_chat_template(req.messages, req.tools, **req.template_kwargs)
-            except ValueError as e:  # TokenizerError: the template refused the conversation
-                raise bad(str(e), "messages") from None
-            self.fits(engine, text, "messages")
-            reasoning = prompt_opens_reasoning(text)
-            constraint = None
-            if req.structure is not None:
-                constraint = structured.grammar(req.structure, engine.tokenizer, reasoning)
-                structured.check(req.structure, constraint, structured.grammar_tokenizer(engine))
-            loaded = images.of(req.messages)
-            return EncodedChat(prompt_ids(engine.tokenizer, text, loaded, engine.vision), reasoning, constraint,
-                               tuple(loaded))
-
-        return await anyio.to_thread.run_sync(encode)
-
-    async def generate_chat(self, request: Request, engine, req: ChatRequest, make_format, started: float,
-                            prompt_param: str = "messages") -> Response:
-        """A chat request through the engine, its reply in the format `make_format(reasoning
-        open)` builds (each API brings its own: OpenAI's chat.completion, ...)."""
-        job, events, fmt = await self.start_chat(engine, req, make_format, started, prompt_param, request)
-        return await self.respond(request, job, events, fmt, req)
-
-    async def start_chat(self, engine, req: ChatRequest, make_format, started: float, prompt_param: str,
-                         request: Request | None = None):
-        """A chat request encoded, submitted and started (`start`): (job, its events, its
-        format)."""
-        prompt = await self.encode_chat(engine, req)
-        fmt = make_format(prompt.reasoning_open)
-        submitted = Prompt(prompt.ids, prompt_param, engine.tokenizer.message_ends(prompt.ids), prompt.constraint,
-                           prompt.images, req.draft)
-        job, events = await self.start(engine, req, fmt, submitted, started, request)
-        return job, events, fmt
-
-    async def read_body(self, request: Request) -> dict:
-        """The JSON body; 413 as soon as it is known to exceed the limit (from
-        Content-Length, before reading; or while reading a chunked body)."""
-        limit = self.state.config.max_request_bytes
-        length = request.headers.get("content-length")
-        too_big = APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
-        if length is not None:
-            if not length.isdigit():
-                raise bad("invalid Content-Length header")
-            if int(length) > limit:
-                raise too_big
-        chunks, size = [], 0
-        timeout = self.state.config.body_timeout
-        try:
-            with anyio.fail_after(timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise too_big
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
-                           code="request_timeout") from None
-        request.state.body_bytes = size
-        if not size:
-            raise bad("the request body is empty: send a JSON object")
-        return parse_json_body(b"".join(chunks))
-
-    @staticmethod
-    def fits(engine, text: str, param: str) -> None:
-        """400 before tokenizing a prompt that cannot fit the context whatever it encodes to."""
-        least = engine.tokenizer.min_tokens(text)
-        if least + 1 > engine.max_context:
-            raise ContextOverflow(least, engine.max_context, param, at_least=True)
-
-    def model_name(self, model: str | None) -> str:
-        names = self.state.pool.names()
-        if model is None:
-            return names[0]
-        if model not in names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {', '.join(names)}",
-                           "model", "model_not_found")
-        return model
-
-

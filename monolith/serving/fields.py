@@ -10,7 +10,10 @@ why)`: refused, but accepted at the value that means "off" (or the API's default
 too (a typo must not pass as a default). `Body`'s own check runs before the fields'
 types are: refused fields first, then unknown ones, then neutral ones, each a 400 naming
 the field (`param`). JSON null counts as not given, except that a body whose
-`nulls_given` is true (Anthropic's) refuses an unknown field even when it is null.
+`nulls_given` is true (Anthropic's) refuses an unknown field even when it is null; a
+body whose `nulls_anywhere_unset` is true (Ollama's) leaves out nulls at any depth. A
+Body may be nested in another (Ollama's `options`): its policy is checked as the outer
+one's, and its refusals name its fields by their path (`options.mirostat`).
 
 `parse(model, body)` validates a body (or any object) against a model: a value of the
 wrong type anywhere is a 400 whose `param` is its path (`messages[2].content[0].text`)
@@ -108,19 +111,44 @@ def by_type(tags, implied: str | None = None) -> Discriminator:
 
 
 class Body(BaseModel):
-    """A request body, its field policy declared on its fields (above)."""
+    """A request body, its field policy declared on its fields (above). A Body may also be
+    nested in another (Ollama's `options`): its refusals then name the fields by their
+    path in the whole body."""
 
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     nulls_given: ClassVar[bool] = False  # a null field counts as sent (an unknown one is refused)
+    nulls_anywhere_unset: ClassVar[bool] = False  # a null anywhere inside counts as not given (Ollama's)
 
     @model_validator(mode="before")
     @classmethod
     def _policy(cls, body):
         if not isinstance(body, dict):
             return body
+        if cls.nulls_anywhere_unset:
+            body = without_nulls(body)
         given = {k: v for k, v in body.items() if v is not None}
-        check_policy(cls, body if cls.nulls_given else given)
+        checked = body if cls.nulls_given else given
+        if policy_fault(cls, checked) is not None:
+            raise _Refusal(cls, checked)  # `refusal` words it, where it is in the body
         return given
+
+
+class _Refusal(ValueError):
+    """A Body's policy broken, raised inside pydantic's validation so that `refusal` can
+    name the fields by their path in the whole body (`policy_fault` with that prefix)."""
+
+    def __init__(self, model: type[BaseModel], given: dict):
+        super().__init__(f"{model.__name__}'s field policy")
+        self.model, self.given = model, given
+
+
+def without_nulls(value):
+    """`value` with every object's null fields left out, at any depth."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value
 
 
 @functools.cache
@@ -133,20 +161,25 @@ def policy(model: type[BaseModel]) -> dict[str, Policy]:
     return out
 
 
-def check_policy(model: type[BaseModel], given: dict) -> None:
+def policy_fault(model: type[BaseModel], given: dict, where: str = "") -> APIError | None:
     """The 400 for the first field of `given` (the body's fields as sent) that the
-    model's policy refuses: a refused field, an unknown one, one off its neutral value."""
+    model's policy refuses: a refused field, an unknown one, one off its neutral value;
+    `where` prefixes the fields' names (a nested body's path and a dot)."""
     rules, refusing, neutrals = _rules(model)
     stopped = sorted(refusing.intersection(given))
     if stopped:
-        raise bad(f"{stopped[0]}: {rules[stopped[0]].why}", stopped[0])
+        return bad(f"{where}{stopped[0]}: {rules[stopped[0]].why}", f"{where}{stopped[0]}")
     if not rules.keys() >= given.keys():
-        refuse_unknown(given, rules)
+        try:
+            refuse_unknown(given, rules, where)
+        except APIError as e:
+            return e
     for name in sorted(neutrals.intersection(given)):
         rule, value = rules[name], given[name]
         if value is not None and not _same(value, rule.neutral):
-            what = rule.wording or f"{name} is not supported (only {json.dumps(rule.neutral)})"
-            raise bad(f"{what}, got {json.dumps(value)[:60]}", name)
+            what = rule.wording or f"{where}{name} is not supported (only {json.dumps(rule.neutral)})"
+            return bad(f"{what}, got {json.dumps(value)[:60]}", f"{where}{name}")
+    return None
 
 
 @functools.cache
@@ -184,6 +217,11 @@ def refusal(errors: list[dict], body, where: str = "") -> APIError:
     """The 400 for pydantic's `errors` about `body`: the deepest fault (an alternative of
     a union that does not apply fails less deep), its param the path in the body."""
     located = [(([where] if where else []) + _path(e["loc"], body, e["type"]), e) for e in errors]
+    for path, e in located:  # a Body's policy first, as a body's own refusals come before its types
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, _Refusal):
+            prefix = _param(path)
+            return policy_fault(cause.model, cause.given, f"{prefix}." if prefix else "")
     extra = [(path, e) for path, e in located if e["type"] == "extra_forbidden"]
     if extra:  # a field an object does not declare, all of that object's named at once
         parent = extra[0][0][:-1]

@@ -143,6 +143,8 @@ class ModelPool:
         loading = self._begin_load(self.default)
 
         def started(future: asyncio.Future) -> None:
+            if future.cancelled():  # the server stopped during its start-up load
+                return
             error = future.result()
             if error is None:
                 self.status = "ready"

@@ -19,7 +19,7 @@ from .context_edits import edit_context
 
 
 def routes(handlers) -> list[Route]:
-    """The routes of Anthropic's endpoints on the app's handlers (app._Handlers)."""
+    """The routes of Anthropic's endpoints on the app's handlers (handlers.Handlers)."""
     api = AnthropicRoutes(handlers)
     return [Route("/v1/messages", handlers.endpoint("messages", api.messages, error_response), methods=["POST"]),
             Route("/v1/messages/count_tokens", handlers.endpoint("count_tokens", api.count_tokens, error_response),
@@ -38,10 +38,9 @@ class AnthropicRoutes:
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (requests.py, reply.py)."""
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         req = requests.parse_messages_request(body, model.defaults)
-        name = handlers.model_name(req.model)
         images = handlers.prompt_images(engine)  # loaded once for the context edits and the prompt
         chat, applied, _ = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, False, images)
         prompt = await handlers.encode_chat(engine, chat, images)
@@ -57,10 +56,9 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: Request) -> Response:
         handlers = self.handlers
-        _, body, model = await handlers.arrive(request)
+        _, body, model, _ = await handlers.arrive(request)
         engine = model.engine
         req = requests.parse_count_tokens_request(body, model.defaults)
-        handlers.model_name(req.model)
         images = handlers.prompt_images(engine, count_only=True)  # an image's tokens follow from its size
         chat, _, original = await anyio.to_thread.run_sync(edit_context, req, engine.tokenizer, True, images)
         prompt = await handlers.encode_chat(engine, chat, images)

@@ -24,6 +24,9 @@ def json_line(value: dict) -> str:
 
 
 def error_body(e: APIError) -> dict:
+    """Ollama's error body: a message alone, so it starts with the field it names."""
+    if e.param and not e.message.startswith(e.param):
+        return {"error": f"{e.param}: {e.message}"}
     return {"error": e.message}
 
 

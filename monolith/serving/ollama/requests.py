@@ -1,28 +1,42 @@
 """Ollama's request bodies (POST /api/chat, /api/generate, /api/show, /api/pull), typed
-with pydantic: a field of the wrong type, or one Ollama's API does not have, is a 400
-naming its path (`messages[0].content`, `options.temperature`). A JSON null means "not
-given", as in Ollama's own server.
+as every API's (../fields.py: `Body`, `Strict`, `parse`): a field of the wrong type, or
+one Ollama's API does not have, is a 400 naming its path (`messages[0].content`,
+`options.temperature`). A JSON null anywhere means "not given", as in Ollama's own server.
 
-The field policy (docs/api-fields.md, "Ollama"): what changes the result and can be
-honoured is (`options` mapped onto our sampling: `num_predict`, `num_ctx`,
-`temperature`, `top_k`, `top_p`, `min_p`, `seed`, `stop`); what changes nothing here is
-accepted (`Options`' inert ones: threads, GPUs, batch size, memory mapping, and the
-options that only matter with a penalty that is off); what would change the result and is not
-implemented is refused, unless at its neutral value (`NEUTRAL_OPTIONS`, the penalties
-and mirostat; `suffix`, `template`, `context`, image generation's fields). A chat or
-generate request becomes the ChatRequest every API builds (../requests.py's
-`chat_request`): the model's own chat template renders it, tools
-and `format` go through the same grammar (../structured.py) as OpenAI's `tools` and
-`response_format`."""
+The field policy (docs/api-fields.md, "Ollama") is declared on the fields, as every
+API's: what changes the result and can be honoured is (`options` mapped onto our
+sampling: `num_predict`, `num_ctx`, `temperature`, `top_k`, `top_p`, `min_p`, `seed`,
+`stop`); what changes nothing here is accepted (`Options`' inert ones: threads, GPUs,
+batch size, memory mapping, and the options that only matter with a penalty that is
+off); what would change the result and is not implemented is refused, unless at its
+neutral value (the penalties and mirostat in `Options`; `suffix`, `template`, `context`)
+or whatever its value (image generation's fields). A chat or generate request becomes
+the ChatRequest every API builds (../requests.py's `chat_request`): the model's own chat
+template renders it, tools and `format` go through the same grammar (../structured.py)
+as OpenAI's `tools` and `response_format`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from ..errors import APIError, bad
+from ..fields import (
+    Body,
+    Flag,
+    Integer,
+    Object,
+    Positive,
+    Real,
+    Strict,
+    Text,
+    inert,
+    neutral,
+    parse,
+    refused,
+)
 from ..images import image_item, message_content
 from ..requests import (
     ChatRequest,
@@ -36,127 +50,129 @@ from ..requests import (
 from ..structured import response_format
 from ..tools.specs import check_parameters
 
-# accepted only at the value that means "off": no penalty, no mirostat, no tail-free or
-# typical sampling (sampling.py has none of them)
-NEUTRAL_OPTIONS = {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
-                   "tfs_z": 1.0, "typical_p": 1.0}
 OPTION_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop"}  # the shared body's, from `options`
-TYPE_TAGS = {"str", "bool", "int", "float"}  # a union member's tag in pydantic's error locations
 PATH_NAMES = {"max_tokens": "options.num_predict", "response_format": "format", "chat_template_kwargs": "think"}
-
-
-class Body(BaseModel):
-    """A request object: no field Ollama's API lacks, no type coercion (a string is not
-    a number)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
+PENALTIES = "penalties are not implemented"
+RUNNER = "Ollama's runner setting"
 
 
 class Options(Body):
-    """Ollama's runner options: honoured, neutral only (NEUTRAL_OPTIONS), or inert."""
+    """Ollama's runner options: honoured (mapped onto our sampling), refused unless at the
+    value that means "off" (sampling.py has no penalty, mirostat, tail-free or typical
+    sampling), or inert (how Ollama's runner uses the machine, and the settings of a
+    penalty that is off). Nested in a body: its refusals name `options.FIELD`."""
 
-    # honoured
-    num_predict: int | None = None
-    num_ctx: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    # neutral only
-    repeat_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    mirostat: int | None = None
-    tfs_z: float | None = None
-    typical_p: float | None = None
-    # inert
-    numa: bool | None = None
-    num_batch: int | None = None
-    num_gpu: int | None = None
-    main_gpu: int | None = None
-    low_vram: bool | None = None
-    f16_kv: bool | None = None
-    logits_all: bool | None = None
-    vocab_only: bool | None = None
-    use_mmap: bool | None = None
-    use_mlock: bool | None = None
-    embedding_only: bool | None = None
-    num_thread: int | None = None
-    num_keep: int | None = None
-    repeat_last_n: int | None = None
-    penalize_newline: bool | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-
-
-class CallFunction(Body):
-    name: str
-    arguments: dict[str, Any] = {}
-    index: int | None = None  # Ollama numbers a reply's calls
+    num_predict: Integer | None = None
+    num_ctx: Positive | None = None
+    temperature: Annotated[Real, Field(ge=0.0)] | None = None
+    top_k: Integer | None = None
+    top_p: Real | None = None
+    min_p: Real | None = None
+    seed: Integer | None = None
+    stop: list[Text] | Text | None = None
+    repeat_penalty: Annotated[Any, neutral(1.0, PENALTIES)] = None
+    presence_penalty: Annotated[Any, neutral(0.0, PENALTIES)] = None
+    frequency_penalty: Annotated[Any, neutral(0.0, PENALTIES)] = None
+    mirostat: Annotated[Any, neutral(0, "mirostat sampling is not implemented")] = None
+    tfs_z: Annotated[Any, neutral(1.0, "tail-free sampling is not implemented")] = None
+    typical_p: Annotated[Any, neutral(1.0, "typical sampling is not implemented")] = None
+    repeat_last_n: Annotated[Integer | None, inert("the window of the repeat penalty, which is off")] = None
+    penalize_newline: Annotated[Flag | None, inert("part of the repeat penalty, which is off")] = None
+    mirostat_tau: Annotated[Real | None, inert("mirostat's, which is off")] = None
+    mirostat_eta: Annotated[Real | None, inert("mirostat's, which is off")] = None
+    num_keep: Annotated[Integer | None, inert("this server never shifts a full context")] = None
+    num_batch: Annotated[Integer | None, inert("the prefill chunk is the server's")] = None
+    num_thread: Annotated[Integer | None, inert("CPU threads of Ollama's runner")] = None
+    num_gpu: Annotated[Integer | None, inert("MLX runs every layer on the GPU")] = None
+    main_gpu: Annotated[Integer | None, inert("Ollama's GPU choice")] = None
+    low_vram: Annotated[Flag | None, inert("Ollama's memory mode")] = None
+    numa: Annotated[Flag | None, inert("Ollama's NUMA mode")] = None
+    use_mmap: Annotated[Flag | None, inert("how Ollama maps its weights")] = None
+    use_mlock: Annotated[Flag | None, inert("how Ollama locks its weights")] = None
+    f16_kv: Annotated[Flag | None, inert("Ollama's KV cache type")] = None
+    logits_all: Annotated[Flag | None, inert(RUNNER)] = None
+    vocab_only: Annotated[Flag | None, inert(RUNNER)] = None
+    embedding_only: Annotated[Flag | None, inert(RUNNER)] = None
 
 
-class ToolCall(Body):
-    id: str | None = None
+class CallFunction(Strict):
+    name: Text
+    arguments: Object = Field(default_factory=dict)
+    index: Integer | None = None  # Ollama numbers a reply's calls
+
+
+class ToolCall(Strict):
+    id: Text | None = None
     type: Literal["function"] | None = None
     function: CallFunction
 
 
-class Message(Body):
+class Message(Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
-    thinking: str | None = None  # an assistant's reasoning, sent back
-    images: list[str] | None = None  # base64
+    content: Text = ""
+    thinking: Text | None = None  # an assistant's reasoning, sent back
+    images: list[Text] | None = None  # base64
     tool_calls: list[ToolCall] | None = None
-    tool_name: str | None = None  # a tool result's tool
-    tool_call_id: str | None = None
+    tool_name: Text | None = None  # a tool result's tool
+    tool_call_id: Text | None = None
 
 
-class Tool(Body):
+class Tool(Strict):
     type: Literal["function"] = "function"
-    function: dict[str, Any]  # name, description, parameters: checked as OpenAI's (../tools/specs.py)
+    function: Object  # name, description, parameters: checked as OpenAI's (../tools/specs.py)
 
 
 class Generation(Body):
     """What /api/chat and /api/generate share. `keep_alive` is taken out of the body
-    before (app.py's `model_for`: models.keep_alive_seconds)."""
+    before (handlers.py's `model_for`: models.keep_alive_seconds)."""
 
-    model: str | None = None
-    stream: bool = True
-    format: Literal["", "json"] | dict[str, Any] | None = None
+    nulls_anywhere_unset = True  # as Ollama's own server (Go's JSON decoder) reads a null
+
+    model: Text | None = None
+    stream: Flag = True
+    format: Literal["", "json"] | Object | None = None
     options: Options | None = None
-    think: bool | Literal["low", "medium", "high", "max"] | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    think: Flag | Literal["low", "medium", "high", "max"] | None = None
+    logprobs: Flag | None = None
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
 
 
 class ChatBody(Generation):
-    messages: list[Message] = []
+    messages: list[Message] = Field(default_factory=list)  # none: Ollama's "load the model" request
     tools: list[Tool] | None = None
 
 
+IMAGE_GENERATION = "image generation is not supported"
+
+
 class GenerateBody(Generation):
-    prompt: str = ""
-    system: str | None = None
-    images: list[str] | None = None
-    raw: bool = False
-    suffix: str | None = None  # refused unless empty: no fill-in-the-middle
-    template: str | None = None  # refused unless empty: the model's own template renders
-    context: list[int] | None = None  # refused unless empty: deprecated, and never returned here
-    width: int | None = None  # image generation: refused
-    height: int | None = None
-    steps: int | None = None
+    prompt: Text = ""
+    system: Text | None = None
+    images: list[Text] | None = None
+    raw: Flag = False
+    suffix: Annotated[Any, neutral("", "no fill-in-the-middle",
+                                   "suffix is not supported: there is no fill-in-the-middle")] = None
+    template: Annotated[Any, neutral("", "the checkpoint's own chat template renders the prompt",
+                                     "template is not supported: the checkpoint's own chat template renders "
+                                     "the prompt")] = None
+    context: Annotated[Any, neutral([], "deprecated by Ollama, and never returned here",
+                                    "context is not supported (deprecated by Ollama): send the conversation to "
+                                    "/api/chat")] = None
+    width: Annotated[Any, refused(IMAGE_GENERATION)] = None
+    height: Annotated[Any, refused(IMAGE_GENERATION)] = None
+    steps: Annotated[Any, refused(IMAGE_GENERATION)] = None
 
 
 class NamedBody(Body):
     """/api/show and /api/pull: a model's name."""
 
-    model: str | None = None
-    name: str | None = None  # the name's older spelling
-    verbose: bool | None = None  # /api/show: nothing is left out without it
-    stream: bool = True  # /api/pull
-    insecure: bool | None = None  # /api/pull: no registry is reached
+    nulls_anywhere_unset = True
+
+    model: Text | None = None
+    name: Text | None = None  # the name's older spelling
+    verbose: Annotated[Flag | None, inert("/api/show leaves nothing out without it")] = None
+    stream: Flag = True  # /api/pull
+    insecure: Annotated[Flag | None, inert("/api/pull reaches no registry")] = None
 
     @property
     def model_name(self) -> str:
@@ -178,41 +194,6 @@ class OllamaRequest:
     raw_prompt: str | None = None  # /api/generate with raw: the prompt, not rendered
 
 
-def parse(kind: type[Body], body: dict) -> Body:
-    """`body` as `kind`, nulls dropped, or a 400 naming the first wrong field's path."""
-    try:
-        return kind.model_validate(_without_nulls(body))
-    except ValidationError as e:
-        errors = e.errors()
-        where = _path(errors[0]["loc"])
-        if errors[0]["type"] == "extra_forbidden":
-            raise bad(f"{where}: unsupported field (fields that would change the result are refused, not ignored)",
-                      where) from None
-        # a union's members each say what they want: all of them, for the same field
-        wants = list(dict.fromkeys(error["msg"] for error in errors if _path(error["loc"]) == where))
-        raise bad(f"{where}: {'; or '.join(wants)}", where) from None
-
-
-def _without_nulls(value):
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
-def _path(loc) -> str:
-    """An error's place as the 400 names it (`messages[0].content`): pydantic's location
-    without the union members' tags (`str`, `list[str]`, `literal['', 'json']`, ...)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part.isidentifier() and part not in TYPE_TAGS:
-            out += f".{part}" if out else part
-    return out or "body"
-
-
 def parse_chat(body: dict, defaults: SamplingDefaults) -> OllamaRequest:
     req = parse(ChatBody, body)
     if not req.messages:  # Ollama's "load the model" request
@@ -224,15 +205,6 @@ def parse_chat(body: dict, defaults: SamplingDefaults) -> OllamaRequest:
 
 def parse_generate(body: dict, defaults: SamplingDefaults) -> OllamaRequest:
     req = parse(GenerateBody, body)
-    if req.suffix:
-        raise bad("suffix is not supported: there is no fill-in-the-middle", "suffix")
-    if req.template:
-        raise bad("template is not supported: the checkpoint's own chat template renders the prompt", "template")
-    if req.context:
-        raise bad("context is not supported (deprecated by Ollama): send the conversation to /api/chat", "context")
-    for name in ("width", "height", "steps"):
-        if getattr(req, name) is not None:
-            raise bad(f"{name}: image generation is not supported", name)
     if not req.prompt and not req.images:  # Ollama's "load the model" request
         return OllamaRequest(None, req.stream, None, None)
     if req.raw:
@@ -250,7 +222,6 @@ def _request(req: Generation, messages: list[dict], tools, defaults: SamplingDef
     """The shared ChatRequest of `req` (../requests.py's pieces, as every API builds it);
     errors of the shared pieces name Ollama's fields."""
     options = req.options or Options()
-    _check_options(options)
     num_predict = options.num_predict
     if num_predict is not None and (num_predict == 0 or num_predict < -2):
         raise bad(f"options.num_predict must be >= 1, or -1 / -2 (up to the context), got {num_predict}",
@@ -280,14 +251,6 @@ def _response_format(form) -> dict | None:
     if isinstance(form, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": form}}
     return None
-
-
-def _check_options(options: Options) -> None:
-    for name, neutral in NEUTRAL_OPTIONS.items():
-        value = getattr(options, name)
-        if value is not None and value != neutral:
-            raise bad(f"options.{name} is not supported (only {neutral:g}, which means off), got {value:g}",
-                      f"options.{name}")
 
 
 def renamed(e: APIError) -> APIError:

@@ -20,9 +20,10 @@ from starlette.routing import Route
 
 from ..driving import Prompt
 from ..errors import APIError, ContextOverflow, bad
+from ..fields import parse
 from ..structured import check, grammar, grammar_tokenizer
 from . import reply
-from .requests import NamedBody, parse, parse_chat, parse_generate, renamed
+from .requests import NamedBody, parse_chat, parse_generate, renamed
 
 GENERATION = {"/api/chat": "POST", "/api/generate": "POST"}
 OTHERS = {"/api/tags": "GET", "/api/show": "POST", "/api/ps": "GET", "/api/version": "GET", "/api/pull": "POST"}
@@ -39,7 +40,7 @@ NOT_HERE = {  # Ollama's endpoints this server does not have: why
 
 
 def routes(handlers) -> list[Route]:
-    """The routes of Ollama's API on the app's handlers (app._Handlers)."""
+    """The routes of Ollama's API on the app's handlers (handlers.Handlers)."""
     api = OllamaRoutes(handlers)
 
     def endpoint(name, handler):
@@ -104,7 +105,7 @@ class OllamaRoutes:
         return await self._drive(request, engine, prompt, chat_req, fmt, started, param)
 
     async def _encode(self, engine, req):
-        """The prompt: the chat rendered with the model's template (app.py's encode_chat),
+        """The prompt: the chat rendered with the model's template (handlers.py's encode_chat),
         or a raw prompt's own tokens."""
         if req.raw_prompt is None:
             return await self.handlers.encode_chat(engine, req.chat)
@@ -149,14 +150,13 @@ class OllamaRoutes:
         return StreamingResponse(handlers.stream(job, events, fmt, False), media_type=reply.MEDIA_TYPE)
 
     async def _arrive(self, request: Request):
-        """(when it arrived, its body, its model held, the model's name): app.py's arrive,
+        """(when it arrived, its body, its model held, the model's name): handlers.py's arrive,
         with Ollama's `name:latest` read as `name` when the server has no such name."""
         started = time.monotonic()
         body = await self.handlers.read_body(request)
         if isinstance(body.get("model"), str):
             body["model"] = self._name(body["model"])
-        held = await self.handlers.model_for(request, body)
-        name = self.handlers.model_name(body.get("model") if isinstance(body.get("model"), str) else None)
+        held, name = await self.handlers.model_for(request, body)
         self._remember(name, held.engine)
         return started, body, held, name
 
@@ -202,7 +202,7 @@ class OllamaRoutes:
         """A model's description; the model is loaded for it if it was not."""
         body = await self.handlers.read_body(request)
         name = self._name(parse(NamedBody, body).model_name)
-        held = await self.handlers.model_for(request, {"model": name})
+        held, _ = await self.handlers.model_for(request, {"model": name})
         self._remember(name, held.engine)
         return JSONResponse(reply.show_body(held.engine, self.facts[name], self.seen[name]))
 
@@ -220,7 +220,7 @@ class OllamaRoutes:
         if name not in pool.names():
             await self._add(name)
         if not req.stream:
-            held = await self.handlers.model_for(request, {"model": name})
+            held, _ = await self.handlers.model_for(request, {"model": name})
             self._remember(name, held.engine)
             return JSONResponse({"status": "success"})
         return StreamingResponse(self._pulling(name), media_type=reply.MEDIA_TYPE)
@@ -274,7 +274,7 @@ class OllamaRoutes:
 
 
 class _Raw(NamedTuple):
-    """A raw prompt as app.py's EncodedChat has it."""
+    """A raw prompt as handlers.py's EncodedChat has it."""
 
     ids: list[int]
     reasoning_open: bool

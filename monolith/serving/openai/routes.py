@@ -7,6 +7,8 @@ reply.py."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -19,7 +21,7 @@ from .requests import parse_chat_request, parse_completion_request
 
 def routes(handlers) -> list[Route]:
     """The routes of OpenAI's chat and completions endpoints on the app's handlers
-    (app._Handlers)."""
+    (handlers.py, wrapped by app.Endpoints.endpoint)."""
     api = OpenAIRoutes(handlers)
     return [Route("/v1/chat/completions", handlers.endpoint("chat", api.chat), methods=["POST"]),
             Route("/v1/completions", handlers.endpoint("completions", api.completions), methods=["POST"]),
@@ -32,25 +34,21 @@ class OpenAIRoutes:
 
     async def chat(self, request: Request) -> Response:
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         req = parse_chat_request(body, model.defaults)
-        name = handlers.model_name(req.model)
 
-        def chat_format(reasoning_open: bool) -> ChatFormat:
-            return ChatFormat(name, model.token_text, req.logprobs is not None, req.tools, reasoning_open,
-                              req.spec)
-
+        # the format, given whether the prompt opens a reasoning block (made by the handlers, no call back here)
+        chat_format = partial(ChatFormat, name, model.token_text, req.logprobs is not None, req.tools, spec=req.spec)
         return await handlers.generate_chat(request, engine, req, chat_format, started)
 
     async def completions(self, request: Request) -> Response:
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         req = parse_completion_request(body, model.defaults)
         if req.batched:
-            return await scoring.complete(handlers, request, model, req, started)
-        name = handlers.model_name(req.model)
+            return await scoring.complete(handlers, request, model, name, req, started)
         prompt_ids = await scoring.prompt_ids(handlers, engine, req.prompts[0])
         fmt = CompletionFormat(name, model.token_text, req.logprobs is not None)
         return await handlers.generate(request, engine, req, fmt, Prompt(prompt_ids, "prompt"), started)

@@ -30,12 +30,12 @@ from .reply import CompletionFormat, completion_logprobs, reason_of, usage_of
 from .requests import CompletionRequest
 
 
-async def complete(handlers, request: Request, model, req: CompletionRequest, started: float) -> Response:
+async def complete(handlers, request: Request, model, name: str, req: CompletionRequest,
+                   started: float) -> Response:
     """The text_completion of a batched request: its choices in prompt order, the usage
     summed over them. The prompts run at once (their completions batch in the engine);
     one that fails cancels the others."""
     engine = model.engine
-    name = handlers.model_name(req.model)
     formats = [CompletionFormat(name, model.token_text, req.logprobs is not None) for _ in req.prompts]
 
     async def one(prompt, fmt: CompletionFormat) -> tuple[dict, dict]:

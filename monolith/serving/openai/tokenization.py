@@ -58,7 +58,7 @@ class TokenizerRoutes:
         self.handlers = handlers
 
     async def tokenize(self, request: Request) -> Response:
-        _, body, model = await self.handlers.arrive(request)
+        _, body, model, _ = await self.handlers.arrive(request)
         tokenizer = model.engine.tokenizer
         if "messages" in body:
             req = parse(ChatPromptBody, body)
@@ -94,7 +94,7 @@ class TokenizerRoutes:
         return text
 
     async def detokenize(self, request: Request) -> Response:
-        _, body, model = await self.handlers.arrive(request)
+        _, body, model, _ = await self.handlers.arrive(request)
         tokens = parse(DetokenizeBody, body).tokens
         vocab = model.engine.vocab_size
         wrong = next((t for t in tokens if not 0 <= t < vocab), None)
@@ -105,7 +105,7 @@ class TokenizerRoutes:
         return JSONResponse({"prompt": text})
 
     async def info(self, request: Request) -> Response:
-        model = await self.handlers.model_for(request, dict(request.query_params))
+        model, _ = await self.handlers.model_for(request, dict(request.query_params))
         tokenizer, engine = model.engine.tokenizer, model.engine
         info = {"tokenizer_class": tokenizer.config.get("tokenizer_class"), **tokenizer.special_tokens,
                 "chat_template": tokenizer.chat_template, "model_max_length": engine.max_context,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -49,7 +50,7 @@ CANCEL_WAIT = 30.0  # seconds a cancel waits for the response's handler to finis
 
 def routes(handlers) -> list[BaseRoute]:
     """The routes of the Responses API's endpoints and its WebSocket on the app's handlers
-    (app._Handlers)."""
+    (handlers.Handlers)."""
     posted, stored, config = ResponsesRoutes(handlers), StoredResponses(handlers.state.responses), handlers.state.config
     return [
         Route("/v1/responses", handlers.endpoint("responses", posted.responses), methods=["POST"]),
@@ -75,7 +76,7 @@ def _json(handler):
 
 
 class ResponsesRoutes:
-    """The POST endpoints of the Responses API, on the app's handlers (app._Handlers)."""
+    """The POST endpoints of the Responses API, on the app's handlers (handlers.Handlers)."""
 
     def __init__(self, handlers):
         self.handlers = handlers
@@ -84,10 +85,9 @@ class ResponsesRoutes:
         """OpenAI's Responses API on the chat path (requests.py, reply.py)."""
         handlers = self.handlers
         state = handlers.state
-        started, body, model = await handlers.arrive(request)
+        started, body, model, name = await handlers.arrive(request)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, state.responses)
-        name = handlers.model_name(call.request.model)
         make_format = reply.format_maker(name, call, state.responses, engine.tokenizer)
         response = await handlers.generate_chat(request, engine, call.request, make_format, started, "input")
         if call.tools.omitted:  # hosted tools this server cannot run: left out, and said so
@@ -100,22 +100,20 @@ class ResponsesRoutes:
         """POST /v1/responses/input_tokens: the prompt tokens a Responses request would take."""
         handlers = self.handlers
         state = handlers.state
-        _, body, model = await handlers.arrive(request)
+        _, body, model, _ = await handlers.arrive(request)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, state.responses)
-        handlers.model_name(call.request.model)
         prompt = await handlers.encode_chat(engine, call.request, handlers.prompt_images(engine, count_only=True))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.ids)})
 
     async def compact(self, request: Request) -> Response:
         """POST /v1/responses/compact: the conversation summarized by the model (compact.py)."""
         handlers = self.handlers
-        started, body, model = await handlers.arrive(request)
+        started, body, model, _ = await handlers.arrive(request)
         engine = model.engine
         req, kept = compact.parse_compact(body, model.defaults, handlers.state.responses)
-        handlers.model_name(req.model)
-        return await handlers.generate_chat(request, engine, req, lambda opened: compact.CompactFormat(
-            kept, opened), started, "input")
+        return await handlers.generate_chat(request, engine, req, partial(compact.CompactFormat, kept), started,
+                                            "input")
 
 
 class StoredResponses:

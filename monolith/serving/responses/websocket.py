@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse
 from starlette.status import WS_1008_POLICY_VIOLATION
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from .. import access
 from ..errors import APIError, ContextOverflow, bad, log_refusal
 from ..requests import parse_json_body
 from . import reply, requests
@@ -50,8 +51,8 @@ class ResponsesSocket:
 
     async def serve(self, websocket: WebSocket) -> None:
         try:
-            self.handlers.check_origin(websocket)
-            self.handlers.authorize(websocket)
+            access.check_origin(self.handlers.state.config, websocket)
+            access.authorize(self.handlers.state.config, websocket)
         except APIError as e:
             log_refusal("WebSocket /v1/responses (handshake)", e)
             if "websocket.http.response" in websocket.scope.get("extensions", {}):
@@ -126,7 +127,7 @@ class _Connection:
             failure = _api_error(e)
             await self._send(_error(failure))
         finally:
-            self.handlers.release(self.websocket)  # the turn's model (app.model_for)
+            self.handlers.release(self.websocket)  # the turn's model (handlers.model_for)
         if failure is not None:
             self._forget(previous)
         self.handlers.state.metrics.requests.labels("responses", str(failure.status if failure else 200)).inc()
@@ -136,10 +137,9 @@ class _Connection:
         failed mid-stream (its response.failed was sent)."""
         handlers = self.handlers
         started = time.monotonic()
-        model = await handlers.model_for(self.websocket, body)
+        model, name = await handlers.model_for(self.websocket, body)
         engine = model.engine
         call = requests.parse_request(body, model.defaults, self)
-        name = handlers.model_name(call.request.model)
         make_format = reply.format_maker(name, call, handlers.state.responses, engine.tokenizer)
         job, events, fmt = await handlers.start_chat(engine, call.request, make_format, started, "input")
         final = None
