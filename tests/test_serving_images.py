@@ -312,7 +312,7 @@ def test_replies_with_an_image_are_a_cold_engines(vision_server, model, tok, vis
     """Each API's greedy reply to a message with an image is what a cold engine writes for
     the request the server submitted, and that request's image rows reach the model: the
     same text with another image is another request."""
-    from monolith.runtime.engine import Engine
+    from monolith.runtime.engine import Engine, Limits
 
     blue, red = data_url(BLUE), data_url(png(64, 56))  # the same size: the same prompt ids
     client, words = vision_server.client(), "What is in the picture?"
@@ -331,7 +331,7 @@ def test_replies_with_an_image_are_a_cold_engines(vision_server, model, tok, vis
                                        input=[{"role": "user", "content": parts}])
     got.append((response, last(vision_server)))
     assert digests(got[0][1]) != digests(got[1][1]) and got[0][1].prompt_ids == got[1][1].prompt_ids
-    cold = Engine(model, tok, max_context=MAX_CONTEXT, vision=vision)
+    cold = Engine(model, tok, Limits(max_context=MAX_CONTEXT), vision=vision)
     try:
         for reply, request in got:
             text, _ = cold.run_request(request, cold.new_session())

@@ -26,7 +26,7 @@ from web_rig import (
     wait_for,
 )
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.page import POLICY, STATIC, shipped_files
 
 REPLY = ("<think>\nweighing it\n</think>\n\nHello **world**. <img src=\"data:,\" onerror=\"window.pwned=1\">"
@@ -180,7 +180,7 @@ def test_settings_reach_the_request(browser, scripted, tok, tmp_path):
 
 
 def test_a_key_is_asked_for_on_a_401_kept_and_sent(browser, model, tok, tmp_path):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("Keyed."))),
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode("Keyed."))),
                 api_key="s3cret") as s:
         s.wait_ready()
         page = open_page(browser, s)
