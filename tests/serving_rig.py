@@ -115,7 +115,7 @@ def vision(synth_dir):
 @pytest.fixture(scope="module")
 def vision_server(model, tok, vision):
     """A server whose engine takes images (a Recording engine: `server.engine.submitted`)."""
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, vision=vision)) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), vision=vision)) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
         yield s

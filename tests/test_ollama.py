@@ -73,7 +73,7 @@ class Forcing(Recording):
 def warm(model, tok):
     """The server under test: a prompt cache, the API key required."""
     cache = PromptCache(64 << 20, save_every=16)
-    with Server(lambda: Forcing(model, tok, max_context=MAX_CONTEXT, prompt_cache=cache), model_names=(NAME,),
+    with Server(lambda: Forcing(model, tok, Limits(max_context=MAX_CONTEXT), prompt_cache=cache), model_names=(NAME,),
                 api_key=KEY) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
@@ -247,7 +247,8 @@ def test_think_switches_the_template_and_reasoning_comes_as_thinking(model, tok)
     """`think` is the template's enable_thinking; a reply's think block comes back as
     `thinking`, streamed or not, on /api/chat and /api/generate."""
     scripted = Scripted(tok.encode("<think>\nweighing it\n</think>\n\nHello there"))
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=scripted), model_names=(NAME,)) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), decoder=scripted),
+                model_names=(NAME,)) as s:
         s.wait_ready()
         c, engine = ollama.Client(host=s.url), s.app.state.monolith.engine
         ask = [{"role": "user", "content": "hi"}]

@@ -25,6 +25,7 @@ from serving_rig import MAX_CONTEXT, NAME, Recording, Server, assert_error
 from tokenizers import Tokenizer as RawTokenizer
 
 from monolith.models.image_inputs import prepare_image
+from monolith.runtime.engine import Limits
 from monolith.serving.images import IMAGE_MARK, ImageLimits, ImageLoader, prompt_ids
 from monolith.serving.responses.compact import input_parts
 from monolith.serving.responses.items import items_to_messages
@@ -104,7 +105,7 @@ def claude(server) -> anthropic.Anthropic:
 def limited_server(model, tok, vision):
     """Images of at most 2000 bytes, 2 a request; http(s) image URLs fetched."""
     limits = ImageLimits(max_bytes=2000, max_images=2, allow_urls=True, fetch_timeout=5)
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, vision=vision), images=limits) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), vision=vision), images=limits) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
         yield s
@@ -312,7 +313,7 @@ def test_replies_with_an_image_are_a_cold_engines(vision_server, model, tok, vis
     """Each API's greedy reply to a message with an image is what a cold engine writes for
     the request the server submitted, and that request's image rows reach the model: the
     same text with another image is another request."""
-    from monolith.runtime.engine import Engine, Limits
+    from monolith.runtime.engine import Engine
 
     blue, red = data_url(BLUE), data_url(png(64, 56))  # the same size: the same prompt ids
     client, words = vision_server.client(), "What is in the picture?"
