@@ -93,7 +93,11 @@ def trace_request(engine) -> dict:
     MODULES.clear()
 
     with TestClient(app, base_url="http://127.0.0.1") as client:  # a loopback Host, as a local client sends
-        client.get("/health")
+        deadline = time.monotonic() + 60
+        while client.get("/health").status_code != 200:  # the app loads the engine on a thread: 503 until then
+            if time.monotonic() > deadline:
+                raise RuntimeError("the app did not become healthy in 60 s")
+            time.sleep(0.01)
         body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
                 "temperature": 0}
         client.post("/v1/chat/completions", json=body)  # warm: imports and kernels
