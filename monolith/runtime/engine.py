@@ -120,9 +120,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.vision = vision  # models/vision.Vision: the target takes images (None: text only)
         self._features = None if vision is None else FeatureCache(vision)
+        self.limits = limits
         self.max_context = limits.max_context
-        self.max_queue = limits.max_queue
-        self.queue_timeout = limits.queue_timeout
         self.decoder = decoder or Decoder(model, None, limits.max_context)
         self.draft_name = drafting.name  # the draft the decoder drafts with (None: plain decoding)
         self.not_drafting = drafting.not_drafting  # why a draft was loaded but the decoder does not draft
@@ -133,7 +132,6 @@ class Engine:
         self.prompt_cache = prompt_cache  # shared by every session
         self.session = Session(prompt_cache)  # the first of the sessions for requests without their own
         self._sessions = [self.session]
-        self.max_batch = limits.max_batch  # sequences at once
         self._batch = Batch()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
@@ -205,7 +203,7 @@ class Engine:
                                self.max_context, self.supports_logprobs)
         request = replace(request, prompt_ids=tuple(prompt))
         images = self._images(request)
-        job = Job(request, sink, session, self.queue_timeout if timeout is None else timeout, self._queue)
+        job = Job(request, sink, session, self.limits.queue_timeout if timeout is None else timeout, self._queue)
         job.images = images
         self._queue.put(job)
         return job
@@ -325,7 +323,7 @@ class Engine:
         their session is free (a job whose own session is running waits, and does not
         hold up the jobs behind it)."""
         taken, busy = [], {id(job.session) for job in self._running.values()}
-        room, waiting = self.max_batch - len(self._running), False
+        room, waiting = self.limits.max_batch - len(self._running), False
         for job in list(self._queue.jobs):
             if job.task is not None:
                 starts = not waiting  # in queue order: after the requests ahead of it have started
