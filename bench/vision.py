@@ -209,7 +209,7 @@ class CountingVision:
 def ttft_rows(model, tokenizer, vision, png: bytes, repeats: int) -> list[dict]:
     """Cold (a fresh Engine each time) and warm (the same request again) time to first
     token of the text alone and of the text around the screenshot."""
-    from monolith.runtime.engine import Engine
+    from monolith.runtime.engine import Engine, Limits
     from monolith.runtime.events import GenerationRequest
     from monolith.runtime.prompt_cache import PromptCache
 
@@ -227,7 +227,7 @@ def ttft_rows(model, tokenizer, vision, png: bytes, repeats: int) -> list[dict]:
         samples = []
         for _ in range(1 if label == "warm-up" else repeats):
             counting = CountingVision(vision)
-            engine = Engine(model, tokenizer, max_context=len(prompt) + 64, vision=counting,
+            engine = Engine(model, tokenizer, Limits(max_context=len(prompt) + 64), vision=counting,
                             prompt_cache=PromptCache(1 << 30))
             try:
                 request = GenerationRequest(tuple(prompt), 1, images=images)

@@ -40,7 +40,7 @@ from .runtime.calibrate import (
 from .runtime.decoder import Decoder
 from .runtime.draft_model import DraftModelDrafter
 from .runtime.drafter import check_gamma
-from .runtime.engine import Drafting, Engine
+from .runtime.engine import Drafting, Engine, Limits
 from .runtime.mtp_drafter import MTPDrafter
 from .runtime.prompt_cache import (
     PromptCache,
@@ -179,10 +179,11 @@ def load_engine(args: argparse.Namespace, plan: ModelPlan, log, max_queue: int =
     log(decision(draft_name, not_drafting, args)
         + (f"; a request may ask to draft with {on_request_name} (monolith.draft)"
            if on_request_decoder and not draft_name else ""))
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_queue=max_queue, queue_timeout=queue_timeout,
+    limits = Limits(args.max_context, max_queue, queue_timeout, max_batch)
+    engine = Engine(model, tokenizer, limits,
                     decoder=decoder or Decoder(model, None, args.max_context, args.prefill_chunk_size),
                     prompt_cache=prompt_cache(args, model, drafter, log, cache_by_default, reserved),
-                    max_batch=max_batch, vision=target_vision(args, sources.target_pack, model, log),
+                    vision=target_vision(args, sources.target_pack, model, log),
                     drafting=Drafting(draft_name, not_drafting, on_request_decoder, on_request_name))
     if not args.no_warmup:
         log("warming up")

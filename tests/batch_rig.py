@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import Delta, Finished, GenerationRequest, Started
 from monolith.runtime.session import Session
 from monolith.sampling import SamplingParams
@@ -59,7 +59,7 @@ GREEDY = SamplingParams()
 
 def alone(model, tok, dec, prompt, max_tokens, params=GREEDY):
     """The request served by an engine that runs one at a time, on a fresh session."""
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=1)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=1), decoder=dec)
     try:
         _, finished = engine.run_request(GenerationRequest(prompt, max_tokens=max_tokens, params=params), Session())
         return finished.token_ids, finished

@@ -21,7 +21,7 @@ from monolith.models.vision import Vision, load_vision_tower
 from monolith.pack import build_pack
 from monolith.runtime.batch import Forward
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import Outcome
 from monolith.sampling import SamplingParams
 from monolith.serving.app import ServerConfig, create_app
@@ -86,7 +86,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT))) as s:
         yield s.wait_ready()
 
 
@@ -115,7 +115,7 @@ def vision(synth_dir):
 @pytest.fixture(scope="module")
 def vision_server(model, tok, vision):
     """A server whose engine takes images (a Recording engine: `server.engine.submitted`)."""
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, vision=vision)) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), vision=vision)) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
         yield s
@@ -199,8 +199,8 @@ def demo_servers(pair, name: str = "demo", max_context: int = MAX_CONTEXT):
     """{"plain": Server, "speculative": Server} on (model, drafter, tokenizer), e.g. the
     demo pair (conftest's demo_f32), serving the model as `name`."""
     model, drafter, tok = pair
-    plain = Server(lambda: Engine(model, tok, max_context=max_context), model_names=(name,))
-    spec = Server(lambda: Engine(model, tok, max_context=max_context,
+    plain = Server(lambda: Engine(model, tok, Limits(max_context=max_context)), model_names=(name,))
+    spec = Server(lambda: Engine(model, tok, Limits(max_context=max_context),
                                  decoder=Decoder(model, drafter, max_context)), model_names=(name,))
     with plain as p, spec as s:
         yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}

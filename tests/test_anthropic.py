@@ -17,7 +17,7 @@ from anthropic_rig import OPENS_THINKING, TOOLS, client
 from serving_rig import Scripted, Server, demo_servers
 
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
 from monolith.serving.anthropic.requests import (
     parse_count_tokens_request,
@@ -152,7 +152,8 @@ def test_thinking_blocks_from_the_reasoning(demo_f32):
     text = "<think>\nfirst, plan\n</think>\n\nThe answer."
     decoder = Scripted(tok.encode(text), cached=7)  # as if the prompt cache had held 7 of the prompt's tokens
 
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder), model_names=(NAME,)) as server:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder),
+                model_names=(NAME,)) as server:
         c = client(server.wait_ready())
         reply = c.messages.create(model=NAME, max_tokens=200, messages=HELLO,
                                   thinking={"type": "enabled", "budget_tokens": 200})
@@ -176,8 +177,8 @@ def thinking_servers(demo_f32):
     model, drafter, tok = demo_f32
     tok = load_tokenizer(tok.path)  # a copy: the shared one is never changed
     tok.chat_template += OPENS_THINKING
-    plain = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,))
-    spec = Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
+    plain = Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,))
+    spec = Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT),
                                  decoder=Decoder(model, drafter, MAX_CONTEXT)), model_names=(NAME,))
     with plain as p, spec as s:
         yield {"plain": p.wait_ready(), "speculative": s.wait_ready()}, tok
@@ -289,7 +290,8 @@ def test_errors_in_anthropics_shape_through_the_sdk(servers, demo_f32):
                                "invalid_request_error")
     assert "max_tokens" in message
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,), api_key="secret") as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,),
+                api_key="secret") as s:
         s.wait_ready()
         with pytest.raises(anthropic.AuthenticationError) as e:
             client(s, api_key="wrong").messages.create(model=NAME, max_tokens=2, messages=HELLO)
@@ -370,7 +372,7 @@ def test_malformed_bodies_and_deep_nesting(servers):
 def test_raw_events_pings_and_a_failure_mid_stream(demo_f32):
     model, _, tok = demo_f32
     slow = Scripted(tok.encode("late"), delay=1.0)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow), model_names=(NAME,),
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=slow), model_names=(NAME,),
                 keepalive_seconds=0.2) as s:
         s.wait_ready()
         with httpx.stream("POST", s.url + "/v1/messages", timeout=60,
@@ -396,7 +398,7 @@ def test_raw_events_pings_and_a_failure_mid_stream(demo_f32):
 
     broken = Scripted([], fail=lambda call: RuntimeError("the decoder broke"))
 
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=broken), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=broken), model_names=(NAME,)) as s:
         stream = client(s.wait_ready()).messages.stream(model=NAME, max_tokens=5, messages=HELLO)
         with pytest.raises(anthropic.APIStatusError) as e, stream as events:
             events.get_final_message()

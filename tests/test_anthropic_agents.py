@@ -16,7 +16,7 @@ import pytest
 from anthropic_rig import OPENS_THINKING, TOOLS, client
 from serving_rig import Server, demo_servers
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.anthropic.context_edits import CLEARED_RESULT
 from monolith.tokenizer import load_tokenizer
 
@@ -43,7 +43,7 @@ def thinking_server(demo_f32):
     model, _, tok = demo_f32
     tok = load_tokenizer(tok.path)
     tok.chat_template += OPENS_THINKING
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,)) as s:
         yield s.wait_ready(), tok
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from batch_rig import MAX_CONTEXT, alone, decoder, prompts, together
 
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 
 
@@ -66,7 +66,8 @@ def test_a_batch_packs_the_target_forward_the_draft_blocks_and_the_context_appen
             return real(self, items, *args)
 
         monkeypatch.setattr(obj, method, counted)
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder("speculative", model, drafter), max_batch=3)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3),
+                    decoder=decoder("speculative", model, drafter))
     try:
         together(engine, [GenerationRequest(p, max_tokens=24) for p in prompts(tok)[:3]])
     finally:
@@ -97,7 +98,7 @@ def test_the_fallback_sees_the_batch_around_it(demo_f32, monkeypatch):
     want = [alone(model, tok, dec, p, 30)[0] for p in ps]
     assert seen and set(seen) == {(0, 0)}
     seen.clear()
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec)
     try:
         got = together(engine, [GenerationRequest(p, max_tokens=30) for p in ps])
     finally:

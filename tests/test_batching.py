@@ -11,7 +11,7 @@ import threading
 import pytest
 from batch_rig import MAX_CONTEXT, Collect, alone, decoder, prompts, together
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.jobs import QueueFull
 from monolith.runtime.prompt_cache import PromptCache
@@ -31,7 +31,7 @@ def test_batched_equals_alone_for_mixed_prompt_lengths(demo, kind):
     ps = prompts(tok)
     lengths = [24, 40, 16, 33, 20, 28]
     want = [alone(model, tok, dec, p, n)[0] for p, n in zip(ps, lengths)]
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=4)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=4), decoder=dec)
     try:
         seen = []
         real_step = engine._batch.step
@@ -61,7 +61,7 @@ def test_sampled_requests_with_seeds_keep_their_draws_in_a_batch(demo, kind):
     ps = prompts(tok)[:3]
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=s) for s in (1, 2, 3)]
     want = [alone(model, tok, dec, p, 20, q)[0] for p, q in zip(ps, params)]
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec)
     try:
         got = together(engine, [GenerationRequest(p, max_tokens=20, params=q) for p, q in zip(ps, params)])
     finally:
@@ -80,7 +80,7 @@ def test_joining_leaving_and_cancelling_mid_run(demo, kind):
     pa, pb, pc, pd = (prompts(tok)[i] for i in (0, 4, 2, 3))
     want = {name: alone(model, tok, dec, p, n)[0] for name, p, n in
             (("a", pa, 40), ("b", pb, 30), ("c", pc, 30), ("d", pd, 12))}
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec)
     jobs, sinks = {}, {}
 
     def submit(name, prompt, n, on_delta=None):
@@ -131,7 +131,7 @@ def test_a_stop_token_inside_an_accepted_block_ends_only_its_sequence(demo):
     free = [alone(model, tok, dec, p, 30)[0] for p in ps]
     stop = free[0][12]  # the 13th token of the first request's own output
     assert stop not in free[0][:12]
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec)
     engine.stop_ids = frozenset({stop})
     try:
         got = together(engine, [GenerationRequest(p, max_tokens=30) for p in ps])
@@ -152,7 +152,7 @@ def test_a_rounds_tokens_reach_the_sink_as_one_delta(demo):
     dec = decoder("speculative", model, drafter)
     ps = prompts(tok)[:3]
     want = [alone(model, tok, dec, p, 40)[0] for p in ps]
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec)
     try:
         sinks = [Collect() for _ in ps]
         got = together(engine, [GenerationRequest(p, max_tokens=40) for p in ps], sinks)
@@ -176,7 +176,7 @@ def test_prompt_cache_serves_every_sequence_of_a_batch(demo, kind):
     questions = [tok.encode(q) for q in (" What is 2+2?", " Name a colour.", " Say hello.")]
     want = [alone(model, tok, dec, tuple(system + q), 16)[0] for q in questions]
     cache = PromptCache(64 << 20, save_every=16)
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=3, prompt_cache=cache)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec, prompt_cache=cache)
     try:
         engine.run_request(GenerationRequest(tuple(system), max_tokens=1))
         got = together(engine, [GenerationRequest(tuple(system + q), max_tokens=16) for q in questions])
@@ -191,8 +191,8 @@ def test_queue_limits_with_a_full_batch(demo):
     """max_batch 2 and max_queue 1: two run, one waits, the next is refused; cancelling a
     running one lets the waiting one start."""
     model, _, tok = demo
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder("plain", model, None), max_batch=2,
-                    max_queue=1)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_queue=1, max_batch=2),
+                    decoder=decoder("plain", model, None))
     started = threading.Event()
     try:
         ps = prompts(tok)
@@ -234,8 +234,8 @@ def test_concurrent_streaming_chat_clients_over_http(demo, kind):
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     def serve(batch):
-        return Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder(kind, model, drafter),
-                                     max_batch=batch), model_names=("demo",))
+        return Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=batch),
+                                     decoder=decoder(kind, model, drafter)), model_names=("demo",))
 
     with serve(1) as one:
         one.wait_ready()
@@ -282,7 +282,7 @@ def test_grammar_requests_in_a_batch_equal_alone(demo):
                 for i, p in enumerate(ps)]
 
     def run(batch, reqs):
-        engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=dec, max_batch=batch)
+        engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=batch), decoder=dec)
         try:
             if batch == 1:
                 return [engine.run_request(r, Session())[1] for r in reqs]

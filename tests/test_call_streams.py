@@ -27,7 +27,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 from serving_rig import Server
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.grammar import GrammarTokenizer
 from monolith.serving import structured
 from monolith.serving.tools.call_stream import CallStream, Piece
@@ -58,7 +58,7 @@ SEEDS = (2, 5)
 @pytest.fixture(scope="module")
 def server(demo_f32):
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=1024), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=1024)), model_names=(NAME,)) as s:
         yield s.wait_ready()
 
 

@@ -15,7 +15,7 @@ from chat_rig import run_chat
 
 from monolith.conversation import Conversation
 from monolith.models import load_model
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 
 STATS = re.compile(r"-- (\d+) tokens, [\d.]+ tok/s \| prompt (\d+) tokens: (\d+) cached, (\d+) prefilled, "
@@ -147,7 +147,7 @@ def test_stopped_reply_keeps_the_conversation_cached(pack, tok):
 
 def test_conversation_prompts_extend_the_cached_tokens(pack, tok):
     model = load_model(pack, dtype="float32")
-    engine = Engine(model, tok, max_context=512)
+    engine = Engine(model, tok, Limits(max_context=512))
     try:
         conversation = Conversation(tok, system="Be brief.")
         session = engine.new_session()
@@ -231,19 +231,19 @@ def tiny_model(pack):
 
 
 def test_save_then_load_goes_on_like_one_conversation(tiny_model, tok, tmp_path):
-    engine = Engine(tiny_model, tok, max_context=512)
+    engine = Engine(tiny_model, tok, Limits(max_context=512))
     try:
         whole, _ = run_chat(engine, ["Hello there", "Tell me more"])
     finally:
         engine.close()
     saved = tmp_path / "conversation.safetensors"
-    engine = Engine(tiny_model, tok, max_context=512)
+    engine = Engine(tiny_model, tok, Limits(max_context=512))
     try:
         first, text = run_chat(engine, ["Hello there", f"/save {saved}"])
     finally:
         engine.close()
     assert "(saved 1 turns" in text and saved.is_file()
-    engine = Engine(tiny_model, tok, max_context=512)  # a new process, as far as the caches go
+    engine = Engine(tiny_model, tok, Limits(max_context=512))  # a new process, as far as the caches go
     try:
         second, text = run_chat(engine, [f"/load {saved}", "Tell me more"])
     finally:
@@ -257,7 +257,7 @@ def test_save_then_load_goes_on_like_one_conversation(tiny_model, tok, tmp_path)
 
 def test_load_refuses_a_corrupt_truncated_or_foreign_file(tiny_model, tok, tmp_path):
     saved = tmp_path / "c.safetensors"
-    engine = Engine(tiny_model, tok, max_context=512)
+    engine = Engine(tiny_model, tok, Limits(max_context=512))
     try:
         run_chat(engine, ["Hello there", f"/save {saved}"])
         data = saved.read_bytes()
@@ -285,7 +285,7 @@ def test_save_and_load_with_a_draft(tmp_path, synth_pair_f32):
     saved = tmp_path / "c.safetensors"
 
     def engine():
-        return Engine(model, tok, max_context=512, decoder=Decoder(model, drafter, 512))
+        return Engine(model, tok, Limits(max_context=512), decoder=Decoder(model, drafter, 512))
 
     runs = {}
     for name, lines in (("whole", ["Hello there", "Tell me more"]), ("first", ["Hello there", f"/save {saved}"]),
@@ -302,7 +302,7 @@ def test_save_and_load_with_a_draft(tmp_path, synth_pair_f32):
     for key in ("drafts", "accepted"):
         assert totals["second"][key] == totals["whole"][key] - totals["first"][key]
     assert totals["second"]["drafts"] > 0
-    plain = Engine(model, tok, max_context=512)  # a file with the draft's rows is not this engine's
+    plain = Engine(model, tok, Limits(max_context=512))  # a file with the draft's rows is not this engine's
     try:
         _, text = run_chat(plain, [f"/load {saved}"])
     finally:
@@ -324,7 +324,7 @@ def test_reasoning_is_dimmed_or_collapsed(tiny_model, tok):
             return True
 
     reply = "<think>\nweighing it\n</think>\n\nThe answer."
-    engine = Engine(tiny_model, tok, max_context=512, decoder=Scripted(tok.encode(reply)))
+    engine = Engine(tiny_model, tok, Limits(max_context=512), decoder=Scripted(tok.encode(reply)))
     try:
         _, text = run_chat(engine, ["Hi", "/think off", "Hi again", "/think maybe"], Terminal(), max_tokens=64)
     finally:

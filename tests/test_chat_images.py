@@ -10,7 +10,7 @@ import re
 from chat_rig import chat_args, run_chat
 
 from monolith.conversation import Attachment, Conversation
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 
 
@@ -28,7 +28,7 @@ def test_image_goes_with_the_next_message(model, tok, pack, tmp_path):
     shot.write_bytes(png(3, (40, 72)))
     (tmp_path / "notes.txt").write_text("not an image")
     image = prepare_image(shot.read_bytes(), vision.settings)
-    engine = Engine(model, tok, max_context=1024, vision=vision)
+    engine = Engine(model, tok, Limits(max_context=1024), vision=vision)
     try:
         chat, text = run_chat(engine, ["/image", f"/image {tmp_path / 'notes.txt'}", f"/image {shot}",
                                        "What is in it?", "And now?"])
@@ -52,13 +52,13 @@ def test_image_goes_with_the_next_message(model, tok, pack, tmp_path):
         assert replies[1][1].usage.cached_tokens > turns.tokens.index(vision.image_token_id) + image.tokens
     finally:
         engine.close()
-    cold = Engine(model, tok, max_context=1024, vision=vision)
+    cold = Engine(model, tok, Limits(max_context=1024), vision=vision)
     try:
         for request, finished in replies:
             assert cold.run_request(request, cold.new_session())[1].token_ids == finished.token_ids
     finally:
         cold.close()
-    text_only = Engine(model, tok, max_context=1024)
+    text_only = Engine(model, tok, Limits(max_context=1024))
     try:
         _, text = run_chat(text_only, [f"/image {shot}"])
     finally:
@@ -83,7 +83,7 @@ def test_save_then_load_a_conversation_with_an_image(model, tok, pack, tmp_path)
     lines = [f"/image {shot}", "What is in it?", "And now?"]
 
     def chat(script):
-        engine = Engine(model, tok, max_context=1024, vision=vision)
+        engine = Engine(model, tok, Limits(max_context=1024), vision=vision)
         try:
             return run_chat(engine, script)
         finally:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from serving_rig import NAME, Server
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 
 CONTEXT = 64
 TEXT = "hello there, how are you today? " * 12  # more than CONTEXT tokens, far fewer than the bound
@@ -29,7 +29,7 @@ RESPONSES = "Your input exceeds the context window of this model. Please adjust 
 
 @pytest.fixture(scope="module")
 def server(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=CONTEXT)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=CONTEXT))) as s:
         yield s.wait_ready()
 
 
@@ -118,7 +118,7 @@ def test_chat_of_exactly_the_context_counts_the_one_token_to_generate(model, tok
     """The messages alone fit; with the one token to generate they do not (OpenAI's words
     for a request of the messages plus a completion)."""
     n = prompt_tokens(tok, TEXT)
-    with Server(lambda: Engine(model, tok, max_context=n)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=n))) as s:
         s.wait_ready()
         with pytest.raises(openai.BadRequestError) as e:
             s.client().chat.completions.create(model=NAME, max_tokens=8, messages=[{"role": "user",

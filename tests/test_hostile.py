@@ -12,7 +12,7 @@ import httpx
 import pytest
 from serving_rig import MAX_CONTEXT, NAME, Scripted, Server, assert_error
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.timeouts import timed_h11
 from monolith.serving.tools.calls import ToolCallParser
 from monolith.tokenizer import load_tokenizer
@@ -78,7 +78,7 @@ def test_a_template_that_raises_outside_jinja_s_errors_is_a_400(model, pack):
     """jinja's sandbox refuses range(10**6) with an OverflowError, not a TemplateError."""
     tok = load_tokenizer(pack)
     tok.chat_template = "{% for i in range(10**6) %}x{% endfor %}"
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT))) as s:
         s.wait_ready()
         response = s.post(CHAT, {"model": NAME, "messages": HI, "max_tokens": 2})
         assert_error(response, 400)
@@ -87,7 +87,7 @@ def test_a_template_that_raises_outside_jinja_s_errors_is_a_400(model, pack):
 
 
 def test_max_tokens_is_capped_by_the_server_limit(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), max_tokens_limit=3) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), max_tokens_limit=3) as s:
         s.wait_ready()
         for body in ({"prompt": "hi", "max_tokens": 2**64}, {"prompt": "hi"}):
             response = s.post("/v1/completions", {"model": NAME, "temperature": 0, **body})
@@ -103,7 +103,7 @@ def test_a_prompt_too_long_in_bytes_is_refused_before_tokenizing(model, tok, mon
     calls = []
     original = tok.encode
     monkeypatch.setattr(tok, "encode", lambda text, **kw: calls.append(len(text)) or original(text, **kw))
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT))) as s:
         s.wait_ready()
         calls.clear()
         huge = "a" * (8 * 2**20 - 100)
@@ -130,7 +130,7 @@ def test_loopback_host_headers_are_served(server, host):
 
 def test_cross_origin_browser_requests_are_refused_unless_allowed(model, tok):
     body = b'{"prompt": "hi", "max_tokens": 1}'
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT),
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)),
                 allowed_origins=("https://ui.example",)) as s:
         s.wait_ready()
         assert_error(raw(s, "/v1/completions", body, Origin="https://evil.example"), 403, code="origin_not_allowed")
@@ -141,7 +141,7 @@ def test_cross_origin_browser_requests_are_refused_unless_allowed(model, tok):
 
 
 def test_a_server_bound_beyond_loopback_takes_any_host(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), loopback_only=False) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), loopback_only=False) as s:
         s.wait_ready()
         assert raw(s, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1}', Host="box.lan:8000").status_code == 200
 
@@ -149,7 +149,7 @@ def test_a_server_bound_beyond_loopback_takes_any_host(model, tok):
 def test_a_request_head_that_never_ends_is_closed(model, tok):
     """Half-open connections are closed after the header timeout (one that finishes its
     head in time is served)."""
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), http=timed_h11(0.5)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), http=timed_h11(0.5)) as s:
         s.wait_ready()
         stalled = socket.create_connection(("127.0.0.1", s.port), timeout=30)
         stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -158,7 +158,7 @@ def test_a_request_head_that_never_ends_is_closed(model, tok):
 
 
 def test_a_request_body_that_never_ends_is_a_408(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), body_timeout=0.5) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), body_timeout=0.5) as s:
         s.wait_ready()
         slow = socket.create_connection(("127.0.0.1", s.port), timeout=30)
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -260,7 +260,7 @@ def test_a_request_without_a_limit_gets_the_server_s_output_cap(model, tok):
     """With no max_tokens, every API stops at --max-output-tokens; an explicit larger
     limit is honoured (here the scripted reply's 12 tokens)."""
     reply = tok.encode("one two three four five six")
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(reply)),
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(reply)),
                 max_output_tokens=3) as s:
         s.wait_ready()
         chat = s.post(CHAT, {"model": NAME, "messages": HI}).json()

@@ -386,6 +386,17 @@ def test_public_functions_use_the_reference_without_metal(monkeypatch):
 # ------------------------------------------------------------------ packaging
 
 
+def test_astype_to_the_same_dtype_adds_no_graph_node(tmp_path):
+    """The references and the models cast with `astype` wherever a dtype may already
+    match: MLX returns the array itself then (no AsType in the graph), a real cast only
+    where the dtype differs."""
+    x = mx.ones((4,), dtype=mx.float32) + 1
+    for dtype, nodes in ((mx.float32, 0), (mx.float16, 1)):
+        path = tmp_path / f"{dtype}.dot"
+        mx.export_to_dot(str(path), x.astype(dtype))
+        assert path.read_text().count('"AsType"') == nodes
+
+
 def test_every_kernel_body_is_in_metal_dir():
     for module in KERNELS.values():
         path = find_body(module.KERNEL.filename)

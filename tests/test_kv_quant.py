@@ -18,7 +18,7 @@ from monolith.models import Segment
 from monolith.models.cache import CacheError, KVCache
 from monolith.models.kv_quant import QuantizedKVCache
 from monolith.models.layers import Quantized, attention
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.prefill import prefill
 from monolith.runtime.prompt_cache import PromptCache
@@ -165,10 +165,10 @@ def test_a_saved_state_resumes_only_under_its_own_bits(model, tok):
     cache = PromptCache(1 << 30, 32)
     prompt = chat_ids(tok, "List the files.")
     with kv_bits(model, 8):
-        cold = ask(Engine(model, tok, max_context=512), tok, "List the files.").token_ids
-        first = ask(Engine(model, tok, max_context=512, prompt_cache=cache), tok, "List the files.")
+        cold = ask(Engine(model, tok, Limits(max_context=512)), tok, "List the files.").token_ids
+        first = ask(Engine(model, tok, Limits(max_context=512), prompt_cache=cache), tok, "List the files.")
         assert first.token_ids == cold and first.usage.cached_tokens == 0
-        again = ask(Engine(model, tok, max_context=512, prompt_cache=cache), tok, "List the files.")
+        again = ask(Engine(model, tok, Limits(max_context=512), prompt_cache=cache), tok, "List the files.")
         assert again.token_ids == cold and again.usage.cached_tokens > 0
         assert cache.lookup(prompt, len(prompt) - 1, model.make_cache(512), None) is not None
     for bits in (None, 4):
@@ -180,7 +180,7 @@ def test_a_saved_state_resumes_only_under_its_own_bits(model, tok):
                 cache.insert(prompt[:8], live, live.snapshot(), None)
     with kv_bits(model, None):  # and the other way round
         plain_cache = PromptCache(1 << 30, 32)
-        ask(Engine(model, tok, max_context=512, prompt_cache=plain_cache), tok, "List the files.")
+        ask(Engine(model, tok, Limits(max_context=512), prompt_cache=plain_cache), tok, "List the files.")
         assert plain_cache.saved_states
     with kv_bits(model, 8):
         assert plain_cache.lookup(prompt, len(prompt) - 1, model.make_cache(512), None) is None
@@ -192,7 +192,7 @@ def test_a_state_file_resumes_only_under_its_own_bits(model, tok, tmp_path):
     def server(bits):
         with kv_bits(model, bits):
             store = PromptStore(tmp_path, 1 << 30, identity(model))
-            return Engine(model, tok, max_context=512, prompt_cache=PromptCache(1 << 30, 32, store))
+            return Engine(model, tok, Limits(max_context=512), prompt_cache=PromptCache(1 << 30, 32, store))
 
     def run(bits, question):
         with kv_bits(model, bits):
@@ -200,7 +200,7 @@ def test_a_state_file_resumes_only_under_its_own_bits(model, tok, tmp_path):
 
     with kv_bits(model, 8):
         assert identity(model)["kv_bits"] == "8"
-        cold = ask(Engine(model, tok, max_context=512), tok, "Read it.").token_ids
+        cold = ask(Engine(model, tok, Limits(max_context=512)), tok, "Read it.").token_ids
     assert "kv_bits" not in identity(model)
     assert run(8, "List the files.").usage.cached_tokens == 0
     assert list(tmp_path.glob("*.safetensors"))

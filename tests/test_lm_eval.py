@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 
 from bench.accuracy import MC_TASK, PPL_TASK, run_lm_eval, write_tasks
 from monolith.pack.demo import bundle_dir
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.scoring import SCORE_CHUNK
 
 NAME = "demo"
@@ -36,7 +36,7 @@ def checkpoint():
 @pytest.fixture(scope="module")
 def server(demo_f32):
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=1024, max_batch=4), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=1024, max_batch=4)), model_names=(NAME,)) as s:
         yield s.wait_ready()
 
 

@@ -29,7 +29,7 @@ from monolith.models.qwen3_5 import FINAL_NORM_TAP
 from monolith.pack import build_pack
 from monolith.runtime.decoder import Decoder
 from monolith.runtime.drafter import Forking, Guided
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import Finished, GenerationRequest
 from monolith.runtime.generation import Generation
 from monolith.runtime.grammar import Grammar, GrammarTokenizer
@@ -142,12 +142,12 @@ def test_batched_equals_alone(mtp):
     tok = load_tokenizer(pack)
     dec = Decoder(model, MTPDrafter(head), 256, prefill_chunk_size=8, gamma=3)
     requests = [GenerationRequest(tuple(p), max_tokens=n) for p, n in zip(PROMPTS, (20, 14, 9))]
-    alone = Engine(model, tok, max_context=256, decoder=dec, max_batch=1)
+    alone = Engine(model, tok, Limits(max_context=256, max_batch=1), decoder=dec)
     try:
         want = [alone.run_request(r, Session())[1].token_ids for r in requests]
     finally:
         alone.close()
-    batched = Engine(model, tok, max_context=256, decoder=dec, max_batch=3)
+    batched = Engine(model, tok, Limits(max_context=256, max_batch=3), decoder=dec)
     finished = [[] for _ in requests]
     try:
         jobs = [batched.submit(r, lambda e, out=out: out.append(e) if isinstance(e, Finished) else None)
@@ -167,7 +167,7 @@ def test_prompt_cache_warm_equals_cold(mtp):
 
     def engine(cache):
         dec = Decoder(model, MTPDrafter(head), 256, prefill_chunk_size=4, gamma=3)
-        return Engine(model, tok, max_context=256, decoder=dec, prompt_cache=cache)
+        return Engine(model, tok, Limits(max_context=256), decoder=dec, prompt_cache=cache)
 
     warm = engine(PromptCache(64 << 20, 4))
     try:

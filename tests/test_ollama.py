@@ -39,7 +39,7 @@ from serving_rig import (
 )
 from vision_rig import png
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.serve import build_parser, pulled
 from monolith.serving.models import ModelPool, ModelSpec
@@ -73,7 +73,7 @@ class Forcing(Recording):
 def warm(model, tok):
     """The server under test: a prompt cache, the API key required."""
     cache = PromptCache(64 << 20, save_every=16)
-    with Server(lambda: Forcing(model, tok, max_context=MAX_CONTEXT, prompt_cache=cache), model_names=(NAME,),
+    with Server(lambda: Forcing(model, tok, Limits(max_context=MAX_CONTEXT), prompt_cache=cache), model_names=(NAME,),
                 api_key=KEY) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
@@ -82,7 +82,7 @@ def warm(model, tok):
 
 @pytest.fixture(scope="module")
 def cold(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,)) as s:
         yield s.wait_ready()
 
 
@@ -247,7 +247,8 @@ def test_think_switches_the_template_and_reasoning_comes_as_thinking(model, tok)
     """`think` is the template's enable_thinking; a reply's think block comes back as
     `thinking`, streamed or not, on /api/chat and /api/generate."""
     scripted = Scripted(tok.encode("<think>\nweighing it\n</think>\n\nHello there"))
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=scripted), model_names=(NAME,)) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), decoder=scripted),
+                model_names=(NAME,)) as s:
         s.wait_ready()
         c, engine = ollama.Client(host=s.url), s.app.state.monolith.engine
         ask = [{"role": "user", "content": "hi"}]
@@ -288,8 +289,8 @@ def test_images_reach_the_engine(vision_server):
 def test_pull_adds_a_model_only_when_the_server_allows_it(model, tok):
     """With --allow-pull (the pool's `pull`) a name not configured is added, loaded and
     served; its progress comes as Ollama's status lines."""
-    pool = ModelPool([ModelSpec((NAME,), lambda: Engine(model, tok, max_context=MAX_CONTEXT))])
-    pool.pull = lambda name: ModelSpec((name,), lambda: Engine(model, tok, max_context=MAX_CONTEXT))
+    pool = ModelPool([ModelSpec((NAME,), lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)))])
+    pool.pull = lambda name: ModelSpec((name,), lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)))
     with Server(pool) as s:
         c = ollama.Client(host=s.wait_ready().url)
         statuses = [p.status for p in c.pull("other", stream=True)]
@@ -330,7 +331,7 @@ def test_batched_requests_are_each_the_greedy_decode(model, tok):
     """Four Ollama chats at once on a server that batches four: each is its own greedy
     decode."""
     asks = ["Say hello.", "Name a colour.", "Count to three.", "What is a cache?"]
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, max_batch=4), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=4)), model_names=(NAME,)) as s:
         c = ollama.Client(host=s.wait_ready().url)
         with ThreadPoolExecutor(4) as pool:
             replies = list(pool.map(lambda text: c.chat(model=NAME, messages=[{"role": "user", "content": text}],

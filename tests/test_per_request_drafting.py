@@ -18,7 +18,7 @@ from monolith import engine_setup
 from monolith.runtime import calibrate
 from monolith.runtime.calibrate import BreakEven, curve_contexts, measure_cost_curve
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.fallback import Fallback, Switch
 from monolith.runtime.scheduler import CostCurve, CostScheduler
 
@@ -199,7 +199,7 @@ def test_the_reply_stats_and_metrics_count_plain_rounds_and_switches(model, tok)
     oracle = GreedyOracle(prompt, plain_greedy(model, prompt, n + GAMMA + 1), model.args.vocab_size)
     curve = CostCurve(((len(prompt), 3.0), (len(prompt) + 10, 20.0)))  # the first round drafts, then too dear
     decoder = Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA, break_even=curve)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder)) as s:
         s.wait_ready()
         r = s.post("/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": n,
                                             "temperature": 0, "monolith": {"spec": True}})

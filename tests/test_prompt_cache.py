@@ -19,7 +19,7 @@ from serving_rig import Server
 from monolith.models.cache import HybridCache, KVCache
 from monolith.runtime.decoder import Decoder
 from monolith.runtime.generation import Generation, Tokens
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.prefill import prefill
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.session import Session
@@ -357,7 +357,7 @@ def test_metrics_and_usage_report_the_cache(loaded):
     model, _, tok = loaded
     cache = PromptCache(BIG, save_every=32)
     decoder = Recording(model, None, MAX_CONTEXT, CHUNK)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder, prompt_cache=cache),
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder, prompt_cache=cache),
                 model_names=("demo",)) as server:
         client = server.wait_ready().client()
         a, b = [system(), user(ASKS[0])], [system(), user(ASKS[1])]

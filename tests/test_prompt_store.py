@@ -13,7 +13,7 @@ import pytest
 from monolith.formats.stfile import SafetensorsFile
 from monolith.runtime import state_file
 from monolith.runtime.state_file import identity
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.prompt_cache import PromptCache
 from monolith.runtime.prompt_store import PromptStore
@@ -41,14 +41,14 @@ def ask_once(engine, ids, boundaries, max_tokens=6):
 
 
 def cold(model, tok, ids):
-    return ask_once(Engine(model, tok, max_context=512), ids, ())[0].token_ids
+    return ask_once(Engine(model, tok, Limits(max_context=512)), ids, ())[0].token_ids
 
 
 def server(model, tok, directory, max_bytes=1 << 30, every=32):
     """An engine as serve makes it with --prompt-cache-dir (a fresh process as far as
     caches go: nothing in memory)."""
     store = PromptStore(directory, max_bytes, identity(model))
-    return Engine(model, tok, max_context=512, prompt_cache=PromptCache(1 << 30, every, store))
+    return Engine(model, tok, Limits(max_context=512), prompt_cache=PromptCache(1 << 30, every, store))
 
 
 def test_saved_states_survive_a_restart(model, tok, tmp_path):
@@ -147,7 +147,7 @@ def test_a_drafting_server_keeps_the_draft_context_across_a_restart(tmp_path, sy
         prompt_cache = None
         if cache:
             prompt_cache = PromptCache(1 << 30, 32, PromptStore(directory, 1 << 30, identity(model, drafter)))
-        return Engine(model, tok, max_context=512, decoder=Decoder(model, drafter, 512),
+        return Engine(model, tok, Limits(max_context=512), decoder=Decoder(model, drafter, 512),
                       prompt_cache=prompt_cache)
 
     first, first_ends = prompt(tok, "List the files.")

@@ -13,14 +13,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from serving_rig import MAX_CONTEXT, NAME, Scripted, Server
 
 from bench.request_strategies import ENDPOINTS, bodies, names_a_path
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 
 EXAMPLES = 40  # per endpoint: a few seconds in all
 
 
 @pytest.fixture(scope="module")
 def server(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("Hi!")))) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode("Hi!")))) as s:
         s.wait_ready()
         with httpx.Client(base_url=s.url, timeout=60) as http:
             s.http = http

@@ -23,7 +23,7 @@ from cryptography.fernet import Fernet
 from responses_rig import DELTAS, TOOLS, scripted_reply, validate_event, with_cache_writes
 from serving_rig import Server, assert_error
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.responses.items import items_to_messages
 from monolith.serving.responses.seal import key_path
 
@@ -52,7 +52,7 @@ PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files wit
 @pytest.fixture(scope="module")
 def server(demo_f32):
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=2048), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=2048)), model_names=(NAME,)) as s:
         yield s.wait_ready()
 
 
@@ -201,7 +201,7 @@ def test_a_custom_call_streams_as_the_sdk_types_it():
 def xml_server(xml_model):
     """A server on the tiny target with the Qwen3.5 template (XML calls: raw-text inputs)."""
     model, tok = xml_model
-    with Server(lambda: Engine(model, tok, max_context=2048), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=2048)), model_names=(NAME,)) as s:
         yield s.wait_ready(), (tok.path / "tokenizer.json").read_text(encoding="utf-8")
 
 

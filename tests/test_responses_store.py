@@ -21,7 +21,7 @@ from serving_rig import Scripted, Server, assert_error
 from starlette.datastructures import QueryParams
 from starlette.routing import Match
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import Outcome
 from monolith.serving.responses.routes import StoredResponses
 from monolith.serving.responses.store import ResponseStore, Stored, encode, input_items
@@ -33,7 +33,7 @@ ITEMS = pydantic.TypeAdapter(ResponseItem)
 
 def serve(demo, directory=None, **config):
     model, _, tok = demo
-    return Server(lambda: Engine(model, tok, max_context=1024), model_names=(NAME,),
+    return Server(lambda: Engine(model, tok, Limits(max_context=1024)), model_names=(NAME,),
                   response_store_dir=None if directory is None else str(directory), **config)
 
 
@@ -234,7 +234,7 @@ class UntilCancelled(Scripted):
 @pytest.fixture(scope="module")
 def hanging(demo_f32):
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=1024, decoder=UntilCancelled(tok.encode("Hello there"))),
+    with Server(lambda: Engine(model, tok, Limits(max_context=1024), decoder=UntilCancelled(tok.encode("Hello there"))),
                 model_names=(NAME,)) as s:
         yield s.wait_ready()
 

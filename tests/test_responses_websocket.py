@@ -21,7 +21,7 @@ from serving_rig import Scripted, Server
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.responses.websocket import LIMIT_SECONDS
 
 MAX_CONTEXT = 1024
@@ -49,7 +49,7 @@ def clock():
 @pytest.fixture(scope="module")
 def server(demo_f32, clock):
     model, _, tok = demo_f32
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,), api_key=KEY,
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,), api_key=KEY,
                 websocket_clock=clock) as s:
         yield s.wait_ready()
 
@@ -224,7 +224,7 @@ def test_a_server_failure_evicts_too(demo_f32):
     model, _, tok = demo_f32
     flaky = Scripted(tok.encode("Hello."), fail=lambda call: RuntimeError("the decoder broke") if call > 1 else None)
 
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=flaky), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=flaky), model_names=(NAME,)) as s:
         with socket(s.wait_ready()) as ws:
             first = turn(ws, input="Hi.", store=False, **COMMON)
             assert text(first) == "Hello."

@@ -15,7 +15,7 @@ import openai
 import pytest
 from serving_rig import NAME, Scripted, Server
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 
 BROKEN = "a saved state of 60 tokens with states after 27 rows"
 
@@ -29,7 +29,7 @@ def failing_once(tokens):
 def broken(model, tok):
     """A server whose next request fails in the engine: (server, the decoder's reply text)."""
     tokens = tok.encode("hello there", add_special_tokens=False)
-    with Server(lambda: Engine(model, tok, max_context=256, decoder=failing_once(tokens))) as server:
+    with Server(lambda: Engine(model, tok, Limits(max_context=256), decoder=failing_once(tokens))) as server:
         yield server.wait_ready(), tok.decode(tokens)
 
 
@@ -108,7 +108,7 @@ def test_every_refusal_is_logged_at_info_with_its_reason_and_param_never_the_bod
                                                                                    status, param):
     """Operators see why a request was refused (issue 48): the endpoint, the status, the
     param and the message, at INFO; never the body."""
-    with Server(lambda: Engine(model, tok, max_context=256, decoder=Scripted([]))) as server:
+    with Server(lambda: Engine(model, tok, Limits(max_context=256), decoder=Scripted([]))) as server:
         server.wait_ready()
         caplog.set_level(logging.INFO, logger="monolith.serve")
         response = server.post(path, body)

@@ -18,7 +18,7 @@ from monolith.models import load_model
 from monolith.runtime.calibrate import measure_break_even
 from monolith.runtime.decoder import Decoder
 from monolith.runtime.generation import Generation, Tokens
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.prefill import prefill
 from monolith.runtime.session import Session
 from monolith.runtime.textstream import TextStream
@@ -61,7 +61,7 @@ def test_greedy_completion_string_and_token_list(server, model, tok):
 
 def test_finish_reason_stop_counts_the_stop_token(model, tok):
     eos = tok.eos_token_ids[0]
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("Hi!")))) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode("Hi!")))) as s:
         s.wait_ready()
         r = s.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}])
         assert r.choices[0].message.content == "Hi!" and r.choices[0].finish_reason == "stop"
@@ -269,7 +269,7 @@ def test_tool_call_parser_streams_nothing_of_a_call_before_it_is_complete():
 
 @pytest.mark.parametrize("text", [JSON_CALL, XML_CALL])
 def test_tool_calls_over_http(model, tok, text):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode(text)))) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode(text)))) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Weather in Paris?"}]
         r = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS)
@@ -310,7 +310,7 @@ def test_speculative_server_matches_plain_greedy_and_counts_rounds(synth_pair):
     tok = load_tokenizer(target_pack)
     drafter = load_drafter(draft, model, dtype="float32", quantization="none", cache_dir=cache)
     decoder = Decoder(model, drafter, MAX_CONTEXT)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder)) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Hello there"}]
         result, text = expected(model, tok, tok.encode_chat(messages), 40)
@@ -353,7 +353,7 @@ def test_speculative_server_falls_back_to_plain_steps_while_drafting_does_not_pa
     decoder = Decoder(model, drafter, MAX_CONTEXT,
                                  break_even=measure_break_even(model, drafter, 7, SamplingParams()).steps)
     assert decoder.break_even > 1  # a round costs more than one plain step
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder)) as s:
         client = s.wait_ready().client()
         messages = [{"role": "user", "content": "Hello there"}]
         r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0)
@@ -412,7 +412,7 @@ def reasoning_and_content(client, messages, **kw):
 def test_reasoning_goes_to_reasoning_content(model, tok, text, want):
     """Qwen's <think> block is message.reasoning_content (delta.reasoning_content when
     streamed), never content; tool calls are read from the content only."""
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode(text)))) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode(text)))) as s:
         client = s.wait_ready().client()
         whole, streamed = reasoning_and_content(client, [{"role": "user", "content": "Hi"}], tools=TOOLS)
     assert whole == want

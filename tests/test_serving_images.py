@@ -25,6 +25,7 @@ from serving_rig import MAX_CONTEXT, NAME, Recording, Server, assert_error
 from tokenizers import Tokenizer as RawTokenizer
 
 from monolith.models.image_inputs import prepare_image
+from monolith.runtime.engine import Limits
 from monolith.serving.images import IMAGE_MARK, ImageLimits, ImageLoader, prompt_ids
 from monolith.serving.responses.compact import input_parts
 from monolith.serving.responses.items import items_to_messages
@@ -104,7 +105,7 @@ def claude(server) -> anthropic.Anthropic:
 def limited_server(model, tok, vision):
     """Images of at most 2000 bytes, 2 a request; http(s) image URLs fetched."""
     limits = ImageLimits(max_bytes=2000, max_images=2, allow_urls=True, fetch_timeout=5)
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, vision=vision), images=limits) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), vision=vision), images=limits) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
         yield s
@@ -331,7 +332,7 @@ def test_replies_with_an_image_are_a_cold_engines(vision_server, model, tok, vis
                                        input=[{"role": "user", "content": parts}])
     got.append((response, last(vision_server)))
     assert digests(got[0][1]) != digests(got[1][1]) and got[0][1].prompt_ids == got[1][1].prompt_ids
-    cold = Engine(model, tok, max_context=MAX_CONTEXT, vision=vision)
+    cold = Engine(model, tok, Limits(max_context=MAX_CONTEXT), vision=vision)
     try:
         for reply, request in got:
             text, _ = cold.run_request(request, cold.new_session())

@@ -19,7 +19,7 @@ import pytest
 from serving_rig import MAX_CONTEXT, NAME, TOOLS, Scripted, Server, assert_error, chat_ids, expected
 
 from monolith.runtime import memory_trim
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import GenerationRequest
 from monolith.runtime.stats import SpecStats
 from monolith.sampling import SamplingParams
@@ -90,7 +90,7 @@ def test_heap_trim_hands_back_what_a_thread_freed():
 def test_engine_trims_the_heap_when_it_goes_idle(model, tok, monkeypatch):
     trims = []
     monkeypatch.setattr(memory_trim, "trim", lambda: trims.append(1) or True)
-    engine = Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("ab")))
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode("ab")))
     try:
         for prompt in ("x", "y"):
             engine.run_request(GenerationRequest(prompt_ids=tuple(tok.encode(prompt)), max_tokens=2))
@@ -115,7 +115,8 @@ def test_a_large_request_body_trims_the_heap_after_it(server, monkeypatch):
 
 def test_speculative_counters_reach_metrics(model, tok):
     spec = SpecStats(7, [7, 7, 7], [5, 3, 2])  # 3 drafts, 21 draft tokens, 10 accepted: (3, 3, 2, 1, 1, 0, 0) by position
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted([65, 66, 67], spec))) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT),
+                               decoder=Scripted([65, 66, 67], spec))) as s:
         s.wait_ready().client().completions.create(model=NAME, prompt="x")
         s.client().completions.create(model=NAME, prompt="y")
         assert s.metric("spec_decode_num_drafts_total") == 6
@@ -148,7 +149,7 @@ def test_concurrent_clients_get_complete_correct_answers(server, model, tok):
 def long_server(model, tok):
     """Replies long enough to interrupt: 20000 tokens at 200 per second."""
     endless = Scripted(tok.encode(" word") * 20000, per_token=0.005)
-    with Server(lambda: Engine(model, tok, max_context=60000, decoder=endless)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=60000), decoder=endless)) as s:
         yield s.wait_ready()
 
 
@@ -190,7 +191,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer(long_server):
 
 
 def test_cancel_stops_real_decoding_at_the_next_token(model, tok):
-    engine = Engine(model, tok, max_context=MAX_CONTEXT)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT))
     try:
         seen = []
 
@@ -211,7 +212,7 @@ def test_cancel_stops_real_decoding_at_the_next_token(model, tok):
 
 def test_keep_alive_comments_during_a_long_prefill(model, tok):
     slow = Scripted(tok.encode("late"), delay=1.0)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow), keepalive_seconds=0.2) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=slow), keepalive_seconds=0.2) as s:
         s.wait_ready()
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                           json={"prompt": "x", "stream": True}) as r:
@@ -297,7 +298,7 @@ def test_malformed_and_oversized_bodies_and_unknown_things(server):
 
 
 def test_body_over_the_limit_is_refused_unread(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), max_request_bytes=1000) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), max_request_bytes=1000) as s:
         s.wait_ready()
         assert_error(s.post("/v1/completions", {"prompt": "x" * 2000}), 413, code="request_too_large")
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:  # announce 1 GB, send nothing
@@ -308,7 +309,7 @@ def test_body_over_the_limit_is_refused_unread(model, tok):
 
 
 def test_api_key(model, tok):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), api_key="s3cret") as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), api_key="s3cret") as s:
         s.wait_ready()
         assert httpx.get(s.url + "/health").status_code == 200  # no key needed
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -324,8 +325,8 @@ def test_api_key(model, tok):
 
 def test_full_queue_429_and_queue_timeout_503(model, tok):
     slow = Scripted(tok.encode("slow answer"), per_token=0.3)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=slow, max_queue=1,
-                               queue_timeout=1.0)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_queue=1, queue_timeout=1.0),
+                               decoder=slow)) as s:
         s.wait_ready()
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(s.post, "/v1/completions", {"prompt": "a"})
@@ -345,7 +346,7 @@ def test_health_is_503_until_the_model_is_loaded(model, tok):
 
     def load():
         assert release.wait(30)
-        return Engine(model, tok, max_context=MAX_CONTEXT)
+        return Engine(model, tok, Limits(max_context=MAX_CONTEXT))
 
     with Server(load) as s:
         r = httpx.get(s.url + "/health")
@@ -364,7 +365,7 @@ def test_sampling_defaults_come_from_generation_config():
 
 
 def test_engine_session_resumes_only_from_exact_prefixes(model, tok):
-    engine = Engine(model, tok, max_context=MAX_CONTEXT)
+    engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT))
     try:
         ids = chat_ids(tok, "session")
         _, first = engine.run_request(GenerationRequest(tuple(ids), 6))

@@ -20,7 +20,7 @@ import pytest
 from serving_rig import MAX_CONTEXT, Scripted, Server, assert_error, expected
 
 from monolith.models import load_model
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.models import ModelPool, ModelSpec
 from monolith.tokenizer import load_tokenizer
 
@@ -34,7 +34,7 @@ def loader(pack, decoder=None, gate: threading.Event | None = None):
         if gate is not None:
             assert gate.wait(60)
         decoding = decoder() if decoder is not None else None
-        return Engine(load_model(pack, dtype="float32"), load_tokenizer(pack), max_context=MAX_CONTEXT,
+        return Engine(load_model(pack, dtype="float32"), load_tokenizer(pack), Limits(max_context=MAX_CONTEXT),
                       decoder=decoding)
     return load
 
@@ -170,7 +170,7 @@ def test_a_model_is_never_unloaded_under_a_running_request(pack, tok, model):
     model before submitting (its lease): both times the model stays; once they end it
     goes."""
     gated = Gated(tok.encode("one two three"))
-    pool = pool_of(("a", lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=gated)),
+    pool = pool_of(("a", lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=gated)),
                    ("b", loader(pack)), keep_alive=0)
     with Server(pool, model_names=pool.names()) as s:
         s.wait_ready()

@@ -15,7 +15,7 @@ from oracles import GreedyOracle, plain_greedy
 from serving_rig import MAX_CONTEXT, NAME, TOOLS, Server
 
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Drafting, Engine
+from monolith.runtime.engine import Drafting, Engine, Limits
 from monolith.runtime.events import PLAIN, Delta, Finished, Usage
 from monolith.runtime.generation import Emitter, Generation
 from monolith.serving.openai.reply import ChatFormat
@@ -76,7 +76,7 @@ def oracle_server(model, tok, reference):
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
     decoder = Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder)) as s:
         yield s.wait_ready()
 
 
@@ -248,7 +248,7 @@ def plain_server_with_a_drafter(model, tok, reference):
     prompt, tokens = reference
     oracle = GreedyOracle(prompt, tokens, model.args.vocab_size, error_at=ERROR_AT)
     spare = Decoder(model, oracle, MAX_CONTEXT, gamma=GAMMA)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT),
                                drafting=Drafting(on_request=spare, on_request_name="oracle"))) as s:
         yield s.wait_ready()
 

@@ -21,7 +21,7 @@ from monolith.models.vision import vision_of
 from monolith.pack import build_pack
 from monolith.runtime.decoder import Decoder
 from monolith.runtime.draft_model import DraftModelDrafter
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.runtime.events import Finished, GenerationRequest, RequestError
 from monolith.runtime.images import PromptImages, row_key
 from monolith.runtime.mtp_drafter import MTPDrafter
@@ -50,9 +50,9 @@ def vlm(synth_dir, tmp_path_factory):
                 tokenizer=load_tokenizer(pack), config=config, tokens=tokens, image=image, other=other)
 
 
-def engine(vlm, decoder=None, **kw) -> Engine:
+def engine(vlm, decoder=None, max_batch=1, **kw) -> Engine:
     decoder = decoder or Decoder(vlm["model"], None, CONTEXT, CHUNK)
-    return Engine(vlm["model"], vlm["tokenizer"], max_context=CONTEXT, decoder=decoder,
+    return Engine(vlm["model"], vlm["tokenizer"], Limits(max_context=CONTEXT, max_batch=max_batch), decoder=decoder,
                   vision=vlm["vision"], **kw)
 
 
@@ -139,7 +139,7 @@ def test_images_batch_with_each_other_and_with_text(vlm):
 
 def test_image_requests_are_checked_at_the_boundary(vlm):
     tokens, image = vlm["tokens"], vlm["image"]
-    text_only = Engine(vlm["model"], vlm["tokenizer"], max_context=CONTEXT)
+    text_only = Engine(vlm["model"], vlm["tokenizer"], Limits(max_context=CONTEXT))
     try:
         with pytest.raises(RequestError, match="takes no images") as e:
             text_only.submit(GenerationRequest(tuple(tokens), 4, images=(image,)), lambda event: None)

@@ -14,7 +14,7 @@ from serving_rig import MAX_CONTEXT, Recording, Scripted, Server
 from web_rig import close, expect, open_page, send, set_setting, settle
 
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Drafting
+from monolith.runtime.engine import Drafting, Limits
 from monolith.serving.metrics import PLOTTED
 
 WIDTH = 420
@@ -23,7 +23,7 @@ ASK = "Draft for me"
 
 @pytest.fixture(scope="module")
 def scripted(model, tok):
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT,
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT),
                                   decoder=Scripted(tok.encode("Hello **world**."), per_token=0.01))) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
@@ -36,7 +36,7 @@ def plain_with_a_drafter(model, tok):
     that knows the target's greedy reply to ASK, so drafted rounds accept."""
     prompt = tok.encode_chat([{"role": "user", "content": ASK}])
     oracle = GreedyOracle(prompt, plain_greedy(model, prompt, 64, MAX_CONTEXT), model.args.vocab_size)
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT,
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT),
                                   drafting=Drafting(on_request=Decoder(model, oracle, MAX_CONTEXT),
                                                     on_request_name="oracle"))) as s:
         s.wait_ready()

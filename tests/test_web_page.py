@@ -26,7 +26,7 @@ from web_rig import (
     wait_for,
 )
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 from monolith.serving.page import POLICY, STATIC, shipped_files
 
 REPLY = ("<think>\nweighing it\n</think>\n\nHello **world**. <img src=\"data:,\" onerror=\"window.pwned=1\">"
@@ -42,7 +42,7 @@ CANCELLED = 'monolith_request_finished_total{finish_reason="cancelled"}'
 def scripted(model, tok):
     """A server whose engine records its requests and always answers REPLY."""
     decoder = Scripted(tok.encode(REPLY), per_token=0.01)
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=decoder)) as s:
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), decoder=decoder)) as s:
         s.wait_ready()
         s.engine = s.app.state.monolith.engine
         yield s
@@ -51,7 +51,7 @@ def scripted(model, tok):
 @pytest.fixture(scope="module")
 def slow(model, tok):
     """Replies long enough to stop: 2000 tokens, 20 ms each."""
-    with Server(lambda: Recording(model, tok, max_context=60000,
+    with Server(lambda: Recording(model, tok, Limits(max_context=60000),
                                   decoder=Scripted(tok.encode(SLOW), per_token=0.02))) as s:
         yield s.wait_ready()
 
@@ -60,7 +60,7 @@ def slow(model, tok):
 
 
 def test_the_page_is_served_without_the_key_under_a_policy_of_its_own_origin(model, tok):
-    with Server(lambda: Recording(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("ok"))),
+    with Server(lambda: Recording(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode("ok"))),
                 api_key="s3cret") as s:
         page = httpx.get(s.url + "/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -180,7 +180,7 @@ def test_settings_reach_the_request(browser, scripted, tok, tmp_path):
 
 
 def test_a_key_is_asked_for_on_a_401_kept_and_sent(browser, model, tok, tmp_path):
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode("Keyed."))),
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode("Keyed."))),
                 api_key="s3cret") as s:
         s.wait_ready()
         page = open_page(browser, s)
@@ -257,7 +257,7 @@ def test_the_model_picker_lists_the_configured_models_and_sends_the_pick(browser
 
     def load(name, text):
         def make():
-            engines[name] = Recording(model, tok, max_context=MAX_CONTEXT, decoder=Scripted(tok.encode(text)))
+            engines[name] = Recording(model, tok, Limits(max_context=MAX_CONTEXT), decoder=Scripted(tok.encode(text)))
             return engines[name]
         return make
 

@@ -22,7 +22,7 @@ from web_rig import (
 
 from monolith.models.image_inputs import prepare_image
 from monolith.runtime.decoder import Decoder
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 
 ASK = "Draft for me"
 
@@ -33,7 +33,7 @@ def drafting(model, tok):
     of ASK (tests/oracles.py): every draft token of that conversation is accepted."""
     prompt = tok.encode_chat([{"role": "user", "content": ASK}])
     oracle = GreedyOracle(prompt, plain_greedy(model, prompt, 64, MAX_CONTEXT), model.args.vocab_size)
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT,
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT),
                                decoder=Decoder(model, oracle, MAX_CONTEXT))) as s:
         yield s.wait_ready()
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from serving_rig import Server, assert_error
 
-from monolith.runtime.engine import Engine
+from monolith.runtime.engine import Engine, Limits
 
 TEMPLATE = Path(__file__).parent / "data" / "qwen3.5" / "chat_template.jinja"
 MAX_CONTEXT = 2048
@@ -34,7 +34,7 @@ PAINT = {"type": "function", "function": {"name": "paint", "description": "Paint
 @pytest.fixture(scope="module")
 def server(xml_model):
     model, tok = xml_model
-    with Server(lambda: Engine(model, tok, max_context=MAX_CONTEXT), model_names=(NAME,)) as s:
+    with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,)) as s:
         yield s.wait_ready()
 
 

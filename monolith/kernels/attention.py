@@ -13,7 +13,7 @@ import math
 
 import mlx.core as mx
 
-from .kernel import Launch, MetalKernel, cast, threads_for, use_metal
+from .kernel import Launch, MetalKernel, threads_for, use_metal
 
 KERNEL = MetalKernel("monolith_attention_prologue", "attention_prologue.metal",
                      ("qkv", "q_norm", "k_norm", "offset", "log2_base", "eps"), ("q", "k", "v", "gate"))
@@ -36,8 +36,8 @@ def _split_norm(qkv, q_norm, k_norm, heads, kv_heads, head_dim, eps):
     q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, n * d)
     k = qkv[..., 2 * n * d:(2 * n + kv) * d].reshape(b, t, kv, d)
     v = qkv[..., (2 * n + kv) * d:].reshape(b, t, kv, d)
-    q = cast(mx.fast.rms_norm(q, q_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
-    k = cast(mx.fast.rms_norm(k, k_norm, eps), qkv.dtype).transpose(0, 2, 1, 3)
+    q = mx.fast.rms_norm(q, q_norm, eps).astype(qkv.dtype).transpose(0, 2, 1, 3)
+    k = mx.fast.rms_norm(k, k_norm, eps).astype(qkv.dtype).transpose(0, 2, 1, 3)
     return q, k, v, gate
 
 

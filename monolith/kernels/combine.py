@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernel import Launch, MetalKernel, cast, threads_for, use_metal
+from .kernel import Launch, MetalKernel, threads_for, use_metal
 
 KERNEL = MetalKernel("monolith_moe_combine", "moe_combine.metal",
                      ("expert_out", "weights", "shared_out", "shared_gate", "residual", "norm_weight", "eps"),
@@ -30,10 +30,10 @@ def _check(expert_out, weights, shared_out, shared_gate, residual, norm_weight):
 
 def reference(expert_out, weights, shared_out, shared_gate, residual, norm_weight, eps):
     _check(expert_out, weights, shared_out, shared_gate, residual, norm_weight)
-    routed = (expert_out * cast(weights, expert_out.dtype)[..., None]).sum(axis=1)
+    routed = (expert_out * weights.astype(expert_out.dtype)[..., None]).sum(axis=1)
     shared = shared_out * mx.sigmoid(shared_gate)
     h = residual + (routed + shared).reshape(residual.shape)
-    return h, cast(mx.fast.rms_norm(h, norm_weight, eps), h.dtype)
+    return h, mx.fast.rms_norm(h, norm_weight, eps).astype(h.dtype)
 
 
 def launch(expert_out, weights, shared_out, shared_gate, residual, norm_weight, eps) -> Launch:

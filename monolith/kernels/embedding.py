@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernel import Launch, MetalKernel, cast, threads_for, use_metal
+from .kernel import Launch, MetalKernel, threads_for, use_metal
 
 KERNEL = MetalKernel("monolith_nvfp4_embedding", "nvfp4_embedding.metal",
                      ("tokens", "words", "scales", "tensor_scale"), ("out",))
@@ -18,7 +18,7 @@ KERNEL = MetalKernel("monolith_nvfp4_embedding", "nvfp4_embedding.metal",
 
 def reference(tokens: mx.array, words: mx.array, scales: mx.array, tensor_scale: mx.array, dtype) -> mx.array:
     rows = mx.dequantize(words[tokens], scales[tokens], group_size=16, bits=4, mode="nvfp4", dtype=mx.float32)
-    return cast(rows * tensor_scale[tokens][:, None], dtype)
+    return (rows * tensor_scale[tokens][:, None]).astype(dtype)
 
 
 def launch(tokens: mx.array, words: mx.array, scales: mx.array, tensor_scale: mx.array, dtype) -> Launch:
@@ -26,7 +26,7 @@ def launch(tokens: mx.array, words: mx.array, scales: mx.array, tensor_scale: mx
     if tokens.ndim != 1 or scales.shape != (words.shape[0], row_words // 2) or row_words % 2:
         raise ValueError(f"nvfp4_embedding: tokens [T], words [V, H/8], scales [V, H/16] expected, got "
                          f"{tokens.shape}, {words.shape}, {scales.shape}")
-    return Launch(inputs=(cast(tokens, mx.int32), words, scales, tensor_scale), grid=(row_words, n, 1),
+    return Launch(inputs=(tokens.astype(mx.int32), words, scales, tensor_scale), grid=(row_words, n, 1),
                   threadgroup=(threads_for(row_words), 1, 1), output_shapes=((n, row_words * 8),),
                   output_dtypes=(dtype,), template=(("T", dtype), ("WORDS", row_words)))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernel import Launch, MetalKernel, cast, threads_for, use_metal
+from .kernel import Launch, MetalKernel, threads_for, use_metal
 
 PER_THREAD = 8
 KERNEL = MetalKernel("monolith_gated_rms_norm", "gated_rms_norm.metal", ("o", "z_src", "weight", "eps"), ("out",))
@@ -31,7 +31,7 @@ def reference(o: mx.array, z: mx.array, weight: mx.array, eps: float, z_offset: 
     heads, dim = _z(o, z, z_offset)
     if z_offset or z.shape[-1] != heads * dim:
         z = z[..., z_offset:z_offset + heads * dim]
-    y = _gate(mx.fast.rms_norm(cast(o, mx.float32), weight, eps), z.reshape(o.shape))
+    y = _gate(mx.fast.rms_norm(o.astype(mx.float32), weight, eps), z.reshape(o.shape))
     return y.reshape(*o.shape[:-2], heads * dim)
 
 

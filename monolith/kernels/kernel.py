@@ -60,11 +60,6 @@ def gpu_backend() -> str | None:
     return "cuda" if mx.cuda.is_available() else None
 
 
-def cast(x: mx.array, dtype) -> mx.array:
-    """astype that adds no graph node when the dtype already matches."""
-    return x if x.dtype == dtype else x.astype(dtype)
-
-
 def threads_for(width: int, limit: int = 256) -> int:
     """Threads of a 1-D threadgroup that covers `width` items: whole SIMD groups, at most `limit`."""
     return max(SIMD_WIDTH, min(limit, -(-width // SIMD_WIDTH) * SIMD_WIDTH))

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .kernel import Launch, MetalKernel, cast, threads_for, use_metal
+from .kernel import Launch, MetalKernel, threads_for, use_metal
 
 L2_EPS = 1e-6
 PER_THREAD = 8  # channels a thread keeps in registers (the .metal body's bound)
@@ -69,7 +69,7 @@ def reference(proj, conv_state, conv_weight, neg_decay, dt_bias, key_heads, key_
     c, kernel = _dims(proj, conv_state, key_heads, key_dim, value_heads, value_dim)
     b, t = proj.shape[:2]
     v_end = c + value_heads * value_dim
-    window = mx.concatenate([conv_state, cast(proj[..., :c], mx.float32)], axis=1)
+    window = mx.concatenate([conv_state, proj[..., :c].astype(mx.float32)], axis=1)
     weight = conv_weight if conv_weight.shape == (c, kernel, 1) else conv_weight.reshape(c, kernel, 1)
     conv = _silu(mx.conv1d(window, weight, groups=c))
     kd = key_heads * key_dim

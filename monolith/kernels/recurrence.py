@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .kernel import cast, gpu_backend
+from .kernel import gpu_backend
 
 TINY = float(np.finfo(np.float32).tiny)  # gamma floor: log stays finite, exp(L) of it is ~0
 
@@ -89,12 +89,12 @@ def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64, rows: bool = Fals
     b, t, hk, dk = k.shape
     hv, dv = v.shape[2:]
     dtype = mx.result_type(q, k)
-    state = mx.zeros((b, hv, dv, dk)) if state is None else cast(state, mx.float32)
+    state = mx.zeros((b, hv, dv, dk)) if state is None else state.astype(mx.float32)
     if hv != hk:
         q, k = mx.repeat(q, hv // hk, axis=2), mx.repeat(k, hv // hk, axis=2)
-    q, k, v = (cast(x, mx.float32).transpose(0, 2, 1, 3) for x in (q, k, v))
-    lg = mx.log(mx.maximum(cast(gamma, mx.float32), TINY)).transpose(0, 2, 1)
-    beta = cast(beta, mx.float32).transpose(0, 2, 1)
+    q, k, v = (x.astype(mx.float32).transpose(0, 2, 1, 3) for x in (q, k, v))
+    lg = mx.log(mx.maximum(gamma.astype(mx.float32), TINY)).transpose(0, 2, 1)
+    beta = beta.astype(mx.float32).transpose(0, 2, 1)
     outs, every = [], []
     for s in range(0, t, chunk):
         part = slice(s, s + chunk)
@@ -102,7 +102,7 @@ def chunked(q, k, v, gamma, beta, state=None, chunk: int = 64, rows: bool = Fals
                                    state, rows)
         outs.append(o)
         every += states
-    o = cast((outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).transpose(0, 2, 1, 3), dtype)
+    o = (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).transpose(0, 2, 1, 3).astype(dtype)
     if not rows:
         return o, state
     return o, state, (every[0] if len(every) == 1 else mx.concatenate(every, axis=2)).swapaxes(1, 2)

@@ -30,7 +30,7 @@ from .cache import CacheError, DraftContext, KVCache
 from .draft_args import DraftArgs
 from .draft_heads import ConfidenceHead, MarkovHead
 from .draft_layer import DraftLayer, Rope
-from .layers import Embedding, cast, rms_norm, run_now
+from .layers import Embedding, rms_norm, run_now
 from .weights import PackWeights
 
 __all__ = ["Draft", "DraftContext", "Proposal"]
@@ -79,7 +79,7 @@ class Draft:
         x = self.embed_tokens(ids)
         if self.args.input_embedding_scale != 1:
             x = x.astype(mx.float32) * self.args.input_embedding_scale
-        return cast(x, self.dtype)
+        return x.astype(self.dtype)
 
     @property
     def taps(self) -> list[int]:
@@ -123,7 +123,7 @@ class Draft:
                 raise CacheError(f"{n} context rows at offset {ctx.offset} exceed the draft context's "
                                  f"max_context={ctx.max_context}")
         rows = [features for _, features in items]
-        packed = cast(rows[0] if len(rows) == 1 else mx.concatenate(rows), self.dtype)[None]
+        packed = (rows[0] if len(rows) == 1 else mx.concatenate(rows)).astype(self.dtype)[None]
         c = rms_norm(self.fc(packed), self.hidden_norm, self.args.rms_norm_eps)
         lengths = [f.shape[0] for f in rows]
         starts = list(itertools.accumulate(lengths, initial=0))
@@ -220,7 +220,7 @@ class Draft:
         first = 0 if self.args.sample_from_anchor else 1  # z-lab DFlash: slot 0 predicts nothing
         g = max(gamma for _, gamma, _ in items)
         h = mx.stack([hidden[first:first + g] for _, _, hidden in items])  # [B, g, H]
-        u = cast(self.lm_head(h), mx.float32)
+        u = self.lm_head(h).astype(mx.float32)
         anchors = [self._anchor(anchor) for anchor, _, _ in items]
         prev = anchors[0] if len(anchors) == 1 else mx.concatenate(anchors)
         if self.markov is None:
@@ -258,7 +258,7 @@ class Draft:
         first = 0 if self.args.sample_from_anchor else 1
         slots = min(limit, self.max_proposals)
         h = (self.forward(ctx, anchor) if hidden is None else hidden)[first:first + slots]
-        u = cast(self.lm_head(h), mx.float32)
+        u = self.lm_head(h).astype(mx.float32)
         m = self.markov
         pre, state = (m.prepare(h), m.initial_state()) if m is not None else (None, None)
         keys = None if params.greedy else mx.random.split(key, slots)

@@ -27,11 +27,6 @@ QUANT_MODES = {"nvfp4": ("nvfp4", 16, 4), "fp8": ("mxfp8", 32, 8)}
 SORT_THRESHOLD = 64
 
 
-def cast(x: mx.array, dtype) -> mx.array:
-    """astype that adds no graph node when the dtype already matches."""
-    return x if x.dtype == dtype else x.astype(dtype)
-
-
 pipeline_layers = True  # run_now hands each layer over (off inside whole_graphs)
 
 
@@ -60,7 +55,7 @@ def run_now(*arrays) -> None:
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """Zero-centred RMSNorm with the stored (1 + w) in F32: computed in F32 (MLX
     promotes to the F32 weight), cast back to x's dtype."""
-    return cast(mx.fast.rms_norm(x, weight, eps), x.dtype)
+    return mx.fast.rms_norm(x, weight, eps).astype(x.dtype)
 
 
 LOG2_E = math.log2(math.e)
@@ -148,7 +143,7 @@ def attention(q: mx.array, keys, values, scale: float, mask: str | None = None) 
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     kernel = mx.float32 if quantized and mx.default_device() == mx.cpu else q.dtype
-    grouped = cast(q * scale, kernel).reshape(b, kv_heads, group * t, d)
+    grouped = (q * scale).astype(kernel).reshape(b, kv_heads, group * t, d)
     scores = keys.matmul(grouped, True) if quantized else grouped @ keys.swapaxes(-1, -2)
     if mask == "causal" and t > 1:  # key j (counted from the first query's own) <= query i
         scores = mx.where(mx.arange(t - length, t)[None] <= _query_rows(group, t), scores, -mx.inf)
@@ -158,7 +153,7 @@ def attention(q: mx.array, keys, values, scale: float, mask: str | None = None) 
     else:
         weights = mx.softmax(scores, axis=-1, precise=True)
     out = values.matmul(weights, False) if quantized else weights @ values
-    return cast(out, q.dtype).reshape(b, heads, t, d)
+    return out.astype(q.dtype).reshape(b, heads, t, d)
 
 
 class _PackMatrix:
@@ -179,7 +174,7 @@ class _PackMatrix:
         self.shape = tuple(shape) if shape is not None else tuple(weight.shape)  # logical ([E,] N, K)
         on_cpu = mx.default_device() == mx.cpu
         self.kernel_dtype = mx.float32 if on_cpu and (self.mode or gather) else dtype
-        self.tensor_scale = None if tensor_scale is None else cast(tensor_scale, self.kernel_dtype)
+        self.tensor_scale = None if tensor_scale is None else tensor_scale.astype(self.kernel_dtype)
 
 
 class Linear(_PackMatrix):
@@ -197,11 +192,11 @@ class Linear(_PackMatrix):
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.mode is None:
-            return cast(x @ self.weight_t, x.dtype)
+            return (x @ self.weight_t).astype(x.dtype)
         mode, group_size, bits = self.mode
-        y = mx.quantized_matmul(cast(x, self.kernel_dtype), self.weight, self.scales, transpose=True,
+        y = mx.quantized_matmul(x.astype(self.kernel_dtype), self.weight, self.scales, transpose=True,
                                 group_size=group_size, bits=bits, mode=mode)
-        return cast(y * self.tensor_scale, x.dtype)
+        return (y * self.tensor_scale).astype(x.dtype)
 
 
 class FusedLinear:
@@ -232,14 +227,14 @@ class Embedding:
     def __call__(self, tokens: mx.array) -> mx.array:
         t = self.table
         if t.mode is None:
-            return cast(t.weight[tokens], self.dtype)
+            return t.weight[tokens].astype(self.dtype)
         if t.precision == "nvfp4":  # the fused gather (monolith.kernels) takes 1-D ids
             rows = nvfp4_embedding(tokens.reshape(-1), t.weight, t.scales, t.tensor_scale, self.dtype)
             return rows if tokens.ndim == 1 else rows.reshape(*tokens.shape, -1)
         mode, group_size, bits = t.mode
         rows = mx.dequantize(t.weight[tokens], t.scales[tokens], group_size=group_size, bits=bits, mode=mode,
                              dtype=mx.float32)
-        return cast(rows * t.tensor_scale[tokens][:, None], self.dtype)
+        return (rows * t.tensor_scale[tokens][:, None]).astype(self.dtype)
 
 
 class Experts(_PackMatrix):
@@ -250,21 +245,21 @@ class Experts(_PackMatrix):
         if self.mode is None and mx.default_device() == mx.cpu:
             # an F32 copy (see _PackMatrix) laid out [E, K, N]: the CPU gather_mm is ~5x
             # slower on the transposed view at 8 rows (0.35 vs 0.07 ms at 8 x 256 x 256)
-            self.weight_t = mx.contiguous(cast(weight, self.kernel_dtype).swapaxes(-1, -2))
+            self.weight_t = mx.contiguous(weight.astype(self.kernel_dtype).swapaxes(-1, -2))
             self.weight = self.weight_t.swapaxes(-1, -2)
         elif self.mode is None:
             self.weight_t = weight.swapaxes(-1, -2)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         """x [..., 1, K] broadcast against indices [...] -> [..., 1, N]."""
-        xk = cast(x, self.kernel_dtype)
+        xk = x.astype(self.kernel_dtype)
         if self.mode is None:
             y = mx.gather_mm(xk, self.weight_t, rhs_indices=indices, sorted_indices=sorted_indices)
-            return cast(y, x.dtype)
+            return y.astype(x.dtype)
         mode, group_size, bits = self.mode
         y = mx.gather_qmm(xk, self.weight, self.scales, rhs_indices=indices, transpose=True, group_size=group_size,
                           bits=bits, mode=mode, sorted_indices=sorted_indices)
-        return cast(y * mx.expand_dims(self.tensor_scale[indices], -2), x.dtype)
+        return (y * mx.expand_dims(self.tensor_scale[indices], -2)).astype(x.dtype)
 
 
 class SwitchGLU:

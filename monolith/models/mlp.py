@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..kernels import add_rms_norm, moe_combine, moe_route
-from .layers import Linear, SwitchGLU, cast, swiglu
+from .layers import Linear, SwitchGLU, swiglu
 from .target_args import ModelArgs
 
 
@@ -39,7 +39,7 @@ class SparseMoeBlock:
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """(expert ids [T, k], F32 weights [T, k]) from F32 router logits: softmax ->
         top-k -> renormalize."""
-        return moe_route(self.router(cast(x, mx.float32)), self.top_k)
+        return moe_route(self.router(x.astype(mx.float32)), self.top_k)
 
     def add_norm(self, x: mx.array, residual: mx.array, norm: mx.array, eps: float) -> tuple[mx.array, mx.array]:
         """(h = residual + moe(x), rmsnorm(h) with the next norm's weight): routed experts,

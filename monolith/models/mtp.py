@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..pack import PackError
 from .cache import SPARE_ROWS, HybridCache, KVCache
-from .layers import cast, rms_norm, run_now
+from .layers import rms_norm, run_now
 from .qwen3_5 import DecoderLayer, Qwen3_5, _spans
 
 
@@ -72,14 +72,14 @@ class MTPHead:
             raise ValueError(f"hidden must be [{rows}, {self.args.hidden_size}] (one row per token), "
                              f"got {list(hidden.shape)}")
         eps = self.args.rms_norm_eps
-        e = rms_norm(cast(embedded, self.dtype), self.pre_fc_norm_embedding, eps)
-        h = rms_norm(cast(hidden, self.dtype), self.pre_fc_norm_hidden, eps)
+        e = rms_norm(embedded.astype(self.dtype), self.pre_fc_norm_embedding, eps)
+        h = rms_norm(hidden.astype(self.dtype), self.pre_fc_norm_hidden, eps)
         x = self.fc(mx.concatenate([e, h], axis=-1))[None]
         spans = _spans([cache], [rows])
         _, out = self.layer(x, rms_norm(x, self.layer.input_layernorm, eps), [cache.layers[0]], spans, self.norm)
         run_now(out)
         cache.advance(rows)
-        return out[0], cast(self.target.lm_head(out[0]), mx.float32)
+        return out[0], self.target.lm_head(out[0]).astype(mx.float32)
 
     def chain(self, hidden: mx.array, tokens, cache: HybridCache, steps: int,
               pick: Callable[[int, mx.array], int] | None = None) -> list[tuple[mx.array, mx.array]]:

@@ -22,7 +22,7 @@ import numpy as np
 from ..kernels import add_rms_norm
 from .cache import SPARE_ROWS, GDNState, HybridCache
 from .kv_quant import kv_cache
-from .layers import Embedding, cast, rms_norm, run_now
+from .layers import Embedding, rms_norm, run_now
 from .mixers import Attention, GatedDeltaNet, Span
 from .mlp import MLP, SparseMoeBlock
 from .mrope import mrope_angles
@@ -280,7 +280,7 @@ class Qwen3_5:
         picked = [_rows(normed, *rows) for rows in wanted if rows is not None]
         if not picked:
             return [None] * len(segments)
-        out = cast(self.lm_head(picked[0] if len(picked) == 1 else mx.concatenate(picked)), mx.float32)
+        out = self.lm_head(picked[0] if len(picked) == 1 else mx.concatenate(picked)).astype(mx.float32)
         results, at = [], 0
         for rows in wanted:
             n = 0 if rows is None else rows[1] - rows[0]

@@ -91,27 +91,38 @@ class Drafting:
     on_request_name: str | None = None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """How much an engine takes: tokens in a sequence (prompt + output), requests waiting
+    in its queue, seconds a request may wait there before it starts, and sequences that
+    run at once."""
+
+    max_context: int = 32768
+    max_queue: int = 64
+    queue_timeout: float = 600.0
+    max_batch: int = 1
+
+    def __post_init__(self):
+        if self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context}")
+        if self.max_queue < 1 or self.queue_timeout <= 0:
+            raise ValueError("max_queue must be >= 1 and queue_timeout > 0")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+
+
 class Engine:
     """See the module docstring. `decoder` defaults to plain decoding of `model`."""
 
-    def __init__(self, model, tokenizer, *, max_context: int = 32768, max_queue: int = 64,
-                 queue_timeout: float = 600.0, decoder: Decoder | None = None,
-                 prompt_cache: PromptCache | None = None, max_batch: int = 1, vision=None,
-                 drafting: Drafting = Drafting()):
-        if max_context < 2:
-            raise ValueError(f"max_context must be at least 2, got {max_context}")
-        if max_queue < 1 or queue_timeout <= 0:
-            raise ValueError("max_queue must be >= 1 and queue_timeout > 0")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    def __init__(self, model, tokenizer, limits: Limits = Limits(), *, decoder: Decoder | None = None,
+                 prompt_cache: PromptCache | None = None, vision=None, drafting: Drafting = Drafting()):
         self.model = model
         self.tokenizer = tokenizer
         self.vision = vision  # models/vision.Vision: the target takes images (None: text only)
         self._features = None if vision is None else FeatureCache(vision)
-        self.max_context = max_context
-        self.max_queue = max_queue
-        self.queue_timeout = queue_timeout
-        self.decoder = decoder or Decoder(model, None, max_context)
+        self.limits = limits
+        self.max_context = limits.max_context
+        self.decoder = decoder or Decoder(model, None, limits.max_context)
         self.draft_name = drafting.name  # the draft the decoder drafts with (None: plain decoding)
         self.not_drafting = drafting.not_drafting  # why a draft was loaded but the decoder does not draft
         # a decoder that drafts every round, for requests that ask to be drafted (GenerationRequest.draft)
@@ -121,11 +132,10 @@ class Engine:
         self.prompt_cache = prompt_cache  # shared by every session
         self.session = Session(prompt_cache)  # the first of the sessions for requests without their own
         self._sessions = [self.session]
-        self.max_batch = max_batch  # sequences at once
         self._batch = Batch()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None
-        self._queue = JobQueue(max_queue)
+        self._queue = JobQueue(limits.max_queue)
         self._lock = self._queue.lock
         self._running: dict[int, Job] = {}  # the jobs in the batch, by id
         self.idle_since = time.monotonic()  # when the last running request ended (serving/models.py's keep-alive)
@@ -193,7 +203,7 @@ class Engine:
                                self.max_context, self.supports_logprobs)
         request = replace(request, prompt_ids=tuple(prompt))
         images = self._images(request)
-        job = Job(request, sink, session, self.queue_timeout if timeout is None else timeout, self._queue)
+        job = Job(request, sink, session, self.limits.queue_timeout if timeout is None else timeout, self._queue)
         job.images = images
         self._queue.put(job)
         return job
@@ -313,7 +323,7 @@ class Engine:
         their session is free (a job whose own session is running waits, and does not
         hold up the jobs behind it)."""
         taken, busy = [], {id(job.session) for job in self._running.values()}
-        room, waiting = self.max_batch - len(self._running), False
+        room, waiting = self.limits.max_batch - len(self._running), False
         for job in list(self._queue.jobs):
             if job.task is not None:
                 starts = not waiting  # in queue order: after the requests ahead of it have started
