@@ -238,8 +238,8 @@ def test_ollama_js(warm, tmp_path):
     jsonschema.validate(json.loads(out["format"]["message"]["content"]), SCHEMA)
     assert [m["model"] for m in out["tags"]["models"]] == [NAME] and out["ps"]["models"][0]["expires_at"]
     assert out["show"]["template"] and out["version"]["version"]
-    assert out["wrongType"] == {"name": "ResponseError", "message": "messages[0].content: Input should be a valid "
-                                "string", "status": 400}
+    assert out["wrongType"] == {"name": "ResponseError", "message": "messages[0].content must be a string, got 5",
+                                "status": 400}
     assert out["unknownRoute"]["status"] == 501 and "embeddings are not supported" in out["unknownRoute"]["message"]
 
 

@@ -108,11 +108,15 @@ class Driver:
             return StreamingResponse(self.stream(job, events, fmt, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(fmt.response(await self.collect(request, job, events, fmt)))
+        try:  # the response is read before the job ends: a format may be told (`ended`) and move on
+            return JSONResponse(fmt.response(await self.collect(request, job, events, fmt)))
+        finally:
+            end(job, fmt)
 
     async def collect(self, request: Request, job, events: EventBridge, fmt: ReplyFormat) -> Finished:
         """A started request's deltas into `fmt`, until its Finished (returned); the job
-        is cancelled if `request`'s client disconnects meanwhile."""
+        is cancelled if `request`'s client disconnects meanwhile. The caller ends the job
+        (`end`) once it has read what it needs of `fmt`."""
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
         try:
             while True:
@@ -125,7 +129,6 @@ class Driver:
                     raise engine_error(event.error)
         finally:
             watcher.cancel()
-            end(job, fmt)
 
     async def _wait_started(self, request: Request | None, job, events: EventBridge, by_id: bool = False) -> int:
         """Wait until the request has left the queue (bounded by its deadline) and resumed:

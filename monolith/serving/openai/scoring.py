@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from ...runtime.events import RequestError
 from ...runtime.scoring import Scores, check_scored, score
-from ..driving import Prompt
+from ..driving import Prompt, end
 from ..errors import bad
 from .reply import CompletionFormat, completion_logprobs, reason_of, usage_of
 from .requests import CompletionRequest
@@ -80,8 +80,11 @@ async def _choice(handlers, request, model, req: CompletionRequest, ids: list[in
     text, lps, finished = "", [], None
     if not req.score_only:
         job, events = await handlers.start(engine, req, fmt, Prompt(ids, "prompt"), started, request)
-        finished = await handlers.collect(request, job, events, fmt)
-        text, lps = "".join(fmt.texts), fmt.lps
+        try:
+            finished = await handlers.collect(request, job, events, fmt)
+            text, lps = "".join(fmt.texts), fmt.lps
+        finally:
+            end(job, fmt)
     generated = () if finished is None else finished.token_ids
     stopped = finished is not None and finished.usage.completion_tokens > len(generated)
     if req.echo:
