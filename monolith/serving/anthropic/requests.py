@@ -242,8 +242,7 @@ def _request(given: CountTokensBody, fields: GenerationFields) -> MessagesReques
     messages = _system(given.system) + _messages(given.messages)
     tools = _tools(given.tools)
     choice, single = _tool_choice(given.tool_choice, tools)
-    max_tokens = getattr(given, "max_tokens", None)
-    thinking = parse_thinking(given.thinking, given.output_config, max_tokens, messages[-1]["role"] == "tool")
+    thinking = parse_thinking(given.thinking, given.output_config, fields.max_tokens, messages[-1]["role"] == "tool")
     kwargs = {} if thinking.switch is None else {"enable_thinking": thinking.switch}
     form = response_format(output_format(given.output_config))
     edits = parse_context_management(given.context_management)

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from ...runtime.events import Delta, Finished
 from ..errors import APIError
 from ..reasoning import ReasoningSplitter
+from ..requests import ChatRequest
 from ..tools.calls import ToolCall, ToolCallParser
 
 NS = 1_000_000_000
@@ -38,14 +39,16 @@ def timestamp(at: float | None = None) -> str:
 
 class OllamaFormat:
     """/api/chat's `message` or /api/generate's `response` (a StreamFormat:
-    ../reply_format.py): reasoning as `thinking`, tool calls whole in Ollama's shape
+    ../reply_format.py) of a chat `request`: reasoning as `thinking`, tool calls whole in Ollama's shape
     (arguments an object), the final object `done` with its statistics. `started`: when
     the request arrived (time.monotonic()); `held`: when its model was held, loaded if it
     was not (load_duration is the time in between)."""
 
-    def __init__(self, model: str, chat: bool, tools: list | None, reasoning_open: bool, token_text,
-                 logprobs: bool, started: float, held: float):
-        self.model, self.chat, self.token_text, self.logprobs = model, chat, token_text, logprobs
+    def __init__(self, model: str, chat: bool, request: ChatRequest, reasoning_open: bool, token_text,
+                 started: float, held: float):
+        tools = request.tools
+        self.model, self.chat, self.token_text = model, chat, token_text
+        self.logprobs = request.logprobs is not None
         self.started, self.held = started, held
         self.tools = tools
         self.parser = ToolCallParser(tools) if tools else None

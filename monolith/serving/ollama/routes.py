@@ -100,8 +100,7 @@ class OllamaRoutes:
             raise renamed(e) from None
         param = "messages" if chat else "prompt"
         chat_req = replace(req.chat, max_tokens=self._max_tokens(req, engine, len(prompt.ids), param))
-        fmt = reply.OllamaFormat(name, chat, chat_req.tools, prompt.reasoning_open, model.token_text,
-                                 chat_req.logprobs is not None, started, held)
+        fmt = reply.OllamaFormat(name, chat, chat_req, prompt.reasoning_open, model.token_text, started, held)
         return await self._drive(request, engine, prompt, chat_req, fmt, started, param)
 
     async def _encode(self, engine, req):

@@ -263,10 +263,8 @@ def _message(m: ChatMessage, where: str) -> dict:
     if m.content is None and not (m.role == "assistant" and m.tool_calls):
         raise bad(f"{where}.content is required", f"{where}.content")
     out["content"] = _content(m.content, out["role"], f"{where}.content")
-    for name in ("name", "tool_call_id", "reasoning_content"):
-        if getattr(m, name) is not None:
-            out[name] = getattr(m, name)
-    return out
+    given = {"name": m.name, "tool_call_id": m.tool_call_id, "reasoning_content": m.reasoning_content}
+    return out | {name: value for name, value in given.items() if value is not None}
 
 
 def _content(content, role: str, where: str) -> str | list[dict]:
