@@ -303,9 +303,10 @@ def main():
     z = np.load(args.out / "tokens.npz")
     tP = np.load(args.out / "target_train.npz")
     target_P = {k: mx.array(tP[k]) for k in tP.files}
-    seqs = stage_generate(args.out, z["train"], args.generations, args.seed, args.force)
-    starts = np.random.default_rng(args.seed + 4).integers(0, z["train"].size - seqs.shape[1], args.corpus_windows)
-    windows = np.stack([z["train"][i:i + seqs.shape[1]] for i in starts]).astype(np.int32)
+    train = z["train"]  # read once: each z["train"] loads the whole stream, and a slice keeps it alive
+    seqs = stage_generate(args.out, train, args.generations, args.seed, args.force)
+    starts = np.random.default_rng(args.seed + 4).integers(0, train.size - seqs.shape[1], args.corpus_windows)
+    windows = np.stack([train[i:i + seqs.shape[1]] for i in starts]).astype(np.int32)
     P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force, windows, args.qat_steps, args.hard_weight)
     for fmt in ("deepspec", "deepspec-nvfp4"):
         d = export_draft(P, args.out, fmt)
