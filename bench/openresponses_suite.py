@@ -19,16 +19,18 @@ terminal event (fixed in the suite), and for HTTP Bun's fetch idle timeout, 300 
 a byte; a reply that does not end runs to --max-output-tokens (32768 by default), which
 takes longer than either here.
 
-Each case comes with the suite's own errors and, when it failed, a cause: `model` where
-what the demo model wrote explains every error (the reply ran to max_output_tokens
-without ending; it answered in text where the case wanted a function_call; the suite gave
-up waiting, a WebSocket turn at 30 s or a request at Bun's idle timeout, and the server
-counted a generation the client cancelled by leaving for every such time-out), `server`
-otherwise. Also the server's generations by finish reason. Exit status 1 when a case
+The suite runs --runs times (default 1) against the one server: the demo pair samples, so
+a case can pass in one run and fail in the next. Each case of each run comes with the
+suite's own errors and, when it failed, a cause: `model` where what the demo model wrote
+explains every error (the reply ran to max_output_tokens without ending; it answered in
+text where the case wanted a function_call; the suite gave up waiting, a WebSocket turn
+at 30 s or a request at Bun's idle timeout, and the server counted a generation the
+client cancelled by leaving, in that run, for every such time-out), `server` otherwise.
+Also the server's generations by finish reason, each run. Exit status 1 when a case
 failed for a `server` cause. Writes bench/results/openresponses_suite.json and .md
 (--out-dir for another directory).
 
-    python -m bench.openresponses_suite [CHECKOUT] [--filter ID,ID] [--server-arg=FLAG] [--out-dir DIR]
+    python -m bench.openresponses_suite [CHECKOUT] [--runs 3] [--filter ID,ID] [--server-arg=FLAG] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -57,7 +60,9 @@ INCOMPLETE = 'Expected status "completed" but got "incomplete"'
 NO_CALL = 'Expected output item of type "function_call" but none found'
 TIMEOUTS = ("Timed out waiting for terminal WebSocket response event",  # the suite's 30 s a turn
             "The operation timed out.")  # Bun's fetch: 300 s without a byte
-NO_RESPONSE = "(root): Expected object, received null"  # a turn that timed out, or never ran after one
+# a turn that timed out, or never ran after one (the suite words it both ways)
+NO_RESPONSE = ("(root): Expected object, received null", ": Expected object, received null")
+NEVER_RAN = ("but got status no terminal response", "but got no error code")  # a turn's expected end, unseen
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a checkout of openresponses/openresponses (default: $OPENRESPONSES_CHECKOUT)")
     ap.add_argument("--filter", help="the suite's case ids to run, comma-separated (default: every case)")
     ap.add_argument("--server-arg", action="append", default=[], help="one more flag for monolith.serve")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds the whole suite may take")
+    ap.add_argument("--runs", type=int, default=1, help="runs of the whole suite against the one server")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds one run of the suite may take")
     ap.add_argument("--out", default="openresponses_suite", help="results go to OUT-DIR/OUT.json and OUT.md")
     ap.add_argument("--out-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -116,8 +122,12 @@ def responses(found) -> list[dict]:
     return []
 
 
-def explain(error: str, found: list[dict], timed_out: bool, cancelled_enough: bool) -> str | None:
-    """What in the model's reply explains one of the suite's errors; None when nothing does."""
+def explain(error: str, found: list[dict], events: int | None, after_timeout: bool,
+            cancelled_enough: bool) -> str | None:
+    """What in the model's reply explains one of the suite's errors; None when nothing does.
+    `events`: the streaming events the case received (None: it streamed nothing);
+    `after_timeout`: the case timed out, and as many of its turns have no answer as the
+    time-outs and the errors about turns that never ran account for."""
     if error == INCOMPLETE:
         ran_out = [r for r in found if r.get("status") == "incomplete"
                    and (r.get("incomplete_details") or {}).get("reason") == "max_output_tokens"]
@@ -129,11 +139,14 @@ def explain(error: str, found: list[dict], timed_out: bool, cancelled_enough: bo
                  for part in item["content"]]
         until = " until max_output_tokens" if any(r["status"] == "incomplete" for r in ended) else ""
         return f"it wrote text{until} ({' '.join(texts)[:80]!r}), calling no tool" if texts else None
-    if error in TIMEOUTS:
-        return ("the suite stopped waiting for a reply that had not ended (the server cancelled a generation "
-                "when the client left, for each time-out)" if cancelled_enough else None)
-    if error == NO_RESPONSE and timed_out:
+    if error in TIMEOUTS and cancelled_enough:  # a turn's events start when it leaves the queue (--max-batch)
+        return ("the suite gave up waiting: a reply had not ended, or waited in the queue behind replies that had "
+                "not" + (" (no event had arrived: queued)" if events == 0 else "")
+                + "; the server cancelled a generation for each time-out")
+    if error in NO_RESPONSE and after_timeout:
         return ""  # the timed-out turn itself, or one that never ran after it
+    if error.endswith(NEVER_RAN) and after_timeout:
+        return "the turns after it never ran"  # a time-out ends the suite's WebSocket session
     return None
 
 
@@ -148,57 +161,88 @@ def cause(result: dict, cancelled_enough: bool) -> tuple[str | None, str]:
     if result["status"] != "failed":
         return None, ""
     errors = list(dict.fromkeys(errors_of(result)))
-    found = responses(result.get("response"))
-    timed_out = any(e in TIMEOUTS for e in errors)
-    whys = {e: explain(e, found, timed_out, cancelled_enough) for e in errors}
+    answers = result.get("response")
+    if not isinstance(answers, list):
+        answers = list(answers.values()) if isinstance(answers, dict) and "object" not in answers else [answers]
+    timeouts = sum(e in TIMEOUTS for e in errors_of(result))
+    never_ran = sum(e.endswith(NEVER_RAN) for e in errors)
+    after_timeout = timeouts > 0 and sum(a is None for a in answers) >= timeouts + never_ran
+    whys = {e: explain(e, responses(answers), result.get("streamEvents"), after_timeout, cancelled_enough)
+            for e in errors}
     unexplained = [e for e, why in whys.items() if why is None]
     if unexplained or not errors:
         return "server", "; ".join(unexplained) or "failed without an error"
     return "model", "; ".join(dict.fromkeys(why for why in whys.values() if why))
 
 
-def finish_reasons(url: str) -> dict[str, int]:
-    """The server's finished generations by finish reason (its /metrics)."""
-    page = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+def finish_reasons(url: str, settle_seconds: float = 300) -> dict[str, int]:
+    """The server's finished generations by finish reason (its /metrics), once it has none
+    running or waiting (a generation the suite gave up on ends when the server sees the
+    client gone), or after `settle_seconds`."""
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        page = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+        busy = parse_metrics(page, ("monolith_num_requests_running", "monolith_num_requests_waiting"))
+        if not any(busy.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     found = parse_metrics(page, ("monolith_request_finished_total",))
     return {re.search(r'finish_reason="([^"]*)"', name).group(1): int(value) for name, value in found.items()}
 
 
-def rows(suite: dict, finished: dict[str, int]) -> list[dict]:
+def rows(suite: dict, finished: dict[str, int], run: int) -> list[dict]:
+    """One row a case of one run of the suite; `finished`: the server's generations in that run."""
     timeouts = sum(e in TIMEOUTS for r in suite["results"] for e in errors_of(r))
     cancelled_enough = finished.get("cancelled", 0) >= timeouts
     out = []
     for result in sorted(suite["results"], key=lambda r: r["id"]):
         kind, why = cause(result, cancelled_enough)
-        out.append({"id": result["id"], "name": result["name"], "status": result["status"],
+        out.append({"run": run, "id": result["id"], "name": result["name"], "status": result["status"],
                     "seconds": round((result.get("duration") or 0) / 1000, 1),
                     "stream_events": result.get("streamEvents"), "cause": kind, "why": why,
                     "errors": result.get("errors") or []})
     return out
 
 
-def table(cases: list[dict]) -> str:
-    lines = ["| case | result | seconds | cause |", "|---|---|---|---|"]
-    for c in cases:
-        why = f"{c['cause']}: {c['why']}" if c["cause"] else ""
-        lines.append(f"| `{c['id']}` | {c['status']} | {c['seconds']} | {why.replace('|', '/')} |")
+def run_all(args, url: str) -> tuple[list[dict], list[dict]]:
+    """--runs runs of the suite: (one record a run, one row a case a run)."""
+    runs, cases = [], []
+    before = finish_reasons(url)
+    for number in range(1, args.runs + 1):
+        suite = run_suite(args, url)
+        after = finish_reasons(url)
+        finished = {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v > before.get(k, 0)}
+        before = after
+        runs.append({"run": number, "summary": suite["summary"], "finished": finished})
+        cases += rows(suite, finished, number)
+        print(f"run {number}: {suite['summary']}", flush=True)
+    return runs, cases
+
+
+def table(cases: list[dict], runs: int) -> str:
+    lines = ["| case | passed | failures: run, cause |", "|---|---|---|"]
+    for case in dict.fromkeys(c["id"] for c in cases):
+        own = [c for c in cases if c["id"] == case]
+        failures = "; ".join(f"{c['run']}, {c['cause']}: {c['why']}" for c in own if c["cause"])
+        passed = sum(c["status"] == "passed" for c in own)
+        lines.append(f"| `{case}` | {passed} of {runs} | {failures.replace('|', '/')} |")
     return "\n".join(lines)
 
 
-def notes(found_commit: str | None, bun: str, server_argv: list[str], cases: list[dict],
-          finished: dict[str, int], load: float) -> list[str]:
-    passed = sum(c["status"] == "passed" for c in cases)
+def notes(found_commit: str | None, bun: str, flags: list[str], runs: list[dict], cases: list[dict],
+          load: float) -> list[str]:
     by_cause = {k: sum(c["cause"] == k for c in cases) for k in ("model", "server")}
     pin = "the pinned commit" if found_commit == PINNED else f"not the pinned {PINNED[:12]}: the causes may misread it"
     zod = json.loads((RUNTIME / "zod" / "package.json").read_text())["version"]
+    passed = ", ".join(f"{r['summary']['passed']}" for r in runs)
+    finished = "; ".join(", ".join(f"{k} {v}" for k, v in r["finished"].items()) or "none" for r in runs)
     return [f"the official Open Responses compliance suite (openresponses/openresponses bin/compliance-test.ts at "
             f"{(found_commit or 'an unknown commit')[:12]}, {pin}), run by Bun {bun} (zod {zod}) from a checkout",
-            f"server: `python {' '.join(server_argv)}` on a free port (the bundled demo pair; every setting not "
-            "named is its default)",
-            f"{passed} of {len(cases)} cases passed; of the failures, the demo model's reply explains "
-            f"{by_cause['model']} and does not explain {by_cause['server']}",
-            "the server's generations by finish reason: " + (", ".join(f"{k} {v}" for k, v in sorted(finished.items()))
-                                                             or "none"),
+            f"server: `python {' '.join(flags)}` on a free port (the bundled demo pair; every setting not named is "
+            "its default), sampling as the pair's generation_config says, so a case's result varies from run to run",
+            f"{len(runs)} run(s) of {runs[0]['summary']['total']} cases, passed in each: {passed}; of the failures, "
+            f"the demo model's reply explains {by_cause['model']} and does not explain {by_cause['server']}",
+            f"the server's generations by finish reason, each run: {finished}",
             "the suite's limits: 30 s for a WebSocket turn's terminal event, Bun's 300 s fetch idle timeout for HTTP; "
             f"its cases run at once; load average at the start {load:.2f}",
             machine_note(machine())]
@@ -211,18 +255,15 @@ def main(argv=None) -> int:
     flags = ["-m", "monolith.serve", "--api-key", KEY, "--log-level", "info", *args.server_arg]
     with tempfile.TemporaryDirectory() as work, Server([sys.executable, *flags], Path(work) / "server.log",
                                                        env={"HF_HUB_OFFLINE": "1"}, metrics=False) as server:
-        suite = run_suite(args, server.url)
-        finished = finish_reasons(server.url)
-        cases = rows(suite, finished)
+        runs, cases = run_all(args, server.url)
         if any(c["cause"] == "server" for c in cases):
             print(server.log_text()[-4000:])
     found_commit = commit(Path(args.checkout))
-    report = {"notes": notes(found_commit, bun, flags, cases, finished, load),
+    report = {"notes": notes(found_commit, bun, flags, runs, cases, load),
               "suite": {"repository": "openresponses/openresponses", "commit": found_commit, "pinned": PINNED,
-                        "bun": bun, "summary": suite["summary"]},
-              "server": {"flags": flags[2:], "finished": finished}, "cases": cases,
-              "machine": machine()}
-    text = table(cases)
+                        "bun": bun},
+              "server": {"flags": flags[2:]}, "runs": runs, "cases": cases, "machine": machine()}
+    text = table(cases, args.runs)
     print("\n".join(report["notes"]) + "\n\n" + text)
     write(report, args.out, text, args.out_dir)
     return 1 if any(c["cause"] == "server" for c in cases) else 0

@@ -105,10 +105,23 @@ def test_text_where_a_tool_call_was_wanted_is_the_models_failure():
 
 def test_a_time_out_is_the_models_only_where_the_server_cancelled_as_many_generations():
     for timeout in TIMEOUTS:
-        case = failed(["Turn 1: " + timeout, "Turn 1: " + NO_RESPONSE, "Turn 2: " + NO_RESPONSE], [None, None])
-        assert cause(case, True)[0] == "model"
-        assert cause(case, False)[0] == "server"
-    assert cause(failed([NO_RESPONSE]), True)[0] == "server"  # no terminal response, and no time-out
+        for none in NO_RESPONSE:
+            case = failed(["Turn 1: " + timeout, "Turn 1: " + none, "Turn 2: " + none], [None, None])
+            assert cause(case, True)[0] == "model"
+            assert cause(case, False)[0] == "server"
+            assert cause(failed([none]), True)[0] == "server"  # no terminal response, and no time-out
+
+
+def test_turns_that_never_ran_after_a_time_out_are_the_models_failure_only_when_unanswered():
+    # websocket-failed-continuation-evicts-cache: its seed turn timed out, so the turn that
+    # should fail and the retry never ran (the suite's session ends at a time-out)
+    errors = [TIMEOUTS[0], NO_RESPONSE[0], "Expected second WebSocket continuation turn to fail but got status "
+              "no terminal response", "Expected previous_response_not_found after failed continuation eviction "
+              "but got no error code"]
+    assert cause(failed(errors, [None, None, None]), True)[0] == "model"
+    # the seed answered: the turn that should have failed at once ran until the suite gave up
+    assert cause(failed(errors, [reply("completed"), None, None]), True)[0] == "server"
+    assert cause(failed(errors[2:], [None, None, None]), True)[0] == "server"  # no time-out
 
 
 def test_any_other_failure_is_the_servers():
