@@ -52,6 +52,9 @@ RUNS = {
     "launch_turn": (["--fake-client", "--serve-arg=--no-warmup", "--serve-arg=--max-context=2048", "--work", "OUT/work",
                      "--out-dir", "OUT"], ["launch_turn.json", "launch_turn.md"]),
     "mlx_lm_checkpoint": (["--out", "OUT/ckpt"], ["ckpt/config.json"]),
+    "openresponses_suite": (["--filter", "compact-missing-model,response-output-phase-schema,"
+                             "websocket-previous-response-not-found", "--out-dir", "OUT"],
+                            ["openresponses_suite.json", "openresponses_suite.md"]),
     "pack_build": (["--preset", "tiny", "--repeats", "1", "--work", "OUT/work", "--json", "OUT/r.json"], ["r.json"]),
     "primitives": (["--context", "16", "--out", "OUT/r.json"], ["r.json"]),
     "prompt_cache": (["--runs", "warm", "--variants", "plain", "--turns", "1", "--system-tokens", "16", "--tools", "1",
@@ -76,6 +79,10 @@ RUNS = {
 # scripts with a condition of their own
 NEEDS = {"target_forward": "mlx_lm",  # compares with mlx-lm's decode (the [bench] extra)
          "calibration": "mlx_lm"}  # builds mlx-lm's own models to count their primitives
+
+# scripts that run a suite from a checkout outside this repository, named by an environment
+# variable, with the runtime tests/clients/install.sh installs where that variable is set
+CHECKOUTS = {"openresponses_suite": ("OPENRESPONSES_CHECKOUT", "tests/clients/openresponses/node_modules/.bin/bun")}
 
 # committed results named otherwise than their run (bench/results/NAME.json and .md): the
 # script run with other flags wrote them, and the run here writes the same structure
@@ -194,6 +201,13 @@ def test_bench_script_runs_at_its_smallest_setting(run, tmp_path):
     name = run.split()[0]
     if name in NEEDS and importlib.util.find_spec(NEEDS[name]) is None:
         pytest.skip(f"{name} compares with {NEEDS[name]}, which is not installed (the [bench] extra)")
+    if name in CHECKOUTS:
+        variable, runtime = CHECKOUTS[name]
+        if not os.environ.get(variable):
+            pytest.skip(f"{name} runs a suite from the checkout ${variable} names, and it names none")
+        if not (REPO / runtime).exists():
+            pytest.skip(f"{name}'s runtime is not installed ({runtime}: sh tests/clients/install.sh "
+                        f"with ${variable} set)")
     args, outputs = RUNS[run]
     out = tmp_path / "out"
     out.mkdir()

@@ -7,6 +7,11 @@ set -e
 cd "$(dirname "$0")"
 if command -v npm >/dev/null 2>&1; then
     npm ci --no-audit --no-fund --loglevel=error
+    # the Open Responses compliance suite's runtime (Bun, 400 MB), only where a checkout of the
+    # suite is named (bench/openresponses_suite.py; tests/test_openresponses_suite.py skips elsewhere)
+    if [ -n "$OPENRESPONSES_CHECKOUT" ]; then
+        (cd openresponses && npm ci --no-audit --no-fund --loglevel=error)
+    fi
 else
     echo "npm not found: the Node clients' tests will skip"
 fi
