@@ -154,3 +154,73 @@ def test_a_schema_nested_too_deeply_is_a_400(demo_f32):
     with pytest.raises(APIError) as e:
         structured.grammar(form, demo_f32[2], reasoning_open=False)
     assert e.value.status == 400 and "nested too deeply" in e.value.message
+
+
+def allowed(guide, token: int) -> bool:
+    words = guide.words()
+    return words is None or bool((int(words[token // 32]) & 0xFFFFFFFF) >> (token % 32) & 1)
+
+
+def push_text(guide, tok, text: str) -> bool:
+    """Push `text`'s tokens while the guide allows them; False at the first it refuses."""
+    for token in tok.encode(text):
+        if not allowed(guide, token):
+            return False
+        guide.push(token)
+    return True
+
+
+def template_call(tok, name: str, arguments: dict) -> str:
+    """What the chat template writes between <tool_call> and </tool_call> for a call."""
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "x"},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}]}],
+        TOOLS, add_generation_prompt=False)
+    return text[text.rindex("<tool_call>") + len("<tool_call>"):text.rindex("</tool_call>")]
+
+
+def test_under_tool_choice_auto_the_model_answers_freely_and_a_call_it_opens_is_valid(demo_f32):
+    """tool_choice "auto": nothing is constrained before the model writes the template's
+    <tool_call> token (text, or the end of the turn); after it, only a call to an offered
+    tool with arguments valid for its schema, as the chat template writes one, then more
+    calls or the end."""
+    from monolith.runtime.grammar import GrammarTokenizer
+    from monolith.serving import structured
+
+    model, _, tok = demo_f32
+    structure = structured.calls_once_opened(TOOLS, tok)
+    grammar = structured.grammar(structure, tok, reasoning_open=False)
+    vocabulary = GrammarTokenizer.of(tok, model.args.vocab_size)
+    vocabulary.check(grammar)
+    opener, closer, end = (tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>", "<|im_end|>"))
+
+    free = vocabulary.guide(grammar)
+    assert push_text(free, tok, "The weather in Paris is mild.") and allowed(free, end)
+
+    for name, arguments in (("add", {"a": 2, "b": -3}), ("get_weather", {"city": "Paris", "days": 3})):
+        guide = vocabulary.guide(grammar)
+        push_text(guide, tok, "Let me check.")
+        guide.push(opener)
+        assert guide.words() is not None and not allowed(guide, end)
+        assert push_text(guide, tok, template_call(tok, name, arguments)), (name, arguments)
+        assert allowed(guide, closer)
+        guide.push(closer)
+        assert allowed(guide, end)  # the turn may end after a call
+
+    for name, arguments in (("get_time", {"city": "Paris"}), ("add", {"a": 2, "b": 500}),
+                            ("get_weather", {"city": "Paris"})):  # no such tool; over its maximum; days missing
+        guide = vocabulary.guide(grammar)
+        guide.push(opener)
+        assert not (push_text(guide, tok, template_call(tok, name, arguments)) and allowed(guide, closer))
+
+
+def test_under_tool_choice_auto_a_schema_no_grammar_takes_leaves_calls_unconstrained(servers):
+    """A tool whose schema llguidance cannot compile refuses a forced call (400 naming it),
+    but under "auto" the request is served as before: the calls are left unconstrained."""
+    tool = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "dependentSchemas": {"a": {}}}}}
+    body = {"model": NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "tools": [tool]}
+    server = servers["plain"]
+    assert server.post("/v1/chat/completions", body).status_code == 200
+    assert server.post("/v1/chat/completions", {**body, "tool_choice": "required"}).status_code == 400

@@ -88,10 +88,8 @@ class Handlers(Driver):
                 raise bad(str(e), "messages") from None
             self.fits(engine, text, "messages")
             reasoning = prompt_opens_reasoning(text)
-            constraint = None
-            if req.structure is not None:
-                constraint = structured.grammar(req.structure, engine.tokenizer, reasoning)
-                structured.check(req.structure, constraint, structured.grammar_tokenizer(engine))
+            structure = req.structure or structured.calls_once_opened(req.tools, engine.tokenizer)
+            constraint = structured.constraint(structure, engine, reasoning)
             loaded = images.of(req.messages)
             return EncodedChat(prompt_ids(engine.tokenizer, text, loaded, engine.vision), reasoning, constraint,
                                tuple(loaded))

@@ -171,7 +171,7 @@ class Function(Strict, extra="ignore"):
     name: Annotated[Text, Field(min_length=1)]
     description: Text | None = None
     parameters: Object | None = None
-    strict: Flag | None = None  # accepted, no effect: a forced call follows the schema whatever it says
+    strict: Flag | None = None  # accepted, no effect: every call follows the schema whatever it says
 
 
 class ChatTool(Strict, extra="ignore"):

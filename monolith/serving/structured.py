@@ -28,6 +28,15 @@ response_format bound, 45-48 with this one.) The output may begin with up to 4 b
 When the prompt leaves Qwen's reasoning open, the constraint starts after the
 `</think>` token: the model reasons freely first.
 
+- `tool_choice: "auto"` (or unset) with tools (`calls_once_opened`): nothing is
+  constrained until the model writes the template's `<tool_call>` token; from there the
+  output is a call to one of the tools with valid arguments, as a forced call's, then
+  more calls or the end of the turn. The model decides whether to call and which tool;
+  it cannot name a tool it was not offered or write arguments its schema refuses (a
+  weak model otherwise invents both). llama.cpp's lazy grammars constrain "auto" the same
+  way; vLLM leaves its calls unconstrained. A tool set llguidance cannot compile leaves
+  the calls unconstrained (logged), instead of refusing a request that forces nothing.
+
 In a forced call's arguments an object schema that lists `properties` and does not say
 `additionalProperties` admits no other keys (`closed`), as vLLM's default grammar reads
 it: instructor's and LangChain's schemas leave it unsaid and mean no others.
@@ -37,6 +46,7 @@ it: instructor's and LangChain's schemas leave it unsaid and mean no others.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from ..runtime.grammar import Grammar, GrammarError
@@ -47,8 +57,10 @@ from .tools import xml_arguments
 WHITESPACE = r"(?:\n[ \t]{0,20}| )?"
 CALL_WHITESPACE = r"[ \n]?"
 LEADING = r"/[ \t\r\n]{0,4}/"
+log = logging.getLogger("monolith.serve")
 JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 THINK_END = "</think>"
+OPEN = "<tool_call>"  # the chat templates' opening tag of a call
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,7 @@ class Structure:
     tools: tuple = ()
     single: bool = False
     grammars: tuple = ()  # (tool name, Lark grammar): a tool whose one string, `input`, is in that grammar
+    lazy: bool = False  # tool_choice "auto": free until the model opens a call, which is then constrained
 
 
 def response_format(value) -> Structure | None:
@@ -113,13 +126,46 @@ def grammar(structure: Structure, tokenizer, reasoning_open: bool) -> Grammar:
         rules = "\n".join(rule for _, rule in calls)
         names = " | ".join(name for name, _ in calls)
         repeat = "" if structure.single else ' ("\\n" call)*'
-        body = f"call{repeat}\ncall: {names}\n{rules}"
-    starts_after = tokenizer.token_to_id(THINK_END) if reasoning_open else None
-    text = f"start: {LEADING} {body}"
+        first = " | ".join(f"body_{i}" for i in range(len(calls))) if structure.lazy else "call"
+        body = f"({first}){repeat}\ncall: {names}\n{rules}"
+    if structure.lazy:  # the grammar starts after the call's opening token, which the model chose
+        text, starts_after = f"start: {body}", tokenizer.token_to_id(OPEN)
+    else:
+        text = f"start: {LEADING} {body}"
+        starts_after = tokenizer.token_to_id(THINK_END) if reasoning_open else None
     if grammars:  # llguidance's list of grammars: the calls, then each custom tool's (`@custom_N`)
         subs = [{"name": sub, "lark_grammar": lark} for sub, lark in grammars.values()]
         text = json.dumps({"grammars": [{"lark_grammar": text}, *subs]})
     return Grammar(text, starts_after)
+
+
+def calls_once_opened(tools, tokenizer) -> Structure | None:
+    """tool_choice "auto" (or unset) with tools: the model answers or calls as it likes, and
+    a call it opens (its template's `<tool_call>` token) is a call to one of `tools` with
+    valid arguments, as a forced call is; more calls may follow it, then the turn ends.
+    llama.cpp constrains "auto" calls the same way (its lazy grammars); vLLM parses them
+    unconstrained. None where the vocabulary has no single opening token."""
+    if not tools or tokenizer.token_to_id(OPEN) is None:
+        return None
+    return Structure("tools", "tools", tools=tuple(tools), lazy=True)
+
+
+def constraint(structure: Structure | None, engine, reasoning_open: bool) -> Grammar | None:
+    """The checked Grammar of `structure` for the engine's model (None: no structure). A
+    forced structure llguidance refuses is a 400 naming the field; the calls of tool_choice
+    "auto" it cannot build are left unconstrained, as before the model opens one (a tool's
+    schema that no forced call could take does not refuse a request that forces nothing)."""
+    if structure is None:
+        return None
+    try:
+        built = grammar(structure, engine.tokenizer, reasoning_open)
+        check(structure, built, grammar_tokenizer(engine))
+    except APIError as e:
+        if not structure.lazy or e.status >= 500:
+            raise
+        log.info("tool calls left unconstrained: %s", e.message)
+        return None
+    return built
 
 
 def grammar_tokenizer(engine):
@@ -169,7 +215,8 @@ def _json_call(fn: dict, index: int, tokenizer) -> tuple[str, str]:
                                                "arguments": fn.get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False}
     body = _json(schema, CALL_WHITESPACE, "tools")
-    rule = f"call_{index}: {_tag(tokenizer, '<tool_call>')} \"\\n\" {body} \"\\n\" {_tag(tokenizer, '</tool_call>')}"
+    rule = (f"call_{index}: {_tag(tokenizer, OPEN)} body_{index}\n"
+            f"body_{index}: \"\\n\" {body} \"\\n\" {_tag(tokenizer, '</tool_call>')}")
     return f"call_{index}", rule
 
 
@@ -197,8 +244,8 @@ def _xml_call(fn: dict, index: int, tokenizer, grammars: dict) -> tuple[str, str
         rules.append(f"{name}: {json.dumps(f'<parameter={key}>')} \"\\n\" {value}")
         parts.append(name if key in required else f"{name}?")
     head = json.dumps(f"\n<function={fn['name']}>\n")
-    rule = (f"call_{index}: {_tag(tokenizer, '<tool_call>')} {head} {' '.join(parts)} "
-            f"\"</function>\\n\" {_tag(tokenizer, '</tool_call>')}")
+    rule = (f"call_{index}: {_tag(tokenizer, OPEN)} body_{index}\n"
+            f"body_{index}: {head} {' '.join(parts)} \"</function>\\n\" {_tag(tokenizer, '</tool_call>')}")
     # a lexeme is matched longest-first, so a raw text's closing tag is in its lexeme: text
     # then a separate tag would swallow it
     return f"call_{index}", "\n".join([rule, *rules])

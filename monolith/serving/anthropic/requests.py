@@ -154,7 +154,7 @@ class Tool(Strict):
     type: Literal["custom"] | None = None
     cache_control: Annotated[Object | None, inert(CACHE)] = None
     eager_input_streaming: Flag | None = None
-    strict: Annotated[Flag | None, inert("the grammar enforces the schema only when a call is forced")] = None
+    strict: Annotated[Flag | None, inert("the grammar enforces the schema in every call, forced or opened by the model under auto")] = None
     defer_loading: Annotated[Flag | None, inert("every tool is in the prompt from the start")] = None
     input_examples: Annotated[Any, inert("not rendered into the prompt")] = None
     allowed_callers: Annotated[Any, inert("only the model calls tools here")] = None

@@ -18,10 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import structured
 from ..driving import Prompt
 from ..errors import APIError, ContextOverflow, bad
 from ..fields import parse
-from ..structured import check, grammar, grammar_tokenizer
 from . import reply
 from .requests import NamedBody, parse_chat, parse_generate, renamed
 
@@ -112,11 +112,7 @@ class OllamaRoutes:
 
         def encode():
             ids = engine.tokenizer.encode(req.raw_prompt)
-            constraint = None
-            if req.chat.structure is not None:
-                constraint = grammar(req.chat.structure, engine.tokenizer, False)
-                check(req.chat.structure, constraint, grammar_tokenizer(engine))
-            return ids, constraint
+            return ids, structured.constraint(req.chat.structure, engine, False)
 
         ids, constraint = await anyio.to_thread.run_sync(encode)
         return _Raw(ids, False, constraint, ())

@@ -8,7 +8,7 @@ path already enforces. `include: ["reasoning.encrypted_content"]` seals each rea
 item's text into its `encrypted_content` (seal.py). A field sent as `null`
 counts as not given. `parallel_tool_calls:
 false` makes a forced call (`tool_choice` required) a single one; under `auto` the
-model's calls are returned as it wrote them. Fields that would change the result and
+model calls or not as it likes, and a call it opens is a valid one (structured.py). Fields that would change the result and
 are not implemented are refused naming them. The reply: reply.py; the store:
 store.py."""
 

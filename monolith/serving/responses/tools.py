@@ -50,7 +50,7 @@ class FunctionTool(Strict):
     name: NAME
     description: Text | None = None
     parameters: Object | None = None
-    strict: Flag | None = None  # echoed; a forced call follows the schema whatever it says
+    strict: Flag | None = None  # echoed; every call follows the schema whatever it says
 
 
 class TextFormat(Strict):
