@@ -25,7 +25,7 @@ from monolith.serving import structured
 from monolith.serving.tools.calls import parse_tool_calls
 from monolith.serving.tools.specs import forced_calls
 
-MAX_CONTEXT = 256
+MAX_CONTEXT = 512
 
 
 @pytest.fixture(scope="module")
@@ -315,3 +315,52 @@ def test_masks_work_on_any_thread():
     thread.start()
     thread.join()
     assert (np.isfinite(out["row"]) == (np.arange(64) % 3 == 0)).all()
+
+
+def counting(calls: dict, name: str, method):
+    def counted(self, *args, **kw):
+        calls[name] += 1
+        return method(self, *args, **kw)
+    return counted
+
+
+CALL_TOOLS = [{"type": "function", "function": {"name": name, "description": text, "parameters": {
+    "type": "object", "properties": {key: {"type": "string"}}, "required": [key]}}}
+    for name, text, key in (("open_file", "Show the contents of a file.", "file"),
+                            ("get_weather", "Get the current weather for a location.", "location"))]
+
+
+@pytest.mark.parametrize("case", ["reasoning, then a JSON object", "a call under tool_choice auto"])
+def test_a_guide_waiting_for_its_start_token_engages_there(demo, monkeypatch, case):
+    """A guide that starts after a token (`</think>` before a response format, a call's
+    `<tool_call>` under tool_choice "auto") leaves the rounds unguided until the model
+    emits that token (plain steps pipelined, proposals drawn by `propose`), cuts the round
+    there and constrains the rest: greedy plain and speculative output equal the reference
+    loop, which consults the guide at every token."""
+    model, drafter, tok, gt = demo
+    if case.startswith("reasoning"):
+        prompt = tok.encode_chat([{"role": "user", "content": "What does json.dumps do?"}])
+        grammar = structured.grammar(structured.response_format({"type": "json_object"}), tok, reasoning_open=True)
+    else:
+        prompt = tok.encode_chat([{"role": "user", "content": "Open lib/logging.py and tell me what it defines."}],
+                                 CALL_TOOLS)
+        grammar = structured.grammar(structured.calls_once_opened(CALL_TOOLS, tok), tok, reasoning_open=False)
+    want = reference_greedy(model, tok, gt, grammar, prompt, 48)
+    assert grammar.starts_after in want  # the demo model writes the start token here
+    assert gt.guide(grammar).waiting and gt.guide(grammar).budget is None
+    plain = run(Decoder(model, None, MAX_CONTEXT), prompt, 48, SamplingParams(), tok, gt.guide(grammar))
+    assert plain.token_ids == want
+    calls = {"propose": 0, "propose_guided": 0}
+    kind = type(drafter.fork())  # each sequence drafts on a fork of the drafter
+    for name in calls:
+        monkeypatch.setattr(kind, name, counting(calls, name, getattr(kind, name)))
+    spec = run(Decoder(model, drafter, MAX_CONTEXT), prompt, 48, SamplingParams(), tok, gt.guide(grammar))
+    assert spec.token_ids == want
+    assert calls["propose_guided"] >= 1
+    assert calls["propose"] >= (want.index(grammar.starts_after) > 0)  # unguided proposals before the start token
+    text = tok.decode(want[want.index(grammar.starts_after) + 1:])
+    if case.startswith("reasoning"):
+        assert text.lstrip().startswith("{")  # (the object runs past 48 tokens)
+    else:
+        (call,) = parse_tool_calls(tok.decode(want), CALL_TOOLS)[1]  # an offered tool (unconstrained: get_time)
+        assert call.whole and call.name in {"open_file", "get_weather"} and json.loads(call.arguments)

@@ -145,8 +145,8 @@ class Decoder:
             _, cached = session.resume(self.model, prompt, self.max_context, drafter=drafter)
             if cached:
                 drafter.restore(session.draft_snapshot, cached)
-        # a fallback for a drafting sequence; under a grammar every round drafts
-        if self.cost_curve is not None and generation.guide is None and drafter is not None:
+        # a fallback for a drafting sequence; under an engaged grammar every round drafts
+        if self.cost_curve is not None and rounds.guide is None and drafter is not None:
             kept = session.fallback if cached else None
             rounds.fallback = kept if kept is not None else Fallback(self.cost_curve, self.step_costs, self.gamma)
         return rounds

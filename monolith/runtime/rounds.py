@@ -31,8 +31,13 @@ from the target's rows masked by the grammar; the drafter proposes along the gra
 (`propose_guided`: each proposal legal given the ones before it, a position the grammar
 forces taken without a draw); the verify rows are masked by the grammar along the same
 path, and acceptance compares the masked distributions, so the output follows plain
-constrained sampling exactly. Rejected proposals are rolled back in the guide. Rounds
-never fall back to plain steps then, and drafting reads each drawn proposal (one host
+constrained sampling exactly. Rejected proposals are rolled back in the guide. A guide
+that waits for the token that starts it (`Guide.starts_after`: a call's `<tool_call>`
+under tool_choice "auto", `</think>` before a response format), without a budget, is
+`waiting`: until that token the rounds run unguided (pipelined plain steps, drafting in
+the chained batch, the fallback), a round that emits it is cut there as a stop token cuts
+the output (the rows after it rewound), and the guide engages with it as the anchor.
+Once engaged, rounds never fall back to plain steps, and drafting reads each drawn proposal (one host
 sync per drawn token). Without a drafter, the tokens the grammar forces after the
 anchor are the proposals (one-hot q: always accepted), so a forced run costs one
 forward (jump-forward); the next token is drawn from the masked row after it.
@@ -158,6 +163,9 @@ class Rounds:
         self.logprobs = generation.logprobs
         self.first_logprob: TokenLogprob | None = None  # the prefill's token's
         self.guide = guide
+        self.waiting = None  # a guide that engages at its start token (the module doc)
+        if guide is not None and guide.waiting and guide.budget is None:
+            self.guide, self.waiting = None, guide
         if drafter is not None:
             drafter.start(max_context)
 
@@ -184,7 +192,18 @@ class Rounds:
         self.anchor = int(token.item())
         if self.guide is not None:
             self.guide.push(self.anchor)
+        elif self.starts_guide(self.anchor):
+            self.engage()
         return self.anchor
+
+    def starts_guide(self, token: int) -> bool:
+        """`token` is the waiting guide's start token."""
+        return self.waiting is not None and token == self.waiting.starts_after
+
+    def engage(self) -> None:
+        """The anchor started the waiting guide: from here every round is guided."""
+        self.waiting.push(self.anchor)
+        self.guide, self.waiting = self.waiting, None
 
     def round(self, max_new: int) -> RoundResult:
         """One round emitting at most `max_new` tokens (and never past max_context), alone."""
@@ -253,21 +272,29 @@ class Rounds:
             mx.async_eval(token, features, *logprob)
             return Queued(token, features, snapshot, logprob)
 
+        cut = self.waiting is not None  # the step after the guide's start token is rewound
         pending = self.queued or (yield from step(mx.array([self.anchor], dtype=mx.int32)))
         self.queued, tokens, logprobs = None, [], []
         for i in range(n):
-            current = pending
+            current, pending = pending, None
             if i + 1 < n:
-                pending = yield from step(current.token)
+                pending = yield from step(current.token, cache.snapshot() if cut else None)
             elif queue_next and cache.offset + 1 < self.max_context:
-                self.queued = yield from step(current.token, cache.snapshot())
+                pending = self.queued = yield from step(current.token, cache.snapshot())
             tokens.append(int(current.token.item()))
             logprobs.append(read_logprob((current.token, *current.logprob)))
             if self.drafter is not None:
                 self.unobserved.append(current.features)
+            if self.starts_guide(tokens[-1]):
+                if pending is not None:
+                    cache.restore(pending.snapshot)
+                self.queued = None
+                break
         self.anchor = tokens[-1]
+        if self.starts_guide(self.anchor):
+            self.engage()
         if self.stats is not None:
-            self.stats.plain_rounds += n
+            self.stats.plain_rounds += len(tokens)
         return RoundResult(tokens, 0, 0, logprobs if self.logprobs is not None else None)
 
     # The round's stages, separately (the benchmarks time and count each one).
@@ -292,7 +319,7 @@ class Rounds:
         peers = ALONE
         if gamma and (self.fallback is not None or self.scheduler.uses_peers):
             peers = yield Peers()
-        if gamma and self.fallback is not None and not self.speculate(peers):
+        if gamma and self.fallback is not None and self.guide is None and not self.speculate(peers):
             return Block(None, None, mx.zeros((0,), mx.int32), accept_key, plain=True)
         self.sync_drafter()  # drops a queued plain step
         guide = self.guide
@@ -372,6 +399,12 @@ class Rounds:
         host): cache, drafter context, anchor, scheduler."""
         l = block.size
         accepted, bonus = int(read[l]), int(read[l + 1])
+        tokens = [int(t) for t in read[:accepted]] + [bonus]
+        logprobs = read_verify_logprobs(block.logprob_arrays, tokens) if block.logprob_arrays else None
+        start = next((i for i, t in enumerate(tokens) if self.starts_guide(t)), None)
+        if start is not None:  # cut at the guide's start token: it is the next anchor
+            accepted, bonus, tokens = start, tokens[start], tokens[:start + 1]
+            logprobs = logprobs[:start + 1] if logprobs is not None else None
         if self.guide is not None:
             self.guide.rollback(l - accepted)
             self.guide.push(bonus)
@@ -384,8 +417,8 @@ class Rounds:
             self.scheduler.update(l, accepted, block.confidence)
             if self.fallback is not None:
                 self.fallback.update(accepted + 1)
-        tokens = [int(t) for t in read[:accepted]] + [bonus]
-        logprobs = read_verify_logprobs(block.logprob_arrays, tokens) if block.logprob_arrays else None
+        if start is not None:
+            self.engage()
         return RoundResult(tokens, l, accepted, logprobs)
 
     def sync_drafter(self) -> None:
