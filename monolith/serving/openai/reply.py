@@ -235,9 +235,19 @@ def completion_logprobs(token_text: TokenText, lps, offset: int = 0) -> dict:
         token = token_text.text(lp if bare else lp.token_id)
         out["tokens"].append(token)
         out["token_logprobs"].append(None if bare else _finite(lp.logprob))
-        out["top_logprobs"].append(None if bare else {token_text.text(t): _finite(v) for t, v in lp.top})
+        out["top_logprobs"].append(None if bare else _top_by_text(token_text, lp.top))
         out["text_offset"].append(offset)
         offset += len(token)
+    return out
+
+
+def _top_by_text(token_text: TokenText, top) -> dict:
+    """The legacy top_logprobs object: text -> logprob, likeliest first. Tokens that read as
+    the same text (the bytes of one character each read as U+FFFD) share one entry, the
+    likeliest's, as a string's probability is at least its likeliest token's."""
+    out: dict = {}
+    for t, v in top:
+        out.setdefault(token_text.text(t), _finite(v))
     return out
 
 
