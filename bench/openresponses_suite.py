@@ -138,7 +138,11 @@ def explain(error: str, found: list[dict], events: int | None, after_timeout: bo
         texts = [part.get("text", "") for r in ended for item in r["output"] if item["type"] == "message"
                  for part in item["content"]]
         until = " until max_output_tokens" if any(r["status"] == "incomplete" for r in ended) else ""
-        return f"it wrote text{until} ({' '.join(texts)[:80]!r}), calling no tool" if texts else None
+        if texts:
+            return f"it wrote text{until} ({' '.join(texts)[:80]!r}), calling no tool"
+        thoughts = [part.get("text", "") for r in ended for item in r["output"] if item["type"] == "reasoning"
+                    for part in item.get("content") or []]
+        return f"it wrote only reasoning{until} ({' '.join(thoughts)[:80]!r}), calling no tool" if thoughts else None
     if error in TIMEOUTS and cancelled_enough:  # a turn's events start when it leaves the queue (--max-batch)
         return ("the suite gave up waiting: a reply had not ended, or waited in the queue behind replies that had "
                 "not" + (" (no event had arrived: queued)" if events == 0 else "")

@@ -95,12 +95,16 @@ def test_a_reply_that_ran_to_its_limit_is_the_models_failure():
     assert cause(failed([INCOMPLETE], reply("incomplete", "content_filter")), True)[0] == "server"
 
 
-def test_text_where_a_tool_call_was_wanted_is_the_models_failure():
+def test_text_or_reasoning_where_a_tool_call_was_wanted_is_the_models_failure():
     text = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "sunny"}]}
     kind, why = cause(failed([NO_CALL], reply("completed", output=[text])), True)
     assert kind == "model" and "sunny" in why
     assert cause(failed([NO_CALL], reply("incomplete", "max_output_tokens", output=[text])), True)[0] == "model"
     assert cause(failed([NO_CALL], reply("failed")), True)[0] == "server"
+    thought = {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "I call get_weather"}]}
+    kind, why = cause(failed([NO_CALL], reply("completed", output=[thought])), True)
+    assert kind == "model" and "only reasoning" in why and "get_weather" in why
+    assert cause(failed([NO_CALL], reply("completed")), True)[0] == "server"  # nothing at all
 
 
 def test_a_time_out_is_the_models_only_where_the_server_cancelled_as_many_generations():
