@@ -200,7 +200,8 @@ class ForcingProxy:
     `tool_choice` to the first tool named in `pins`. With
     `stop`, it sets those stop sequences on every other Messages request, so that the weak
     model's reply ends as a stop, not at max_tokens (which Claude Code reports as an
-    error). With `greedy`, every model request is sent with temperature 0, for a client
+    error), and switches thinking off there (the demo model opens its reply with an empty
+    reasoning block, whose blank line would meet a "\n\n" stop before any text). With `greedy`, every model request is sent with temperature 0, for a client
     that samples by default (its reply is then the same on every run). It records every
     exchange: path, the body as forwarded, status, reply bytes."""
 
@@ -251,6 +252,7 @@ class ForcingProxy:
             record["forced"] = force_tool(api, body, self.pins)
         elif api == "messages" and self.stop:
             body["stop_sequences"] = self.stop
+            body["thinking"] = {"type": "disabled"}
         if api and self.greedy:
             body["temperature"] = 0
         raw = json.dumps(body).encode() if api else raw

@@ -171,10 +171,11 @@ def test_thinking_blocks_from_the_reasoning(demo_f32):
 
 
 @pytest.fixture(scope="module")
-def thinking_servers(demo_f32):
-    """The demo pair with a template whose generation prompt opens the think block (as
-    Qwen3.6's does with thinking on): the reasoning budget can be enforced."""
-    model, drafter, tok = demo_f32
+def thinking_servers(synth_pair_f32):
+    """A pair with a template whose generation prompt opens the think block (as Qwen3.6's
+    does with thinking on): the reasoning budget can be enforced. The synthetic pair: its
+    random target reasons on and on (the demo model closes an empty block at once)."""
+    model, drafter, tok = synth_pair_f32
     tok = load_tokenizer(tok.path)  # a copy: the shared one is never changed
     tok.chat_template += OPENS_THINKING
     plain = Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,))

@@ -38,9 +38,11 @@ def server(demo_f32):
 
 
 @pytest.fixture(scope="module")
-def thinking_server(demo_f32):
-    """The demo target with a template that opens the think block when thinking is on."""
-    model, _, tok = demo_f32
+def thinking_server(synth_pair_f32):
+    """A target with a template that opens the think block when thinking is on: the
+    synthetic one, whose random weights reason on and on (the demo model closes an empty
+    block at once)."""
+    model, _, tok = synth_pair_f32
     tok = load_tokenizer(tok.path)
     tok.chat_template += OPENS_THINKING
     with Server(lambda: Engine(model, tok, Limits(max_context=MAX_CONTEXT)), model_names=(NAME,)) as s:

@@ -129,8 +129,9 @@ def test_a_stop_token_inside_an_accepted_block_ends_only_its_sequence(demo):
     dec = decoder("speculative", model, drafter)
     ps = prompts(tok)[:3]
     free = [alone(model, tok, dec, p, 30)[0] for p in ps]
-    stop = free[0][12]  # the 13th token of the first request's own output
-    assert stop not in free[0][:12]
+    # a token of the first request's own output, past its first rounds, that it writes there first
+    at = next(i for i in range(8, len(free[0])) if free[0][i] not in free[0][:i])
+    stop = free[0][at]
     engine = Engine(model, tok, Limits(max_context=MAX_CONTEXT, max_batch=3), decoder=dec)
     engine.stop_ids = frozenset({stop})
     try:
@@ -139,7 +140,7 @@ def test_a_stop_token_inside_an_accepted_block_ends_only_its_sequence(demo):
         engine.close()
     cut = [list(f[:f.index(stop)]) if stop in f else list(f) for f in free]
     assert [list(f.token_ids) for f in got] == cut
-    assert got[0].finish_reason == "stop" and len(got[0].token_ids) == 12
+    assert got[0].finish_reason == "stop" and len(got[0].token_ids) == at
     spec = got[0].speculative
     assert spec is not None and sum(spec.accepted_per_round) > 0  # it stopped inside rounds that accepted proposals
 

@@ -114,11 +114,12 @@ def test_a_turn_streams_what_sse_streams(server):
 def test_sequential_turns_continue_a_store_false_response(server):
     """previous_response_id on the same socket, store false, equals the whole conversation
     sent over HTTP; the next response.create waits for the one in flight."""
+    common = {**COMMON, "max_output_tokens": 64}  # room for the demo model's replies to end
     with socket(server) as ws:
-        first = turn(ws, input="Hello, who are you?", store=False, **COMMON)
+        first = turn(ws, input="Hello, who are you?", store=False, **common)
         first_id = first[-1]["response"]["id"]
-        send(ws, input="And what can you do?", store=False, previous_response_id=first_id, **COMMON)
-        send(ws, input="Hello, who are you?", store=False, **COMMON)  # sent while the second runs
+        send(ws, input="And what can you do?", store=False, previous_response_id=first_id, **common)
+        send(ws, input="Hello, who are you?", store=False, **common)  # sent while the second runs
         second, third = receive(ws), receive(ws)
     for events in (first, second, third):
         assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
@@ -128,11 +129,11 @@ def test_sequential_turns_continue_a_store_false_response(server):
     assert text(third) == text(first)
     whole = server.client(api_key=KEY).responses.create(
         input=[{"role": "user", "content": "Hello, who are you?"}, *first[-1]["response"]["output"],
-               {"role": "user", "content": "And what can you do?"}], store=False, **COMMON)
+               {"role": "user", "content": "And what can you do?"}], store=False, **common)
     assert text(second) == whole.output_text
     assert second[-1]["response"]["usage"]["input_tokens"] == whole.usage.input_tokens
     with socket(server) as fresh:  # store: false lives on its own socket only
-        gone = error(turn(fresh, input="more", previous_response_id=first_id, **COMMON))
+        gone = error(turn(fresh, input="more", previous_response_id=first_id, **common))
     assert gone["status"] == 400 and gone["error"]["code"] == "previous_response_not_found"
     assert gone["error"]["param"] == "previous_response_id" and first_id in gone["error"]["message"]
 

@@ -1,5 +1,5 @@
 #!/bin/sh
-# The demo pair in one command (fixed seeds and step counts; about 155 min on 2 quiet CPU cores: see README.md):
+# The demo pair in one command (fixed seeds and step counts; about 170 min on 2 quiet CPU cores: see README.md):
 #   sh packs/demo/recipe.sh OUT        then   python packs/demo/bundle.py OUT
 # tokenizer (the bundled one, kept) + the corpus and chat transcripts + target (train.py),
 # the target's generations + DSpark draft (draft.py), the target's MTP head (mtp.py), then
