@@ -123,21 +123,22 @@ def main() -> None:
     rows = []
     for (name, batched, mode), values in rates.items():
         rate = statistics.median(values)
+        none = statistics.median(rates[(name, batched, "none")])
         rows.append({"decoder": name, "sequences": len(prompts) if batched else 1, "mode": mode,
-                     "tok_s": round(rate, 1), "vs_none": round(rate / statistics.median(rates[(name, batched, "none")]), 3),
-                     "runs": [round(v, 1) for v in values]})
+                     "tok_s": round(rate, 1), "vs_none": round(rate / none, 3), "runs": [round(v, 1) for v in values]})
     unguided = sum(before) / (len(prompts) * args.max_tokens)
     m = machine()
-    notes = [f"the bundled demo pair, F32, greedy, {len(prompts)} prompts (stdlib questions, two tools offered), "
-             f"{args.max_tokens} tokens each without stop tokens; median of {args.repeats} interleaved runs",
+    notes = [(f"the bundled demo pair, F32, greedy, {len(prompts)} prompts (stdlib questions, two tools offered), "
+              f"{args.max_tokens} tokens each without stop tokens; median of {args.repeats} interleaved runs"),
              f"{unguided:.0%} of the tokens came before the model wrote <tool_call> (the waiting guide's unguided part)",
-             "none: no grammar; waiting: the calls' grammar of tool_choice auto, engaged at <tool_call>; "
-             "guided: the same grammar on the guided path from the first token (the path before the lazy engagement)",
+             ("none: no grammar; waiting: the calls' grammar of tool_choice auto, engaged at <tool_call>; "
+              "guided: the same grammar on the guided path from the first token (the path before the lazy engagement)"),
              machine_note(m)]
     table = "| decoder | sequences | mode | decode tok/s | vs none |\n|---|---|---|---|---|\n" + "".join(
         f"| {r['decoder']} | {r['sequences']} | {r['mode']} | {r['tok_s']} | {r['vs_none']} |\n" for r in rows)
     print(table, file=sys.stderr)
-    write({"notes": notes, "settings": vars(args) | {"out_dir": str(args.out_dir)}, "machine": m, "unguided_share": round(unguided, 3), "rows": rows},
+    write({"notes": notes, "settings": vars(args) | {"out_dir": str(args.out_dir)}, "machine": m,
+           "unguided_share": round(unguided, 3), "rows": rows},
           "waiting_guide", table, args.out_dir)
 
 

@@ -37,10 +37,10 @@ under tool_choice "auto", `</think>` before a response format), without a budget
 `waiting`: until that token the rounds run unguided (pipelined plain steps, drafting in
 the chained batch, the fallback), a round that emits it is cut there as a stop token cuts
 the output (the rows after it rewound), and the guide engages with it as the anchor.
-Once engaged, rounds never fall back to plain steps, and drafting reads each drawn proposal (one host
-sync per drawn token). Without a drafter, the tokens the grammar forces after the
-anchor are the proposals (one-hot q: always accepted), so a forced run costs one
-forward (jump-forward); the next token is drawn from the masked row after it.
+Once engaged, rounds never fall back to plain steps, and drafting reads each drawn
+proposal (one host sync per drawn token). Without a drafter, the tokens the grammar
+forces after the anchor are the proposals (one-hot q: always accepted), so a forced run
+costs one forward (jump-forward); the next token is drawn from the masked row after it.
 
 Host syncs: one per round, the read of [x_1..x_l, a, bonus]. The draft and the commit
 are queued with mx.async_eval as soon as their graphs exist, so the GPU works while the
