@@ -37,7 +37,7 @@ body = {{"model": os.environ["ANTHROPIC_MODEL"], "max_tokens": 2,
 request = urllib.request.Request(os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages", json.dumps(body).encode(),
                                  {{"content-type": "application/json",
                                    "authorization": "Bearer " + os.environ["ANTHROPIC_AUTH_TOKEN"]}})
-print(json.load(urllib.request.urlopen(request, timeout=600))["content"][0]["text"])
+print("".join(block.get("text", "") for block in json.load(urllib.request.urlopen(request, timeout=600))["content"]))
 '''
 
 

@@ -74,6 +74,8 @@ RUNS = {
                         "--json", "OUT/r.json"], ["r.json"]),
     "vision": (["--image", "64x64", "--real-image", "64x64", "--repeats", "1", "--out-dir", "OUT"],
                ["vision.json", "vision.md"]),
+    "waiting_guide": (["--prompts", "1", "--max-tokens", "4", "--repeats", "1", "--out-dir", "OUT"],
+                      ["waiting_guide.json", "waiting_guide.md"]),
 }
 
 # scripts with a condition of their own
@@ -90,7 +92,6 @@ RESULT_RUNS = {
     "call_graph_before": "call_graph",  # --name call_graph_before, at the commit its notes name (issue 49's before)
     "concurrency_plain_5_lists": "concurrency",  # --modes plain --clients 1,4 --repeat 5, the files renamed
     "concurrency_soak": "concurrency --soak",  # the name --soak writes
-    "demo_baseline": "demo",  # --label ... --json bench/results/demo_baseline.json: the pair before issue 53
     "distributed_mlx_launch": "distributed",  # the name --launcher mlx writes
     "fuzz_no_prompt_cache": "fuzz",  # --server-arg=--prompt-cache-size=0 --out fuzz_no_prompt_cache
     "fuzz_waves_prompt_cache_256M": "fuzz",  # --server-arg=--prompt-cache-size=256M --out ...
