@@ -65,31 +65,30 @@ class GrammarTokenizer:
                    sorted(tokenizer.eos_token_ids if eos_ids is None else eos_ids))
 
     def check(self, grammar: Grammar) -> None:
-        """Raise GrammarError with llguidance's message when the grammar cannot be used."""
-        if self._kept(grammar.text) is not None:
-            return
-        failed, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar.text, self.tokenizer)
-        if failed:
-            raise GrammarError(messages[0] if messages else "the grammar is invalid")
+        """Raise GrammarError with llguidance's message when the grammar cannot be used (it is
+        compiled here, and kept for the `guide` that follows)."""
+        self._start(grammar.text)
 
     def guide(self, grammar: Grammar) -> Guide:
-        start = self._kept(grammar.text)
-        if start is None:
-            start = self._llg.LLMatcher(self.tokenizer, grammar.text, log_level=0)
-            if start.is_error():
-                raise GrammarError(start.get_error())
-            with self._lock:
-                self._compiled[grammar.text] = start
-                while len(self._compiled) > self.COMPILED:
-                    self._compiled.popitem(last=False)
-        return Guide(start.deep_copy(), self.width, self.tokenizer.eos_tokens, grammar.starts_after, grammar.budget)
+        start = self._start(grammar.text).deep_copy()
+        return Guide(start, self.width, self.tokenizer.eos_tokens, grammar.starts_after, grammar.budget)
 
-    def _kept(self, text: str):
+    def _start(self, text: str):
+        """A matcher at the start of `text`, compiled once while it is among the COMPILED
+        most recently used."""
         with self._lock:
             start = self._compiled.get(text)
             if start is not None:
                 self._compiled.move_to_end(text)
-            return start
+                return start
+        start = self._llg.LLMatcher(self.tokenizer, text, log_level=0)
+        if start.is_error():
+            raise GrammarError(start.get_error())
+        with self._lock:
+            self._compiled[text] = start
+            while len(self._compiled) > self.COMPILED:
+                self._compiled.popitem(last=False)
+        return start
 
 
 class Guide:
