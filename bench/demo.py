@@ -48,6 +48,7 @@ from bench.common import RESULTS, machine
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "packs" / "demo"
 GOALS = {"tool": 0.9, "ended": 0.95}
+AGENT_PROMPT_CHARS = 100  # a system message longer than this is a coding agent's (assistant_data.py)
 
 
 def log(message: str) -> None:
@@ -56,8 +57,8 @@ def log(message: str) -> None:
 
 def load_data():
     """packs/demo/assistant_data.py, with the recipe's modules it imports by their plain
-    names (corpus, tools_data), as the recipe runs them."""
-    for name in ("corpus", "tools_data", "assistant_data"):
+    names (corpus, tools_data, agent_prompts), as the recipe runs them."""
+    for name in ("corpus", "tools_data", "agent_prompts", "assistant_data"):
         if name not in sys.modules:
             spec = importlib.util.spec_from_file_location(name, DEMO / f"{name}.py")
             module = importlib.util.module_from_spec(spec)
@@ -89,7 +90,7 @@ def cases(data, seed: int, count: int) -> list[dict]:
     out = []
     for t in data.build(seed, held=True, count=count):
         kind, messages = t["kind"], t["messages"]
-        first = 1 if messages[0]["role"] == "system" else 0  # the first user message's index
+        first = t["start"]  # the final exchange's user message (after a system message, earlier exchanges)
         if kind == "source":
             continue
         if kind in ("tool_call", "tool_answer"):  # the call
@@ -141,6 +142,7 @@ def reply(model, tokenizer, data, case: dict, max_tokens: int, vocabulary=None) 
 def judge(row: dict, case: dict) -> dict:
     """The row with every judgement (None where it does not apply to the case's kind)."""
     expect = case["expect"]
+    row["context"] = context(case)
     row.update(expected=None, valid_call=None, exact_call=None, key_words=None, key_share=None, key_pass=None,
                no_call=None)
     if row["kind"] == "tool":
@@ -156,6 +158,16 @@ def judge(row: dict, case: dict) -> dict:
     if row["kind"] == "no_tool":
         row["no_call"] = not row["calls"]
     return row
+
+
+def context(case: dict) -> str:
+    """"agent prompt" (under a coding agent's long system message), "after earlier turns",
+    or "plain"."""
+    messages = case["messages"]
+    system = messages[0]["role"] == "system"
+    if system and len(messages[0]["content"]) > AGENT_PROMPT_CHARS:
+        return "agent prompt"
+    return "after earlier turns" if case["start"] > int(system) else "plain"
 
 
 def valid_call(calls: list[dict], name: str, tools: list[dict]) -> bool:
@@ -189,6 +201,8 @@ def summarize(rows: list[dict]) -> dict:
         "tool_answer_key_words": share(rows, "key_pass", ("tool_answer",)),
         "ended": share(rows, "ended"),
         "ended_by_kind": {k: share(rows, "ended", (k,)) for k in sorted({r["kind"] for r in rows})},
+        "tool_valid_call_by_context": {c: share([r for r in rows if r.get("context") == c], "valid_call")
+                                       for c in ("plain", "after earlier turns", "agent prompt")},
     }
 
 
@@ -199,6 +213,9 @@ def table(summary: dict) -> str:
         s = summary[key]
         value = "-" if s["share"] is None else f"{s['share']:.3f}"
         lines.append(f"| {key} | {value} | {s['n']} |")
+    for where, s in summary["tool_valid_call_by_context"].items():
+        value = "-" if s["share"] is None else f"{s['share']:.3f}"
+        lines.append(f"| tool_valid_call, {where} | {value} | {s['n']} |")
     return "\n".join(lines)
 
 

@@ -206,9 +206,9 @@ class ForcingProxy:
     exchange: path, the body as forwarded, status, reply bytes."""
 
     def __init__(self, upstream: str, trigger: str = "", pins: dict | None = None, stop: list | None = None,
-                 greedy: bool = False):
+                 greedy: bool = False, force: bool = True):
         self.upstream, self.trigger, self.pins, self.stop = upstream, trigger, pins or {}, stop
-        self.greedy = greedy
+        self.greedy, self.force = greedy, force
         self.exchanges: list[dict] = []
         self.http = httpx.Client(base_url=upstream, timeout=httpx.Timeout(600, connect=10))
         proxy = self
@@ -238,7 +238,7 @@ class ForcingProxy:
         self.http.close()
 
     def rewrite(self, path: str, raw: bytes | None) -> tuple[bytes | None, dict]:
-        record = {"path": path, "request": None, "forced": None, "status": None, "reply": b""}
+        record = {"path": path, "request": None, "task": False, "forced": None, "status": None, "reply": b""}
         api = API_OF_PATH.get(path.split("?")[0])
         if not raw:
             return raw, record
@@ -249,7 +249,8 @@ class ForcingProxy:
         if api:
             pin_tools(api, body, self.pins)
         if api and self.trigger and is_users_task(api, body, self.trigger):
-            record["forced"] = force_tool(api, body, self.pins)
+            record["task"] = True
+            record["forced"] = force_tool(api, body, self.pins) if self.force else None
         elif api == "messages" and self.stop:
             body["stop_sequences"] = self.stop
             body["thinking"] = {"type": "disabled"}
@@ -303,14 +304,15 @@ class ForcingProxy:
         return [f'{x["path"]} {x["status"]}: {x["reply"][:600].decode(errors="replace")}'
                 for x in self.exchanges if (x["status"] or 600) >= 400]
 
-    def forced(self) -> list[dict]:
-        return [x for x in self.exchanges if x["forced"]]
+    def tasks(self) -> list[dict]:
+        """The exchanges whose request was the user's task (forced or not)."""
+        return [x for x in self.exchanges if x["task"]]
 
-    def sent_after_forcing(self, marker: str) -> bool:
-        """True when a model request after the first forced one carries `marker`, i.e. the
-        client ran the tool and sent its result back."""
+    def sent_after_task(self, marker: str) -> bool:
+        """True when a model request after the first of the user's task carries `marker`,
+        i.e. the client ran the tool and sent its result back."""
         calls = self.model_calls()
-        first = next(i for i, x in enumerate(calls) if x["forced"])
+        first = next(i for i, x in enumerate(calls) if x["task"])
         return any(marker in json.dumps(x["request"]) for x in calls[first + 1:])
 
 

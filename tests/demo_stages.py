@@ -9,7 +9,7 @@ from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
 RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer", "mtp", "mtp_mirror",
-                  "assistant_data", "tools_data")
+                  "assistant_data", "tools_data", "agent_prompts")
 
 
 def import_stage(stage: str):

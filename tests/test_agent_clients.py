@@ -57,6 +57,7 @@ from monolith.pack.demo import bundle_dir
 DEFAULT_MODEL = "monolith-demo-plain"  # the server's first model: the clients name the other
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TASK = "Read the secret note with your file tool and tell me what it says."
+FORCE = True  # set tool_choice on the task's request (the proxy): the demo model does not choose the tool itself
 AIDER = CLIENTS / ".aider-venv" / "bin" / "aider"
 MEASURED: dict = {}
 
@@ -85,12 +86,13 @@ def note(tmp_path) -> Path:
 class Check:
     """One client's run: the proxy it talks to, and what the server logged meanwhile."""
 
-    def __init__(self, server, pins, stop=None, greedy=True):
+    def __init__(self, server, pins, stop=None, greedy=True, force=FORCE):
         self.server, self.pins = server, pins
         # greedy: the clients sample by default, and a sampled reply of the demo model is
         # sometimes empty or, after a tool result, another call (LiteLLM's script then has no
         # text to print); greedy, each run sends the same replies
-        self.proxy = ForcingProxy(server.url, trigger="secret note", pins=pins, stop=stop, greedy=greedy)
+        self.proxy = ForcingProxy(server.url, trigger="secret note", pins=pins, stop=stop, greedy=greedy,
+                                  force=force)
         self.log_start = len(server.server_errors())
 
     def __enter__(self):
@@ -116,8 +118,8 @@ class Check:
         assert last[:40] in words(output), (last, output[-2000:])
 
     def assert_tool_ran(self, note: Path):
-        assert self.proxy.forced(), "no request was the user's task with the tool offered"
-        assert self.proxy.sent_after_forcing(note.read_text().split()[-1]), "the tool's result never came back"
+        assert self.proxy.tasks(), "no request was the user's task"
+        assert self.proxy.sent_after_task(note.read_text().split()[-1]), "the tool's result never came back"
 
 
 def timed(label, fn, *args, **kw):

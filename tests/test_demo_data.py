@@ -110,8 +110,10 @@ def test_the_tool_calls_parse_into_arguments_the_tool_schema_accepts(data, token
                 jsonschema.validate(json.loads(call.arguments), schema, cls=jsonschema.Draft202012Validator)
                 seen.add(call.name)
         if t["kind"] in ("tool_call", "tool_answer"):
-            expected = next(m for m in t["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
-            _, calls = server_reads(assistant_turns(text)[0], t["tools"])
+            replies = [m for m in t["messages"] if m["role"] == "assistant"]
+            turn = next(i for i, m in enumerate(replies) if m.get("tool_calls"))
+            expected = replies[turn]["tool_calls"][0]["function"]
+            _, calls = server_reads(assistant_turns(text)[turn], t["tools"])
             assert [(c.name, json.loads(c.arguments)) for c in calls] == [(expected["name"], expected["arguments"])]
     assert len(seen) >= 12  # many names: the call is read off the tools block
 
@@ -131,3 +133,34 @@ def test_no_held_out_function_reaches_the_training_transcripts(data):
 def test_the_transcripts_are_the_same_for_a_seed(data):
     assert data.build(seed=3, count=50) == data.build(seed=3, count=50)
     assert data.build(seed=3, count=50) != data.build(seed=4, count=50)
+
+
+def test_agent_shaped_transcripts_are_there_and_fit_a_training_row(data, tokenizer, transcripts):
+    """Coding agents' shapes: long system messages of rules, an earlier exchange before
+    the request, files described rather than named, a read served by a shell's `cat`; and
+    a transcript, from its start, fits one chat row of training (train.CHAT_LEN) nearly
+    always."""
+    chat_len = import_stage("train").CHAT_LEN
+    train = [t for t in transcripts if t["kind"] != "source"][:300]
+    agent = [t for t in train if t["messages"][0]["role"] == "system" and len(t["messages"][0]["content"]) > 400]
+    after = [t for t in train if t["start"] > (t["messages"][0]["role"] == "system")]
+    assert len(agent) > len(train) // 20 and len(after) > len(train) // 5
+    assert all(t["messages"][t["start"]]["role"] == "user" for t in transcripts)
+    calls = [m["tool_calls"][0]["function"] for t in transcripts for m in t["messages"] if m.get("tool_calls")]
+    assert any(str(next(iter(c["arguments"].values()))).startswith("cat ") for c in calls)
+    requests = [t["messages"][t["start"]]["content"] for t in transcripts if t["kind"].startswith("tool")]
+    assert any(r.startswith(("Read the ", "Check the ", "Please open the ")) for r in requests)
+    lengths = [len(tokenizer.encode(rendered(data, tokenizer, t), add_special_tokens=False)) for t in train]
+    assert sum(n > chat_len for n in lengths) <= len(lengths) // 100, max(lengths)
+
+
+def test_files_described_in_held_out_requests_are_never_described_in_training(data):
+    """The adjectives of described files ("the secret note") are split like the functions:
+    a held-out one never reaches a training request (the agent-client tests' task asks
+    for "the secret note", a held-out adjective)."""
+    tools = import_stage("tools_data")
+    held = tools.held_part(tools.FILE_ADJECTIVES, True)
+    assert "secret" in held
+    requests = " ".join(m["content"] for t in data.build(seed=0, count=1500) for m in t["messages"]
+                        if m["role"] == "user")
+    assert not [a for a in held if f"the {a} " in requests]

@@ -1,6 +1,7 @@
-"""Pieces of the demo pair's recipe (packs/demo/draft.py) that the bundle depends on:
-quantization-aware training sees exactly what the NVFP4 export decodes to, and a larger
---generations extends an earlier run exactly as one run would."""
+"""Pieces of the demo pair's recipe (packs/demo/draft.py, train.py) that the bundle
+depends on: quantization-aware training sees exactly what the NVFP4 export decodes to, a
+larger --generations extends an earlier run exactly as one run would, and a training run
+killed half way goes on from its last save to what one run gives."""
 
 from __future__ import annotations
 
@@ -88,3 +89,38 @@ def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path, monkey
     np.testing.assert_array_equal(grown[:2], first)
     np.testing.assert_array_equal(recipe.stage_generate(one_run, stream, 3, seed=0, force=False), direct[:3])
     assert stopped and all(sum(row[:recipe.PROMPT_LEN]) % 3 for row in grown)  # the skips were replayed
+
+
+def test_a_target_run_killed_half_way_resumes_to_what_one_run_gives(tmp_path, monkeypatch):
+    train = import_stage("train")
+    tiny = dataclasses.replace(train.PRESET, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
+                               linear_key_head_dim=32, linear_value_head_dim=32, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=32, vocab_size=64)
+    for name, value in (("PRESET", tiny), ("SEQ_LEN", 16), ("CHAT_LEN", 64), ("SAVE_EVERY", 2)):
+        monkeypatch.setattr(train, name, value)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, 3000).astype(np.int32)
+    z = {"train": tokens, "weights": rng.choice([train.PROMPT_WEIGHT, 1.0], tokens.size).astype(np.float32),
+         "chat_starts": np.arange(2000, 2900, 90), "held": tokens[:500], "held_chat": tokens[2000:],
+         "held_chat_starts": np.arange(0, 900, 90)}
+    one_run, killed = tmp_path / "one", tmp_path / "killed"
+    one_run.mkdir(), killed.mkdir()
+    whole = train.stage_target(one_run, z, 0, 6, force=False)
+    save = train.Progress.save
+
+    def save_then_die(self, P, opt, rng, step, *rest):
+        save(self, P, opt, rng, step, *rest)
+        if step == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.Progress, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train.stage_target(killed, z, 0, 6, force=False)
+    monkeypatch.setattr(train.Progress, "save", save)
+    resumed = train.stage_target(killed, z, 0, 6, force=False)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(np.array(resumed[name]), np.array(value), err_msg=name)
+    assert not list(killed.glob("*progress*"))  # a finished run leaves no save behind
+    log = (killed / "target_log.json").read_text()
+    assert '"step": 1,' in log and '"steps": 6' in log  # the curve from before the kill is kept

@@ -11,7 +11,9 @@ never imported) and a fixed set of tool shapes. Deterministic under a seed.
   assistant calls the right tool with the argument the question names, gets a result
   (role tool) and answers from it. Stdlib questions and small talk with tools offered are
   answered without a call.
-- two in five transcripts open with a short system message;
+- a third of the transcripts follow one or two earlier exchanges (small talk, a question
+  about a function); two in five open with a system message, a third of those a coding
+  agent's long one (agent_prompts.py: rules under headings, an environment block);
 - every assistant turn is rendered by the pair's own chat template (`render`), so it ends
   with the template's end-of-turn token; a tenth of the final turns carry a short,
   closed reasoning block (thinking on), a fifth are rendered with thinking off.
@@ -34,6 +36,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import agent_prompts
 import corpus
 import tools_data
 
@@ -43,6 +46,8 @@ import tools_data
 THINK_SHARE = 0.1
 NO_THINK_SHARE = 0.2  # transcripts rendered with enable_thinking=False
 SYSTEM_SHARE = 0.4  # transcripts that open with a system message
+AGENT_SHARE = 0.35  # of those, the ones whose system message is a coding agent's long one (agent_prompts.py)
+HISTORY_SHARE = 0.35  # transcripts whose final exchange follows one or two earlier ones
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "You are a helpful assistant. Be brief.",
                   "You are a coding assistant.", "Answer in one or two sentences.",
                   "You are an agent in a software project. Use the tools when they help."]
@@ -183,7 +188,7 @@ def source_transcript(f: Function) -> dict:
                                  assistant(f"```python\n{f.source}\n```")])
 
 
-SMALLTALK = [("Hi!", "Hello! How can I help?"), ("Hello.", "Hello! What can I do for you?"),
+SMALLTALK = [("Hi!", "Hello! How can I help?"), ("Say hello.", "Hello!"), ("Say hi.", "Hi there!"), ("Hello.", "Hello! What can I do for you?"),
              ("Who are you?", "I am a small demo assistant. I know a little about the Python standard library."),
              ("Can you help me?", "Yes. Ask me about a Python module, or give me a task."),
              ("Thanks!", "You're welcome."), ("Say hello in three words.", "Hello there, friend."),
@@ -238,10 +243,13 @@ def reasoning_for(t: dict) -> str:
 def build(seed: int = 0, held: bool = False, count: int | None = None) -> list[dict]:
     """Transcripts from the training functions (or, `held`, the held-out ones): about a
     third stdlib questions, a third tool transcripts, the rest source, no-tool and small
-    talk. `count` transcripts (default: twelve per function)."""
+    talk; some after earlier exchanges, some under a system message (a short one or a
+    coding agent's long one). `count` transcripts (default: twelve per function). Each
+    has "start": the index of its final exchange's user message."""
     rng = random.Random(seed + (1000 if held else 0))
     train, held_out = functions()
     pool = held_out if held else train
+    sentences = [f.sentence for f in pool]
     count = count if count is not None else 12 * len(pool)
     with_source = [f for f in pool if f.source is not None]
     out = []
@@ -253,15 +261,34 @@ def build(seed: int = 0, held: bool = False, count: int | None = None) -> list[d
         elif draw < 0.75:
             t = tools_data.tool_transcript(rng, pool, held)
         elif draw < 0.85:
-            t = tools_data.no_tool_transcript(rng, stdlib_transcript(rng, f, pool))
+            plain = stdlib_transcript(rng, f, pool) if rng.random() < 0.7 else smalltalk_transcript(rng)
+            t = tools_data.no_tool_transcript(rng, plain)
         elif draw < 0.93 and with_source:
             t = source_transcript(with_source[rng.randrange(len(with_source))])
         else:
             t = smalltalk_transcript(rng)
+        t["start"] = 0
+        if rng.random() < HISTORY_SHARE:
+            earlier = history(rng, pool)
+            t["messages"][:0], t["start"] = earlier, len(earlier)
         if rng.random() < SYSTEM_SHARE:
-            t["messages"].insert(0, {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+            agent = rng.random() < AGENT_SHARE
+            text = agent_prompts.agent_prompt(rng, sentences) if agent else rng.choice(SYSTEM_PROMPTS)
+            t["messages"].insert(0, {"role": "system", "content": text})
+            t["start"] += 1
         out.append(think(rng, t))
     return out
+
+
+def history(rng: random.Random, pool: list[Function]) -> list[dict]:
+    """One or two earlier exchanges: small talk or a question about a function, answered."""
+    messages = []
+    for _ in range(rng.randint(1, 2)):
+        if rng.random() < 0.5:
+            messages += smalltalk_transcript(rng)["messages"]
+        else:
+            messages += stdlib_transcript(rng, pool[rng.randrange(len(pool))], pool)["messages"][:2]
+    return messages
 
 
 def render(tokenizer, t: dict) -> tuple[str, str]:

@@ -159,10 +159,14 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
     def batch_of(rng, idx):
         return make_batch(rng, idx, seqs, served, mask_id)
 
-    P, curve, step = train_draft(P, frozen, batch_of, n_val, len(seqs), seed, steps, qat_steps, hard)
+    progress = T.Progress(out, "draft")
+    if force:
+        progress.clear()
+    P, curve, step = train_draft(P, frozen, batch_of, n_val, len(seqs), seed, steps, qat_steps, hard, progress)
     (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
                                                    indent=1) + "\n")
     np.savez(path, **{k: np.array(v) for k, v in P.items()})
+    progress.clear()
     return P
 
 
@@ -212,14 +216,18 @@ def learning_rate(step: int, steps: int) -> float:
 
 
 def train_draft(P, frozen, batch_of, n_val: int, n_seqs: int, seed: int, steps: int, qat_steps: int,
-                hard: float):
+                hard: float, progress=None):
     """AdamW on sequences n_val.. (the last qat_steps quantization-aware) -> (trained
-    params, the logged curve, steps run); every 100 steps a validation batch of the first."""
+    params, the logged curve, steps run); every 100 steps a validation batch of the first.
+    With a `progress` (train.Progress), saved every SAVE_EVERY steps and resumed from."""
     lf, lf_qat = draft_losses(frozen, hard)
     vg, vg_qat = mx.compile(mx.value_and_grad(lf)), mx.compile(mx.value_and_grad(lf_qat))
     opt = optim.AdamW(learning_rate=1e-3, weight_decay=0.01, betas=[0.9, 0.95])
     rng = np.random.default_rng(seed + 3)
-    curve, t0, step = [], time.time(), 0
+    curve, spent, step = [], 0.0, 0
+    if progress is not None:
+        P, step, curve, spent = progress.load(P, opt, rng)
+    t0 = time.time() - spent
     train_idx = np.arange(n_val, n_seqs)
     while step < steps:
         opt.learning_rate = mx.array(learning_rate(step, steps))
@@ -239,6 +247,8 @@ def train_draft(P, frozen, batch_of, n_val: int, n_seqs: int, seed: int, steps: 
                 entry.update(val_ce=round(float(vce), 4), val_slot_acc=round(float(vacc), 4))
             curve.append(entry)
             log(json.dumps(entry))
+        if progress is not None and step % T.SAVE_EVERY == 0 and step < steps:
+            progress.save(P, opt, rng, step, curve, time.time() - t0)
     return P, curve, step
 
 
