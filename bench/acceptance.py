@@ -7,8 +7,8 @@ as serve serves it); the matched-prefix acceptance of every drafter against the 
 greedy continuations; the goals.
 
     python -m bench.acceptance [--pair DIR] [--target target] [--prompts 96] [--prompt-tokens 64]
-                               [--max-tokens 128] [--block-size 7] [--repeats 1] [--temperature 0.7]
-                               [--seed 0] [--json FILE]
+                               [--prompt-set corpus|chat] [--max-tokens 128] [--block-size 7]
+                               [--repeats 1] [--temperature 0.7] [--seed 0] [--json FILE]
 
 DIR is either the output of the packs/demo recipe (train.py + draft.py): DIR/target
 (ModelOpt NVFP4), DIR/target-bf16, DIR/draft (DeepSpec NVFP4), DIR/draft-bf16,
@@ -21,6 +21,11 @@ against the corpus SHA-256 the bundle records. The bundle holds no BF16 draft ei
 and loading its NVFP4 draft with quantization "none" only repacks the NVFP4 weights: the
 BF16 rows and the NVFP4/BF16 comparison need a BF16 draft checkpoint (--draft-bf16, e.g.
 OUT/draft-bf16 of the recipe that produced the bundle); without one they are skipped.
+
+Prompts (--prompt-set): "corpus" (the default), --prompt-tokens of the held-out stream at
+evenly spaced places, each continued for --max-tokens; "chat", the prompts bench/demo.py
+judges (held-out chat transcripts cut before an assistant turn, rendered by the pair's
+template), each reply ending at the tokenizer's end-of-sequence ids as served.
 
 Measures (as monolith/runtime/stats.py defines them), gamma = --block-size (7):
 - timed runs: per prompt and repeat, plain then each draft, greedy then sampled at
@@ -243,7 +248,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=96,
                     help="held-out prompts, evenly spaced over the held-out stream (acceptance varies a lot "
                          "from prompt to prompt: one draft gave tau 2.90 on 24 prompts and 3.19 on 96)")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="the length of a corpus prompt")
+    ap.add_argument("--prompt-set", choices=("corpus", "chat"), default="corpus",
+                    help="held-out corpus text, or the held-out chat prompts bench/demo.py judges")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=7, help="gamma")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt, mode and draft (medians)")
@@ -284,7 +291,7 @@ class Decoders:
             + ("" if self.served.drafter is not None else " (serve decodes plainly)"))
 
 
-def timed_runs(args, prompt: list[int], params: dict, decoders: Decoders) -> dict:
+def timed_runs(args, prompt: list[int], params: dict, decoders: Decoders, stop_ids=()) -> dict:
     """(mode, draft) -> the outcomes of --repeats alternating runs: plain, then each
     draft, then the served decoder, per mode."""
     from monolith.runtime.engine import run_decoder
@@ -292,11 +299,30 @@ def timed_runs(args, prompt: list[int], params: dict, decoders: Decoders) -> dic
     runs = {(m, d): [] for m in params for d in ("plain", *decoders.drafts, "served")}
     for _ in range(args.repeats):
         for mode, p in params.items():
-            runs[mode, "plain"].append(run_decoder(decoders.plain, prompt, args.max_tokens, p))
+            runs[mode, "plain"].append(run_decoder(decoders.plain, prompt, args.max_tokens, p, stop_ids))
             for label, decoder in decoders.drafts.items():
-                runs[mode, label].append(run_decoder(decoder, prompt, args.max_tokens, p))
-            runs[mode, "served"].append(run_decoder(decoders.served, prompt, args.max_tokens, p))
+                runs[mode, label].append(run_decoder(decoder, prompt, args.max_tokens, p, stop_ids))
+            runs[mode, "served"].append(run_decoder(decoders.served, prompt, args.max_tokens, p, stop_ids))
     return runs
+
+
+def chat_prompts(info: dict, count: int, seed: int) -> tuple[list[list[int]], str, tuple[int, ...]]:
+    """(the first `count` prompts bench/demo.py judges, tokenized; where they come from;
+    the tokenizer's end-of-sequence ids)."""
+    from bench import demo
+    from monolith.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(info["target"])
+    data = demo.load_data()
+    prompts = [tokenizer.encode(data.render(tokenizer, case)[0], add_special_tokens=False)
+               for case in demo.cases(data, seed, count)][:count]
+    return prompts, f"bench/demo.py's held-out chat prompts (seed {seed})", tuple(tokenizer.eos_token_ids)
+
+
+def corpus_prompts(info: dict, count: int, length: int) -> tuple[list[list[int]], str]:
+    held, source = held_out_stream(info)
+    stride = (held.size - length) // count
+    return [held[i * stride:i * stride + length].tolist() for i in range(count)], source
 
 
 def prompt_rows(index: int, seed: int, params: dict, runs: dict, drafters: dict) -> tuple[list[dict], list[dict]]:
@@ -347,10 +373,12 @@ def main() -> None:
     log(f"loaded {info['kind']} {info['pair']} in {time.time() - t:.1f}s")
     if info["bf16_note"]:
         log(f"note: {info['bf16_note']}")
-    held, held_source = held_out_stream(info)
-    stride = (held.size - args.prompt_tokens) // args.prompts
-    prompts = [held[i * stride:i * stride + args.prompt_tokens].tolist() for i in range(args.prompts)]
-    max_context = args.prompt_tokens + args.max_tokens + 16
+    stop_ids = ()
+    if args.prompt_set == "chat":
+        prompts, held_source, stop_ids = chat_prompts(info, args.prompts, args.seed)
+    else:
+        prompts, held_source = corpus_prompts(info, args.prompts, args.prompt_tokens)
+    max_context = max(map(len, prompts)) + args.max_tokens + 16
     gamma = min(args.block_size, *(d.max_proposals for d in drafters.values()))
     modes = {"greedy": None}
     if args.temperature > 0:
@@ -361,7 +389,7 @@ def main() -> None:
         seed = args.seed + index
         params = {m: SamplingParams() if temp is None else SamplingParams(temperature=temp, seed=seed)
                   for m, temp in modes.items()}
-        runs = timed_runs(args, prompt, params, decoders)
+        runs = timed_runs(args, prompt, params, decoders, stop_ids)
         mine, served = prompt_rows(index, seed, params, runs, drafters)
         rows += mine + matched_rows(index, model, drafters, prompt, runs["greedy", "plain"][-1].token_ids, gamma,
                                     max_context)
@@ -369,10 +397,11 @@ def main() -> None:
         log(f"prompt {index + 1}/{len(prompts)} done ({time.time() - t:.0f}s)")
     summary = summarize(rows, served_rows, modes, drafters, gamma, decoders.break_even)
     print(f"pair {info['pair']} ({info['kind']}), target {args.target}, compute dtype {model.dtype}; "
-          f"{args.prompts} held-out prompts of {args.prompt_tokens} tokens, {args.max_tokens} generated, gamma {gamma}")
+          f"{len(prompts)} held-out {args.prompt_set} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, {args.max_tokens} generated at most, gamma {gamma}")
     print(f"prompts: {held_source}; tok/s: medians of {args.repeats} alternating runs; sampled runs of prompt i "
           f"use seed {args.seed} + i")
-    print_rows(rows, args.prompts)
+    print_rows(rows, len(prompts))
     print_summary(summary, modes, drafters, gamma, decoders.break_even, info)
     print_goals(summary, modes, "bf16" in drafters)
     report = {"machine": platform.platform(), "mlx": mx.__version__, "dtype": str(model.dtype),
@@ -381,7 +410,8 @@ def main() -> None:
                          "bf16": None if info["draft_bf16"] is None else str(info["draft_bf16"]),
                          "mtp": f"{info['target']}/{TRAINED_HEAD}" if "mtp" in drafters else None},
               "bf16_note": info["bf16_note"], "prompts_source": held_source, "gamma": gamma,
-              "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+              "prompts": len(prompts), "prompt_set": args.prompt_set, "prompt_tokens": args.prompt_tokens,
+              "max_tokens": args.max_tokens,
               "repeats": args.repeats, "modes": {m: (0.0 if t is None else t) for m, t in modes.items()},
               "seed": args.seed, "summary": summary, "rows": rows, "served_rows": served_rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
