@@ -1,7 +1,7 @@
 """Pieces of the demo pair's recipe (packs/demo/draft.py, train.py) that the bundle
 depends on: quantization-aware training sees exactly what the NVFP4 export decodes to, a
 larger --generations extends an earlier run exactly as one run would, and a training run
-killed half way goes on from its last save to what one run gives."""
+or the generations killed half way go on from their last save to what one run gives."""
 
 from __future__ import annotations
 
@@ -124,3 +124,28 @@ def test_a_target_run_killed_half_way_resumes_to_what_one_run_gives(tmp_path, mo
     assert not list(killed.glob("*progress*"))  # a finished run leaves no save behind
     log = (killed / "target_log.json").read_text()
     assert '"step": 1,' in log and '"steps": 6' in log  # the curve from before the kill is kept
+
+
+def test_generations_killed_half_way_go_on_to_what_one_run_gives(recipe, tmp_path, monkeypatch):
+    target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
+    stream = np.random.default_rng(5).integers(0, 200, 4096).astype(np.int32)
+    one_run, killed = tmp_path / "one", tmp_path / "killed"
+    for out in (one_run, killed):
+        out.mkdir()
+        (out / "target-bf16").symlink_to(target, target_is_directory=True)
+    direct = recipe.stage_generate(one_run, stream, 5, seed=0, force=False)
+    monkeypatch.setattr(recipe.T, "SAVE_EVERY", 2)
+    real, runs = engine.run_decoder, []
+
+    def run_decoder(*args):
+        if len(runs) == 3:  # killed while generating the fourth
+            raise KeyboardInterrupt
+        runs.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(engine, "run_decoder", run_decoder)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.stage_generate(killed, stream, 5, seed=0, force=False)
+    monkeypatch.setattr(engine, "run_decoder", real)
+    assert len(np.load(killed / "generations.npz")["seqs"]) == 2  # the save before the kill
+    np.testing.assert_array_equal(recipe.stage_generate(killed, stream, 5, seed=0, force=False), direct)

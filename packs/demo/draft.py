@@ -75,7 +75,8 @@ def log(*a):
 
 def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, force: bool):
     """`count` generations; the first ones of an earlier run are kept (a larger --generations
-    extends it with exactly what one run of `count` would give: the draws are replayed)."""
+    extends it with exactly what one run of `count` would give: the draws are replayed).
+    Saved every SAVE_EVERY generations, so that a killed run goes on from there."""
     path = out / "generations.npz"
     done = np.load(path)["seqs"] if path.exists() and not force else np.zeros((0, PROMPT_LEN + GEN_LEN), np.int32)
     if len(done) >= count:
@@ -108,6 +109,8 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
         gen_tokens += GEN_LEN
         if len(seqs) % 10 == 0:
             log(f"generate: {len(seqs)} seqs, {gen_tokens / (time.time() - t0):.1f} tok/s")
+        if len(seqs) % T.SAVE_EVERY == 0:  # a run killed later replays these and goes on
+            np.savez(path, seqs=np.array(seqs, dtype=np.int32))
     seqs = np.array(seqs, dtype=np.int32)
     np.savez(path, seqs=seqs)
     log(f"generate: {len(seqs)} sequences of {PROMPT_LEN}+{GEN_LEN} in {time.time() - t0:.0f}s")
