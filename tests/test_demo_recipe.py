@@ -63,6 +63,16 @@ def test_quantized_names_are_the_nvfp4_export_matrices(recipe):
         assert not recipe.quantized(kept)
 
 
+def recipe_outputs(tmp_path, target, *names):
+    """Recipe output directories under tmp_path, each with the target as its target-bf16."""
+    outs = []
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "target-bf16").symlink_to(target, target_is_directory=True)
+        outs.append(tmp_path / name)
+    return outs
+
+
 def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path, monkeypatch):
     target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
     real = engine.run_decoder
@@ -77,10 +87,7 @@ def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path, monkey
 
     monkeypatch.setattr(engine, "run_decoder", run_decoder)
     stream = np.random.default_rng(4).integers(0, 200, 4096).astype(np.int32)
-    one_run, extended = tmp_path / "one", tmp_path / "extended"
-    for out in (one_run, extended):
-        out.mkdir()
-        (out / "target-bf16").symlink_to(target, target_is_directory=True)
+    one_run, extended = recipe_outputs(tmp_path, target, "one", "extended")
     first = recipe.stage_generate(extended, stream, 2, seed=0, force=False)
     direct = recipe.stage_generate(one_run, stream, 4, seed=0, force=False)
     grown = recipe.stage_generate(extended, stream, 4, seed=0, force=False)
@@ -129,10 +136,7 @@ def test_a_target_run_killed_half_way_resumes_to_what_one_run_gives(tmp_path, mo
 def test_generations_killed_half_way_go_on_to_what_one_run_gives(recipe, tmp_path, monkeypatch):
     target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
     stream = np.random.default_rng(5).integers(0, 200, 4096).astype(np.int32)
-    one_run, killed = tmp_path / "one", tmp_path / "killed"
-    for out in (one_run, killed):
-        out.mkdir()
-        (out / "target-bf16").symlink_to(target, target_is_directory=True)
+    one_run, killed = recipe_outputs(tmp_path, target, "one", "killed")
     direct = recipe.stage_generate(one_run, stream, 5, seed=0, force=False)
     monkeypatch.setattr(recipe.T, "SAVE_EVERY", 2)
     real, runs = engine.run_decoder, []
