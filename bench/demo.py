@@ -207,15 +207,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def table(summary: dict) -> str:
+    measures = [(key, summary[key]) for key in ("stdlib_key_words", "tool_valid_call", "tool_exact_call",
+                                                "no_tool_without_call", "tool_answer_key_words", "ended")]
+    measures += [(f"tool_valid_call, {where}", s) for where, s in summary["tool_valid_call_by_context"].items()]
     lines = ["| measure | share | n |", "|---|---|---|"]
-    for key in ("stdlib_key_words", "tool_valid_call", "tool_exact_call", "no_tool_without_call",
-                "tool_answer_key_words", "ended"):
-        s = summary[key]
+    for label, s in measures:
         value = "-" if s["share"] is None else f"{s['share']:.3f}"
-        lines.append(f"| {key} | {value} | {s['n']} |")
-    for where, s in summary["tool_valid_call_by_context"].items():
-        value = "-" if s["share"] is None else f"{s['share']:.3f}"
-        lines.append(f"| tool_valid_call, {where} | {value} | {s['n']} |")
+        lines.append(f"| {label} | {value} | {s['n']} |")
     return "\n".join(lines)
 
 

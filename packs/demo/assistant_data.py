@@ -188,7 +188,8 @@ def source_transcript(f: Function) -> dict:
                                  assistant(f"```python\n{f.source}\n```")])
 
 
-SMALLTALK = [("Hi!", "Hello! How can I help?"), ("Say hello.", "Hello!"), ("Say hi.", "Hi there!"), ("Hello.", "Hello! What can I do for you?"),
+SMALLTALK = [("Hi!", "Hello! How can I help?"), ("Say hello.", "Hello!"), ("Say hi.", "Hi there!"),
+             ("Hello.", "Hello! What can I do for you?"),
              ("Who are you?", "I am a small demo assistant. I know a little about the Python standard library."),
              ("Can you help me?", "Yes. Ask me about a Python module, or give me a task."),
              ("Thanks!", "You're welcome."), ("Say hello in three words.", "Hello there, friend."),

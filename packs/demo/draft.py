@@ -162,9 +162,7 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
     def batch_of(rng, idx):
         return make_batch(rng, idx, seqs, served, mask_id)
 
-    progress = T.Progress(out, "draft")
-    if force:
-        progress.clear()
+    progress = T.Progress(out, "draft", fresh=force)
     P, curve, step = train_draft(P, frozen, batch_of, n_val, len(seqs), seed, steps, qat_steps, hard, progress)
     (out / "draft_log.json").write_text(json.dumps({"steps": step, "sequences": len(seqs), "curve": curve},
                                                    indent=1) + "\n")

@@ -187,10 +187,13 @@ def eval_loss(P, data, p, n=8, seed=1, starts=None):
 class Progress:
     """A training loop's state, saved every SAVE_EVERY steps to OUT/<name>_progress.*
     (parameters, the optimizer's moments, the batch sampler's generator, the logged curve)
-    so that a run killed half way goes on from its last save to the same result."""
+    so that a run killed half way goes on from its last save to the same result. `fresh`
+    drops an earlier run's save (--force)."""
 
-    def __init__(self, out: Path, name: str):
+    def __init__(self, out: Path, name: str, fresh: bool = False):
         self.arrays, self.meta = out / f"{name}_progress.safetensors", out / f"{name}_progress.json"
+        if fresh:
+            self.clear()
 
     def load(self, P: dict, opt, rng) -> tuple[dict, int, list, float]:
         """(parameters, steps done, curve, seconds spent): the saved ones when there are,
@@ -242,9 +245,7 @@ def stage_target(out: Path, z: dict, seed: int, steps: int, force: bool, chat_sh
     lr_peak, warm = 2e-3, 50
     opt = optim.AdamW(learning_rate=lr_peak, weight_decay=0.01, betas=[0.9, 0.95])
     rng = np.random.default_rng(seed)
-    progress = Progress(out, "target")
-    if force:
-        progress.clear()
+    progress = Progress(out, "target", fresh=force)
     P, step, curve, spent = progress.load(P, opt, rng)
     t0, tokens = time.time() - spent, step * BATCH * SEQ_LEN
     while step < steps:
