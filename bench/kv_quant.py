@@ -17,10 +17,9 @@ BLAS, about 30x slower products), and the report says which BLAS ran.
 Per model and context N: the context (the demo's corpus text, tokenized, for the demo;
 random ids for the skeleton) is prefilled once with the cache as computed; a greedy
 continuation of --tokens tokens is decoded from it (decode tok/s), then for each --bits
-the same context's KV rows are quantized into a cache of those bits beside the same
-gated DeltaNet states (exactly what a quantized prefill stores: both models' only
-attention layer is their last, so no row depends on another quantized row) and the
-continuation decoded again: greedy agreement (tokens equal to the reference's, and the
+the same context is prefilled again into a cache of those bits (what `--kv-bits` serves:
+with several attention layers, a later layer reads rows computed through the quantized
+earlier ones) and the reference's continuation decoded from the same first token: greedy agreement (tokens equal to the reference's, and the
 first that differs), and, teacher-forced over the reference's tokens in one forward,
 top-1 agreement and the mean KL(reference || quantized) of the next-token distribution.
 Prefill tok/s is timed on --prefill-tokens fresh tokens per setting. Memory: the bytes
@@ -41,6 +40,7 @@ import os
 import platform
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -96,12 +96,6 @@ def load_skeleton(work: Path, dtype: str):
     return model, tokens
 
 
-def check_last_attention(model) -> None:
-    kinds = model.args.layer_types
-    if kinds.count("full_attention") != 1 or kinds[-1] != "full_attention":
-        raise SystemExit("bench.kv_quant quantizes a prefilled context's rows: it needs one attention layer, last")
-
-
 def greedy(model, cache, first: int, n: int) -> tuple[list[int], float]:
     """n greedy tokens after `first` (the token the context's last logits chose), and tok/s."""
     out, token = [], first
@@ -119,18 +113,21 @@ def forced(model, cache, tokens: list[int]) -> np.ndarray:
     return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True), dtype=np.float64)
 
 
-def quantized_copy(model, plain, bits: int, capacity: int):
-    """A cache of `bits` holding `plain`'s committed rows, quantized, and its GDN states."""
+@contextmanager
+def kv_bits(model, bits: int | None):
+    """The model with its KV rows quantized to `bits` (None: as computed) inside the block."""
     model.kv_bits = bits
     try:
-        cache = model.make_cache(capacity)
+        yield model
     finally:
         model.kv_bits = None
-    n = plain.offset
-    for mine, theirs in zip(cache.row_layers, plain.row_layers):
-        mine.update(theirs.keys[:, :, :n], theirs.values[:, :, :n], 0)
-    cache.adopt(plain.snapshot())
-    mx.eval(cache.arrays())
+
+
+def quantized_prefill(model, context: list[int], bits: int, capacity: int):
+    """A cache of `bits` that prefilled `context`, as `--kv-bits` prefills it."""
+    with kv_bits(model, bits):
+        cache = model.make_cache(capacity)
+    mx.eval(prefill(model, mx.array(context, dtype=mx.int32), cache))
     return cache
 
 
@@ -140,11 +137,8 @@ def held_per_row(cache) -> float:
 
 
 def prefill_rate(model, tokens: list[int], bits) -> float:
-    model.kv_bits = bits
-    try:
+    with kv_bits(model, bits):
         cache = model.make_cache(len(tokens) + 1)
-    finally:
-        model.kv_bits = None
     start = time.perf_counter()
     mx.eval(prefill(model, mx.array(tokens, dtype=mx.int32), cache))
     return len(tokens) / (time.perf_counter() - start)
@@ -163,17 +157,14 @@ def run_context(model, tokens, n: int, count: int, bits_list, prefill_tokens: in
              "held_bytes_per_row": held_per_row(plain), "decode_tok_s": decode,
              "prefill_tok_s": prefill_rate(model, tokens(prefill_tokens, 2), None)}]
     for bits in bits_list:
-        cache = quantized_copy(model, plain, bits, n + count + 1)
+        cache = quantized_prefill(model, context, bits, n + count + 1)
         qsnap = cache.snapshot()
         got, decode = greedy(model, cache, first, count)
         cache.restore(qsnap)
         logp = forced(model, cache, [first] + reference[:-1])
         differ = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), None)
-        model.kv_bits = bits
-        try:
+        with kv_bits(model, bits):
             bytes_per_token = per_token_bytes(model)
-        finally:
-            model.kv_bits = None
         kl = (np.exp(ref_logp) * (ref_logp - logp)).sum(axis=-1)
         rows.append({"context": n, "kv_bits": bits, "bytes_per_token": bytes_per_token,
                      "held_bytes_per_row": held_per_row(cache), "decode_tok_s": decode,
@@ -270,7 +261,6 @@ def main(argv=None) -> None:
         work = Path(args.work or tmp)
         for name in args.models.split(","):
             model, tokens = load_demo(args.dtype) if name == "demo" else load_skeleton(work, args.dtype)
-            check_last_attention(model)
             skeleton = name == "skeleton"
             sizes = [int(c) for c in args.skeleton_contexts.split(",")] if skeleton and args.skeleton_contexts \
                 else contexts
