@@ -9,7 +9,7 @@ from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[1] / "packs" / "demo"
 RECIPE_MODULES = ("draft", "draft_mirror", "model", "train", "corpus", "tokenizer", "mtp", "mtp_mirror",
-                  "assistant_data", "tools_data", "agent_prompts")
+                  "assistant_data", "tools_data", "agent_prompts", "target_files")
 
 
 def import_stage(stage: str):

@@ -31,6 +31,27 @@ def test_the_mtp_mirror_computes_what_load_mtp_serves(tmp_path):
     assert mtp.check_runtime(DEMO / "target", tmp_path / "packs", mtp.read_head(DEMO / "target"), seq, n=40) < 1e-4
 
 
+def test_the_stages_after_the_target_start_from_a_copy_of_its_checkpoint(tmp_path):
+    """draft.py and mtp.py read only OUT/target: a copy of the bundled one (without its
+    MTP head) does, and the frozen embedding and lm_head they train with are what the
+    runtime binds (load_target on that checkpoint)."""
+    from monolith.engine_setup import load_target
+
+    files = import_stage("target_files")
+    target = files.adopt_target(tmp_path / "out", DEMO / "target")
+    assert sorted(f.name for f in target.iterdir()) == sorted(
+        f.name for f in (DEMO / "target").iterdir() if f.name not in files.MTP_FILES)
+    assert files.adopt_target(tmp_path / "out", None) == target  # an existing one is kept
+    with pytest.raises(SystemExit, match="no target checkpoint"):
+        files.adopt_target(tmp_path / "empty", None)
+    frozen = files.frozen_target(target)
+    model = load_target(target, dtype="float32", cache_dir=tmp_path / "packs")
+    ids = mx.arange(frozen["embed_tokens"].shape[0])
+    np.testing.assert_array_equal(np.array(model.embed_tokens(ids)), np.array(frozen["embed_tokens"]))
+    hidden = mx.eye(frozen["lm_head"].shape[1])
+    np.testing.assert_array_equal(np.array(model.lm_head(hidden)), np.array(frozen["lm_head"].T))
+
+
 @pytest.mark.parametrize("magnitude", [0.02, 1.0, 30.0])
 def test_fake_nvfp4_is_what_the_export_decodes(recipe, magnitude):
     rng = np.random.default_rng(1)
@@ -64,11 +85,11 @@ def test_quantized_names_are_the_nvfp4_export_matrices(recipe):
 
 
 def recipe_outputs(tmp_path, target, *names):
-    """Recipe output directories under tmp_path, each with the target as its target-bf16."""
+    """Recipe output directories under tmp_path, each with the target as its target."""
     outs = []
     for name in names:
         (tmp_path / name).mkdir()
-        (tmp_path / name / "target-bf16").symlink_to(target, target_is_directory=True)
+        (tmp_path / name / "target").symlink_to(target, target_is_directory=True)
         outs.append(tmp_path / name)
     return outs
 

@@ -7,9 +7,11 @@ or an lm_head: the runtime binds the target's (docs/drafts.md section 1), the on
         python packs/demo/draft.py --out build/demo [--generations 1200] [--corpus-windows 2400] \
             [--steps 7000] [--qat-steps 1500]
 
-Needs OUT/target-bf16 (train.py). Stages (skipped when their output exists):
+Reads OUT/target (the NVFP4 target train.py exported; with --target DIR, a copy of that
+checkpoint is made there first when OUT/target is missing) and the training token stream
+(OUT/tokens.npz, or rebuilt). Stages (skipped when their output exists):
   1. generate -> OUT/generations.npz: continuations of training-corpus prompts by our
-     runtime (BF16 target, F32 compute), prompt + continuation per row; every other one
+     runtime (the served NVFP4 target, F32 compute), prompt + continuation per row; every other one
      greedy, the rest sampled with the target's generation_config (what serve uses). A
      larger --generations extends an earlier file exactly as one run would.
   2. draft    -> OUT/draft_train.npz, OUT/draft_log.json: trained on the generations and on
@@ -44,6 +46,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+import tokenizer as demo_tok  # noqa: E402
 import train as T  # noqa: E402
 from draft_mirror import (  # noqa: E402
     block_layout,
@@ -53,6 +56,7 @@ from draft_mirror import (  # noqa: E402
     init_draft,
     quantized,
 )
+from target_files import adopt_target, frozen_target, train_stream  # noqa: E402
 
 from monolith.synth.draft_config import DraftSizes  # noqa: E402
 
@@ -86,9 +90,9 @@ def stage_generate(out: Path, train_ids: np.ndarray, count: int, seed: int, forc
     from monolith.runtime.decoder import Decoder
     from monolith.sampling import SamplingParams
 
-    model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    model = load_target(out / "target", dtype="float32", cache_dir=out / "packs")
     decoder = Decoder(model, None, PROMPT_LEN + GEN_LEN + 16)
-    config = json.loads((out / "target-bf16" / "generation_config.json").read_text())
+    config = json.loads((out / "target" / "generation_config.json").read_text())
     rng = np.random.default_rng(seed + 1)
     seqs, t0, gen_tokens = [], time.time(), 0
     while len(seqs) < count:
@@ -142,7 +146,7 @@ def served_target_rows(out: Path, seqs: np.ndarray, taps) -> tuple[np.ndarray, .
     return tuple(np.stack(a) for a in (feats, ids, probs, greedy))
 
 
-def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, force: bool,
+def stage_draft(out: Path, seqs: np.ndarray, seed: int, steps: int, force: bool,
                 windows: np.ndarray | None = None, qat_steps: int = 0, hard: float = 0.0):
     path = out / "draft_train.npz"
     if path.exists() and not force:
@@ -152,8 +156,8 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
     n_generations = len(seqs)
     if windows is not None:
         seqs = np.concatenate([seqs, windows])
-    mask_id = mask_token_id(out)
-    P, frozen = init_draft(p.hidden_size, p.vocab_size, s, seed, target_P)
+    mask_id = special_ids(out)["<|mask|>"]
+    P, frozen = init_draft(p.hidden_size, p.vocab_size, s, seed), frozen_target(out / "target")
     t0 = time.time()
     served = served_target_rows(out, seqs, s.target_layer_ids)
     log(f"draft: features {served[0].shape} and top-{TOPK} target distributions in {time.time() - t0:.0f}s")
@@ -171,10 +175,9 @@ def stage_draft(out: Path, seqs: np.ndarray, target_P, seed: int, steps: int, fo
     return P
 
 
-def mask_token_id(out: Path) -> int:
-    """The id of <|mask|> in OUT/tokenizer.json (the block's inputs after the anchor)."""
-    tokenizer = json.loads((out / "tokenizer.json").read_text())
-    return {t["content"]: t["id"] for t in tokenizer["added_tokens"]}["<|mask|>"]
+def special_ids(out: Path) -> dict[str, int]:
+    """The special tokens' ids in the target's tokenizer."""
+    return demo_tok.special_ids((out / "target" / "tokenizer.json").read_text(encoding="utf-8"))
 
 
 def make_batch(rng, idx, seqs: np.ndarray, served: tuple[np.ndarray, ...], mask_id: int):
@@ -266,11 +269,11 @@ def export_draft(P, out: Path, fmt: str) -> Path:
     from monolith.synth.writers import Unit, write_checkpoint, write_json
 
     s = SIZES
-    tdir = out / "target-bf16"
+    tdir = out / "target"
     target_cfg = json.loads((tdir / "config.json").read_text())
     tc = target_cfg["text_config"]
     h, vocab = tc["hidden_size"], tc["vocab_size"]
-    ids = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
+    ids = special_ids(out)
     dest = out / ("draft-bf16" if fmt == "deepspec" else "draft")
     if dest.exists():
         shutil.rmtree(dest)
@@ -300,6 +303,8 @@ def export_draft(P, out: Path, fmt: str) -> Path:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("build/demo"))
+    ap.add_argument("--target", type=Path, default=None,
+                    help="the target checkpoint to copy to OUT/target when that is missing (e.g. packs/demo/target)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--generations", type=int, default=1200, help="target generations to train on")
     ap.add_argument("--corpus-windows", type=int, default=2400,
@@ -311,14 +316,11 @@ def main():
                     help="weight of a cross-entropy on the target's argmax beside the distillation")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
-    z = np.load(args.out / "tokens.npz")
-    tP = np.load(args.out / "target_train.npz")
-    target_P = {k: mx.array(tP[k]) for k in tP.files}
-    train = z["train"]  # read once: each z["train"] loads the whole stream, and a slice keeps it alive
+    train = train_stream(args.out, adopt_target(args.out, args.target))
     seqs = stage_generate(args.out, train, args.generations, args.seed, args.force)
     starts = np.random.default_rng(args.seed + 4).integers(0, train.size - seqs.shape[1], args.corpus_windows)
     windows = np.stack([train[i:i + seqs.shape[1]] for i in starts]).astype(np.int32)
-    P = stage_draft(args.out, seqs, target_P, args.seed, args.steps, args.force, windows, args.qat_steps, args.hard_weight)
+    P = stage_draft(args.out, seqs, args.seed, args.steps, args.force, windows, args.qat_steps, args.hard_weight)
     for fmt in ("deepspec", "deepspec-nvfp4"):
         d = export_draft(P, args.out, fmt)
         size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
@@ -333,7 +335,7 @@ def check_runtime(out: Path, P, seqs: np.ndarray, p_anchor: int = 100) -> float:
     from monolith.engine_setup import load_drafter, load_target
 
     s = SIZES
-    model = load_target(out / "target-bf16", dtype="float32", cache_dir=out / "packs")
+    model = load_target(out / "target", dtype="float32", cache_dir=out / "packs")
     draft = load_drafter(out / "draft-bf16", model, dtype="float32", quantization="none", cache_dir=out / "packs").draft
     seq = seqs[0]
     cache = model.make_cache(len(seq) + 8)
@@ -341,10 +343,9 @@ def check_runtime(out: Path, P, seqs: np.ndarray, p_anchor: int = 100) -> float:
     ctx = draft.make_context(len(seq) + 8)
     draft.append_context(ctx, feats)
     h_rt = draft.forward(ctx, int(seq[p_anchor]))
-    tP = {k: mx.array(v) for k, v in np.load(out / "target_train.npz").items()}
-    _, frozen = init_draft(T.PRESET.hidden_size, T.PRESET.vocab_size, s, 0, tP)
+    frozen = frozen_target(out / "target")
     Pb = {k: v.astype(mx.bfloat16).astype(mx.float32) for k, v in P.items()}
-    ids = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
+    ids = special_ids(out)
     pos, mask = block_layout(p_anchor, np.array([p_anchor]), s.block_size)
     x = np.full((1, s.block_size), ids["<|mask|>"], np.int32)
     x[0, 0] = seq[p_anchor]

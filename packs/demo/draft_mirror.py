@@ -22,8 +22,9 @@ from monolith.synth.draft_config import DraftSizes
 EPS = 1e-6
 
 
-def init_draft(h: int, vocab: int, s: DraftSizes, seed: int, target_P) -> tuple[dict, dict]:
-    """(trainable params, frozen params) with DeepSpec names."""
+def init_draft(h: int, vocab: int, s: DraftSizes, seed: int) -> dict:
+    """The trainable params with DeepSpec names (the target's embedding and lm_head, which
+    the runtime binds, stay frozen: target_files.frozen_target)."""
     rng = np.random.default_rng(seed + 2)
     P = {}
 
@@ -51,10 +52,7 @@ def init_draft(h: int, vocab: int, s: DraftSizes, seed: int, target_P) -> tuple[
     P["markov_head.markov_w2.weight"] = mx.zeros((vocab, s.markov_rank))
     P["confidence_head.proj.weight"] = mx.zeros((1, h + s.markov_rank))
     P["confidence_head.proj.bias"] = mx.zeros((1,))
-    bf = lambda a: a.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731  (the checkpoint stores BF16 copies)
-    frozen = {"embed_tokens.weight": bf(target_P[f"{M.LM}.embed_tokens.weight"]),
-              "lm_head.weight": bf(target_P["lm_head.weight"])}
-    return P, frozen
+    return P
 
 
 def block_layout(L: int, anchors: np.ndarray, bsz: int):
@@ -75,7 +73,7 @@ def draft_forward(P, frozen, feats, x_tokens, pos, mask, s: DraftSizes, rope_the
     n = x_tokens.shape[1]
     nh, kvh, d = s.num_heads, s.num_kv_heads, s.head_dim
     c = mx.fast.rms_norm(feats @ P["fc.weight"].T, P["hidden_norm.weight"], EPS)
-    x = frozen["embed_tokens.weight"][x_tokens]
+    x = frozen["embed_tokens"][x_tokens]
     ctx_pos = mx.arange(L)
 
     def rope_at(t, positions):  # t [B, heads, T, d]; per-row positions
@@ -111,7 +109,7 @@ def draft_loss(P, frozen, feats, x_tokens, prev, labels, soft_ids, soft_p, pos, 
     accuracy and the confidence head's target: argmax == labels."""
     h = draft_forward(P, frozen, feats, x_tokens, pos, mask, s, rope_theta)
     e = P["markov_head.markov_w1.weight"][prev]
-    logits = h @ frozen["lm_head.weight"].T + e @ P["markov_head.markov_w2.weight"].T
+    logits = h @ frozen["lm_head"].T + e @ P["markov_head.markov_w2.weight"].T
     logq = logits - mx.logsumexp(logits, -1, keepdims=True)
     ce = -(soft_p * mx.take_along_axis(logq, soft_ids, -1)).sum(-1)
     if hard:

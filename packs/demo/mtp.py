@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -42,32 +41,16 @@ import model as M  # noqa: E402
 import train as T  # noqa: E402
 from draft import TOPK, learning_rate, log  # noqa: E402
 from mtp_mirror import MTP, init_mtp, mtp_forward, mtp_loss  # noqa: E402
+from target_files import MTP_FILES, adopt_target, frozen_target, train_stream  # noqa: E402
 
 WINDOW = 256  # tokens per training window (the target's training length)
 BATCH_SEQS = 4
 STEP_WEIGHTS = (1.0, 1.0)  # loss weight of chained step 1, step 2 (--chained-steps 1: step 1 alone)
 AUX_COEF = 0.01
-SEPARATE = "model_mtp.safetensors"
-INDEX = "model.safetensors.index.json"
+SEPARATE, INDEX = MTP_FILES
 
 
 # ---------------------------------------------------------------- stage 1: the served target's rows
-
-
-def train_stream(out: Path, target: Path) -> np.ndarray:
-    """The training token stream: OUT/tokens.npz "train" (train.py), or rebuilt as
-    train.py builds it (the corpus's training files and chat transcripts, seed 0) with the
-    target's tokenizer and chat template."""
-    if (out / "tokens.npz").is_file():
-        return np.load(out / "tokens.npz")["train"]
-    import corpus
-
-    train_docs, held_docs, info = corpus.load()
-    ids = T.token_streams((target / "tokenizer.json").read_text(encoding="utf-8"), target, train_docs, held_docs,
-                          0)["train"]
-    log(f"rows: training stream rebuilt from the corpus (sha256 {info['sha256'][:16]}...) and transcripts, "
-        f"{ids.size} tokens")
-    return ids
 
 
 def stage_rows(out: Path, count: int, seed: int, force: bool) -> dict[str, np.ndarray]:
@@ -100,16 +83,6 @@ def stage_rows(out: Path, count: int, seed: int, force: bool) -> dict[str, np.nd
 
 
 # ---------------------------------------------------------------- stage 2: training
-
-
-def frozen_target(target: Path) -> dict[str, mx.array]:
-    """The target's embedding and lm_head as stored (BF16 values in F32): what the runtime
-    binds to the head."""
-    from monolith.checkpoint import open_checkpoint
-
-    ckpt = open_checkpoint(target)
-    return {"embed_tokens": mx.array(ckpt.read_float(f"{M.LM}.embed_tokens.weight")),
-            "lm_head": mx.array(ckpt.read_float("lm_head.weight"))}
 
 
 def batch(rows, idx):
@@ -232,13 +205,7 @@ def main():
                     help="train step 1 alone, or step 1 and the chained step 2 (the recipe)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
-    if not (args.out / "target" / "config.json").is_file():
-        if args.target is None:
-            sys.exit(f"error: {args.out / 'target'}: no target checkpoint (run train.py, or give --target)")
-        (args.out / "target").mkdir(parents=True)
-        for f in args.target.iterdir():
-            if f.is_file() and f.name not in (SEPARATE, INDEX):
-                shutil.copyfile(f, args.out / "target" / f.name)
+    adopt_target(args.out, args.target)
     rows = stage_rows(args.out, args.windows, args.seed, args.force)
     P = stage_head(args.out, rows, args.seed, args.steps, args.force, args.chained_steps)
     export_head(P, args.out / "target")
