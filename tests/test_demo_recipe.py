@@ -96,27 +96,44 @@ def recipe_outputs(tmp_path, target, *names):
 
 def test_more_generations_extend_an_earlier_run_exactly(recipe, tmp_path, monkeypatch):
     target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
-    real = engine.run_decoder
+    real = recipe.generate_batch
     stopped = []
 
-    def run_decoder(decoder, prompt, *args):  # every third prompt stops early (EOS): skipped, not kept
-        result = real(decoder, prompt, *args)
-        if sum(prompt) % 3 == 0:
-            stopped.append(prompt)
-            return dataclasses.replace(result, token_ids=result.token_ids[:5], finish_reason="stop")
-        return result
+    def generate_batch(decoder, prompts, params):  # every third prompt stops early (EOS): skipped, not kept
+        outputs = real(decoder, prompts, params)
+        stopped.extend(p for p in prompts if sum(p) % 3 == 0)
+        return [out[:5] if sum(p) % 3 == 0 else out for p, out in zip(prompts, outputs)]
 
-    monkeypatch.setattr(engine, "run_decoder", run_decoder)
+    monkeypatch.setattr(recipe, "generate_batch", generate_batch)
+    monkeypatch.setattr(recipe, "GEN_BATCH", 3)
     stream = np.random.default_rng(4).integers(0, 200, 4096).astype(np.int32)
     one_run, extended = recipe_outputs(tmp_path, target, "one", "extended")
     first = recipe.stage_generate(extended, stream, 2, seed=0, force=False)
-    direct = recipe.stage_generate(one_run, stream, 4, seed=0, force=False)
-    grown = recipe.stage_generate(extended, stream, 4, seed=0, force=False)
+    direct = recipe.stage_generate(one_run, stream, 5, seed=0, force=False)
+    grown = recipe.stage_generate(extended, stream, 5, seed=0, force=False)
     assert first.shape == (2, recipe.PROMPT_LEN + recipe.GEN_LEN)
     np.testing.assert_array_equal(grown, direct)
     np.testing.assert_array_equal(grown[:2], first)
     np.testing.assert_array_equal(recipe.stage_generate(one_run, stream, 3, seed=0, force=False), direct[:3])
     assert stopped and all(sum(row[:recipe.PROMPT_LEN]) % 3 for row in grown)  # the skips were replayed
+
+
+def test_a_batch_of_generations_is_each_generation_alone(recipe, tmp_path):
+    """generate_batch steps the sequences together; each gives what run_decoder gives it
+    alone (greedy and sampled with its seed)."""
+    from monolith.engine_setup import load_target
+    from monolith.runtime.decoder import Decoder
+    from monolith.sampling import SamplingParams
+
+    target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
+    decoder = Decoder(load_target(target, dtype="float32", cache_dir=tmp_path / "packs"), None,
+                      recipe.PROMPT_LEN + recipe.GEN_LEN + 16)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 200, recipe.PROMPT_LEN).tolist() for _ in range(3)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(1.0, 0.95, 20, 0.0, seed=11),
+              SamplingParams(0.7, 1.0, 0, 0.0, seed=12)]
+    alone = [list(engine.run_decoder(decoder, p, recipe.GEN_LEN, sp).token_ids) for p, sp in zip(prompts, params)]
+    assert recipe.generate_batch(decoder, prompts, params) == alone
 
 
 def test_a_target_run_killed_half_way_resumes_to_what_one_run_gives(tmp_path, monkeypatch):
@@ -157,20 +174,20 @@ def test_a_target_run_killed_half_way_resumes_to_what_one_run_gives(tmp_path, mo
 def test_generations_killed_half_way_go_on_to_what_one_run_gives(recipe, tmp_path, monkeypatch):
     target = write_target(tmp_path / "target", preset="tiny", format="bf16", seed=0)
     stream = np.random.default_rng(5).integers(0, 200, 4096).astype(np.int32)
+    monkeypatch.setattr(recipe, "GEN_BATCH", 2)
     one_run, killed = recipe_outputs(tmp_path, target, "one", "killed")
     direct = recipe.stage_generate(one_run, stream, 5, seed=0, force=False)
-    monkeypatch.setattr(recipe.T, "SAVE_EVERY", 2)
-    real, runs = engine.run_decoder, []
+    real, runs = recipe.generate_batch, []
 
-    def run_decoder(*args):
-        if len(runs) == 3:  # killed while generating the fourth
+    def generate_batch(*args):
+        if len(runs) == 2:  # killed while generating the third batch
             raise KeyboardInterrupt
         runs.append(1)
         return real(*args)
 
-    monkeypatch.setattr(engine, "run_decoder", run_decoder)
+    monkeypatch.setattr(recipe, "generate_batch", generate_batch)
     with pytest.raises(KeyboardInterrupt):
         recipe.stage_generate(killed, stream, 5, seed=0, force=False)
-    monkeypatch.setattr(engine, "run_decoder", real)
-    assert len(np.load(killed / "generations.npz")["seqs"]) == 2  # the save before the kill
+    monkeypatch.setattr(recipe, "generate_batch", real)
+    assert len(np.load(killed / "generations.npz")["seqs"]) == 4  # the save before the kill
     np.testing.assert_array_equal(recipe.stage_generate(killed, stream, 5, seed=0, force=False), direct)
