@@ -21,7 +21,7 @@ from .distributed import add_distributed_arguments, join, rank_of, to_stderr
 from .engine_setup import load_engine
 from .model_flags import SPECULATIVE_FLAGS, SetupError, add_model_arguments, plan_model
 from .serving.images import MAX_IMAGE_BYTES, MAX_IMAGES
-from .serving.models import ModelSpec, duration
+from .serving.models import ModelSpec, duration, model_work_in_progress
 from .serving.responses.store import STORED_BYTES, STORED_RESPONSES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -247,9 +247,14 @@ def serve(args, models: list, names: list[tuple[str, ...]]) -> int:
     finally:
         for rank in ranks:
             rank.close()
-    if failures:
-        return _failed(str(failures[0]).replace("\n", " "))
-    return 0 if server.started else 1
+    status = _failed(str(failures[0]).replace("\n", " ")) if failures else 0 if server.started else 1
+    if model_work_in_progress():  # stopped while a model loads: its thread is in MLX work
+        log.info("stopped while loading a model: exiting without waiting for the load")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def pulled(args, name: str, loader) -> tuple:

@@ -36,7 +36,9 @@ def _serve(*args, env=None):
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _wait_health(port, proc, timeout=60):
+def _wait_health(port, proc, timeout=600):
+    # a bound on a state that must come, not a verdict on speed: a first start builds the
+    # packs and measures the drafters, which took over a minute on 2 loaded cores
     deadline = time.monotonic() + timeout
     seen_503 = False
     while time.monotonic() < deadline:

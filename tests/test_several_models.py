@@ -262,3 +262,25 @@ def test_the_memory_budget_unloads_the_least_recently_used_idle_one(pack, other_
         pool.budget = a.footprint + pool.by_name["b"].footprint  # both fit: nothing unloaded
         assert complete(s, "b").status_code == 200
         assert loaded(s) == {"a": True, "b": True}
+
+
+def test_a_stop_during_a_load_returns_at_once_and_the_load_closes_what_it_made(pack):
+    """Stopped while its model loads (Ctrl-C during a start), the server stops without
+    waiting for the load; the load, let go after the stop, closes the model it made
+    (nothing else would). serve then exits without
+    waiting for the load's thread (an interpreter exit under its MLX work aborted:
+    "terminate called without an active exception")."""
+    from monolith.serving.models import model_work_in_progress
+
+    gate, made = threading.Event(), []
+    held = loader(pack, gate=gate)
+    pool = pool_of(("a", lambda: made.append(held()) or made[-1]))
+    server = Server(pool, model_names=pool.names())
+    with server:
+        assert httpx.get(server.url + "/health").status_code == 503  # still loading
+        assert model_work_in_progress()
+    assert not server.thread.is_alive() and pool.closing  # the stop returned with the load held
+    gate.set()
+    wait_until(lambda: not model_work_in_progress())
+    assert len(made) == 1 and not made[0]._thread.is_alive()  # the model it loaded, closed
+    assert pool.by_name["a"].served is None

@@ -111,6 +111,7 @@ class ModelPool:
         self._load_lock: asyncio.Lock | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._watcher: asyncio.Task | None = None
+        self.closing = False  # stopped: a load that ends now closes what it made
 
     @property
     def default(self) -> Slot:
@@ -158,6 +159,10 @@ class ModelPool:
         self._watcher = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
+        """Stop: every loaded model is closed; a load in progress goes on on its thread
+        and closes what it makes (serve exits without waiting for it:
+        model_work_in_progress)."""
+        self.closing = True
         if self._watcher is not None:
             self._watcher.cancel()
         for slot in self.loaded():
@@ -222,7 +227,7 @@ class ModelPool:
         try:
             async with self._load_lock:  # one at a time: each measured alone, the budget kept
                 await self._make_room(slot)
-                served, seconds, grown = await _in_thread(lambda: _timed(lambda: self.prepare(slot.spec.load())))
+                served, seconds, grown = await _in_thread(lambda: _timed(lambda: self._make(slot)))
         except Exception as e:  # noqa: BLE001 - the waiting requests get it
             log.error("loading %s failed: %s", slot.name, e)
             return e
@@ -233,6 +238,15 @@ class ModelPool:
         slot.last_used = time.monotonic()
         log.info("%s loaded in %.1f s (%.2f GiB)", slot.name, seconds, slot.footprint / 2**30)
         return None
+
+    def _make(self, slot: Slot):
+        """On the load's thread: what serves `slot`, closed again when the pool was closed
+        meanwhile (nothing would close it then)."""
+        served = self.prepare(slot.spec.load())
+        if self.closing:
+            served.engine.close()
+            raise APIError(503, "the server stopped while the model loaded", code="server_stopping")
+        return served
 
     async def _make_room(self, slot: Slot) -> None:
         """Unload the least recently used idle models while loading `slot` would exceed
@@ -306,6 +320,9 @@ def _collect() -> int:
     return mx.get_active_memory()
 
 
+MODEL_THREAD = "monolith-model"  # the threads that load and unload models
+
+
 async def _in_thread(fn: Callable[[], object]):
     """fn() on a thread of its own (its MLX streams released at its end), awaited."""
     loop = asyncio.get_running_loop()
@@ -318,10 +335,20 @@ async def _in_thread(fn: Callable[[], object]):
             result, error = None, e
         finally:
             release_thread_streams()
-        loop.call_soon_threadsafe(_settle, done, result, error)
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody waits
+            pass
 
-    threading.Thread(target=run, name="monolith-load", daemon=True).start()
+    threading.Thread(target=run, name=MODEL_THREAD, daemon=True).start()
     return await done
+
+
+def model_work_in_progress() -> bool:
+    """Whether a model is still loading (or unloading) on its thread: after a stop, serve
+    exits without waiting for it, as an interpreter exit under its MLX work aborts the
+    process ("terminate called without an active exception")."""
+    return any(t.name == MODEL_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
