@@ -19,9 +19,10 @@ random ids for the skeleton) is prefilled once with the cache as computed; a gre
 continuation of --tokens tokens is decoded from it (decode tok/s), then for each --bits
 the same context is prefilled again into a cache of those bits (what `--kv-bits` serves:
 with several attention layers, a later layer reads rows computed through the quantized
-earlier ones) and the reference's continuation decoded from the same first token: greedy agreement (tokens equal to the reference's, and the
-first that differs), and, teacher-forced over the reference's tokens in one forward,
-top-1 agreement and the mean KL(reference || quantized) of the next-token distribution.
+earlier ones) and the continuation decoded from the same first token: greedy agreement
+(tokens equal to the reference's, and the first that differs), and, teacher-forced over
+the reference's tokens in one forward, top-1 agreement and the mean KL(reference ||
+quantized) of the next-token distribution.
 Prefill tok/s is timed on --prefill-tokens fresh tokens per setting. Memory: the bytes
 a token takes in the target's KV caches (counted, and measured from the arrays held).
 
